@@ -1,0 +1,136 @@
+//! The store's catalog: which tables exist and how they were created.
+//!
+//! One file, `STORE`: a first line `embank-store <format version> <crc32c hex>`
+//! and then a JSON body. Replaced atomically (write, fsync, rename, fsync dir).
+
+use std::path::{Path, PathBuf};
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{io_at, Error, ErrorKind, Result};
+use crate::format::{DType, CATALOG_MAGIC, FORMAT_VERSION};
+use crate::init::Initializer;
+
+/// What fills the rows of keys a `lookup` does not find.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum MissingDefault {
+    /// Zeros (the default).
+    #[default]
+    Zeros,
+    /// Every element `value`.
+    Value { value: f32 },
+    /// The row the initializer would create (without creating it).
+    Init,
+}
+
+/// Everything the catalog keeps about one table.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TableMeta {
+    pub id: u32,
+    pub name: String,
+    pub dim: u32,
+    pub dtype: DType,
+    pub init: Initializer,
+    pub seed: u64,
+    pub growth: bool,
+    pub load_factor_max: f64,
+    pub missing: MissingDefault,
+    /// Which `index.<generation>.ebi` is current; bumped by each rebuild.
+    pub index_generation: u64,
+    pub grow_count: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CatalogData {
+    pub next_table_id: u32,
+    pub tables: Vec<TableMeta>,
+}
+
+pub struct Catalog {
+    path: PathBuf,
+    data: Mutex<CatalogData>,
+}
+
+pub const CATALOG_FILE: &str = "STORE";
+
+pub fn encode(data: &CatalogData) -> Vec<u8> {
+    let body = serde_json::to_vec_pretty(data).expect("catalog serializes");
+    let mut out = format!("{CATALOG_MAGIC} {FORMAT_VERSION} {:08x}\n", crc32c::crc32c(&body)).into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
+pub fn decode(bytes: &[u8]) -> Result<CatalogData> {
+    let newline = bytes.iter().position(|&b| b == b'\n').unwrap_or(bytes.len());
+    let first = std::str::from_utf8(&bytes[..newline]).unwrap_or("");
+    let mut words = first.split(' ');
+    if words.next() != Some(CATALOG_MAGIC) {
+        return Err(Error::new(ErrorKind::Recover, "not an embank store (STORE file has a bad magic)"));
+    }
+    let version: u32 = words
+        .next()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| Error::new(ErrorKind::Recover, "STORE file has no format version"))?;
+    if version != FORMAT_VERSION {
+        return Err(Error::new(
+            ErrorKind::FormatVersion,
+            format!("store has format version {version}; this build of embank reads version {FORMAT_VERSION}"),
+        ));
+    }
+    let crc = words.next().and_then(|c| u32::from_str_radix(c, 16).ok());
+    let body = bytes.get(newline + 1..).unwrap_or(&[]);
+    if crc != Some(crc32c::crc32c(body)) {
+        return Err(Error::new(ErrorKind::ChecksumMismatch, "STORE file checksum mismatch"));
+    }
+    serde_json::from_slice(body).map_err(|e| Error::new(ErrorKind::Recover, "STORE file body is not valid").with_source(e))
+}
+
+impl Catalog {
+    pub fn create(dir: &Path) -> Result<Catalog> {
+        let catalog = Catalog { path: dir.join(CATALOG_FILE), data: Mutex::new(CatalogData::default()) };
+        crate::fsutil::write_atomic(&catalog.path, &encode(&CatalogData::default()))?;
+        Ok(catalog)
+    }
+
+    pub fn open(dir: &Path) -> Result<Catalog> {
+        let path = dir.join(CATALOG_FILE);
+        let bytes = std::fs::read(&path).map_err(|e| io_at("cannot read", &path, e))?;
+        let data = decode(&bytes).map_err(|e| e.context(path.display().to_string()))?;
+        Ok(Catalog { path, data: Mutex::new(data) })
+    }
+
+    pub fn snapshot(&self) -> CatalogData {
+        self.data.lock().clone()
+    }
+
+    /// Applies `f` to a copy and makes the result durable before it becomes current.
+    pub fn update<T>(&self, f: impl FnOnce(&mut CatalogData) -> Result<T>) -> Result<T> {
+        let mut data = self.data.lock();
+        let mut next = data.clone();
+        let out = f(&mut next)?;
+        crate::fsutil::write_atomic(&self.path, &encode(&next))?;
+        *data = next;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_damage() {
+        let data = CatalogData { next_table_id: 3, tables: vec![] };
+        let b = encode(&data);
+        assert_eq!(decode(&b).unwrap(), data);
+        let mut bad = b.clone();
+        let n = bad.len();
+        bad[n - 3] ^= 1;
+        assert_eq!(decode(&bad).unwrap_err().kind(), ErrorKind::ChecksumMismatch);
+        let future = String::from_utf8(b.clone()).unwrap().replacen(" 1 ", " 99 ", 1);
+        assert_eq!(decode(future.as_bytes()).unwrap_err().kind(), ErrorKind::FormatVersion);
+        assert_eq!(decode(b"hello").unwrap_err().kind(), ErrorKind::Recover);
+    }
+}

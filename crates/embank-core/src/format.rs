@@ -1,0 +1,270 @@
+//! On-disk formats: magics, versions, headers. `docs/FORMAT.md` describes
+//! every byte; keep the two in step.
+//!
+//! All integers are little-endian. Every header carries a magic, a format
+//! version and a CRC-32C over its fixed fields.
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Format version of every file this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+pub const INDEX_MAGIC: [u8; 8] = *b"EMBKIDX\0";
+pub const ROWS_MAGIC: [u8; 8] = *b"EMBKROWS";
+pub const FREE_MAGIC: [u8; 8] = *b"EMBKFREE";
+pub const CATALOG_MAGIC: &str = "embank-store";
+
+/// Bytes of the index and rows file headers (one page, keeps buckets and rows aligned).
+pub const INDEX_HEADER_BYTES: usize = 4096;
+pub const ROWS_HEADER_BYTES: usize = 4096;
+
+// Index header fields.
+pub const INDEX_LEN_OFFSET: usize = 32;
+pub const INDEX_STATE_OFFSET: usize = 40;
+pub const INDEX_FREE_GENERATION_OFFSET: usize = 48;
+
+/// `state` word: closed cleanly.
+pub const STATE_CLEAN: u32 = 0;
+/// `state` word: in use, or its user died.
+pub const STATE_OPEN: u32 = 1;
+
+// Rows header fields.
+pub const ROWS_NEXT_RECORD_OFFSET: usize = 32;
+
+/// Bytes before a row's elements: key u64, crc32c u32, flags u32.
+pub const ROW_HEADER_BYTES: usize = 16;
+
+fn le_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+}
+
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+fn check_magic_version(b: &[u8], magic: &[u8; 8], what: &str) -> Result<()> {
+    if &b[0..8] != magic {
+        return Err(Error::new(ErrorKind::Recover, format!("not an embank {what} file (bad magic)")));
+    }
+    let version = le_u32(b, 8);
+    if version != FORMAT_VERSION {
+        return Err(Error::new(
+            ErrorKind::FormatVersion,
+            format!("{what} file has format version {version}; this build reads version {FORMAT_VERSION}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Fixed fields of an index file header.
+///
+/// ```text
+///  0  magic "EMBKIDX\0"      8  format version u32   12 header bytes u32 (4096)
+/// 16  bucket count u64      24  hash seed u64
+/// 32  live keys u64 (*)     40  state u32 (*)        44 crc32c of bytes 0..32 u32
+/// 48  free-list generation u64 (*)
+/// (*) updated in place while the index is open
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexHeader {
+    pub bucket_count: u64,
+    pub seed: u64,
+}
+
+impl IndexHeader {
+    pub fn new(bucket_count: u64, seed: u64) -> Self {
+        IndexHeader { bucket_count, seed }
+    }
+
+    pub fn write(&self, b: &mut [u8]) {
+        b[0..8].copy_from_slice(&INDEX_MAGIC);
+        b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&(INDEX_HEADER_BYTES as u32).to_le_bytes());
+        b[16..24].copy_from_slice(&self.bucket_count.to_le_bytes());
+        b[24..32].copy_from_slice(&self.seed.to_le_bytes());
+        b[32..40].copy_from_slice(&0u64.to_le_bytes());
+        b[40..44].copy_from_slice(&STATE_OPEN.to_le_bytes());
+        let crc = crc32c::crc32c(&b[0..32]);
+        b[44..48].copy_from_slice(&crc.to_le_bytes());
+        b[48..56].copy_from_slice(&0u64.to_le_bytes());
+    }
+
+    pub fn read(b: &[u8]) -> Result<Self> {
+        check_magic_version(b, &INDEX_MAGIC, "index")?;
+        let crc = crc32c::crc32c(&b[0..32]);
+        if crc != le_u32(b, 44) {
+            return Err(Error::new(ErrorKind::ChecksumMismatch, "index header checksum mismatch"));
+        }
+        let bucket_count = le_u64(b, 16);
+        if !bucket_count.is_power_of_two() {
+            return Err(Error::new(ErrorKind::Recover, format!("index header names {bucket_count} buckets")));
+        }
+        Ok(IndexHeader { bucket_count, seed: le_u64(b, 24) })
+    }
+}
+
+/// Element type of a table's rows. Room is left for `f16` and row-wise `int8`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+}
+
+impl DType {
+    pub fn code(self) -> u8 {
+        match self {
+            DType::F32 => 1,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Result<Self> {
+        match code {
+            1 => Ok(DType::F32),
+            other => Err(Error::new(ErrorKind::Unsupported, format!("unknown element type code {other}"))),
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+        }
+    }
+}
+
+/// Bytes from one row record to the next: header plus elements, rounded up to
+/// 16 bytes, and to a whole number of 64-byte cache lines once a row fills one.
+pub fn record_stride(dim: u32, dtype: DType) -> u32 {
+    let raw = ROW_HEADER_BYTES as u32 + dim * dtype.bytes() as u32;
+    if raw >= 64 {
+        raw.div_ceil(64) * 64
+    } else {
+        raw.div_ceil(16) * 16
+    }
+}
+
+/// Fixed fields of a rows file header.
+///
+/// ```text
+///  0  magic "EMBKROWS"      8  format version u32    12 header bytes u32 (4096)
+/// 16  dim u32              20  dtype u8, 3 zero bytes
+/// 24  record stride u32    28  crc32c of bytes 0..28 u32
+/// 32  next record u64 (*): records [0, next) have been handed out
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowsHeader {
+    pub dim: u32,
+    pub dtype: DType,
+    pub stride: u32,
+}
+
+impl RowsHeader {
+    pub fn write(&self, b: &mut [u8]) {
+        b[0..8].copy_from_slice(&ROWS_MAGIC);
+        b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&(ROWS_HEADER_BYTES as u32).to_le_bytes());
+        b[16..20].copy_from_slice(&self.dim.to_le_bytes());
+        b[20..24].copy_from_slice(&[self.dtype.code(), 0, 0, 0]);
+        b[24..28].copy_from_slice(&self.stride.to_le_bytes());
+        let crc = crc32c::crc32c(&b[0..28]);
+        b[28..32].copy_from_slice(&crc.to_le_bytes());
+        b[32..40].copy_from_slice(&0u64.to_le_bytes());
+    }
+
+    pub fn read(b: &[u8]) -> Result<Self> {
+        check_magic_version(b, &ROWS_MAGIC, "rows")?;
+        if crc32c::crc32c(&b[0..28]) != le_u32(b, 28) {
+            return Err(Error::new(ErrorKind::ChecksumMismatch, "rows header checksum mismatch"));
+        }
+        let header = RowsHeader { dim: le_u32(b, 16), dtype: DType::from_code(b[20])?, stride: le_u32(b, 24) };
+        if header.stride != record_stride(header.dim, header.dtype) {
+            return Err(Error::new(ErrorKind::Recover, "rows header stride does not match its dim"));
+        }
+        Ok(header)
+    }
+}
+
+/// A saved free list: which row records are free, written at a clean close.
+///
+/// ```text
+///  0 magic "EMBKFREE"   8 format version u32   12 crc32c of everything after byte 16 u32
+/// 16 generation u64    24 count u64           32 count record numbers, u64 each
+/// ```
+pub fn encode_free_list(generation: u64, records: &[u64]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(32 + records.len() * 8);
+    b.extend_from_slice(&FREE_MAGIC);
+    b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b.extend_from_slice(&0u32.to_le_bytes());
+    b.extend_from_slice(&generation.to_le_bytes());
+    b.extend_from_slice(&(records.len() as u64).to_le_bytes());
+    for r in records {
+        b.extend_from_slice(&r.to_le_bytes());
+    }
+    let crc = crc32c::crc32c(&b[16..]);
+    b[12..16].copy_from_slice(&crc.to_le_bytes());
+    b
+}
+
+/// Reads a saved free list; returns its generation and records.
+pub fn decode_free_list(b: &[u8]) -> Result<(u64, Vec<u64>)> {
+    if b.len() < 32 {
+        return Err(Error::new(ErrorKind::Recover, "free list file is truncated"));
+    }
+    check_magic_version(b, &FREE_MAGIC, "free list")?;
+    if crc32c::crc32c(&b[16..]) != le_u32(b, 12) {
+        return Err(Error::new(ErrorKind::ChecksumMismatch, "free list checksum mismatch"));
+    }
+    let generation = le_u64(b, 16);
+    let count = le_u64(b, 24) as usize;
+    if b.len() != 32 + count * 8 {
+        return Err(Error::new(ErrorKind::Recover, "free list length does not match its count"));
+    }
+    Ok((generation, (0..count).map(|i| le_u64(b, 32 + i * 8)).collect()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_and_reject_damage() {
+        let mut b = vec![0u8; 4096];
+        let h = IndexHeader::new(64, 5);
+        h.write(&mut b);
+        assert_eq!(IndexHeader::read(&b).unwrap(), h);
+        b[17] ^= 1;
+        assert_eq!(IndexHeader::read(&b).unwrap_err().kind(), ErrorKind::ChecksumMismatch);
+        h.write(&mut b);
+        b[8] = 9;
+        assert_eq!(IndexHeader::read(&b).unwrap_err().kind(), ErrorKind::FormatVersion);
+
+        let r = RowsHeader { dim: 7, dtype: DType::F32, stride: record_stride(7, DType::F32) };
+        r.write(&mut b);
+        assert_eq!(RowsHeader::read(&b).unwrap(), r);
+        b[0] = b'X';
+        assert_eq!(RowsHeader::read(&b).unwrap_err().kind(), ErrorKind::Recover);
+    }
+
+    #[test]
+    fn strides() {
+        assert_eq!(record_stride(1, DType::F32), 32);
+        assert_eq!(record_stride(12, DType::F32), 64);
+        assert_eq!(record_stride(128, DType::F32), 576);
+        assert_eq!(record_stride(4096, DType::F32), 16448);
+    }
+
+    #[test]
+    fn free_list_round_trip() {
+        let b = encode_free_list(3, &[1, 5, 9]);
+        assert_eq!(decode_free_list(&b).unwrap(), (3, vec![1, 5, 9]));
+        let mut bad = b.clone();
+        bad[40] ^= 1;
+        assert_eq!(decode_free_list(&bad).unwrap_err().kind(), ErrorKind::ChecksumMismatch);
+        assert!(decode_free_list(&b[..35]).is_err());
+    }
+}

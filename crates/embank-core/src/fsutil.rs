@@ -1,0 +1,56 @@
+//! Small file-system helpers: atomic file replacement, directory sync, the store lock.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+use crate::error::{io_at, Error, ErrorKind, Result};
+
+/// Makes a directory's entries (creates, renames, removes) durable.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_at("cannot sync directory", dir, e))
+}
+
+/// Replaces `path` with `bytes` so that a crash leaves either the old or the new file whole.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = File::create(&tmp).map_err(|e| io_at("cannot create", &tmp, e))?;
+        f.write_all(bytes).map_err(|e| io_at("cannot write", &tmp, e))?;
+        f.sync_all().map_err(|e| io_at("cannot sync", &tmp, e))?;
+    }
+    std::fs::rename(&tmp, path).map_err(|e| io_at("cannot rename into place", path, e))?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// Takes the exclusive lock of a store directory, or fails at once.
+pub fn lock_exclusive(path: &Path) -> Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|e| io_at("cannot open lock file", path, e))?;
+    // SAFETY: flock on a descriptor we own.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            let holder = std::fs::read_to_string(path).unwrap_or_default();
+            return Err(Error::new(
+                ErrorKind::Locked,
+                format!(
+                    "store {} is in use by another process or handle{}",
+                    path.parent().unwrap_or(path).display(),
+                    if holder.trim().is_empty() { String::new() } else { format!(" (pid {})", holder.trim()) }
+                ),
+            ));
+        }
+        return Err(io_at("cannot lock", path, e));
+    }
+    let _ = file.set_len(0);
+    let _ = (&file).write_all(std::process::id().to_string().as_bytes());
+    Ok(file)
+}

@@ -1,0 +1,43 @@
+//! embank-core: the engine of embank, a tiered parameter server for embedding tables.
+//!
+//! A [`Store`] is a directory holding named [`Table`]s. A table maps `u64` keys
+//! to fixed-size rows of `f32`, kept in a persistent medium (a memory-mapped
+//! file) under a one-read persistent hash [`index`]. All operations take a
+//! batch of keys.
+//!
+//! ```
+//! use embank_core::{Store, StoreOptions, TableOptions, Initializer};
+//! let dir = tempfile::tempdir().unwrap();
+//! let store = Store::open(dir.path().join("model"), StoreOptions::default()).unwrap();
+//! let mut options = TableOptions::new(4);
+//! options.init = Initializer::Normal { mean: 0.0, std: 0.01 };
+//! let users = store.create_table("user", options).unwrap();
+//! users.push(&[7], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+//! let mut rows = vec![0.0; 8];
+//! users.pull(&[7, 8], &mut rows).unwrap(); // key 8 is created with the initializer
+//! assert_eq!(&rows[..4], &[1.0, 2.0, 3.0, 4.0]);
+//! assert_eq!(users.len().unwrap(), 2);
+//! ```
+//!
+//! **Architecture invariant:** this crate knows nothing of the network or Python.
+
+#[macro_use]
+pub mod assert;
+pub mod catalog;
+pub mod error;
+pub mod format;
+mod fsutil;
+pub mod hash;
+pub mod index;
+pub mod init;
+pub mod medium;
+mod prefetch;
+pub mod store;
+pub mod table;
+
+pub use catalog::MissingDefault;
+pub use error::{Error, ErrorKind, Result};
+pub use format::DType;
+pub use init::Initializer;
+pub use store::{Store, StoreOptions, StoreStats};
+pub use table::{Table, TableOptions, TableStats, DIM_MAX};

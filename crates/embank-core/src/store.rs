@@ -1,0 +1,268 @@
+//! The store: one directory holding one model's tables.
+//!
+//! ```text
+//! <dir>/LOCK               flock'ed while a process has the store open
+//! <dir>/STORE              the catalog (magic, format version, checksum, JSON)
+//! <dir>/tables/<id>/index.<generation>.ebi   the table's hash index
+//! <dir>/tables/<id>/rows.ebr                 the table's row records
+//! <dir>/tables/<id>/rows.free                free records, saved at a clean close
+//! ```
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+use serde::Serialize;
+
+use crate::catalog::{Catalog, TableMeta, CATALOG_FILE};
+use crate::error::{io_at, Error, ErrorKind, Result};
+use crate::table::{validate_name, Table, TableOptions, TableStats};
+
+/// Options for [`Store::open`].
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// Create the store if the directory holds none. Default true.
+    pub create: bool,
+    /// On open, check every row's checksum and drop rows that fail, as after a power
+    /// loss. Default false: after a process crash only interrupted buckets are checked.
+    pub verify: bool,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions { create: true, verify: false }
+    }
+}
+
+/// Numbers about a store.
+#[derive(Clone, Debug, Serialize)]
+pub struct StoreStats {
+    pub path: String,
+    pub tables: Vec<TableStats>,
+    pub rows: u64,
+    pub bytes_on_disk: u64,
+    pub bytes_mapped: u64,
+}
+
+struct Inner {
+    dir: PathBuf,
+    catalog: Arc<Catalog>,
+    tables: BTreeMap<String, Table>,
+    _lock: File,
+}
+
+/// An open store. Dropping it closes it (flushing every table).
+pub struct Store {
+    inner: RwLock<Option<Inner>>,
+    path: PathBuf,
+}
+
+fn tables_dir(dir: &Path) -> PathBuf {
+    dir.join("tables")
+}
+
+fn table_dir(dir: &Path, id: u32) -> PathBuf {
+    tables_dir(dir).join(id.to_string())
+}
+
+impl Store {
+    /// Opens (or creates) the store in directory `path`. Serves at once: tables
+    /// closed cleanly are mapped, not read; tables whose user crashed are repaired
+    /// by one pass over their index.
+    pub fn open(path: impl AsRef<Path>, options: StoreOptions) -> Result<Store> {
+        let dir = path.as_ref().to_owned();
+        let catalog_path = dir.join(CATALOG_FILE);
+        let exists = catalog_path.exists();
+        if !exists {
+            if !options.create {
+                return Err(Error::new(ErrorKind::NotFound, format!("no embank store at {}", dir.display())));
+            }
+            if dir.exists() && std::fs::read_dir(&dir).map(|mut d| d.next().is_some()).unwrap_or(false) {
+                let only_lock = std::fs::read_dir(&dir)
+                    .map(|d| d.flatten().all(|e| e.file_name() == "LOCK" || e.file_name() == "tables"))
+                    .unwrap_or(false);
+                if !only_lock {
+                    return Err(Error::invalid(format!(
+                        "{} is not empty and holds no embank store; refusing to create one there",
+                        dir.display()
+                    )));
+                }
+            }
+            std::fs::create_dir_all(tables_dir(&dir)).map_err(|e| io_at("cannot create store directory", &dir, e))?;
+        }
+        let lock = crate::fsutil::lock_exclusive(&dir.join("LOCK"))?;
+        let catalog = Arc::new(if exists { Catalog::open(&dir)? } else { Catalog::create(&dir)? });
+        std::fs::create_dir_all(tables_dir(&dir)).map_err(|e| io_at("cannot create", &tables_dir(&dir), e))?;
+        let data = catalog.snapshot();
+        // Directories of tables the catalog does not know are left-overs of an
+        // interrupted create or drop.
+        if let Ok(entries) = std::fs::read_dir(tables_dir(&dir)) {
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if !data.tables.iter().any(|m| m.id.to_string() == name) {
+                    tracing::info!(dir = %entry.path().display(), "removing table directory the catalog does not name");
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            }
+        }
+        let mut tables = BTreeMap::new();
+        for meta in data.tables {
+            let name = meta.name.clone();
+            let table = Table::open(&table_dir(&dir, meta.id), meta, Arc::clone(&catalog), options.verify)
+                .map_err(|e| e.context(format!("table {name:?}")))?;
+            tables.insert(name, table);
+        }
+        Ok(Store { inner: RwLock::new(Some(Inner { dir: dir.clone(), catalog, tables, _lock: lock })), path: dir })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn closed(&self) -> Error {
+        Error::new(ErrorKind::Closed, format!("store {} is closed", self.path.display()))
+    }
+
+    /// Creates a table; fails with `AlreadyExists` if the name is taken.
+    pub fn create_table(&self, name: &str, options: TableOptions) -> Result<Table> {
+        validate_name(name)?;
+        options.validate()?;
+        let mut guard = self.inner.write();
+        let inner = guard.as_mut().ok_or_else(|| self.closed())?;
+        if inner.tables.contains_key(name) {
+            return Err(Error::new(ErrorKind::AlreadyExists, format!("table {name:?} exists already")));
+        }
+        let id = inner.catalog.snapshot().next_table_id;
+        let meta = TableMeta {
+            id,
+            name: name.to_owned(),
+            dim: options.dim,
+            dtype: options.dtype,
+            init: options.init,
+            seed: options.seed,
+            growth: options.growth,
+            load_factor_max: options.load_factor_max,
+            missing: options.missing,
+            index_generation: 0,
+            grow_count: 0,
+        };
+        let dir = table_dir(&inner.dir, id);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| io_at("cannot create table directory", &dir, e))?;
+        let table = Table::create(&dir, meta.clone(), options.capacity, Arc::clone(&inner.catalog))?;
+        inner.catalog.update(|c| {
+            c.next_table_id = id + 1;
+            c.tables.push(meta);
+            Ok(())
+        })?;
+        inner.tables.insert(name.to_owned(), table.clone());
+        Ok(table)
+    }
+
+    /// The table called `name`.
+    pub fn table(&self, name: &str) -> Result<Table> {
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        inner.tables.get(name).cloned().ok_or_else(|| {
+            let names: Vec<&str> = inner.tables.keys().map(|s| s.as_str()).collect();
+            Error::new(ErrorKind::NotFound, format!("no table {name:?} in this store (tables: {names:?})"))
+        })
+    }
+
+    /// Names of all tables, sorted.
+    pub fn tables(&self) -> Result<Vec<String>> {
+        let guard = self.inner.read();
+        Ok(guard.as_ref().ok_or_else(|| self.closed())?.tables.keys().cloned().collect())
+    }
+
+    /// Deletes a table and its files. Open handles of it fail with `Closed` afterwards.
+    pub fn drop_table(&self, name: &str) -> Result<()> {
+        let mut guard = self.inner.write();
+        let inner = guard.as_mut().ok_or_else(|| self.closed())?;
+        let table = inner
+            .tables
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no table {name:?} in this store")))?;
+        let id = table.meta().id;
+        inner.catalog.update(|c| {
+            c.tables.retain(|m| m.id != id);
+            Ok(())
+        })?;
+        table.detach();
+        inner.tables.remove(name);
+        let dir = table_dir(&inner.dir, id);
+        std::fs::remove_dir_all(&dir).map_err(|e| io_at("cannot remove table directory", &dir, e))?;
+        Ok(())
+    }
+
+    /// Makes every write before this call durable.
+    pub fn flush(&self) -> Result<()> {
+        let guard = self.inner.read();
+        for table in guard.as_ref().ok_or_else(|| self.closed())?.tables.values() {
+            table.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Flushes and closes every table and releases the lock. Idempotent.
+    pub fn close(&self) -> Result<()> {
+        let Some(inner) = self.inner.write().take() else { return Ok(()) };
+        let mut first_error = None;
+        for table in inner.tables.values() {
+            if let Err(e) = table.close() {
+                tracing::error!(table = table.name(), error = %e, "closing table failed");
+                first_error.get_or_insert(e);
+            }
+        }
+        drop(inner);
+        first_error.map_or(Ok(()), Err)
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.inner.read().is_none()
+    }
+
+    pub fn stats(&self) -> Result<StoreStats> {
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        let mut tables = Vec::new();
+        for t in inner.tables.values() {
+            tables.push(t.stats()?);
+        }
+        let bytes_on_disk = dir_bytes(&inner.dir);
+        Ok(StoreStats {
+            path: inner.dir.display().to_string(),
+            rows: tables.iter().map(|t| t.rows).sum(),
+            bytes_mapped: tables.iter().map(|t| t.bytes_mapped).sum(),
+            bytes_on_disk,
+            tables,
+        })
+    }
+}
+
+/// Bytes the files below `dir` occupy on disk (allocated blocks, not apparent size).
+fn dir_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    for entry in entries.flatten() {
+        let Ok(md) = entry.metadata() else { continue };
+        if md.is_dir() {
+            total += dir_bytes(&entry.path());
+        } else {
+            total += md.blocks() * 512;
+        }
+    }
+    total
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            tracing::error!(error = %e, "closing store on drop failed");
+        }
+    }
+}

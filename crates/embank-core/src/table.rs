@@ -1,0 +1,680 @@
+//! A table: the index and the medium of one embedding table, and its batch operations.
+//!
+//! Reads (`pull` of existing rows, `lookup`, `export`) take no lock: they pin
+//! an epoch, resolve keys in the index (prefetching the home buckets a few
+//! keys ahead) and copy rows out of the medium. Writes are copy-on-write: a
+//! new record is written, then the key's slot is pointed at it under the
+//! key's stripe lock, and the old record is retired to the epoch collector.
+//! Growth rebuilds the index into a file twice the size under the table's
+//! exclusive lock; rows never move.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use serde::Serialize;
+
+use crate::catalog::{Catalog, MissingDefault, TableMeta};
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::DType;
+use crate::index::{buckets_for, Index, RecoverReport, SLOTS_PER_BUCKET};
+use crate::init::Initializer;
+use crate::medium::MmapMedium;
+
+/// Largest `dim` a table may have.
+pub const DIM_MAX: u32 = 4096;
+/// Longest table name.
+pub const NAME_BYTES_MAX: usize = 128;
+/// Writer stripes per table: writers of keys in different stripes never wait on each other.
+const STRIPES: usize = 1024;
+/// How far ahead of the key being resolved its home bucket is prefetched.
+const PREFETCH_KEYS_AHEAD: usize = 8;
+/// Load the index is sized for at creation and after each rebuild.
+const LOAD_FACTOR_TARGET: f64 = 0.7;
+
+const _: () = assert!(STRIPES.is_power_of_two());
+const _: () = assert!(LOAD_FACTOR_TARGET < 0.95);
+
+/// Options of a new table. Every field has a default (see [`TableOptions::new`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TableOptions {
+    /// Elements per row, 1 to 4096. Required.
+    pub dim: u32,
+    /// Element type. Default `f32` (the only one so far).
+    pub dtype: DType,
+    /// Value of never-written rows. Default zeros.
+    pub init: Initializer,
+    /// Seeds the initializer and the index hash. Default 0.
+    pub seed: u64,
+    /// Rows the index is sized for at creation. Default 1 Mi.
+    pub capacity: u64,
+    /// Grow the index when it fills. Default true; turn off for serving, where a
+    /// full table then answers `TableFull`.
+    pub growth: bool,
+    /// Fill of the index's slots that triggers growth (or `TableFull`). Default 0.9.
+    pub load_factor_max: f64,
+    /// What `lookup` returns for missing keys. Default zeros.
+    pub missing: MissingDefault,
+}
+
+impl TableOptions {
+    pub fn new(dim: u32) -> Self {
+        TableOptions {
+            dim,
+            dtype: DType::F32,
+            init: Initializer::Zeros,
+            seed: 0,
+            capacity: 1 << 20,
+            growth: true,
+            load_factor_max: 0.9,
+            missing: MissingDefault::Zeros,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.dim == 0 || self.dim > DIM_MAX {
+            return Err(Error::config(format!("dim must be between 1 and {DIM_MAX}, got {}", self.dim)));
+        }
+        if self.capacity == 0 {
+            return Err(Error::config("capacity must be at least 1"));
+        }
+        if !(self.load_factor_max > LOAD_FACTOR_TARGET && self.load_factor_max <= 0.98) {
+            return Err(Error::config(format!(
+                "load_factor_max must be in ({LOAD_FACTOR_TARGET}, 0.98], got {}",
+                self.load_factor_max
+            )));
+        }
+        self.init.validate()?;
+        if let MissingDefault::Value { value } = self.missing {
+            if value.is_nan() {
+                return Err(Error::config("missing-row default value is NaN"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks a table name: 1 to 128 bytes of letters, digits, `_`, `-`, `.`, not starting with `.`.
+pub fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= NAME_BYTES_MAX
+        && !name.starts_with('.')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "bad table name {name:?}: use 1 to {NAME_BYTES_MAX} letters, digits, '_', '-' or '.', not starting with '.'"
+        )))
+    }
+}
+
+/// Numbers about one table.
+#[derive(Clone, Debug, Serialize)]
+pub struct TableStats {
+    pub name: String,
+    pub dim: u32,
+    pub dtype: &'static str,
+    pub rows: u64,
+    /// Rows the table holds before it grows (or reports `TableFull`).
+    pub capacity: u64,
+    pub slots: u64,
+    pub buckets: u64,
+    pub load_factor: f64,
+    pub growth: bool,
+    pub grow_count: u64,
+    pub index_bytes: u64,
+    pub rows_file_bytes: u64,
+    /// Address space mapped for the files (the rows file reserves more, unbacked).
+    pub bytes_mapped: u64,
+    pub records_used: u64,
+    pub records_free: u64,
+    pub records_pending: u64,
+    /// Keys living 0, 1, ..., 7+ buckets past their home bucket.
+    pub probe_histogram: Vec<u64>,
+    /// What recovery repaired when the table was opened after a crash.
+    pub recovered: Option<RecoverStats>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RecoverStats {
+    pub buckets_interrupted: u64,
+    pub slots_dropped: u64,
+    pub records_freed: u64,
+    pub seconds: f64,
+}
+
+struct State {
+    index: Index,
+    medium: MmapMedium,
+}
+
+struct Shared {
+    meta: Mutex<TableMeta>,
+    name: String,
+    dim: usize,
+    init: Initializer,
+    seed: u64,
+    growth: bool,
+    load_factor_max: f64,
+    missing: MissingDefault,
+    dir: PathBuf,
+    catalog: Arc<Catalog>,
+    /// `None` once the table is closed or dropped.
+    state: RwLock<Option<State>>,
+    stripes: Box<[Mutex<()>]>,
+    recovered: Option<RecoverStats>,
+    grows: AtomicU64,
+}
+
+/// A handle to one table; cheap to clone, usable from many threads.
+#[derive(Clone)]
+pub struct Table {
+    shared: Arc<Shared>,
+}
+
+/// Outcome of a write pass that may need the index to grow first.
+enum Pass {
+    Done,
+    /// Stopped before item `.0` because the index has no room.
+    NeedRoom(usize),
+}
+
+fn index_path(dir: &Path, generation: u64) -> PathBuf {
+    dir.join(format!("index.{generation}.ebi"))
+}
+
+fn rows_path(dir: &Path) -> PathBuf {
+    dir.join("rows.ebr")
+}
+
+impl Table {
+    /// Creates the files of a new table in `dir` (which must exist and be empty).
+    pub(crate) fn create(dir: &Path, meta: TableMeta, capacity: u64, catalog: Arc<Catalog>) -> Result<Table> {
+        let buckets = buckets_for(capacity, LOAD_FACTOR_TARGET);
+        let index = Index::create(&index_path(dir, meta.index_generation), buckets, meta.seed)?;
+        let medium = MmapMedium::create(&rows_path(dir), meta.dim, meta.dtype)?;
+        index.flush()?;
+        medium.flush()?;
+        crate::fsutil::sync_dir(dir)?;
+        Ok(Self::new(dir, meta, State { index, medium }, catalog, None))
+    }
+
+    /// Opens the files of a table; repairs them first if the last user did not close cleanly.
+    pub(crate) fn open(dir: &Path, meta: TableMeta, catalog: Arc<Catalog>, verify_all: bool) -> Result<Table> {
+        // Index files of other generations are left-overs of an interrupted rebuild.
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            let current = index_path(dir, meta.index_generation);
+            for entry in entries.flatten() {
+                let p = entry.path();
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with("index.") && name.ends_with(".ebi") && p != current {
+                    tracing::info!(path = %p.display(), "removing index left by an interrupted rebuild");
+                    let _ = std::fs::remove_file(&p);
+                }
+            }
+        }
+        let index = Index::open(&index_path(dir, meta.index_generation))?;
+        let medium = MmapMedium::open(&rows_path(dir))?;
+        if medium.dim() != meta.dim as usize {
+            return Err(Error::new(ErrorKind::Recover, "rows file dim does not match the catalog").context(dir.display().to_string()));
+        }
+        let clean = index.was_closed_cleanly() && medium.load_free_list(index.free_list_generation());
+        let mut recovered = None;
+        if !clean || verify_all {
+            let t0 = Instant::now();
+            let name = meta.name.clone();
+            tracing::info!(table = %name, "table was not closed cleanly; repairing index and free list");
+            let report = index.recover(|key, ptr, interrupted| {
+                medium.is_valid_ptr(ptr)
+                    && medium.key_at(ptr) == key
+                    && (!(interrupted || verify_all) || medium.checksum_ok(ptr))
+            });
+            let mut live = medium.new_bitmap();
+            index.for_each(0, index.bucket_count(), |_, ptr| medium.mark(&mut live, ptr));
+            medium.rebuild_free_list(&live);
+            let RecoverReport { buckets_interrupted, slots_dropped, .. } = report;
+            let stats = RecoverStats {
+                buckets_interrupted,
+                slots_dropped,
+                records_freed: medium.free_records(),
+                seconds: t0.elapsed().as_secs_f64(),
+            };
+            tracing::info!(table = %name, ?stats, "repair done");
+            recovered = Some(stats);
+        }
+        index.mark_open()?;
+        Ok(Self::new(dir, meta, State { index, medium }, catalog, recovered))
+    }
+
+    fn new(dir: &Path, meta: TableMeta, state: State, catalog: Arc<Catalog>, recovered: Option<RecoverStats>) -> Table {
+        Table {
+            shared: Arc::new(Shared {
+                name: meta.name.clone(),
+                dim: meta.dim as usize,
+                init: meta.init,
+                seed: meta.seed,
+                growth: meta.growth,
+                load_factor_max: meta.load_factor_max,
+                missing: meta.missing,
+                grows: AtomicU64::new(meta.grow_count),
+                meta: Mutex::new(meta),
+                dir: dir.to_owned(),
+                catalog,
+                state: RwLock::new(Some(state)),
+                stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+                recovered,
+            }),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    pub fn dim(&self) -> usize {
+        self.shared.dim
+    }
+
+    pub fn meta(&self) -> TableMeta {
+        self.shared.meta.lock().clone()
+    }
+
+    fn state(&self) -> Result<RwLockReadGuard<'_, Option<State>>> {
+        let guard = self.shared.state.read();
+        if guard.is_none() {
+            return Err(Error::new(ErrorKind::Closed, format!("table {:?} is closed", self.shared.name)));
+        }
+        Ok(guard)
+    }
+
+    /// Live rows.
+    pub fn len(&self) -> Result<u64> {
+        Ok(self.state()?.as_ref().unwrap().index.len())
+    }
+
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    fn check_rows(&self, what: &str, keys: usize, rows: usize) -> Result<()> {
+        let dim = self.shared.dim;
+        if rows != keys * dim {
+            return Err(Error::invalid(format!(
+                "{what}: table {:?} has dim {dim}, so {keys} keys need {} row elements, got {rows}{}",
+                self.shared.name,
+                keys * dim,
+                if keys > 0 && rows % keys == 0 { format!(" (rows of dim {})", rows / keys) } else { String::new() }
+            )));
+        }
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn stripe(&self, hash: u64) -> &Mutex<()> {
+        // The stripe comes from bits the home bucket does not use first.
+        &self.shared.stripes[((hash >> 40) as usize) & (STRIPES - 1)]
+    }
+
+    /// Resolves every key (lock-free, prefetching), copying found rows into `out`.
+    /// Returns the positions of keys that were not found.
+    fn gather(&self, st: &State, keys: &[u64], out: &mut [f32], found: Option<&mut [bool]>) -> Result<Vec<usize>> {
+        let dim = self.shared.dim;
+        let (index, medium) = (&st.index, &st.medium);
+        let n = keys.len();
+        let mut hashes = Vec::with_capacity(n);
+        hashes.extend(keys.iter().map(|&k| index.hash(k)));
+        let mut ptrs = vec![0u64; n];
+        let mut missing = Vec::new();
+        for i in 0..n {
+            if i + PREFETCH_KEYS_AHEAD < n {
+                index.prefetch(hashes[i + PREFETCH_KEYS_AHEAD]);
+            }
+            match index.get(keys[i], hashes[i]) {
+                Some(ptr) => {
+                    medium.prefetch(ptr);
+                    ptrs[i] = ptr;
+                }
+                None => missing.push(i),
+            }
+        }
+        let mut corrupt = None;
+        for i in 0..n {
+            let ptr = ptrs[i];
+            if ptr == 0 {
+                continue;
+            }
+            if medium.key_at(ptr) != keys[i] {
+                corrupt = Some(i);
+                continue;
+            }
+            out[i * dim..(i + 1) * dim].copy_from_slice(medium.row_at(ptr));
+        }
+        if let Some(found) = found {
+            for (i, &p) in ptrs.iter().enumerate() {
+                found[i] = p != 0;
+            }
+        }
+        if let Some(i) = corrupt {
+            return Err(Error::corrupt(format!(
+                "table {:?}: the index points key {} at a record of another key",
+                self.shared.name, keys[i]
+            )));
+        }
+        Ok(missing)
+    }
+
+    /// Rows of `keys` into `out` (`keys.len() * dim` elements); creates missing rows with the initializer.
+    pub fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
+        self.check_rows("pull", keys.len(), out.len())?;
+        let missing = {
+            let st = self.state()?;
+            let _pin = crossbeam_epoch::pin();
+            self.gather(st.as_ref().unwrap(), keys, out, None)?
+        };
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let mut from = 0;
+        loop {
+            let pass = {
+                let st = self.state()?;
+                self.create_missing(st.as_ref().unwrap(), keys, &missing[from..], out)?
+            };
+            match pass {
+                Pass::Done => return Ok(()),
+                Pass::NeedRoom(done) => {
+                    from += done;
+                    self.make_room()?;
+                }
+            }
+        }
+    }
+
+    /// Creates (or, if another writer got there first, reads) the rows at `positions`.
+    fn create_missing(&self, st: &State, keys: &[u64], positions: &[usize], out: &mut [f32]) -> Result<Pass> {
+        let dim = self.shared.dim;
+        let (index, medium) = (&st.index, &st.medium);
+        let _pin = crossbeam_epoch::pin();
+        let mut ptrs = Vec::new();
+        medium.allocate(positions.len(), &mut ptrs)?;
+        let mut unused = ptrs.into_iter();
+        for (done, &i) in positions.iter().enumerate() {
+            let key = keys[i];
+            let h = index.hash(key);
+            let row = &mut out[i * dim..(i + 1) * dim];
+            let _w = self.stripe(h).lock();
+            if let Some(ptr) = index.get(key, h) {
+                row.copy_from_slice(medium.row_at(ptr));
+                continue;
+            }
+            if !self.has_room(index) {
+                medium.release(unused.collect());
+                return Ok(Pass::NeedRoom(done));
+            }
+            self.shared.init.fill(self.shared.seed, key, row);
+            let ptr = unused.next().expect("one record allocated per position");
+            medium.write_row(ptr, key, row);
+            if !index.insert_new(key, h, ptr) {
+                medium.release(std::iter::once(ptr).chain(unused).collect());
+                return Ok(Pass::NeedRoom(done));
+            }
+        }
+        medium.release(unused.collect());
+        Ok(Pass::Done)
+    }
+
+    /// Like [`pull`](Self::pull) but never creates rows: missing keys get the table's
+    /// missing-row default and `found[i] = false`.
+    pub fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        self.check_rows("lookup", keys.len(), out.len())?;
+        if found.len() != keys.len() {
+            return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
+        }
+        let dim = self.shared.dim;
+        let st = self.state()?;
+        let _pin = crossbeam_epoch::pin();
+        let missing = self.gather(st.as_ref().unwrap(), keys, out, Some(found))?;
+        for i in missing {
+            let row = &mut out[i * dim..(i + 1) * dim];
+            match self.shared.missing {
+                MissingDefault::Zeros => row.fill(0.0),
+                MissingDefault::Value { value } => row.fill(value),
+                MissingDefault::Init => self.shared.init.fill(self.shared.seed, keys[i], row),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes rows (insert or replace). With duplicate keys the last row wins.
+    pub fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
+        self.check_rows("push", keys.len(), rows.len())?;
+        if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
+            return Err(Error::invalid(format!(
+                "push: row of key {} holds a non-finite value ({}); nothing was written",
+                keys[i / self.shared.dim],
+                rows[i]
+            )));
+        }
+        let mut from = 0;
+        loop {
+            let pass = {
+                let st = self.state()?;
+                self.push_pass(st.as_ref().unwrap(), &keys[from..], &rows[from * self.shared.dim..])?
+            };
+            match pass {
+                Pass::Done => return Ok(()),
+                Pass::NeedRoom(done) => {
+                    from += done;
+                    self.make_room()?;
+                }
+            }
+        }
+    }
+
+    fn push_pass(&self, st: &State, keys: &[u64], rows: &[f32]) -> Result<Pass> {
+        let dim = self.shared.dim;
+        let (index, medium) = (&st.index, &st.medium);
+        let guard = crossbeam_epoch::pin();
+        let mut ptrs = Vec::new();
+        medium.allocate(keys.len(), &mut ptrs)?;
+        let mut retired = Vec::new();
+        let mut result = Pass::Done;
+        for (i, &key) in keys.iter().enumerate() {
+            let ptr = ptrs[i];
+            medium.write_row(ptr, key, &rows[i * dim..(i + 1) * dim]);
+            let h = index.hash(key);
+            let _w = self.stripe(h).lock();
+            if let Some(old) = index.replace(key, h, ptr) {
+                retired.push(old);
+            } else if !self.has_room(index) || !index.insert_new(key, h, ptr) {
+                medium.release(ptrs[i..].to_vec());
+                result = Pass::NeedRoom(i);
+                break;
+            }
+        }
+        medium.retire(&guard, retired);
+        Ok(result)
+    }
+
+    /// Deletes keys; returns how many were present.
+    pub fn delete(&self, keys: &[u64]) -> Result<u64> {
+        let st = self.state()?;
+        let State { index, medium } = st.as_ref().unwrap();
+        let guard = crossbeam_epoch::pin();
+        let mut retired = Vec::new();
+        for &key in keys {
+            let h = index.hash(key);
+            let _w = self.stripe(h).lock();
+            if let Some(ptr) = index.remove(key, h) {
+                retired.push(ptr);
+            }
+        }
+        let n = retired.len() as u64;
+        medium.retire(&guard, retired);
+        Ok(n)
+    }
+
+    fn has_room(&self, index: &Index) -> bool {
+        (index.len() + 1) as f64 <= self.shared.load_factor_max * index.slot_count() as f64
+    }
+
+    /// Grows the index, or says why it cannot.
+    fn make_room(&self) -> Result<()> {
+        let mut guard = self.shared.state.write();
+        let st = guard
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Closed, format!("table {:?} is closed", self.shared.name)))?;
+        let rows = st.index.len();
+        if !self.shared.growth {
+            return Err(Error::new(
+                ErrorKind::TableFull,
+                format!(
+                    "table {:?} is full: {rows} rows in {} slots (load factor max {}), and growth is off",
+                    self.shared.name,
+                    st.index.slot_count(),
+                    self.shared.load_factor_max
+                ),
+            ));
+        }
+        let t0 = Instant::now();
+        let old_buckets = st.index.bucket_count();
+        let mut buckets = buckets_for(rows.max(1) * 2, LOAD_FACTOR_TARGET).max(old_buckets * 2);
+        let generation = self.shared.meta.lock().index_generation + 1;
+        let path = index_path(&self.shared.dir, generation);
+        let index = loop {
+            let _ = std::fs::remove_file(&path);
+            let index = Index::create(&path, buckets, st.index.seed())?;
+            let mut ok = true;
+            st.index.for_each(0, st.index.bucket_count(), |key, ptr| {
+                ok = ok && index.insert_new(key, index.hash(key), ptr);
+            });
+            if ok {
+                break index;
+            }
+            buckets *= 2;
+        };
+        if index.len() != rows {
+            return Err(Error::corrupt(format!("rebuild of table {:?} saw {} rows, expected {rows}", self.shared.name, index.len())));
+        }
+        index.flush()?;
+        crate::fsutil::sync_dir(&self.shared.dir)?;
+        let id = self.shared.meta.lock().id;
+        let meta = self.shared.catalog.update(|c| {
+            let m = c.tables.iter_mut().find(|m| m.id == id).ok_or_else(|| Error::corrupt("table vanished from the catalog"))?;
+            m.index_generation = generation;
+            m.grow_count += 1;
+            Ok(m.clone())
+        })?;
+        let old_path = st.index.path().to_owned();
+        st.index = index;
+        let _ = std::fs::remove_file(&old_path);
+        *self.shared.meta.lock() = meta;
+        self.shared.grows.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            table = %self.shared.name,
+            rows,
+            buckets_from = old_buckets,
+            buckets_to = buckets,
+            seconds = t0.elapsed().as_secs_f64(),
+            "table index grown"
+        );
+        Ok(())
+    }
+
+    /// Streams every `(key, row)` in chunks of at most `chunk_keys` keys. The table stays
+    /// readable and writable meanwhile; a row written during the export may appear in its
+    /// old or new form. Checks each row's checksum.
+    pub fn export(&self, chunk_keys: usize, mut f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
+        let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
+        let dim = self.shared.dim;
+        let st = self.state()?;
+        let State { index, medium } = st.as_ref().unwrap();
+        let mut keys = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
+        let mut rows = Vec::with_capacity((chunk_keys + SLOTS_PER_BUCKET) * dim);
+        let mut bucket = 0;
+        while bucket < index.bucket_count() {
+            keys.clear();
+            rows.clear();
+            {
+                let _pin = crossbeam_epoch::pin();
+                let mut bad = None;
+                while bucket < index.bucket_count() && keys.len() + SLOTS_PER_BUCKET <= chunk_keys.max(SLOTS_PER_BUCKET) {
+                    index.for_each(bucket, bucket + 1, |key, ptr| {
+                        if medium.key_at(ptr) != key || !medium.checksum_ok(ptr) {
+                            bad = Some(key);
+                            return;
+                        }
+                        keys.push(key);
+                        rows.extend_from_slice(medium.row_at(ptr));
+                    });
+                    bucket += 1;
+                }
+                if let Some(key) = bad {
+                    return Err(Error::new(
+                        ErrorKind::ChecksumMismatch,
+                        format!("table {:?}: row of key {key} fails its checksum", self.shared.name),
+                    ));
+                }
+            }
+            if !keys.is_empty() {
+                f(&keys, &rows)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes every write before this call durable: rows first, then the index.
+    pub fn flush(&self) -> Result<()> {
+        let st = self.state()?;
+        let State { index, medium } = st.as_ref().unwrap();
+        medium.flush()?;
+        index.flush()
+    }
+
+    /// Flushes, saves the free list and marks the files closed cleanly. Further calls
+    /// on any handle of this table fail with `Closed`.
+    pub(crate) fn close(&self) -> Result<()> {
+        let mut guard = self.shared.state.write();
+        let Some(st) = guard.take() else { return Ok(()) };
+        st.medium.flush()?;
+        let generation = st.index.free_list_generation() + 1;
+        st.medium.save_free_list(generation)?;
+        st.medium.flush()?;
+        st.index.mark_closed(generation)?;
+        Ok(())
+    }
+
+    /// Closes without saving anything (the table is being dropped).
+    pub(crate) fn detach(&self) {
+        self.shared.state.write().take();
+    }
+
+    pub fn stats(&self) -> Result<TableStats> {
+        let st = self.state()?;
+        let State { index, medium } = st.as_ref().unwrap();
+        let rows = index.len();
+        Ok(TableStats {
+            name: self.shared.name.clone(),
+            dim: self.shared.dim as u32,
+            dtype: self.shared.meta.lock().dtype.name(),
+            rows,
+            capacity: (self.shared.load_factor_max * index.slot_count() as f64) as u64,
+            slots: index.slot_count(),
+            buckets: index.bucket_count(),
+            load_factor: rows as f64 / index.slot_count() as f64,
+            growth: self.shared.growth,
+            grow_count: self.shared.grows.load(Ordering::Relaxed),
+            index_bytes: index.file_bytes(),
+            rows_file_bytes: medium.file_bytes(),
+            bytes_mapped: index.file_bytes() + medium.file_bytes(),
+            records_used: medium.next_record(),
+            records_free: medium.free_records(),
+            records_pending: medium.pending_records(),
+            probe_histogram: index.probe_histogram(),
+            recovered: self.shared.recovered.clone(),
+        })
+    }
+}
