@@ -83,9 +83,10 @@ fn match_fp(words: [u64; 2], fp: u8) -> u32 {
     let mut mask = 0u32;
     for (w, word) in words.into_iter().enumerate() {
         let x = word ^ pattern;
-        // Bytes of x that are zero mark equal fingerprints. The classic trick
-        // may flag a byte above a true zero too: callers compare keys anyway.
-        let mut zeros = x.wrapping_sub(LOW_BYTES) & !x & HIGH_BITS;
+        // Bytes of x that are zero mark equal fingerprints (exact: no false
+        // positives above a true zero byte, unlike the shorter borrow trick).
+        let y = (x & !HIGH_BITS).wrapping_add(!HIGH_BITS);
+        let mut zeros = !(y | x | !HIGH_BITS);
         while zeros != 0 {
             let byte = zeros.trailing_zeros() / 8;
             mask |= 1 << (w as u32 * 8 + byte);

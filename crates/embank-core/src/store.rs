@@ -73,28 +73,35 @@ impl Store {
     /// by one pass over their index.
     pub fn open(path: impl AsRef<Path>, options: StoreOptions) -> Result<Store> {
         let dir = path.as_ref().to_owned();
-        let catalog_path = dir.join(CATALOG_FILE);
-        let exists = catalog_path.exists();
+        if !dir.join(CATALOG_FILE).exists() && !options.create {
+            return Err(Error::new(ErrorKind::NotFound, format!("no embank store at {}", dir.display())));
+        }
+        std::fs::create_dir_all(&dir).map_err(|e| io_at("cannot create store directory", &dir, e))?;
+        let lock = crate::fsutil::lock_exclusive(&dir.join("LOCK"))?;
+        // Only now, under the lock, is the directory's content stable.
+        let exists = dir.join(CATALOG_FILE).exists();
         if !exists {
             if !options.create {
                 return Err(Error::new(ErrorKind::NotFound, format!("no embank store at {}", dir.display())));
             }
-            if dir.exists() && std::fs::read_dir(&dir).map(|mut d| d.next().is_some()).unwrap_or(false) {
-                let only_lock = std::fs::read_dir(&dir)
-                    .map(|d| d.flatten().all(|e| e.file_name() == "LOCK" || e.file_name() == "tables"))
-                    .unwrap_or(false);
-                if !only_lock {
-                    return Err(Error::invalid(format!(
-                        "{} is not empty and holds no embank store; refusing to create one there",
-                        dir.display()
-                    )));
-                }
+            // STORE is written last when a store is created, so a creation cut short
+            // leaves only these behind.
+            let foreign: Vec<String> = std::fs::read_dir(&dir)
+                .map_err(|e| io_at("cannot list", &dir, e))?
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| !matches!(n.as_str(), "LOCK" | "tables" | "STORE.tmp"))
+                .collect();
+            if !foreign.is_empty() {
+                return Err(Error::invalid(format!(
+                    "{} is not empty and holds no embank store (found {:?}); refusing to create one there",
+                    dir.display(),
+                    &foreign[..foreign.len().min(3)]
+                )));
             }
-            std::fs::create_dir_all(tables_dir(&dir)).map_err(|e| io_at("cannot create store directory", &dir, e))?;
         }
-        let lock = crate::fsutil::lock_exclusive(&dir.join("LOCK"))?;
-        let catalog = Arc::new(if exists { Catalog::open(&dir)? } else { Catalog::create(&dir)? });
         std::fs::create_dir_all(tables_dir(&dir)).map_err(|e| io_at("cannot create", &tables_dir(&dir), e))?;
+        let catalog = Arc::new(if exists { Catalog::open(&dir)? } else { Catalog::create(&dir)? });
         let data = catalog.snapshot();
         // Directories of tables the catalog does not know are left-overs of an
         // interrupted create or drop.

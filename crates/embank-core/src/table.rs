@@ -190,6 +190,12 @@ fn rows_path(dir: &Path) -> PathBuf {
     dir.join("rows.ebr")
 }
 
+impl std::fmt::Debug for Table {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Table").field("name", &self.shared.name).field("dim", &self.shared.dim).finish()
+    }
+}
+
 impl Table {
     /// Creates the files of a new table in `dir` (which must exist and be empty).
     pub(crate) fn create(dir: &Path, meta: TableMeta, capacity: u64, catalog: Arc<Catalog>) -> Result<Table> {

@@ -1,0 +1,73 @@
+//! Readers and writers on overlapping keys: every row is written as a constant
+//! vector, so a read that mixed two writes would show two different values.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use embank_core::{Store, StoreOptions, TableOptions};
+
+const DIM: usize = 32;
+const KEYS: u64 = 256;
+
+#[test]
+fn no_read_returns_a_mixed_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    let mut o = TableOptions::new(DIM as u32);
+    o.capacity = 16; // growth happens while readers run
+    let table = store.create_table("t", o).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut handles = Vec::new();
+    for w in 0..3u64 {
+        let (t, stop) = (table.clone(), stop.clone());
+        handles.push(std::thread::spawn(move || {
+            let mut x = w * 1_000_003 + 1;
+            let mut writes = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let keys: Vec<u64> = (0..16).map(|i| (x >> 20).wrapping_add(i * 7) % KEYS).collect();
+                let v = ((x >> 33) % 1_000_000) as f32;
+                let rows: Vec<f32> = keys.iter().flat_map(|_| [v; DIM]).collect();
+                if x % 5 == 0 {
+                    t.delete(&keys[..4]).unwrap();
+                } else {
+                    t.push(&keys, &rows).unwrap();
+                }
+                writes += 1;
+            }
+            writes
+        }));
+    }
+    for r in 0..3u64 {
+        let (t, stop) = (table.clone(), stop.clone());
+        handles.push(std::thread::spawn(move || {
+            let keys: Vec<u64> = (0..KEYS).map(|k| (k * 31 + r) % KEYS).collect();
+            let mut out = vec![0.0; keys.len() * DIM];
+            let mut found = vec![false; keys.len()];
+            let mut reads = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if reads % 2 == 0 {
+                    t.lookup(&keys, &mut out, &mut found).unwrap();
+                } else {
+                    t.pull(&keys, &mut out).unwrap();
+                }
+                for (i, row) in out.chunks(DIM).enumerate() {
+                    assert!(row.iter().all(|&x| x == row[0]), "reader {r} read {reads}: mixed row for key {}: {row:?}", keys[i]);
+                }
+                reads += 1;
+            }
+            reads
+        }));
+    }
+    while Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let counts: Vec<u64> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(counts.iter().all(|&c| c > 10), "every thread made progress: {counts:?}");
+    let stats = table.stats().unwrap();
+    assert!(stats.grow_count >= 1, "the table grew during the run");
+    assert!(stats.rows <= KEYS);
+}

@@ -1,0 +1,189 @@
+//! Crash test with real processes: a child writes, flushes and keeps writing,
+//! and is SIGKILLed at a random moment; the parent reopens the store and checks
+//! that every flushed row is present and no row is torn.
+//!
+//! `EMBANK_CRASH_KILLS` sets the number of kills (default 50; `make test-long`
+//! runs thousands). `EMBANK_CRASH_SEED` replays a run; the seed is printed.
+//!
+//! The child is this same test binary, started with `--ignored --exact crash_child`.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use embank_core::{Store, StoreOptions, TableOptions};
+
+const DIM: usize = 8;
+/// Keys rewritten in every generation.
+const STEADY: u64 = 1500;
+/// Each generation g adds keys NEW_BASE + g*NEW_PER .. + NEW_PER and deletes the
+/// first half of generation g-3's.
+const NEW_BASE: u64 = 1 << 32;
+const NEW_PER: u64 = 40;
+const FLUSH_EVERY: u64 = 3;
+
+fn row(g: u64, key: u64) -> [f32; DIM] {
+    // Even elements carry the generation, odd ones the key (mod 2^20): a torn
+    // or misplaced row shows up as a mismatch.
+    let k = (key % (1 << 20)) as f32;
+    [g as f32, k, g as f32, k, g as f32, k, g as f32, k]
+}
+
+fn new_keys(g: u64) -> std::ops::Range<u64> {
+    NEW_BASE + g * NEW_PER..NEW_BASE + (g + 1) * NEW_PER
+}
+
+fn deleted_keys(g: u64) -> std::ops::Range<u64> {
+    let r = new_keys(g);
+    r.start..r.start + NEW_PER / 2
+}
+
+/// The child: writes generations from EMBANK_CRASH_GEN on until killed.
+#[test]
+#[ignore]
+fn crash_child() {
+    let Ok(path) = std::env::var("EMBANK_CRASH_DIR") else { return };
+    let mut g: u64 = std::env::var("EMBANK_CRASH_GEN").unwrap().parse().unwrap();
+    let store = Store::open(&path, StoreOptions::default()).unwrap();
+    let table = match store.table("t") {
+        Ok(t) => t,
+        Err(_) => {
+            let mut o = TableOptions::new(DIM as u32);
+            o.capacity = 64; // grows while being killed
+            store.create_table("t", o).unwrap()
+        }
+    };
+    let steady: Vec<u64> = (0..STEADY).collect();
+    loop {
+        println!("START {g}");
+        for chunk in steady.chunks(250) {
+            let rows: Vec<f32> = chunk.iter().flat_map(|&k| row(g, k)).collect();
+            table.push(chunk, &rows).unwrap();
+        }
+        let fresh: Vec<u64> = new_keys(g).collect();
+        let rows: Vec<f32> = fresh.iter().flat_map(|&k| row(g, k)).collect();
+        table.push(&fresh, &rows).unwrap();
+        if g >= 3 {
+            let gone: Vec<u64> = deleted_keys(g - 3).collect();
+            table.delete(&gone).unwrap();
+        }
+        if g % FLUSH_EVERY == 0 {
+            table.flush().unwrap();
+            println!("FLUSHED {g}");
+        }
+        g += 1;
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[test]
+fn sigkill_loses_no_flushed_row_and_tears_none() {
+    let kills: u64 = std::env::var("EMBANK_CRASH_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+    let seed: u64 = std::env::var("EMBANK_CRASH_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
+    });
+    eprintln!("crash test: {kills} kills, EMBANK_CRASH_SEED={seed}");
+    let mut rng = Rng(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let exe = std::env::current_exe().unwrap();
+    let mut next_gen = 1u64;
+    let mut last_flushed = 0u64;
+    let mut recoveries = 0u64;
+    let t0 = Instant::now();
+    for kill in 0..kills {
+        let mut child = Command::new(&exe)
+            .args(["--ignored", "--exact", "crash_child", "--nocapture", "--test-threads", "1"])
+            .env("EMBANK_CRASH_DIR", &path)
+            .env("EMBANK_CRASH_GEN", next_gen.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            let (mut flushed, mut started) = (None, None);
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(g) = line.strip_prefix("FLUSHED ") {
+                    flushed = Some(g.parse::<u64>().unwrap());
+                } else if let Some(g) = line.strip_prefix("START ") {
+                    started = Some(g.parse::<u64>().unwrap());
+                }
+            }
+            (flushed, started)
+        });
+        // Kill somewhere between store open and a few generations in.
+        std::thread::sleep(Duration::from_millis(5 + rng.next() % 120));
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        let (flushed, started) = reader.join().unwrap();
+        if let Some(f) = flushed {
+            last_flushed = f;
+        }
+        let ctx = format!("kill {kill}, seed {seed}, last flushed gen {last_flushed}");
+
+        let store = Store::open(&path, StoreOptions::default()).unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
+        let Ok(table) = store.table("t") else {
+            assert!(started.is_none(), "{ctx}: table missing after a generation started");
+            continue;
+        };
+        if table.stats().unwrap().recovered.is_some() {
+            recoveries += 1;
+        }
+        // Steady keys: present (once anything was flushed), whole, not older than the last flush.
+        let keys: Vec<u64> = (0..STEADY).collect();
+        let mut out = vec![0.0; keys.len() * DIM];
+        let mut found = vec![false; keys.len()];
+        table.lookup(&keys, &mut out, &mut found).unwrap();
+        let mut max_gen = 0u64;
+        for (i, &k) in keys.iter().enumerate() {
+            if !found[i] {
+                assert_eq!(last_flushed, 0, "{ctx}: key {k} missing");
+                continue;
+            }
+            let r = &out[i * DIM..(i + 1) * DIM];
+            let g = r[0] as u64;
+            assert_eq!(r, &row(g, k), "{ctx}: torn row for key {k}");
+            assert!(g >= last_flushed, "{ctx}: key {k} at gen {g}, older than the flushed gen");
+            max_gen = max_gen.max(g);
+        }
+        // Keys added by flushed generations: the kept halves are present; deleted halves
+        // of generations whose deleting generation was flushed are absent.
+        for g in 1..=last_flushed {
+            let keys: Vec<u64> = new_keys(g).collect();
+            let mut out = vec![0.0; keys.len() * DIM];
+            let mut found = vec![false; keys.len()];
+            table.lookup(&keys, &mut out, &mut found).unwrap();
+            for (i, &k) in keys.iter().enumerate() {
+                let deleted = deleted_keys(g).contains(&k);
+                if deleted && g + 3 <= last_flushed {
+                    assert!(!found[i], "{ctx}: key {k} of gen {g} was deleted before a flush but is back");
+                } else if !deleted {
+                    assert!(found[i], "{ctx}: key {k} of flushed gen {g} missing");
+                }
+                if found[i] {
+                    assert_eq!(&out[i * DIM..(i + 1) * DIM], &row(g, k), "{ctx}: key {k} torn or wrong");
+                }
+            }
+        }
+        // Every stored row passes its checksum.
+        table.export(4096, |_, _| Ok(())).unwrap_or_else(|e| panic!("{ctx}: export failed: {e}"));
+        // Re-run the generation the child was killed in, so its deletes happen too.
+        assert!(max_gen <= started.unwrap_or(next_gen), "{ctx}: saw gen {max_gen}, beyond any started");
+        next_gen = started.unwrap_or(next_gen);
+        drop(table);
+        store.close().unwrap();
+    }
+    assert!(last_flushed > 0, "no flush completed in {kills} runs: the kill window is too short");
+    assert!(recoveries > 0, "no run needed recovery");
+    eprintln!("crash test: {kills} kills in {:.1}s, {recoveries} recoveries, last flushed gen {last_flushed}", t0.elapsed().as_secs_f64());
+}

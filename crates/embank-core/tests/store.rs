@@ -1,0 +1,183 @@
+//! Store-level behaviour: growth, errors, locking, drop, reopen speed path.
+
+use std::collections::HashSet;
+
+use embank_core::{ErrorKind, Initializer, Store, StoreOptions, TableOptions};
+
+fn opts(dim: u32) -> TableOptions {
+    TableOptions::new(dim)
+}
+
+#[test]
+fn growth_keeps_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let store = Store::open(&path, StoreOptions::default()).unwrap();
+    let mut o = opts(4);
+    o.capacity = 100;
+    let t = store.create_table("g", o).unwrap();
+    let n = 60_000u64;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(997) {
+        let rows: Vec<f32> = chunk.iter().flat_map(|&k| [k as f32; 4]).collect();
+        t.push(chunk, &rows).unwrap();
+    }
+    let stats = t.stats().unwrap();
+    assert!(stats.grow_count >= 5, "expected several rebuilds, saw {}", stats.grow_count);
+    assert_eq!(stats.rows, n);
+    let check = |t: &embank_core::Table| {
+        let keys: Vec<u64> = (0..n).collect();
+        let mut out = vec![0.0; keys.len() * 4];
+        let mut found = vec![false; keys.len()];
+        t.lookup(&keys, &mut out, &mut found).unwrap();
+        for k in 0..n as usize {
+            assert!(found[k], "key {k} lost");
+            assert_eq!(out[k * 4..k * 4 + 4], [k as f32; 4], "key {k}");
+        }
+    };
+    check(&t);
+    drop(t);
+    store.close().unwrap();
+    let store = Store::open(&path, StoreOptions::default()).unwrap();
+    let t = store.table("g").unwrap();
+    assert!(t.stats().unwrap().recovered.is_none(), "a clean close must not need repair");
+    check(&t);
+    // Only the current index generation is left on disk.
+    let table_dir = path.join("tables/0");
+    let indexes: Vec<_> = std::fs::read_dir(table_dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("index."))
+        .collect();
+    assert_eq!(indexes.len(), 1);
+}
+
+#[test]
+fn growth_off_reports_table_full_and_keeps_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    let mut o = opts(2);
+    o.capacity = 10;
+    o.growth = false;
+    let t = store.create_table("f", o).unwrap();
+    let cap = t.stats().unwrap().capacity;
+    let keys: Vec<u64> = (0..cap).collect();
+    t.push(&keys, &vec![1.0; keys.len() * 2]).unwrap();
+    let err = t.push(&[cap, cap + 1], &[2.0; 4]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TableFull, "{err}");
+    assert!(err.to_string().contains("growth is off"), "{err}");
+    let err = t.pull(&[cap + 5], &mut [0.0; 2]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TableFull);
+    assert_eq!(t.len().unwrap(), cap);
+    // Replacing existing rows still works when full.
+    t.push(&[0], &[3.0, 3.0]).unwrap();
+    let mut out = [0.0; 2];
+    t.pull(&[0], &mut out).unwrap();
+    assert_eq!(out, [3.0, 3.0]);
+}
+
+#[test]
+fn bad_input_is_refused_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    let t = store.create_table("t", opts(3)).unwrap();
+    t.push(&[1, 2], &[1.0, 1.0, 1.0, 2.0, 2.0, 2.0]).unwrap();
+    let err = t.push(&[3], &[1.0, 2.0]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    assert!(err.to_string().contains("dim 3"), "{err}");
+    let err = t.push(&[1, 4], &[9.0, 9.0, 9.0, f32::NAN, 0.0, 0.0]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains("key 4"), "{err}");
+    let err = t.pull(&[1], &mut [0.0; 4]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    let mut out = [0.0; 6];
+    t.pull(&[1, 2], &mut out).unwrap();
+    assert_eq!(out, [1.0, 1.0, 1.0, 2.0, 2.0, 2.0], "a refused push changed rows");
+    assert_eq!(t.len().unwrap(), 2);
+
+    for (dim, what) in [(0, "dim"), (4097, "dim")] {
+        let err = store.create_table("x", opts(dim)).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains(what));
+    }
+    for name in ["", ".hidden", "a/b", "spaces here"] {
+        assert_eq!(store.create_table(name, opts(2)).unwrap_err().kind(), ErrorKind::InvalidInput, "{name:?}");
+    }
+    assert_eq!(store.create_table("t", opts(3)).unwrap_err().kind(), ErrorKind::AlreadyExists);
+    assert_eq!(store.table("nope").unwrap_err().kind(), ErrorKind::NotFound);
+    let mut o = opts(2);
+    o.init = Initializer::Uniform { low: 1.0, high: 0.0 };
+    assert_eq!(store.create_table("u", o).unwrap_err().kind(), ErrorKind::Config);
+}
+
+#[test]
+fn lock_format_version_and_drop() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let store = Store::open(&path, StoreOptions::default()).unwrap();
+    let err = Store::open(&path, StoreOptions::default()).err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::Locked, "{err}");
+    let t = store.create_table("a", opts(2)).unwrap();
+    store.create_table("b", opts(5)).unwrap();
+    assert_eq!(store.tables().unwrap(), vec!["a", "b"]);
+    store.drop_table("a").unwrap();
+    assert_eq!(t.len().unwrap_err().kind(), ErrorKind::Closed);
+    assert_eq!(store.tables().unwrap(), vec!["b"]);
+    // A new table may take the dropped name; it starts empty.
+    let a2 = store.create_table("a", opts(2)).unwrap();
+    assert_eq!(a2.len().unwrap(), 0);
+    store.close().unwrap();
+    store.close().unwrap();
+    assert_eq!(store.tables().unwrap_err().kind(), ErrorKind::Closed);
+
+    let names: HashSet<String> =
+        std::fs::read_dir(path.join("tables")).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into()).collect();
+    assert_eq!(names.len(), 2, "dropped table's files are gone: {names:?}");
+
+    // A store of a future format version is refused clearly.
+    let catalog = std::fs::read_to_string(path.join("STORE")).unwrap();
+    std::fs::write(path.join("STORE"), catalog.replacen("embank-store 1 ", "embank-store 7 ", 1)).unwrap();
+    let err = Store::open(&path, StoreOptions::default()).err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::FormatVersion, "{err}");
+    assert!(err.to_string().contains("version 7"), "{err}");
+
+    let err = Store::open(dir.path().join("missing"), StoreOptions { create: false, ..Default::default() }).err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::NotFound);
+    std::fs::write(dir.path().join("junk.txt"), "x").unwrap();
+    let err = Store::open(dir.path(), StoreOptions::default()).err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+}
+
+#[test]
+fn never_written_rows_agree_across_stores() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rows = Vec::new();
+    for (s, order) in [("a", vec![5u64, 9, 1]), ("b", vec![1u64, 5, 9])] {
+        let store = Store::open(dir.path().join(s), StoreOptions::default()).unwrap();
+        let mut o = opts(8);
+        o.init = Initializer::Normal { mean: 0.0, std: 0.1 };
+        o.seed = 3;
+        let t = store.create_table("t", o).unwrap();
+        let mut out = vec![0.0; 24];
+        t.pull(&order, &mut out).unwrap();
+        let mut by_key: Vec<(u64, Vec<f32>)> = order.iter().enumerate().map(|(i, &k)| (k, out[i * 8..i * 8 + 8].to_vec())).collect();
+        by_key.sort_by_key(|(k, _)| *k);
+        rows.push(by_key);
+    }
+    assert_eq!(rows[0], rows[1]);
+}
+
+#[test]
+fn truncated_files_are_refused_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    {
+        let store = Store::open(&path, StoreOptions::default()).unwrap();
+        let t = store.create_table("t", opts(4)).unwrap();
+        t.push(&[1, 2, 3], &[1.0; 12]).unwrap();
+    }
+    let rows = path.join("tables/0/rows.ebr");
+    std::fs::OpenOptions::new().write(true).open(&rows).unwrap().set_len(100).unwrap();
+    let err = Store::open(&path, StoreOptions::default()).err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::Recover, "{err}");
+    assert!(err.to_string().contains("table \"t\""), "{err}");
+}
