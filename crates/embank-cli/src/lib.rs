@@ -1,1 +1,79 @@
+//! The `embank` command line. `run` is shared by the `embank` binary and by
+//! the Python package (`python -m embank`, the `embank` script).
 
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+pub mod demo;
+pub mod npy;
+pub mod tools;
+pub mod workload;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "embank",
+    version,
+    about = "embank: a tiered parameter server for huge embedding tables",
+    long_about = "embank keeps embedding tables far larger than DRAM on persistent media, \
+                  serves batched lookups at close to DRAM speed and reopens instantly after a crash.\n\n\
+                  Start with `embank demo`. Set EMBANK_LOG=info (or debug) for engine logs."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Build a store of a few million rows, run a Zipf workload of batched pulls against it
+    /// and an in-DRAM hash map, then time reopening the store.
+    Demo(demo::DemoArgs),
+    /// Show a store's tables: rows, capacity, load factor, bytes, probe lengths.
+    Inspect {
+        /// Store directory.
+        path: PathBuf,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a table's keys and rows as `<out>/<table>.keys.npy` (uint64) and `<table>.rows.npy` (float32, n x dim).
+    Export(tools::ExportArgs),
+    /// Load keys and rows from .npy files into a table (created if missing; existing keys are replaced).
+    Import(tools::ImportArgs),
+}
+
+/// Runs the command line; returns the process exit code.
+pub fn run<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("EMBANK_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let result = match cli.command {
+        Command::Demo(args) => demo::run(args),
+        Command::Inspect { path, json } => tools::inspect(&path, json),
+        Command::Export(args) => tools::export(args),
+        Command::Import(args) => tools::import(args),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(message) => {
+            eprintln!("embank: error: {message}");
+            1
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! `embank inspect`, `embank export`, `embank import`.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+use embank_core::{Initializer, Store, StoreOptions, TableOptions};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::npy::{NpyReader, NpyWriter};
+
+pub fn progress(total: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>10} [{bar:40}] {human_pos}/{human_len} ({per_sec}, {eta} left)")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(what.to_owned());
+    bar
+}
+
+fn open_existing(path: &Path) -> Result<Store, String> {
+    Store::open(path, StoreOptions { create: false, ..Default::default() }).map_err(|e| e.to_string())
+}
+
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+pub fn inspect(path: &Path, json: bool) -> Result<(), String> {
+    let store = open_existing(path)?;
+    let stats = store.stats().map_err(|e| e.to_string())?;
+    if json {
+        println!("{}", serde_json_string(&stats));
+        return Ok(());
+    }
+    println!("store {}: {} tables, {} rows, {} on disk", stats.path, stats.tables.len(), stats.rows, human_bytes(stats.bytes_on_disk));
+    println!(
+        "{:<20} {:>5} {:>12} {:>12} {:>6} {:>10} {:>10} {:>5}  probe lengths 0,1,2,..,7+",
+        "table", "dim", "rows", "capacity", "load", "index", "rows file", "grown"
+    );
+    for t in &stats.tables {
+        println!(
+            "{:<20} {:>5} {:>12} {:>12} {:>5.1}% {:>10} {:>10} {:>5}  {:?}",
+            t.name,
+            t.dim,
+            t.rows,
+            t.capacity,
+            t.load_factor * 100.0,
+            human_bytes(t.index_bytes),
+            human_bytes(t.rows_file_bytes),
+            t.grow_count,
+            t.probe_histogram
+        );
+        if let Some(r) = &t.recovered {
+            println!(
+                "{:<20} repaired on open: {} interrupted buckets, {} slots dropped, {} free records found, {:.3}s",
+                "", r.buckets_interrupted, r.slots_dropped, r.records_freed, r.seconds
+            );
+        }
+    }
+    store.close().map_err(|e| e.to_string())
+}
+
+fn serde_json_string<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string_pretty(v).expect("serializes")
+}
+
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// Store directory.
+    pub path: PathBuf,
+    /// Table to export.
+    #[arg(long)]
+    pub table: String,
+    /// Directory the .npy files go to (created if missing).
+    #[arg(long, default_value = ".")]
+    pub out: PathBuf,
+}
+
+pub fn export(args: ExportArgs) -> Result<(), String> {
+    let store = open_existing(&args.path)?;
+    let table = store.table(&args.table).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let kp = args.out.join(format!("{}.keys.npy", args.table));
+    let rp = args.out.join(format!("{}.rows.npy", args.table));
+    let mut kw = NpyWriter::create(&kp, "<u8", None).map_err(|e| format!("{}: {e}", kp.display()))?;
+    let mut rw = NpyWriter::create(&rp, "<f4", Some(table.dim())).map_err(|e| format!("{}: {e}", rp.display()))?;
+    let bar = progress(table.len().map_err(|e| e.to_string())?, "export");
+    let t0 = Instant::now();
+    let mut n = 0u64;
+    table
+        .export(65_536, |keys, rows| {
+            kw.write_u64(keys).map_err(|e| embank_core::Error::io("writing keys", e))?;
+            rw.write_f32_rows(rows).map_err(|e| embank_core::Error::io("writing rows", e))?;
+            n += keys.len() as u64;
+            bar.set_position(n);
+            Ok(())
+        })
+        .map_err(|e| e.to_string())?;
+    bar.finish_and_clear();
+    kw.finish().map_err(|e| e.to_string())?;
+    rw.finish().map_err(|e| e.to_string())?;
+    println!("exported {n} rows of {:?} to {} and {} in {:.2}s", args.table, kp.display(), rp.display(), t0.elapsed().as_secs_f64());
+    store.close().map_err(|e| e.to_string())
+}
+
+#[derive(Args, Debug)]
+pub struct ImportArgs {
+    /// Store directory (created if missing).
+    pub path: PathBuf,
+    /// Table to load into; created with the rows' dim if missing.
+    #[arg(long)]
+    pub table: String,
+    /// Keys: a 1-D .npy of uint64 (or non-negative int64).
+    #[arg(long)]
+    pub keys: PathBuf,
+    /// Rows: a 2-D .npy of float32, one row per key.
+    #[arg(long)]
+    pub rows: PathBuf,
+    /// Capacity of a newly created table (default: 1.25 x the number of keys).
+    #[arg(long)]
+    pub capacity: Option<u64>,
+    /// Initializer of a newly created table: zeros, normal:MEAN:STD, uniform:LOW:HIGH.
+    #[arg(long, default_value = "zeros")]
+    pub init: String,
+}
+
+pub fn parse_init(s: &str) -> Result<Initializer, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let num = |i: usize| -> Result<f32, String> {
+        parts.get(i).ok_or_else(|| format!("initializer {s:?} needs two numbers"))?.parse::<f32>().map_err(|e| format!("{s:?}: {e}"))
+    };
+    match parts[0] {
+        "zeros" => Ok(Initializer::Zeros),
+        "normal" => Ok(Initializer::Normal { mean: num(1)?, std: num(2)? }),
+        "uniform" => Ok(Initializer::Uniform { low: num(1)?, high: num(2)? }),
+        other => Err(format!("unknown initializer {other:?}: use zeros, normal:MEAN:STD or uniform:LOW:HIGH")),
+    }
+}
+
+pub fn import(args: ImportArgs) -> Result<(), String> {
+    let mut keys = NpyReader::open(&args.keys)?;
+    let mut rows = NpyReader::open(&args.rows)?;
+    if keys.descr != "<u8" && keys.descr != "<i8" {
+        return Err(format!("{}: keys must be uint64 or int64, found dtype {}", args.keys.display(), keys.descr));
+    }
+    if rows.descr != "<f4" {
+        return Err(format!("{}: rows must be float32, found dtype {}", args.rows.display(), rows.descr));
+    }
+    if keys.shape.len() != 1 || rows.shape.len() != 2 {
+        return Err(format!("keys must be 1-D and rows 2-D, found shapes {:?} and {:?}", keys.shape, rows.shape));
+    }
+    let (n, dim) = (keys.shape[0], rows.shape[1]);
+    if rows.shape[0] != n {
+        return Err(format!("{n} keys but {} rows", rows.shape[0]));
+    }
+    let store = Store::open(&args.path, StoreOptions::default()).map_err(|e| e.to_string())?;
+    let table = match store.table(&args.table) {
+        Ok(t) => t,
+        Err(e) if e.kind() == embank_core::ErrorKind::NotFound => {
+            let mut o = TableOptions::new(dim as u32);
+            o.capacity = args.capacity.unwrap_or((n as u64 * 5 / 4).max(1024));
+            o.init = parse_init(&args.init)?;
+            store.create_table(&args.table, o).map_err(|e| e.to_string())?
+        }
+        Err(e) => return Err(e.to_string()),
+    };
+    if table.dim() != dim {
+        return Err(format!("table {:?} has dim {}, the rows have dim {dim}", args.table, table.dim()));
+    }
+    let bar = progress(n as u64, "import");
+    let t0 = Instant::now();
+    let (mut kb, mut rb) = (Vec::new(), Vec::new());
+    let mut done = 0;
+    while done < n {
+        let m = (n - done).min(65_536);
+        keys.read_keys(m, &mut kb)?;
+        rows.read_f32(m * dim, &mut rb)?;
+        table.push(&kb, &rb).map_err(|e| format!("after {done} rows: {e}"))?;
+        done += m;
+        bar.set_position(done as u64);
+    }
+    bar.finish_and_clear();
+    store.flush().map_err(|e| e.to_string())?;
+    println!("imported {n} rows into {:?} ({} rows now) in {:.2}s", args.table, table.len().map_err(|e| e.to_string())?, t0.elapsed().as_secs_f64());
+    store.close().map_err(|e| e.to_string())
+}
