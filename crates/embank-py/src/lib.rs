@@ -262,8 +262,14 @@ impl Export {
     #[allow(clippy::type_complexity)]
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray2<f32>>)>> {
         let mut guard = self.rx.lock();
-        let Some(rx) = guard.as_ref() else { return Ok(None) };
-        match py.detach(|| rx.recv()) {
+        let Some(rx) = guard.take() else { return Ok(None) };
+        // The receiver is Send but not Sync: move it into the GIL-free section and back.
+        let (rx, message) = py.detach(move || {
+            let m = rx.recv();
+            (rx, m)
+        });
+        *guard = Some(rx);
+        match message {
             Ok(Ok((keys, rows))) => {
                 let n = keys.len();
                 let keys = PyArray1::from_vec(py, keys);

@@ -1,0 +1,47 @@
+"""embank: a tiered parameter server for huge embedding tables.
+
+>>> import embank, numpy as np, tempfile, os
+>>> with embank.open(os.path.join(tempfile.mkdtemp(), "model")) as store:
+...     users = store.create_table("user", dim=4, init=embank.init.normal(0, 0.01))
+...     users.push(np.array([7], dtype=np.uint64), np.ones((1, 4), dtype=np.float32))
+...     rows = users.pull(np.array([7, 8], dtype=np.uint64))  # key 8 is created
+...     print(rows.shape, rows[0].tolist(), len(users))
+(2, 4) [1.0, 1.0, 1.0, 1.0] 2
+"""
+
+from __future__ import annotations
+
+from . import errors, init
+from ._native import __version__
+from ._store import Store, Table, open
+from .errors import (
+    ConfigError,
+    CorruptStoreError,
+    EmbankError,
+    FormatVersionError,
+    InvalidInputError,
+    NotFoundError,
+    StoreClosedError,
+    StoreLockedError,
+    TableExistsError,
+    TableFullError,
+)
+
+__all__ = [
+    "ConfigError",
+    "CorruptStoreError",
+    "EmbankError",
+    "FormatVersionError",
+    "InvalidInputError",
+    "NotFoundError",
+    "Store",
+    "StoreClosedError",
+    "StoreLockedError",
+    "Table",
+    "TableExistsError",
+    "TableFullError",
+    "__version__",
+    "errors",
+    "init",
+    "open",
+]

@@ -1,0 +1,275 @@
+"""The public Store and Table API: a thin, typed layer over ``embank._native``.
+
+Inputs are checked here, with messages that say what was expected; the
+engine checks again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any, Union
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _native
+from .errors import InvalidInputError
+from .init import Initializer, zeros
+
+KeysLike = Union[npt.NDArray[np.integer[Any]], Sequence[int]]
+Rows = npt.NDArray[np.float32]
+
+__all__ = ["Store", "Table", "open"]
+
+
+def _keys(keys: KeysLike) -> npt.NDArray[np.uint64]:
+    """Keys as a contiguous uint64 array, without copying when they already are."""
+    if isinstance(keys, np.ndarray):
+        arr = keys
+    else:
+        arr = np.asarray(keys)
+        if arr.size == 0:
+            arr = arr.astype(np.uint64)
+    if arr.ndim != 1:
+        raise InvalidInputError(f"keys must be a 1-D array, got shape {arr.shape}")
+    if not arr.flags.c_contiguous:
+        raise InvalidInputError("keys must be a C-contiguous array (use np.ascontiguousarray)")
+    if arr.dtype == np.uint64:
+        return arr
+    if arr.dtype.kind in "iu":
+        if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
+            bad = int(arr[arr < 0][0])
+            raise InvalidInputError(f"keys must be non-negative, got {bad}")
+        if arr.dtype == np.int64:
+            return arr.view(np.uint64)
+        return arr.astype(np.uint64)
+    raise TypeError(f"keys must be uint64 (or non-negative int64), got dtype {arr.dtype}")
+
+
+def _rows(rows: Rows, n: int, dim: int, table: str) -> Rows:
+    if not isinstance(rows, np.ndarray):
+        raise TypeError(f"rows must be a float32 numpy array, got {type(rows).__name__}")
+    if rows.dtype != np.float32:
+        raise TypeError(f"rows must be float32, got dtype {rows.dtype} (use rows.astype(np.float32))")
+    if rows.ndim != 2 or rows.shape[0] != n or rows.shape[1] != dim:
+        raise InvalidInputError(
+            f"rows must have shape ({n}, {dim}) for {n} keys of table {table!r} (dim {dim}), got {rows.shape}"
+        )
+    if not rows.flags.c_contiguous:
+        raise InvalidInputError("rows must be a C-contiguous array (use np.ascontiguousarray)")
+    return rows
+
+
+class Table:
+    """One embedding table. Obtain it from :meth:`Store.create_table` or :meth:`Store.table`.
+
+    Every method takes a batch of keys; the GIL is released while the engine works.
+    """
+
+    def __init__(self, native: _native.Table) -> None:
+        self._t = native
+
+    @property
+    def name(self) -> str:
+        return self._t.name
+
+    @property
+    def dim(self) -> int:
+        return self._t.dim
+
+    @property
+    def dtype(self) -> np.dtype[np.float32]:
+        return np.dtype(np.float32)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options the table was created with."""
+        meta: dict[str, Any] = json.loads(self._t.meta_json())
+        return meta
+
+    def pull(self, keys: KeysLike) -> Rows:
+        """Rows of ``keys`` as an ``(n, dim)`` float32 array; missing rows are created
+        with the table's initializer."""
+        return self._t.pull(_keys(keys))
+
+    def lookup(
+        self, keys: KeysLike, default: float | npt.ArrayLike | None = None
+    ) -> tuple[Rows, npt.NDArray[np.bool_]]:
+        """Rows of ``keys`` and a found-mask; never creates rows.
+
+        Missing rows hold the table's ``missing`` default, or ``default`` if given
+        (a number, or a vector of ``dim`` values).
+        """
+        rows, found = self._t.lookup(_keys(keys))
+        if default is not None:
+            fill = np.asarray(default, dtype=np.float32)
+            if fill.ndim > 1 or (fill.ndim == 1 and fill.shape[0] != self.dim):
+                raise InvalidInputError(f"default must be a number or a vector of {self.dim} values")
+            rows[~found] = fill
+        return rows, found
+
+    def push(self, keys: KeysLike, rows: Rows) -> None:
+        """Writes rows (insert or replace). With duplicate keys the last row wins.
+        Non-finite values are refused and nothing is written."""
+        k = _keys(keys)
+        self._t.push(k, _rows(rows, len(k), self.dim, self.name))
+
+    def delete(self, keys: KeysLike) -> int:
+        """Deletes keys; returns how many were present."""
+        return self._t.delete(_keys(keys))
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def export(self, chunk_size: int = 65_536) -> Iterator[tuple[npt.NDArray[np.uint64], Rows]]:
+        """Streams every ``(keys, rows)`` in chunks of at most ``chunk_size`` keys."""
+        if chunk_size < 1:
+            raise InvalidInputError("chunk_size must be at least 1")
+        yield from self._t.export(chunk_size)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = json.loads(self._t.stats_json())
+        return out
+
+    def __repr__(self) -> str:
+        return f"<embank.Table {self.name!r} dim={self.dim}>"
+
+
+class Store:
+    """An open store: one directory holding one model's tables.
+
+    Use :func:`embank.open`. A store is a context manager; leaving the ``with``
+    block closes it (flushing every table).
+    """
+
+    def __init__(self, native: _native.Store) -> None:
+        self._s = native
+
+    @property
+    def path(self) -> str:
+        return str(self._s.path)
+
+    @property
+    def closed(self) -> bool:
+        return self._s.closed
+
+    def create_table(
+        self,
+        name: str,
+        dim: int,
+        *,
+        init: Initializer | None = None,
+        seed: int = 0,
+        capacity: int = 1 << 20,
+        growth: bool = True,
+        load_factor_max: float = 0.9,
+        missing: float | str = 0.0,
+    ) -> Table:
+        """Creates a table.
+
+        Args:
+            name: 1 to 128 letters, digits, ``_``, ``-`` or ``.``.
+            dim: elements per row, 1 to 4096.
+            init: value of never-written rows (default :func:`embank.init.zeros`).
+            seed: seeds the initializer and the index hash.
+            capacity: rows the index is sized for; it grows past that unless ``growth`` is off.
+            growth: grow the index when it fills; when off, a full table raises
+                :class:`~embank.errors.TableFullError`.
+            load_factor_max: fill of the index that triggers growth, in (0.7, 0.98].
+            missing: what :meth:`Table.lookup` returns for missing keys: a number, or
+                ``"init"`` for the row the initializer would create.
+        """
+        init = init or zeros()
+        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
+            raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+        if dim < 1 or dim > 4096:
+            from .errors import ConfigError
+
+            raise ConfigError(f"dim must be between 1 and 4096, got {dim}")
+        if capacity < 1 or seed < 0:
+            from .errors import ConfigError
+
+            raise ConfigError("capacity must be >= 1 and seed >= 0")
+        if missing == "init":
+            missing_kind, missing_value = "init", 0.0
+        elif isinstance(missing, (int, float)):
+            missing_kind, missing_value = ("zeros", 0.0) if missing == 0 else ("value", float(missing))
+        else:
+            raise InvalidInputError(f'missing must be a number or "init", got {missing!r}')
+        native = self._s.create_table(
+            name,
+            int(dim),
+            init.kind,
+            init.a,
+            init.b,
+            int(seed),
+            int(capacity),
+            bool(growth),
+            float(load_factor_max),
+            missing_kind,
+            missing_value,
+        )
+        return Table(native)
+
+    def table(self, name: str) -> Table:
+        """The table called ``name``; raises :class:`~embank.errors.NotFoundError` (a ``KeyError``)."""
+        return Table(self._s.table(name))
+
+    def __getitem__(self, name: str) -> Table:
+        return self.table(name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._s.tables()
+
+    def tables(self) -> list[str]:
+        """Names of all tables, sorted."""
+        return self._s.tables()
+
+    def drop_table(self, name: str) -> None:
+        """Deletes a table and its files."""
+        self._s.drop_table(name)
+
+    def flush(self) -> None:
+        """Makes every write before this call durable."""
+        self._s.flush()
+
+    def close(self) -> None:
+        """Flushes and closes every table and releases the store's lock. Idempotent."""
+        self._s.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Rows, capacity, load factor, bytes on disk and mapped, probe lengths, per table."""
+        out: dict[str, Any] = json.loads(self._s.stats_json())
+        return out
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self.tables())} tables"
+        return f"<embank.Store {self.path!r} ({state})>"
+
+
+def open(path: str | os.PathLike[str], *, create: bool = True, verify: bool = False) -> Store:
+    """Opens (or creates) the store in directory ``path``.
+
+    Serves at once: tables closed cleanly are mapped, not read; tables whose
+    process crashed are repaired by one pass over their index.
+
+    Args:
+        create: create the store if ``path`` holds none (else raise ``NotFoundError``).
+        verify: check every row's checksum on open (after a power loss).
+
+    Raises:
+        StoreLockedError: another process or handle has the store open.
+        FormatVersionError: the store was written by an unknown format version.
+    """
+    return Store(_native.Store.open(os.fspath(path), create, verify))

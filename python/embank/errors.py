@@ -1,0 +1,85 @@
+"""Exceptions raised by embank.
+
+Every error derives from :class:`EmbankError` and, where one fits, from the
+built-in exception a Python user would expect (``ValueError`` for bad input,
+``KeyError`` for an unknown table, ``OSError`` for I/O and locking, ...), so
+existing ``except`` clauses keep working.
+"""
+
+from __future__ import annotations
+
+
+class EmbankError(Exception):
+    """Base class of every embank error."""
+
+
+class InvalidInputError(EmbankError, ValueError):
+    """A call's input is wrong: dim, shape, contiguity, negative keys, bad name."""
+
+
+class ConfigError(EmbankError, ValueError):
+    """Options that cannot work: dim out of range, bad initializer, ..."""
+
+
+class NotFoundError(EmbankError, KeyError):
+    """A table (or store) does not exist."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+TableNotFoundError = NotFoundError
+
+
+class TableExistsError(EmbankError, ValueError):
+    """A table of that name exists already."""
+
+
+class TableFullError(EmbankError):
+    """The table has no room and growth is turned off."""
+
+
+class StoreLockedError(EmbankError, OSError):
+    """Another process (or another handle in this one) has the store open."""
+
+
+class FormatVersionError(EmbankError):
+    """The store was written by a format version this build cannot read."""
+
+
+class CorruptStoreError(EmbankError):
+    """Stored data failed a checksum or a consistency check."""
+
+
+class StoreClosedError(EmbankError, ValueError):
+    """The store (or the table's store) is closed."""
+
+
+class EmbankIOError(EmbankError, OSError):
+    """The operating system refused an operation."""
+
+
+class EmbankTimeoutError(EmbankError, TimeoutError):
+    """A wait ran out of time."""
+
+
+class UnsupportedError(EmbankError, NotImplementedError):
+    """Not supported by this build or medium."""
+
+
+__all__ = [
+    "ConfigError",
+    "CorruptStoreError",
+    "EmbankError",
+    "EmbankIOError",
+    "EmbankTimeoutError",
+    "FormatVersionError",
+    "InvalidInputError",
+    "NotFoundError",
+    "StoreClosedError",
+    "StoreLockedError",
+    "TableExistsError",
+    "TableFullError",
+    "TableNotFoundError",
+    "UnsupportedError",
+]
