@@ -38,7 +38,7 @@ def _keys(keys: KeysLike) -> npt.NDArray[np.uint64]:
     if not arr.flags.c_contiguous:
         raise InvalidInputError("keys must be a C-contiguous array (use np.ascontiguousarray)")
     if arr.dtype == np.uint64:
-        return arr
+        return arr.view(np.uint64)
     if arr.dtype.kind in "iu":
         if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
             bad = int(arr[arr < 0][0])

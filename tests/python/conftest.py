@@ -3,9 +3,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 import embank
+import pytest
 
 
 @pytest.fixture

@@ -9,15 +9,15 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-
-import numpy as np
-import pytest
+from typing import Any
 
 import embank
+import numpy as np
+import pytest
 from embank import errors
 
 
-def u64(*keys: int) -> np.ndarray:
+def u64(*keys: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
     return np.array(keys, dtype=np.uint64)
 
 
@@ -328,9 +328,20 @@ def test_cli_import_export_inspect(tmp_path: Path, store_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "embank", *args], capture_output=True, text=True, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "embank", *args], capture_output=True, text=True, env=env
+        )
 
-    r = cli("import", str(store_path), "--table", "emb", "--keys", str(tmp_path / "k.npy"), "--rows", str(tmp_path / "r.npy"))
+    r = cli(
+        "import",
+        str(store_path),
+        "--table",
+        "emb",
+        "--keys",
+        str(tmp_path / "k.npy"),
+        "--rows",
+        str(tmp_path / "r.npy"),
+    )
     assert r.returncode == 0, r.stderr
     assert "imported 1000 rows" in r.stdout
     r = cli("inspect", str(store_path))

@@ -57,7 +57,14 @@ pub struct Measured {
 }
 
 /// Runs `pull(batch)` from `threads` threads for `seconds` over pre-generated key batches.
-pub fn measure<F>(threads: usize, seconds: f64, batches: &[Arc<Vec<u64>>], batch: usize, dim: usize, pull: F) -> Measured
+pub fn measure<F>(
+    threads: usize,
+    seconds: f64,
+    batches: &[Arc<Vec<u64>>],
+    batch: usize,
+    dim: usize,
+    pull: F,
+) -> Measured
 where
     F: Fn(&[u64], &mut [f32]) + Sync,
 {
@@ -132,13 +139,17 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
     if args.rows == 0 || args.batch == 0 {
         return Err("--rows and --batch must be at least 1".into());
     }
-    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1);
+    let threads =
+        args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1);
     let dim = args.dim as usize;
     let tmp;
     let path = match &args.path {
         Some(p) => {
             if p.exists() {
-                return Err(format!("{} exists; give a new directory, or leave --path out for a temporary one", p.display()));
+                return Err(format!(
+                    "{} exists; give a new directory, or leave --path out for a temporary one",
+                    p.display()
+                ));
             }
             p.clone()
         }
@@ -182,7 +193,8 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
     let per_thread_batches = 2000usize;
     let batches: Vec<Arc<Vec<u64>>> = (0..threads)
         .map(|t| {
-            KeyStream::new(args.rows, args.zipf, args.seed + t as u64).map(|mut s| Arc::new(s.batches(per_thread_batches, args.batch)))
+            KeyStream::new(args.rows, args.zipf, args.seed + t as u64)
+                .map(|mut s| Arc::new(s.batches(per_thread_batches, args.batch)))
         })
         .collect::<Result<_, _>>()?;
 
@@ -227,7 +239,13 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         embank.p99_us
     );
     if let Some((b, _)) = &baseline {
-        println!("{:<34} {:>12} {:>9.1} us {:>9.1} us", "RwLock<HashMap> in DRAM", mrate(b.keys_per_second), b.p50_us, b.p99_us);
+        println!(
+            "{:<34} {:>12} {:>9.1} us {:>9.1} us",
+            "RwLock<HashMap> in DRAM",
+            mrate(b.keys_per_second),
+            b.p50_us,
+            b.p99_us
+        );
         println!("{:<34} {:>11.2}x", "embank / hash map", embank.keys_per_second / b.keys_per_second);
     }
     let _ = embank.batches;
@@ -244,7 +262,11 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
     table.pull(&batches[0][..args.batch], &mut out).map_err(|e| e.to_string())?;
     let first_batch_us = t1.elapsed().as_secs_f64() * 1e6;
     println!();
-    println!("reopen:  store reopened in {:.2} ms; first {}-key pull after it took {first_batch_us:.0} us", reopen_s * 1e3, args.batch);
+    println!(
+        "reopen:  store reopened in {:.2} ms; first {}-key pull after it took {first_batch_us:.0} us",
+        reopen_s * 1e3,
+        args.batch
+    );
     if !args.no_baseline {
         let t0 = Instant::now();
         let mut map: HashMap<u64, Vec<f32>> = HashMap::with_capacity(args.rows as usize);

@@ -86,7 +86,8 @@ fn field<'a>(dict: &'a str, name: &str) -> Option<&'a str> {
 impl NpyReader {
     pub fn open(path: &Path) -> Result<NpyReader, String> {
         let bad = |why: &str| format!("{}: not a readable .npy file: {why}", path.display());
-        let mut input = BufReader::with_capacity(1 << 20, File::open(path).map_err(|e| format!("{}: {e}", path.display()))?);
+        let mut input =
+            BufReader::with_capacity(1 << 20, File::open(path).map_err(|e| format!("{}: {e}", path.display()))?);
         let mut pre = [0u8; 8];
         input.read_exact(&mut pre).map_err(|_| bad("too short"))?;
         if &pre[..6] != MAGIC {
@@ -184,6 +185,7 @@ mod tests {
         r.read_f32(6, &mut rows).unwrap();
         assert_eq!(rows, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         std::fs::write(dir.path().join("bad.npy"), b"hello").unwrap();
-        assert!(NpyReader::open(&dir.path().join("bad.npy")).unwrap_err().contains("not a readable .npy"));
+        let err = NpyReader::open(&dir.path().join("bad.npy")).err().unwrap();
+        assert!(err.contains("not a readable .npy"), "{err}");
     }
 }

@@ -46,7 +46,13 @@ pub fn inspect(path: &Path, json: bool) -> Result<(), String> {
         println!("{}", serde_json_string(&stats));
         return Ok(());
     }
-    println!("store {}: {} tables, {} rows, {} on disk", stats.path, stats.tables.len(), stats.rows, human_bytes(stats.bytes_on_disk));
+    println!(
+        "store {}: {} tables, {} rows, {} on disk",
+        stats.path,
+        stats.tables.len(),
+        stats.rows,
+        human_bytes(stats.bytes_on_disk)
+    );
     println!(
         "{:<20} {:>5} {:>12} {:>12} {:>6} {:>10} {:>10} {:>5}  probe lengths 0,1,2,..,7+",
         "table", "dim", "rows", "capacity", "load", "index", "rows file", "grown"
@@ -113,7 +119,13 @@ pub fn export(args: ExportArgs) -> Result<(), String> {
     bar.finish_and_clear();
     kw.finish().map_err(|e| e.to_string())?;
     rw.finish().map_err(|e| e.to_string())?;
-    println!("exported {n} rows of {:?} to {} and {} in {:.2}s", args.table, kp.display(), rp.display(), t0.elapsed().as_secs_f64());
+    println!(
+        "exported {n} rows of {:?} to {} and {} in {:.2}s",
+        args.table,
+        kp.display(),
+        rp.display(),
+        t0.elapsed().as_secs_f64()
+    );
     store.close().map_err(|e| e.to_string())
 }
 
@@ -141,7 +153,11 @@ pub struct ImportArgs {
 pub fn parse_init(s: &str) -> Result<Initializer, String> {
     let parts: Vec<&str> = s.split(':').collect();
     let num = |i: usize| -> Result<f32, String> {
-        parts.get(i).ok_or_else(|| format!("initializer {s:?} needs two numbers"))?.parse::<f32>().map_err(|e| format!("{s:?}: {e}"))
+        parts
+            .get(i)
+            .ok_or_else(|| format!("initializer {s:?} needs two numbers"))?
+            .parse::<f32>()
+            .map_err(|e| format!("{s:?}: {e}"))
     };
     match parts[0] {
         "zeros" => Ok(Initializer::Zeros),
@@ -195,6 +211,11 @@ pub fn import(args: ImportArgs) -> Result<(), String> {
     }
     bar.finish_and_clear();
     store.flush().map_err(|e| e.to_string())?;
-    println!("imported {n} rows into {:?} ({} rows now) in {:.2}s", args.table, table.len().map_err(|e| e.to_string())?, t0.elapsed().as_secs_f64());
+    println!(
+        "imported {n} rows into {:?} ({} rows now) in {:.2}s",
+        args.table,
+        table.len().map_err(|e| e.to_string())?,
+        t0.elapsed().as_secs_f64()
+    );
     store.close().map_err(|e| e.to_string())
 }

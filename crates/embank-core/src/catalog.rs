@@ -84,7 +84,8 @@ pub fn decode(bytes: &[u8]) -> Result<CatalogData> {
     if crc != Some(crc32c::crc32c(body)) {
         return Err(Error::new(ErrorKind::ChecksumMismatch, "STORE file checksum mismatch"));
     }
-    serde_json::from_slice(body).map_err(|e| Error::new(ErrorKind::Recover, "STORE file body is not valid").with_source(e))
+    serde_json::from_slice(body)
+        .map_err(|e| Error::new(ErrorKind::Recover, "STORE file body is not valid").with_source(e))
 }
 
 impl Catalog {

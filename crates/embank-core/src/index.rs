@@ -217,11 +217,12 @@ impl Index {
             .map_err(|e| io_at("cannot create index file", path, e))?;
         let bytes = INDEX_HEADER_BYTES as u64 + bucket_count * BUCKET_BYTES as u64;
         file.set_len(bytes).map_err(|e| io_at("cannot size index file", path, e))?;
-        let mut map = unsafe { MmapOptions::new().map_mut(&file) }
-            .map_err(|e| io_at("cannot map index file", path, e))?;
+        let mut map =
+            unsafe { MmapOptions::new().map_mut(&file) }.map_err(|e| io_at("cannot map index file", path, e))?;
         let header = IndexHeader::new(bucket_count, seed);
         header.write(&mut map[..INDEX_HEADER_BYTES]);
-        let index = Index { path: path.to_owned(), _file: file, map, bucket_count, bucket_mask: bucket_count - 1, seed };
+        let index =
+            Index { path: path.to_owned(), _file: file, map, bucket_count, bucket_mask: bucket_count - 1, seed };
         Ok(index)
     }
 
@@ -237,16 +238,13 @@ impl Index {
             return Err(Error::new(ErrorKind::Recover, format!("index file is truncated: {len} bytes")))
                 .map_err(|e| e.context(path.display().to_string()));
         }
-        let map = unsafe { MmapOptions::new().map_mut(&file) }
-            .map_err(|e| io_at("cannot map index file", path, e))?;
-        let header = IndexHeader::read(&map[..INDEX_HEADER_BYTES]).map_err(|e| e.context(path.display().to_string()))?;
+        let map = unsafe { MmapOptions::new().map_mut(&file) }.map_err(|e| io_at("cannot map index file", path, e))?;
+        let header =
+            IndexHeader::read(&map[..INDEX_HEADER_BYTES]).map_err(|e| e.context(path.display().to_string()))?;
         let want = INDEX_HEADER_BYTES as u64 + header.bucket_count * BUCKET_BYTES as u64;
         if len != want {
-            return Err(Error::new(
-                ErrorKind::Recover,
-                format!("index file has {len} bytes, its header says {want}"),
-            )
-            .context(path.display().to_string()));
+            return Err(Error::new(ErrorKind::Recover, format!("index file has {len} bytes, its header says {want}"))
+                .context(path.display().to_string()));
         }
         Ok(Index {
             path: path.to_owned(),
@@ -279,13 +277,13 @@ impl Index {
     }
 
     fn word(&self, offset: usize) -> &AtomicU64 {
-        debug_assert!(offset % 8 == 0 && offset + 8 <= INDEX_HEADER_BYTES);
+        debug_assert!(offset.is_multiple_of(8) && offset + 8 <= INDEX_HEADER_BYTES);
         // SAFETY: inside the mapped header, 8-aligned (the map is page-aligned).
         unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU64) }
     }
 
     fn word32(&self, offset: usize) -> &AtomicU32 {
-        debug_assert!(offset % 4 == 0 && offset + 4 <= INDEX_HEADER_BYTES);
+        debug_assert!(offset.is_multiple_of(4) && offset + 4 <= INDEX_HEADER_BYTES);
         // SAFETY: as above.
         unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU32) }
     }

@@ -225,7 +225,8 @@ impl Table {
         let index = Index::open(&index_path(dir, meta.index_generation))?;
         let medium = MmapMedium::open(&rows_path(dir))?;
         if medium.dim() != meta.dim as usize {
-            return Err(Error::new(ErrorKind::Recover, "rows file dim does not match the catalog").context(dir.display().to_string()));
+            return Err(Error::new(ErrorKind::Recover, "rows file dim does not match the catalog")
+                .context(dir.display().to_string()));
         }
         let clean = index.was_closed_cleanly() && medium.load_free_list(index.free_list_generation());
         let mut recovered = None;
@@ -312,7 +313,11 @@ impl Table {
                 "{what}: table {:?} has dim {dim}, so {keys} keys need {} row elements, got {rows}{}",
                 self.shared.name,
                 keys * dim,
-                if keys > 0 && rows % keys == 0 { format!(" (rows of dim {})", rows / keys) } else { String::new() }
+                if keys > 0 && rows.is_multiple_of(keys) {
+                    format!(" (rows of dim {})", rows / keys)
+                } else {
+                    String::new()
+                }
             )));
         }
         Ok(())
@@ -563,13 +568,21 @@ impl Table {
             buckets *= 2;
         };
         if index.len() != rows {
-            return Err(Error::corrupt(format!("rebuild of table {:?} saw {} rows, expected {rows}", self.shared.name, index.len())));
+            return Err(Error::corrupt(format!(
+                "rebuild of table {:?} saw {} rows, expected {rows}",
+                self.shared.name,
+                index.len()
+            )));
         }
         index.flush()?;
         crate::fsutil::sync_dir(&self.shared.dir)?;
         let id = self.shared.meta.lock().id;
         let meta = self.shared.catalog.update(|c| {
-            let m = c.tables.iter_mut().find(|m| m.id == id).ok_or_else(|| Error::corrupt("table vanished from the catalog"))?;
+            let m = c
+                .tables
+                .iter_mut()
+                .find(|m| m.id == id)
+                .ok_or_else(|| Error::corrupt("table vanished from the catalog"))?;
             m.index_generation = generation;
             m.grow_count += 1;
             Ok(m.clone())
@@ -607,7 +620,8 @@ impl Table {
             {
                 let _pin = crossbeam_epoch::pin();
                 let mut bad = None;
-                while bucket < index.bucket_count() && keys.len() + SLOTS_PER_BUCKET <= chunk_keys.max(SLOTS_PER_BUCKET) {
+                while bucket < index.bucket_count() && keys.len() + SLOTS_PER_BUCKET <= chunk_keys.max(SLOTS_PER_BUCKET)
+                {
                     index.for_each(bucket, bucket + 1, |key, ptr| {
                         if medium.key_at(ptr) != key || !medium.checksum_ok(ptr) {
                             bad = Some(key);

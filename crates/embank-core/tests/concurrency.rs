@@ -30,7 +30,7 @@ fn no_read_returns_a_mixed_row() {
                 let keys: Vec<u64> = (0..16).map(|i| (x >> 20).wrapping_add(i * 7) % KEYS).collect();
                 let v = ((x >> 33) % 1_000_000) as f32;
                 let rows: Vec<f32> = keys.iter().flat_map(|_| [v; DIM]).collect();
-                if x % 5 == 0 {
+                if x.is_multiple_of(5) {
                     t.delete(&keys[..4]).unwrap();
                 } else {
                     t.push(&keys, &rows).unwrap();
@@ -48,13 +48,17 @@ fn no_read_returns_a_mixed_row() {
             let mut found = vec![false; keys.len()];
             let mut reads = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                if reads % 2 == 0 {
+                if reads.is_multiple_of(2) {
                     t.lookup(&keys, &mut out, &mut found).unwrap();
                 } else {
                     t.pull(&keys, &mut out).unwrap();
                 }
                 for (i, row) in out.chunks(DIM).enumerate() {
-                    assert!(row.iter().all(|&x| x == row[0]), "reader {r} read {reads}: mixed row for key {}: {row:?}", keys[i]);
+                    assert!(
+                        row.iter().all(|&x| x == row[0]),
+                        "reader {r} read {reads}: mixed row for key {}: {row:?}",
+                        keys[i]
+                    );
                 }
                 reads += 1;
             }

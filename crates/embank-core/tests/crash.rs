@@ -67,7 +67,7 @@ fn crash_child() {
             let gone: Vec<u64> = deleted_keys(g - 3).collect();
             table.delete(&gone).unwrap();
         }
-        if g % FLUSH_EVERY == 0 {
+        if g.is_multiple_of(FLUSH_EVERY) {
             table.flush().unwrap();
             println!("FLUSHED {g}");
         }
@@ -185,5 +185,8 @@ fn sigkill_loses_no_flushed_row_and_tears_none() {
     }
     assert!(last_flushed > 0, "no flush completed in {kills} runs: the kill window is too short");
     assert!(recoveries > 0, "no run needed recovery");
-    eprintln!("crash test: {kills} kills in {:.1}s, {recoveries} recoveries, last flushed gen {last_flushed}", t0.elapsed().as_secs_f64());
+    eprintln!(
+        "crash test: {kills} kills in {:.1}s, {recoveries} recoveries, last flushed gen {last_flushed}",
+        t0.elapsed().as_secs_f64()
+    );
 }

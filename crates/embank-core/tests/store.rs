@@ -129,8 +129,11 @@ fn lock_format_version_and_drop() {
     store.close().unwrap();
     assert_eq!(store.tables().unwrap_err().kind(), ErrorKind::Closed);
 
-    let names: HashSet<String> =
-        std::fs::read_dir(path.join("tables")).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into()).collect();
+    let names: HashSet<String> = std::fs::read_dir(path.join("tables"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into())
+        .collect();
     assert_eq!(names.len(), 2, "dropped table's files are gone: {names:?}");
 
     // A store of a future format version is refused clearly.
@@ -140,7 +143,8 @@ fn lock_format_version_and_drop() {
     assert_eq!(err.kind(), ErrorKind::FormatVersion, "{err}");
     assert!(err.to_string().contains("version 7"), "{err}");
 
-    let err = Store::open(dir.path().join("missing"), StoreOptions { create: false, ..Default::default() }).err().unwrap();
+    let err =
+        Store::open(dir.path().join("missing"), StoreOptions { create: false, ..Default::default() }).err().unwrap();
     assert_eq!(err.kind(), ErrorKind::NotFound);
     std::fs::write(dir.path().join("junk.txt"), "x").unwrap();
     let err = Store::open(dir.path(), StoreOptions::default()).err().unwrap();
@@ -159,7 +163,8 @@ fn never_written_rows_agree_across_stores() {
         let t = store.create_table("t", o).unwrap();
         let mut out = vec![0.0; 24];
         t.pull(&order, &mut out).unwrap();
-        let mut by_key: Vec<(u64, Vec<f32>)> = order.iter().enumerate().map(|(i, &k)| (k, out[i * 8..i * 8 + 8].to_vec())).collect();
+        let mut by_key: Vec<(u64, Vec<f32>)> =
+            order.iter().enumerate().map(|(i, &k)| (k, out[i * 8..i * 8 + 8].to_vec())).collect();
         by_key.sort_by_key(|(k, _)| *k);
         rows.push(by_key);
     }

@@ -47,6 +47,11 @@ fn to_py_err(e: core::Error) -> PyErr {
     })
 }
 
+/// Rows and found-mask of a lookup.
+type LookupResult<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<bool>>);
+/// One exported chunk, or the error that ended the export.
+type ExportChunk = Result<(Vec<u64>, Vec<f32>), core::Error>;
+
 fn slice<'a, T: numpy::Element>(a: &'a PyReadonlyArray1<'_, T>, what: &str) -> PyResult<&'a [T]> {
     a.as_slice().map_err(|_| PyValueError::new_err(format!("{what} must be a C-contiguous array")))
 }
@@ -62,9 +67,7 @@ impl Store {
     #[staticmethod]
     #[pyo3(signature = (path, create=true, verify=false))]
     fn open(py: Python<'_>, path: PathBuf, create: bool, verify: bool) -> PyResult<Store> {
-        let store = py
-            .detach(|| core::Store::open(&path, core::StoreOptions { create, verify }))
-            .map_err(to_py_err)?;
+        let store = py.detach(|| core::Store::open(&path, core::StoreOptions { create, verify })).map_err(to_py_err)?;
         Ok(Store { inner: Arc::new(store) })
     }
 
@@ -178,11 +181,7 @@ impl Table {
         Ok(out)
     }
 
-    fn lookup<'py>(
-        &self,
-        py: Python<'py>,
-        keys: PyReadonlyArray1<'py, u64>,
-    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<bool>>)> {
+    fn lookup<'py>(&self, py: Python<'py>, keys: PyReadonlyArray1<'py, u64>) -> PyResult<LookupResult<'py>> {
         let keys = slice(&keys, "keys")?;
         let out = PyArray2::<f32>::zeros(py, [keys.len(), self.inner.dim()], false);
         let found = PyArray1::<bool>::zeros(py, [keys.len()], false);
@@ -231,7 +230,7 @@ impl Table {
 
     /// Starts a streaming export; chunks of at most `chunk_keys` keys come from the iterator.
     fn export(&self, chunk_keys: usize) -> Export {
-        let (tx, rx) = sync_channel::<Result<(Vec<u64>, Vec<f32>), core::Error>>(2);
+        let (tx, rx) = sync_channel::<ExportChunk>(2);
         let table = self.inner.clone();
         std::thread::spawn(move || {
             let result = table.export(chunk_keys, |keys, rows| {
@@ -249,7 +248,7 @@ impl Table {
 /// Iterator over `(keys, rows)` chunks of an export.
 #[pyclass(module = "embank._native", frozen)]
 struct Export {
-    rx: Mutex<Option<Receiver<Result<(Vec<u64>, Vec<f32>), core::Error>>>>,
+    rx: Mutex<Option<Receiver<ExportChunk>>>,
     dim: usize,
 }
 
@@ -260,7 +259,10 @@ impl Export {
     }
 
     #[allow(clippy::type_complexity)]
-    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray2<f32>>)>> {
+    fn __next__<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray2<f32>>)>> {
         let mut guard = self.rx.lock();
         let Some(rx) = guard.take() else { return Ok(None) };
         // The receiver is Send but not Sync: move it into the GIL-free section and back.

@@ -77,7 +77,9 @@ impl MmapMedium {
         let mut first = vec![0u8; ROWS_HEADER_BYTES];
         use std::io::Read;
         (&file).read_exact(&mut first).map_err(|e| {
-            Error::new(ErrorKind::Recover, "rows file is shorter than its header").with_source(e).context(path.display().to_string())
+            Error::new(ErrorKind::Recover, "rows file is shorter than its header")
+                .with_source(e)
+                .context(path.display().to_string())
         })?;
         let header = RowsHeader::read(&first).map_err(|e| e.context(path.display().to_string()))?;
         Self::map(path, file, header)
@@ -86,7 +88,10 @@ impl MmapMedium {
     fn map(path: &Path, file: File, header: RowsHeader) -> Result<MmapMedium> {
         let len = file.metadata().map_err(|e| io_at("cannot stat rows file", path, e))?.len();
         if len > RESERVE_BYTES {
-            return Err(Error::new(ErrorKind::Unsupported, format!("rows file of {len} bytes exceeds the 1 TiB reservation")));
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("rows file of {len} bytes exceeds the 1 TiB reservation"),
+            ));
         }
         let map = MmapOptions::new()
             .len(RESERVE_BYTES as usize)
@@ -107,7 +112,10 @@ impl MmapMedium {
         if next > medium.file_records.load(Ordering::Relaxed) {
             return Err(Error::new(
                 ErrorKind::Recover,
-                format!("rows file holds {} records but {next} were handed out", medium.file_records.load(Ordering::Relaxed)),
+                format!(
+                    "rows file holds {} records but {next} were handed out",
+                    medium.file_records.load(Ordering::Relaxed)
+                ),
             )
             .context(path.display().to_string()));
         }
@@ -158,7 +166,7 @@ impl MmapMedium {
     /// True when `ptr` names a record that has been handed out.
     pub fn is_valid_ptr(&self, ptr: u64) -> bool {
         ptr >= ROWS_HEADER_BYTES as u64
-            && (ptr - ROWS_HEADER_BYTES as u64) % self.stride == 0
+            && (ptr - ROWS_HEADER_BYTES as u64).is_multiple_of(self.stride)
             && self.record_of(ptr) < self.next_record()
     }
 
@@ -238,7 +246,10 @@ impl MmapMedium {
             crossbeam_epoch::pin().flush();
             std::thread::yield_now();
         }
-        tracing::warn!(pending = self.pending_records(), "retired rows still pending at close; they are reclaimed at the next recovery");
+        tracing::warn!(
+            pending = self.pending_records(),
+            "retired rows still pending at close; they are reclaimed at the next recovery"
+        );
     }
 
     #[inline(always)]
