@@ -385,3 +385,15 @@ def test_package_docstring_example() -> None:
 
     result = doctest.testmod(embank, verbose=False)
     assert result.attempted >= 1 and result.failed == 0
+
+
+def test_abandoned_export_does_not_block_close(store_path: Path) -> None:
+    s = embank.open(store_path)
+    t = s.create_table("t", dim=2)
+    t.push(np.arange(5000, dtype=np.uint64), np.ones((5000, 2), dtype=np.float32))
+    it = t.export(chunk_size=100)
+    next(it)
+    s.close()  # must not wait for the half-read export
+    with pytest.raises(embank.StoreClosedError):
+        for _ in it:
+            pass

@@ -11,6 +11,7 @@ pub struct KeyStream {
     rng: StdRng,
     keys: u64,
     multiplier: u64,
+    offset: u64,
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
@@ -33,17 +34,19 @@ impl KeyStream {
         } else {
             Some(Zipf::new(keys as f64, zipf).map_err(|e| format!("bad zipf parameters: {e}"))?)
         };
-        // A multiplier coprime with the key count makes rank -> key a bijection.
+        // rank -> (rank * multiplier + offset) mod keys is a bijection when the
+        // multiplier is coprime with the key count; neighbouring ranks land far apart.
         let mut multiplier = (0x9E37_79B9_7F4A_7C15u64 % keys).max(1);
         while gcd(multiplier, keys) != 1 {
             multiplier += 1;
         }
-        Ok(KeyStream { zipf, rng: StdRng::seed_from_u64(seed), keys, multiplier })
+        let offset = 0x5851_F42D_4C95_7F2Du64 % keys;
+        Ok(KeyStream { zipf, rng: StdRng::seed_from_u64(seed), keys, multiplier, offset })
     }
 
     /// The key of popularity rank `rank` (0 = hottest).
     pub fn key_of_rank(&self, rank: u64) -> u64 {
-        ((rank as u128 * self.multiplier as u128) % self.keys as u128) as u64
+        ((rank as u128 * self.multiplier as u128 + self.offset as u128) % self.keys as u128) as u64
     }
 
     pub fn next_key(&mut self) -> u64 {

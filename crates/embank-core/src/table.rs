@@ -604,24 +604,36 @@ impl Table {
     }
 
     /// Streams every `(key, row)` in chunks of at most `chunk_keys` keys. The table stays
-    /// readable and writable meanwhile; a row written during the export may appear in its
-    /// old or new form. Checks each row's checksum.
+    /// readable and writable meanwhile (its lock is held per chunk, not across `f`); a row
+    /// written during the export may appear in its old or new form. If the index is rebuilt
+    /// (the table grew) between two chunks the export stops with an error, since bucket
+    /// positions changed. Checks each row's checksum.
     pub fn export(&self, chunk_keys: usize, mut f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
         let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
         let dim = self.shared.dim;
-        let st = self.state()?;
-        let State { index, medium } = st.as_ref().unwrap();
         let mut keys = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
         let mut rows = Vec::with_capacity((chunk_keys + SLOTS_PER_BUCKET) * dim);
         let mut bucket = 0;
-        while bucket < index.bucket_count() {
+        let mut generation = None;
+        loop {
             keys.clear();
             rows.clear();
             {
+                let st = self.state()?;
+                let State { index, medium } = st.as_ref().unwrap();
+                let current = self.shared.meta.lock().index_generation;
+                if *generation.get_or_insert(current) != current {
+                    return Err(Error::new(
+                        ErrorKind::Unsupported,
+                        format!("table {:?} grew during the export; run the export again", self.shared.name),
+                    ));
+                }
+                if bucket >= index.bucket_count() {
+                    return Ok(());
+                }
                 let _pin = crossbeam_epoch::pin();
                 let mut bad = None;
-                while bucket < index.bucket_count() && keys.len() + SLOTS_PER_BUCKET <= chunk_keys.max(SLOTS_PER_BUCKET)
-                {
+                while bucket < index.bucket_count() && keys.len() + SLOTS_PER_BUCKET <= chunk_keys {
                     index.for_each(bucket, bucket + 1, |key, ptr| {
                         if medium.key_at(ptr) != key || !medium.checksum_ok(ptr) {
                             bad = Some(key);
@@ -643,7 +655,6 @@ impl Table {
                 f(&keys, &rows)?;
             }
         }
-        Ok(())
     }
 
     /// Makes every write before this call durable: rows first, then the index.
