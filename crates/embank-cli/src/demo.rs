@@ -53,7 +53,6 @@ pub struct Measured {
     pub keys_per_second: f64,
     pub p50_us: f64,
     pub p99_us: f64,
-    pub batches: u64,
 }
 
 /// Runs `pull(batch)` from `threads` threads for `seconds` over pre-generated key batches.
@@ -105,7 +104,6 @@ where
         keys_per_second: keys as f64 / elapsed,
         p50_us: percentile(&lat, 50.0) as f64 / 1e3,
         p99_us: percentile(&lat, 99.0) as f64 / 1e3,
-        batches: lat.len() as u64,
     }
 }
 
@@ -248,7 +246,6 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         );
         println!("{:<34} {:>11.2}x", "embank / hash map", embank.keys_per_second / b.keys_per_second);
     }
-    let _ = embank.batches;
 
     // Reopen against rebuild.
     drop(table);

@@ -9,7 +9,6 @@
 //! exclusive lock; rows never move.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -166,7 +165,6 @@ struct Shared {
     state: RwLock<Option<State>>,
     stripes: Box<[Mutex<()>]>,
     recovered: Option<RecoverStats>,
-    grows: AtomicU64,
 }
 
 /// A handle to one table; cheap to clone, usable from many threads.
@@ -266,7 +264,6 @@ impl Table {
                 growth: meta.growth,
                 load_factor_max: meta.load_factor_max,
                 missing: meta.missing,
-                grows: AtomicU64::new(meta.grow_count),
                 meta: Mutex::new(meta),
                 dir: dir.to_owned(),
                 catalog,
@@ -591,7 +588,6 @@ impl Table {
         st.index = index;
         let _ = std::fs::remove_file(&old_path);
         *self.shared.meta.lock() = meta;
-        self.shared.grows.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             table = %self.shared.name,
             rows,
@@ -687,17 +683,18 @@ impl Table {
         let st = self.state()?;
         let State { index, medium } = st.as_ref().unwrap();
         let rows = index.len();
+        let meta = self.meta();
         Ok(TableStats {
             name: self.shared.name.clone(),
             dim: self.shared.dim as u32,
-            dtype: self.shared.meta.lock().dtype.name(),
+            dtype: meta.dtype.name(),
             rows,
             capacity: (self.shared.load_factor_max * index.slot_count() as f64) as u64,
             slots: index.slot_count(),
             buckets: index.bucket_count(),
             load_factor: rows as f64 / index.slot_count() as f64,
             growth: self.shared.growth,
-            grow_count: self.shared.grows.load(Ordering::Relaxed),
+            grow_count: meta.grow_count,
             index_bytes: index.file_bytes(),
             rows_file_bytes: medium.file_bytes(),
             bytes_mapped: index.file_bytes() + medium.file_bytes(),

@@ -18,6 +18,18 @@ fn no_read_returns_a_mixed_row() {
     o.capacity = 16; // growth happens while readers run
     let table = store.create_table("t", o).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
+    // A deadlock must fail the run, not hang it: give up loudly after 120 s.
+    let done = Arc::new(AtomicBool::new(false));
+    {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(120));
+            if !done.load(Ordering::Relaxed) {
+                eprintln!("concurrency test still running after 120 s: deadlock");
+                std::process::exit(101);
+            }
+        });
+    }
     let deadline = Instant::now() + Duration::from_secs(3);
     let mut handles = Vec::new();
     for w in 0..3u64 {
@@ -72,6 +84,7 @@ fn no_read_returns_a_mixed_row() {
     let counts: Vec<u64> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     assert!(counts.iter().all(|&c| c > 10), "every thread made progress: {counts:?}");
     let stats = table.stats().unwrap();
+    done.store(true, Ordering::Relaxed);
     assert!(stats.grow_count >= 1, "the table grew during the run");
     assert!(stats.rows <= KEYS);
 }
