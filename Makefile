@@ -2,8 +2,10 @@
 VENV := .venv
 BIN := $(VENV)/bin
 export CARGO_TERM_PROGRESS_WHEN = never
+# The bench's RocksDB baseline links Debian's librocksdb-dev instead of compiling RocksDB.
+export ROCKSDB_LIB_DIR ?= /usr/lib/x86_64-linux-gnu
 
-.PHONY: demo test test-rust test-python lint develop test-long clean
+.PHONY: demo test test-rust test-python lint develop test-long bench clean
 
 $(VENV)/.installed: requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -23,13 +25,14 @@ test: develop lint test-rust test-python
 
 lint: $(VENV)/.installed
 	cargo fmt --all --check
-	cargo clippy --workspace --all-targets --locked -- -D warnings
+	cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 	$(BIN)/ruff check python tests/python
 	$(BIN)/ruff format --check python tests/python
 	$(BIN)/mypy
 
 test-rust:
 	cargo test --workspace --exclude embank-py --locked
+	cargo test -p embank-cli --features baselines --locked --test bench_smoke
 
 test-python: develop
 	$(BIN)/pytest -q
@@ -37,6 +40,11 @@ test-python: develop
 # The crash test with thousands of SIGKILLs (a few minutes).
 test-long:
 	EMBANK_CRASH_KILLS=3000 cargo test -p embank-core --release --locked --test crash -- --nocapture
+
+# The bench with every baseline engine; pass arguments with ARGS="--workload ycsb-b ...".
+bench:
+	cargo build --release --locked -p embank-cli --features baselines
+	target/release/embank bench $(ARGS)
 
 clean:
 	cargo clean

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
+pub mod bench;
 pub mod demo;
 pub mod npy;
 pub mod tools;
@@ -30,6 +31,9 @@ enum Command {
     /// Build a store of a few million rows, run a Zipf workload of batched pulls against it
     /// and an in-DRAM hash map, then time reopening the store.
     Demo(demo::DemoArgs),
+    /// Run a DESIGN.md workload against embank and baseline engines side by side, next to
+    /// the machine's physical limits (see docs/BENCHMARKS.md).
+    Bench(bench::BenchArgs),
     /// Show a store's tables: rows, capacity, load factor, bytes, probe lengths.
     Inspect {
         /// Store directory.
@@ -66,6 +70,7 @@ where
         .try_init();
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
+        Command::Bench(args) => bench::run(args),
         Command::Inspect { path, json } => tools::inspect(&path, json),
         Command::Export(args) => tools::export(args),
         Command::Import(args) => tools::import(args),

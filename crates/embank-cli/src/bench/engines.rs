@@ -1,0 +1,95 @@
+//! Engines the bench drives: embank and the baselines a user would otherwise pick.
+//!
+//! Every engine gets the same keys and rows, loads them in a separately timed
+//! phase, and then serves batches of `pull` and `push` from several threads.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use embank_core::{Store, StoreOptions, Table, TableOptions};
+use parking_lot::RwLock;
+
+/// A key-value engine holding rows of `dim` f32 per u64 key.
+pub trait Engine: Sync {
+    fn name(&self) -> &'static str;
+    /// Writes rows; used for the load phase and for pushes in the measured phase.
+    fn push(&self, thread: usize, keys: &[u64], rows: &[f32]) -> Result<(), String>;
+    /// Reads rows of keys that exist into `out` (`keys.len() * dim`).
+    fn pull(&self, thread: usize, keys: &[u64], out: &mut [f32]) -> Result<(), String>;
+    /// Bytes of DRAM the engine holds outside this process (a server's), if any.
+    fn external_resident_bytes(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// The embedded embank store on the mmap medium.
+pub struct EmbankMmap {
+    _store: Store,
+    table: Table,
+}
+
+impl EmbankMmap {
+    pub fn open(dir: &Path, keys: u64, dim: u32) -> Result<Self, String> {
+        let store = Store::open(dir.join("embank"), StoreOptions::default()).map_err(|e| e.to_string())?;
+        let mut o = TableOptions::new(dim);
+        o.capacity = keys;
+        let table = store.create_table("bench", o).map_err(|e| e.to_string())?;
+        Ok(EmbankMmap { _store: store, table })
+    }
+}
+
+impl Engine for EmbankMmap {
+    fn name(&self) -> &'static str {
+        "embank-mmap"
+    }
+    fn push(&self, _: usize, keys: &[u64], rows: &[f32]) -> Result<(), String> {
+        self.table.push(keys, rows).map_err(|e| e.to_string())
+    }
+    fn pull(&self, _: usize, keys: &[u64], out: &mut [f32]) -> Result<(), String> {
+        self.table.pull(keys, out).map_err(|e| e.to_string())
+    }
+}
+
+/// Shards of the classic in-DRAM parameter server.
+pub const HASHMAP_SHARDS: usize = 32;
+
+/// The classic in-DRAM parameter server: `HashMap<u64, Box<[f32]>>` in 32 shards
+/// behind read-write locks; a batch takes each shard's lock once per key.
+pub struct ShardedHashMap {
+    shards: Vec<RwLock<HashMap<u64, Box<[f32]>>>>,
+    dim: usize,
+}
+
+impl ShardedHashMap {
+    pub fn new(keys: u64, dim: usize) -> Self {
+        let per = (keys as usize / HASHMAP_SHARDS) + 1;
+        ShardedHashMap { shards: (0..HASHMAP_SHARDS).map(|_| RwLock::new(HashMap::with_capacity(per))).collect(), dim }
+    }
+
+    #[inline]
+    fn shard(&self, key: u64) -> &RwLock<HashMap<u64, Box<[f32]>>> {
+        // The std hasher hashes again inside the shard; pick the shard by a cheap mix.
+        &self.shards[(key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 59) as usize % HASHMAP_SHARDS]
+    }
+}
+
+impl Engine for ShardedHashMap {
+    fn name(&self) -> &'static str {
+        "hashmap"
+    }
+    fn push(&self, _: usize, keys: &[u64], rows: &[f32]) -> Result<(), String> {
+        for (i, &k) in keys.iter().enumerate() {
+            let row: Box<[f32]> = rows[i * self.dim..(i + 1) * self.dim].into();
+            self.shard(k).write().insert(k, row);
+        }
+        Ok(())
+    }
+    fn pull(&self, _: usize, keys: &[u64], out: &mut [f32]) -> Result<(), String> {
+        for (i, &k) in keys.iter().enumerate() {
+            let shard = self.shard(k).read();
+            let row = shard.get(&k).ok_or_else(|| format!("hashmap: key {k} missing"))?;
+            out[i * self.dim..(i + 1) * self.dim].copy_from_slice(row);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,470 @@
+//! `embank bench`: the DESIGN.md workloads against real baselines, side by side
+//! in one run, next to the physical limits of the machine measured in the same run.
+
+#[cfg(feature = "baselines")]
+pub mod baselines;
+pub mod engines;
+pub mod limits;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::tools::{human_bytes, progress};
+use crate::workload::{percentile, row_for, KeyStream};
+use engines::Engine;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Workload {
+    /// 100 % pull.
+    YcsbC,
+    /// 95 % pull, 5 % push (per batch).
+    YcsbB,
+    /// 50 % pull, 50 % push.
+    YcsbA,
+    /// 100 % pull with a power law of exponent 1.2 (hot set much smaller than the keys).
+    HpsA,
+    /// Each batch pulls rows, then pushes updated rows for the same keys.
+    Train,
+}
+
+impl Workload {
+    fn push_fraction(self) -> f64 {
+        match self {
+            Workload::YcsbC | Workload::HpsA | Workload::Train => 0.0,
+            Workload::YcsbB => 0.05,
+            Workload::YcsbA => 0.5,
+        }
+    }
+
+    fn default_zipf(self) -> f64 {
+        if self == Workload::HpsA {
+            1.2
+        } else {
+            0.99
+        }
+    }
+}
+
+/// Every engine this build knows, in report order.
+pub const ENGINES: [&str; 5] = ["embank-mmap", "hashmap", "rocksdb", "lmdb", "redis"];
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Access pattern: ycsb-c (all pulls), ycsb-b (95/5 pull/push), ycsb-a (50/50), hps-a (Zipf 1.2 pulls), train (pull then push).
+    #[arg(long, value_enum, default_value = "ycsb-c")]
+    pub workload: Workload,
+    /// Keys loaded into every engine (key space 0..N).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub keys: u64,
+    /// Elements (f32) per row.
+    #[arg(long, default_value_t = 128)]
+    pub dim: u32,
+    /// Keys per request.
+    #[arg(long, default_value_t = 500)]
+    pub batch: usize,
+    /// Zipf exponent of key popularity (0 = uniform); default 0.99, or 1.2 for hps-a.
+    #[arg(long)]
+    pub zipf: Option<f64>,
+    /// Client threads (default: the number of cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Seconds each engine is measured.
+    #[arg(long, default_value_t = 10.0, conflicts_with = "ops")]
+    pub duration: f64,
+    /// Measure a fixed number of batches per engine instead of a duration.
+    #[arg(long)]
+    pub ops: Option<u64>,
+    /// Comma-separated engines: embank-mmap, hashmap, rocksdb, lmdb, redis.
+    #[arg(long, value_delimiter = ',', default_value = "embank-mmap,hashmap,rocksdb,lmdb,redis")]
+    pub engines: Vec<String>,
+    /// Seed of the key streams and operation mix.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Write results as JSON here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Directory for the engines' files (default: a temporary directory, removed after).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// A few seconds in all: 20 000 keys, dim 16, 0.3 s per engine. Keeps the bench from rotting.
+    #[arg(long)]
+    pub smoke: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct EngineResult {
+    pub engine: String,
+    /// Why the engine was not measured, when it was not.
+    pub skipped: Option<String>,
+    pub load_seconds: f64,
+    pub keys_per_second: f64,
+    pub latency_us_p50: f64,
+    pub latency_us_p99: f64,
+    pub latency_us_p999: f64,
+    pub batches: u64,
+    pub resident_bytes: u64,
+    pub ratio_to_hashmap: Option<f64>,
+    pub fraction_of_gather: f64,
+    pub fraction_of_copy_bound: f64,
+    /// Latency CDF: (microseconds, fraction of batches at or below).
+    pub latency_cdf: Vec<(f64, f64)>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub workload: Workload,
+    pub keys: u64,
+    pub dim: u32,
+    pub batch: usize,
+    pub zipf: f64,
+    pub threads: usize,
+    pub seed: u64,
+    pub machine: String,
+    pub copy_gb_per_second: f64,
+    pub copy_bound_keys_per_second: f64,
+    pub gather_keys_per_second: f64,
+    pub engines: Vec<EngineResult>,
+}
+
+fn skipped(engine: &str, why: String) -> EngineResult {
+    EngineResult {
+        engine: engine.to_owned(),
+        skipped: Some(why),
+        load_seconds: 0.0,
+        keys_per_second: 0.0,
+        latency_us_p50: 0.0,
+        latency_us_p99: 0.0,
+        latency_us_p999: 0.0,
+        batches: 0,
+        resident_bytes: 0,
+        ratio_to_hashmap: None,
+        fraction_of_gather: 0.0,
+        fraction_of_copy_bound: 0.0,
+        latency_cdf: Vec::new(),
+    }
+}
+
+/// Resident set of this process in bytes.
+pub fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()))
+        .map_or(0, |pages| pages * 4096)
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| s.lines().next().and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .map_or(String::new(), |kb| format!(", {} RAM", human_bytes(kb * 1024)));
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    format!("{cores} cores, {cpu}{mem}")
+}
+
+/// Key batches per thread, generated before anything is timed.
+struct Streams {
+    batches: Vec<Vec<u64>>,
+    pushes: Vec<Vec<bool>>,
+}
+
+const BATCHES_PER_THREAD: usize = 1000;
+
+fn streams(args: &BenchArgs, threads: usize, zipf: f64) -> Result<Streams, String> {
+    let mut batches = Vec::new();
+    let mut pushes = Vec::new();
+    for t in 0..threads {
+        let seed = args.seed.wrapping_add(t as u64 * 7919);
+        let mut s = KeyStream::new(args.keys, zipf, seed)?;
+        batches.push(s.batches(BATCHES_PER_THREAD, args.batch));
+        let mut rng = StdRng::seed_from_u64(seed ^ 0xABCD);
+        pushes.push((0..BATCHES_PER_THREAD).map(|_| rng.random::<f64>() < args.workload.push_fraction()).collect());
+    }
+    Ok(Streams { batches, pushes })
+}
+
+fn load(engine: &dyn Engine, keys: u64, dim: usize) -> Result<f64, String> {
+    let bar = progress(keys, engine.name());
+    let t0 = Instant::now();
+    let chunk = 10_000u64;
+    let mut ks = Vec::with_capacity(chunk as usize);
+    let mut rows = vec![0f32; chunk as usize * dim];
+    let mut k = 0;
+    while k < keys {
+        let m = chunk.min(keys - k);
+        ks.clear();
+        ks.extend(k..k + m);
+        for (i, &key) in ks.iter().enumerate() {
+            row_for(key, &mut rows[i * dim..(i + 1) * dim]);
+        }
+        engine.push(0, &ks, &rows[..m as usize * dim])?;
+        k += m;
+        bar.set_position(k);
+    }
+    bar.finish_and_clear();
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+/// The measured phase: every thread replays its batches until the deadline or its share of `ops`.
+fn measure(
+    engine: &dyn Engine,
+    args: &BenchArgs,
+    threads: usize,
+    streams: &Streams,
+) -> Result<(f64, Vec<u64>), String> {
+    let dim = args.dim as usize;
+    let batch = args.batch;
+    let deadline = Instant::now() + Duration::from_secs_f64(args.duration);
+    let ops_left = AtomicU64::new(args.ops.unwrap_or(u64::MAX));
+    let train = args.workload == Workload::Train;
+    let bar = progress(args.ops.unwrap_or((args.duration * 10.0) as u64), "measure");
+    let t0 = Instant::now();
+    let results: Vec<Result<Vec<u64>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (keys, pushes, ops_left, bar) = (&streams.batches[t], &streams.pushes[t], &ops_left, &bar);
+                s.spawn(move || -> Result<Vec<u64>, String> {
+                    let mut out = vec![0f32; batch * dim];
+                    let mut rows = vec![0f32; batch * dim];
+                    for (i, x) in rows.iter_mut().enumerate() {
+                        *x = (i % 97) as f32 * 0.01;
+                    }
+                    let mut lat = Vec::with_capacity(1 << 16);
+                    let mut i = 0usize;
+                    loop {
+                        if args.ops.is_some() {
+                            if ops_left.fetch_sub(1, Ordering::Relaxed) == 0
+                                || ops_left.load(Ordering::Relaxed) > u64::MAX / 2
+                            {
+                                break;
+                            }
+                        } else if Instant::now() >= deadline {
+                            break;
+                        }
+                        let b = i % BATCHES_PER_THREAD;
+                        let ks = &keys[b * batch..(b + 1) * batch];
+                        let start = Instant::now();
+                        if train {
+                            engine.pull(t, ks, &mut out)?;
+                            for x in out.iter_mut() {
+                                *x -= 0.001;
+                            }
+                            engine.push(t, ks, &out)?;
+                        } else if pushes[b] {
+                            engine.push(t, ks, &rows)?;
+                        } else {
+                            engine.pull(t, ks, &mut out)?;
+                        }
+                        lat.push(start.elapsed().as_nanos() as u64);
+                        std::hint::black_box(&out);
+                        i += 1;
+                        if t == 0 && i.is_multiple_of(64) {
+                            bar.set_position(match args.ops {
+                                Some(ops) => ops.saturating_sub(ops_left.load(Ordering::Relaxed)),
+                                None => (t0.elapsed().as_secs_f64() * 10.0) as u64,
+                            });
+                        }
+                    }
+                    Ok(lat)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a bench thread panicked".into()))).collect()
+    });
+    let elapsed = t0.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let mut lat = Vec::new();
+    for r in results {
+        lat.extend(r?);
+    }
+    lat.sort_unstable();
+    Ok((elapsed, lat))
+}
+
+fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usize) -> Result<Box<dyn Engine>, String> {
+    let dim = args.dim as usize;
+    // What every engine may keep in DRAM: the whole data set (rows only).
+    let dram_bytes = args.keys * dim as u64 * 4;
+    let _ = (threads, dram_bytes);
+    match name {
+        "embank-mmap" => Ok(Box::new(engines::EmbankMmap::open(dir, args.keys, args.dim)?)),
+        "hashmap" => Ok(Box::new(engines::ShardedHashMap::new(args.keys, dim))),
+        #[cfg(feature = "baselines")]
+        "lmdb" => Ok(Box::new(baselines::Lmdb::open(dir, args.keys, dim)?)),
+        #[cfg(feature = "baselines")]
+        "rocksdb" => Ok(Box::new(baselines::Rocks::open(dir, dram_bytes, dim)?)),
+        #[cfg(feature = "baselines")]
+        "redis" => Ok(Box::new(baselines::Redis::start(dir, threads, dim)?)),
+        #[cfg(not(feature = "baselines"))]
+        "rocksdb" | "lmdb" | "redis" => Err(format!(
+            "{name} is a baseline: this embank was built without them (cargo build --release -p embank-cli --features baselines)"
+        )),
+        other => Err(format!("unknown engine {other:?}; known: {}", ENGINES.join(", "))),
+    }
+}
+
+pub fn run(mut args: BenchArgs) -> Result<(), String> {
+    if args.smoke {
+        args.keys = 20_000;
+        args.dim = 16;
+        args.duration = 0.3;
+        args.ops = None;
+    }
+    if args.keys == 0 || args.batch == 0 || args.dim == 0 {
+        return Err("--keys, --batch and --dim must be at least 1".into());
+    }
+    for e in &args.engines {
+        if !ENGINES.contains(&e.as_str()) {
+            return Err(format!("unknown engine {e:?}; known: {}", ENGINES.join(", ")));
+        }
+    }
+    let threads =
+        args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1);
+    let zipf = args.zipf.unwrap_or(args.workload.default_zipf());
+    let dim = args.dim as usize;
+    let tmp;
+    let dir = match &args.dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+            d.clone()
+        }
+        None => {
+            tmp = tempfile::Builder::new().prefix("embank-bench-").tempdir().map_err(|e| e.to_string())?;
+            tmp.path().to_owned()
+        }
+    };
+    let machine = machine();
+    println!(
+        "embank bench {:?}: {} keys x dim {} f32, batch {}, Zipf {}, {} threads, {} per engine; {}",
+        args.workload,
+        args.keys,
+        dim,
+        args.batch,
+        zipf,
+        threads,
+        args.ops.map_or(format!("{}s", args.duration), |o| format!("{o} batches")),
+        machine
+    );
+    let streams = streams(&args, threads, zipf)?;
+
+    // Physical limits first, while memory is empty.
+    let copy = limits::copy_bandwidth();
+    let row_bytes = (dim * 4) as f64;
+    let copy_bound = copy * 1e9 / (2.0 * row_bytes);
+    let gather = limits::gather(args.keys, dim, &streams.batches, args.batch, args.duration.min(3.0));
+    println!(
+        "limits: memory copy {copy:.1} GB/s (read + write) bounds pulls at {:.1} M keys/s; index-free prefetched gather {:.1} M keys/s",
+        copy_bound / 1e6,
+        gather / 1e6
+    );
+
+    let mut results = Vec::new();
+    for name in &args.engines {
+        let rss0 = rss_bytes();
+        let engine = match open_engine(name, &dir, &args, threads) {
+            Ok(e) => e,
+            Err(why) => {
+                println!("{name:<12} skipped: {why}");
+                results.push(skipped(name, why));
+                continue;
+            }
+        };
+        let outcome = load(engine.as_ref(), args.keys, dim).and_then(|load_s| {
+            let resident = rss_bytes().saturating_sub(rss0) + engine.external_resident_bytes().unwrap_or(0);
+            measure(engine.as_ref(), &args, threads, &streams).map(|(secs, lat)| (load_s, resident, secs, lat))
+        });
+        drop(engine);
+        let (load_s, resident, secs, lat) = match outcome {
+            Ok(x) => x,
+            Err(why) => {
+                println!("{name:<12} failed: {why}");
+                results.push(skipped(name, format!("failed: {why}")));
+                continue;
+            }
+        };
+        let kps = (lat.len() * args.batch) as f64 / secs;
+        let cdf = (1..=100).map(|p| (percentile(&lat, p as f64) as f64 / 1e3, p as f64 / 100.0)).collect();
+        results.push(EngineResult {
+            engine: name.clone(),
+            skipped: None,
+            load_seconds: load_s,
+            keys_per_second: kps,
+            latency_us_p50: percentile(&lat, 50.0) as f64 / 1e3,
+            latency_us_p99: percentile(&lat, 99.0) as f64 / 1e3,
+            latency_us_p999: percentile(&lat, 99.9) as f64 / 1e3,
+            batches: lat.len() as u64,
+            resident_bytes: resident,
+            ratio_to_hashmap: None,
+            fraction_of_gather: kps / gather,
+            fraction_of_copy_bound: kps / copy_bound,
+            latency_cdf: cdf,
+        });
+        println!("{name:<12} done: {:.2} M keys/s", kps / 1e6);
+    }
+    if let Some(base) = results.iter().find(|r| r.engine == "hashmap" && r.skipped.is_none()).map(|r| r.keys_per_second)
+    {
+        for r in results.iter_mut().filter(|r| r.skipped.is_none()) {
+            r.ratio_to_hashmap = Some(r.keys_per_second / base);
+        }
+    }
+    let report = Report {
+        workload: args.workload,
+        keys: args.keys,
+        dim: args.dim,
+        batch: args.batch,
+        zipf,
+        threads,
+        seed: args.seed,
+        machine,
+        copy_gb_per_second: copy,
+        copy_bound_keys_per_second: copy_bound,
+        gather_keys_per_second: gather,
+        engines: results,
+    };
+    print_table(&report);
+    if let Some(out) = &args.out {
+        std::fs::write(out, serde_json::to_string_pretty(&report).expect("serializes"))
+            .map_err(|e| format!("{}: {e}", out.display()))?;
+        println!("results written to {}", out.display());
+    }
+    Ok(())
+}
+
+fn print_table(r: &Report) {
+    println!();
+    println!(
+        "{:<12} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8} {:>8}",
+        "engine", "load s", "keys/s", "p50 us", "p99 us", "p999 us", "resident", "vs hash", "of gath", "of copy"
+    );
+    for e in &r.engines {
+        if let Some(why) = &e.skipped {
+            println!("{:<12} skipped: {why}", e.engine);
+            continue;
+        }
+        println!(
+            "{:<12} {:>8.2} {:>9.2}M {:>9.1} {:>9.1} {:>9.1} {:>10} {:>9} {:>7.0}% {:>7.0}%",
+            e.engine,
+            e.load_seconds,
+            e.keys_per_second / 1e6,
+            e.latency_us_p50,
+            e.latency_us_p99,
+            e.latency_us_p999,
+            human_bytes(e.resident_bytes),
+            e.ratio_to_hashmap.map_or("-".into(), |x| format!("{x:.2}x")),
+            e.fraction_of_gather * 100.0,
+            e.fraction_of_copy_bound * 100.0
+        );
+    }
+}

@@ -1,0 +1,38 @@
+//! `embank bench --smoke` runs every engine (a few seconds) so the bench never rots.
+//! Built with `--features baselines`, every engine must be measured; without it the
+//! baselines must be reported as skipped with the reason.
+
+use std::process::Command;
+
+#[test]
+fn smoke_runs_or_explains_every_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results.json");
+    for workload in ["ycsb-c", "ycsb-a", "train"] {
+        let run = Command::new(env!("CARGO_BIN_EXE_embank"))
+            .args(["bench", "--smoke", "--workload", workload, "--out"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        assert!(run.status.success(), "{workload}: {stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+        let engines = report["engines"].as_array().unwrap();
+        assert_eq!(engines.len(), 5, "{workload}: every engine is reported");
+        assert!(report["gather_keys_per_second"].as_f64().unwrap() > 0.0);
+        for e in engines {
+            let name = e["engine"].as_str().unwrap();
+            let baseline = matches!(name, "rocksdb" | "lmdb" | "redis");
+            if baseline && !cfg!(feature = "baselines") {
+                let why = e["skipped"].as_str().unwrap_or_else(|| panic!("{name} neither measured nor skipped"));
+                assert!(why.contains("--features baselines"), "{name}: {why}");
+            } else {
+                assert!(e["skipped"].is_null(), "{workload}: {name} was not measured: {}", e["skipped"]);
+                assert!(e["keys_per_second"].as_f64().unwrap() > 0.0, "{workload}: {name}");
+                assert!(e["latency_us_p99"].as_f64().unwrap() >= e["latency_us_p50"].as_f64().unwrap());
+                assert!(e["ratio_to_hashmap"].as_f64().is_some(), "{name}");
+            }
+        }
+        assert!(stdout.contains("vs hash"), "{stdout}");
+    }
+}
