@@ -100,6 +100,12 @@ impl Engine for Rocks {
     fn name(&self) -> &'static str {
         "rocksdb"
     }
+    /// After a bulk load its users compact, so reads see one sorted level.
+    fn finish_load(&self) -> Result<(), String> {
+        self.db.flush().map_err(|e| e.to_string())?;
+        self.db.compact_range::<&[u8], &[u8]>(None, None);
+        Ok(())
+    }
     fn push(&self, _: usize, keys: &[u64], rows: &[f32]) -> Result<(), String> {
         let mut batch = rocksdb::WriteBatch::default();
         for (i, &k) in keys.iter().enumerate() {

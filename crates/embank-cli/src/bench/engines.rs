@@ -16,6 +16,10 @@ pub trait Engine: Sync {
     fn push(&self, thread: usize, keys: &[u64], rows: &[f32]) -> Result<(), String>;
     /// Reads rows of keys that exist into `out` (`keys.len() * dim`).
     fn pull(&self, thread: usize, keys: &[u64], out: &mut [f32]) -> Result<(), String>;
+    /// Called once after the bulk load, inside the timed load phase (e.g. a compaction).
+    fn finish_load(&self) -> Result<(), String> {
+        Ok(())
+    }
     /// Bytes of DRAM the engine holds outside this process (a server's), if any.
     fn external_resident_bytes(&self) -> Option<u64> {
         None

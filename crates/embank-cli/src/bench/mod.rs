@@ -5,6 +5,7 @@
 pub mod baselines;
 pub mod engines;
 pub mod limits;
+pub mod plot;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,6 +36,11 @@ pub enum Workload {
 }
 
 impl Workload {
+    /// The name used on the command line (`ycsb-c`, ...).
+    pub fn name(self) -> String {
+        self.to_possible_value().map_or_else(|| format!("{self:?}"), |v| v.get_name().to_owned())
+    }
+
     fn push_fraction(self) -> f64 {
         match self {
             Workload::YcsbC | Workload::HpsA | Workload::Train => 0.0,
@@ -214,6 +220,7 @@ fn load(engine: &dyn Engine, keys: u64, dim: usize) -> Result<f64, String> {
         bar.set_position(k);
     }
     bar.finish_and_clear();
+    engine.finish_load()?;
     Ok(t0.elapsed().as_secs_f64())
 }
 
@@ -347,8 +354,8 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
     };
     let machine = machine();
     println!(
-        "embank bench {:?}: {} keys x dim {} f32, batch {}, Zipf {}, {} threads, {} per engine; {}",
-        args.workload,
+        "embank bench {}: {} keys x dim {} f32, batch {}, Zipf {}, {} threads, {} per engine; {}",
+        args.workload.name(),
         args.keys,
         dim,
         args.batch,
@@ -382,8 +389,10 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             }
         };
         let outcome = load(engine.as_ref(), args.keys, dim).and_then(|load_s| {
+            let (secs, lat) = measure(engine.as_ref(), &args, threads, &streams)?;
+            // Resident after the measured phase, so caches filled by it count.
             let resident = rss_bytes().saturating_sub(rss0) + engine.external_resident_bytes().unwrap_or(0);
-            measure(engine.as_ref(), &args, threads, &streams).map(|(secs, lat)| (load_s, resident, secs, lat))
+            Ok((load_s, resident, secs, lat))
         });
         drop(engine);
         let (load_s, resident, secs, lat) = match outcome {
@@ -438,6 +447,11 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         std::fs::write(out, serde_json::to_string_pretty(&report).expect("serializes"))
             .map_err(|e| format!("{}: {e}", out.display()))?;
         println!("results written to {}", out.display());
+        let png = out.with_extension("png");
+        match plot::draw(&report, &png) {
+            Ok(()) => println!("plot written to {}", png.display()),
+            Err(why) => println!("plot skipped: {why}"),
+        }
     }
     Ok(())
 }
