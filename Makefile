@@ -2,8 +2,6 @@
 VENV := .venv
 BIN := $(VENV)/bin
 export CARGO_TERM_PROGRESS_WHEN = never
-# The bench's RocksDB baseline links Debian's librocksdb-dev instead of compiling RocksDB.
-export ROCKSDB_LIB_DIR ?= /usr/lib/x86_64-linux-gnu
 
 .PHONY: demo test test-rust test-python lint develop test-long bench clean
 
