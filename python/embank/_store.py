@@ -121,6 +121,12 @@ class Table:
         """Deletes keys; returns how many were present."""
         return self._t.delete(_keys(keys))
 
+    def lookahead(self, keys: KeysLike) -> bool:
+        """Loads these rows into the DRAM row cache in the background, so a later
+        :meth:`pull` of them hits. Returns at once; ``False`` if the request queue
+        was full and the hint was dropped (it is only a hint)."""
+        return self._t.lookahead(_keys(keys))
+
     def __len__(self) -> int:
         return len(self._t)
 
@@ -167,6 +173,8 @@ class Store:
         growth: bool = True,
         load_factor_max: float = 0.9,
         missing: float | str = 0.0,
+        medium: str = "mmap",
+        placement: str = "auto",
     ) -> Table:
         """Creates a table.
 
@@ -181,6 +189,13 @@ class Store:
             load_factor_max: fill of the index that triggers growth, in (0.7, 0.98].
             missing: what :meth:`Table.lookup` returns for missing keys: a number, or
                 ``"init"`` for the row the initializer would create.
+            medium: ``"mmap"`` (a memory-mapped file: persistent memory, CXL, page cache)
+                or ``"block"`` (a data file read with O_DIRECT through io_uring, for
+                tables larger than DRAM).
+            placement: ``"cache"`` (hot rows in the store's DRAM row cache, updates
+                written back in batches), ``"pin"`` (the whole table in the cache),
+                ``"bypass"`` (straight to the medium), or ``"auto"`` (the default:
+                ``cache`` on the block medium, ``bypass`` on mmap).
         """
         init = init or zeros()
         if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
@@ -211,6 +226,8 @@ class Store:
             float(load_factor_max),
             missing_kind,
             missing_value,
+            medium,
+            placement,
         )
         return Table(native)
 
@@ -258,7 +275,15 @@ class Store:
         return f"<embank.Store {self.path!r} ({state})>"
 
 
-def open(path: str | os.PathLike[str], *, create: bool = True, verify: bool = False) -> Store:
+def open(
+    path: str | os.PathLike[str],
+    *,
+    create: bool = True,
+    verify: bool = False,
+    cache_bytes: int = 256 << 20,
+    io_engine: str = "auto",
+    io_depth: int = 128,
+) -> Store:
     """Opens (or creates) the store in directory ``path``.
 
     Serves at once: tables closed cleanly are mapped, not read; tables whose
@@ -267,9 +292,18 @@ def open(path: str | os.PathLike[str], *, create: bool = True, verify: bool = Fa
     Args:
         create: create the store if ``path`` holds none (else raise ``NotFoundError``).
         verify: check every row's checksum on open (after a power loss).
+        cache_bytes: budget of the DRAM row cache shared by the store's tables
+            (0 for none); taken as rows are cached, not up front.
+        io_engine: ``"auto"`` (io_uring where the kernel allows, else pread),
+            ``"uring"`` or ``"pread"``: how block-medium tables are read.
+        io_depth: most block-medium reads in flight per batch.
 
     Raises:
         StoreLockedError: another process or handle has the store open.
         FormatVersionError: the store was written by an unknown format version.
     """
-    return Store(_native.Store.open(os.fspath(path), create, verify))
+    if cache_bytes < 0 or io_depth < 1:
+        from .errors import ConfigError
+
+        raise ConfigError("cache_bytes must be >= 0 and io_depth >= 1")
+    return Store(_native.Store.open(os.fspath(path), create, verify, int(cache_bytes), io_engine, int(io_depth)))

@@ -70,12 +70,27 @@ pub fn inspect(path: &Path, json: bool) -> Result<(), String> {
             t.grow_count,
             t.probe_histogram
         );
+        let direct = match t.direct_io {
+            Some(true) => format!(", O_DIRECT aligned to {} B", t.io_align.unwrap_or(0)),
+            Some(false) => ", page cache (file system refused O_DIRECT)".to_owned(),
+            None => String::new(),
+        };
+        let engine =
+            t.io.as_ref().map(|io| format!(", I/O engine {} (depth {})", io.engine, io.depth)).unwrap_or_default();
+        println!("{:<20} medium {}, placement {}{direct}{engine}", "", t.medium, t.placement);
         if let Some(r) = &t.recovered {
             println!(
                 "{:<20} repaired on open: {} interrupted buckets, {} slots dropped, {} free records found, {:.3}s",
                 "", r.buckets_interrupted, r.slots_dropped, r.records_freed, r.seconds
             );
         }
+    }
+    if let Some(c) = &stats.cache {
+        println!(
+            "row cache: budget {}, {} shards (empty until rows are read: this is a fresh open)",
+            human_bytes(c.budget_bytes),
+            c.shards
+        );
     }
     store.close().map_err(|e| e.to_string())
 }

@@ -25,6 +25,42 @@ pub enum MissingDefault {
     Init,
 }
 
+/// Where a table's rows are kept in DRAM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// `cache` on the block medium when the store has a row cache, `bypass` otherwise.
+    #[default]
+    Auto,
+    /// Hot rows in the store's DRAM row cache; updates written back in batches.
+    Cache,
+    /// The whole table kept in the row cache (loaded at open, never evicted).
+    Pin,
+    /// No row cache: reads go to the medium, writes go through to it.
+    Bypass,
+}
+
+impl Placement {
+    pub fn parse(s: &str) -> Result<Placement> {
+        match s {
+            "auto" => Ok(Placement::Auto),
+            "cache" => Ok(Placement::Cache),
+            "pin" => Ok(Placement::Pin),
+            "bypass" => Ok(Placement::Bypass),
+            other => Err(Error::config(format!("unknown placement {other:?}: use auto, cache, pin or bypass"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Auto => "auto",
+            Placement::Cache => "cache",
+            Placement::Pin => "pin",
+            Placement::Bypass => "bypass",
+        }
+    }
+}
+
 /// Everything the catalog keeps about one table.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TableMeta {
@@ -40,6 +76,11 @@ pub struct TableMeta {
     /// Which `index.<generation>.ebi` is current; bumped by each rebuild.
     pub index_generation: u64,
     pub grow_count: u64,
+    /// Which medium holds the rows (absent in catalogs written before media existed: mmap).
+    #[serde(default)]
+    pub medium: crate::medium::MediumKind,
+    #[serde(default)]
+    pub placement: Placement,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

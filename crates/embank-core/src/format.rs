@@ -11,6 +11,7 @@ pub const FORMAT_VERSION: u32 = 1;
 
 pub const INDEX_MAGIC: [u8; 8] = *b"EMBKIDX\0";
 pub const ROWS_MAGIC: [u8; 8] = *b"EMBKROWS";
+pub const BLOCK_ROWS_MAGIC: [u8; 8] = *b"EMBKBLKR";
 pub const FREE_MAGIC: [u8; 8] = *b"EMBKFREE";
 pub const CATALOG_MAGIC: &str = "embank-store";
 
@@ -148,7 +149,14 @@ pub fn record_stride(dim: u32, dtype: DType) -> u32 {
     }
 }
 
-/// Fixed fields of a rows file header.
+/// Bytes from one record to the next on the block medium: header plus elements,
+/// rounded up to the direct-I/O alignment `align`, so each row is one read.
+pub fn block_stride(dim: u32, dtype: DType, align: u32) -> u32 {
+    (ROW_HEADER_BYTES as u32 + dim * dtype.bytes() as u32).div_ceil(align) * align
+}
+
+/// Fixed fields of a rows file header (the block medium's `rows.ebb` has the
+/// same layout with magic "EMBKBLKR" and a stride from [`block_stride`]).
 ///
 /// ```text
 ///  0  magic "EMBKROWS"      8  format version u32    12 header bytes u32 (4096)
@@ -165,7 +173,11 @@ pub struct RowsHeader {
 
 impl RowsHeader {
     pub fn write(&self, b: &mut [u8]) {
-        b[0..8].copy_from_slice(&ROWS_MAGIC);
+        self.write_as(b, &ROWS_MAGIC)
+    }
+
+    pub fn write_as(&self, b: &mut [u8], magic: &[u8; 8]) {
+        b[0..8].copy_from_slice(magic);
         b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
         b[12..16].copy_from_slice(&(ROWS_HEADER_BYTES as u32).to_le_bytes());
         b[16..20].copy_from_slice(&self.dim.to_le_bytes());
@@ -177,15 +189,28 @@ impl RowsHeader {
     }
 
     pub fn read(b: &[u8]) -> Result<Self> {
-        check_magic_version(b, &ROWS_MAGIC, "rows")?;
-        if crc32c::crc32c(&b[0..28]) != le_u32(b, 28) {
-            return Err(Error::new(ErrorKind::ChecksumMismatch, "rows header checksum mismatch"));
-        }
-        let header = RowsHeader { dim: le_u32(b, 16), dtype: DType::from_code(b[20])?, stride: le_u32(b, 24) };
+        let header = Self::read_as(b, &ROWS_MAGIC, "rows")?;
         if header.stride != record_stride(header.dim, header.dtype) {
             return Err(Error::new(ErrorKind::Recover, "rows header stride does not match its dim"));
         }
         Ok(header)
+    }
+
+    /// Reads a block-medium header; its stride must be a multiple of 512 holding a record.
+    pub fn read_block(b: &[u8]) -> Result<Self> {
+        let header = Self::read_as(b, &BLOCK_ROWS_MAGIC, "block rows")?;
+        if !header.stride.is_multiple_of(512) || header.stride < block_stride(header.dim, header.dtype, 512) {
+            return Err(Error::new(ErrorKind::Recover, "block rows header stride does not fit its dim"));
+        }
+        Ok(header)
+    }
+
+    fn read_as(b: &[u8], magic: &[u8; 8], what: &str) -> Result<Self> {
+        check_magic_version(b, magic, what)?;
+        if crc32c::crc32c(&b[0..28]) != le_u32(b, 28) {
+            return Err(Error::new(ErrorKind::ChecksumMismatch, format!("{what} header checksum mismatch")));
+        }
+        Ok(RowsHeader { dim: le_u32(b, 16), dtype: DType::from_code(b[20])?, stride: le_u32(b, 24) })
     }
 }
 

@@ -2,8 +2,9 @@
 //!
 //! A [`Store`] is a directory holding named [`Table`]s. A table maps `u64` keys
 //! to fixed-size rows of `f32`, kept in a persistent medium (a memory-mapped
-//! file) under a one-read persistent hash [`index`]. All operations take a
-//! batch of keys.
+//! file, or a data file read with O_DIRECT through io_uring under a DRAM row
+//! [`cache`]) under a one-read persistent hash [`index`]. All operations take
+//! a batch of keys.
 //!
 //! ```
 //! use embank_core::{Store, StoreOptions, TableOptions, Initializer};
@@ -23,6 +24,7 @@
 
 #[macro_use]
 pub mod assert;
+pub mod cache;
 pub mod catalog;
 pub mod error;
 pub mod format;
@@ -30,14 +32,18 @@ mod fsutil;
 pub mod hash;
 pub mod index;
 pub mod init;
+pub mod io;
 pub mod medium;
 mod prefetch;
 pub mod store;
 pub mod table;
+mod tier;
 
-pub use catalog::MissingDefault;
+pub use catalog::{MissingDefault, Placement};
 pub use error::{Error, ErrorKind, Result};
 pub use format::DType;
 pub use init::Initializer;
+pub use io::IoChoice;
+pub use medium::MediumKind;
 pub use store::{Store, StoreOptions, StoreStats};
 pub use table::{Table, TableOptions, TableStats, DIM_MAX};

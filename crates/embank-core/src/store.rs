@@ -4,7 +4,8 @@
 //! <dir>/LOCK               flock'ed while a process has the store open
 //! <dir>/STORE              the catalog (magic, format version, checksum, JSON)
 //! <dir>/tables/<id>/index.<generation>.ebi   the table's hash index
-//! <dir>/tables/<id>/rows.ebr                 the table's row records
+//! <dir>/tables/<id>/rows.ebr                 the table's row records (mmap medium)
+//! <dir>/tables/<id>/rows.ebb                 the table's row records (block medium)
 //! <dir>/tables/<id>/rows.free                free records, saved at a clean close
 //! ```
 
@@ -16,9 +17,17 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use serde::Serialize;
 
+use crate::cache::{CacheStats, RowCache};
 use crate::catalog::{Catalog, TableMeta, CATALOG_FILE};
 use crate::error::{io_at, Error, ErrorKind, Result};
+use crate::io::{FaultPlan, FaultyEngine, IoChoice, IoStats};
 use crate::table::{validate_name, Table, TableOptions, TableStats};
+use crate::tier::Tier;
+
+/// Default budget of the DRAM row cache.
+pub const CACHE_BYTES_DEFAULT: u64 = 256 << 20;
+/// Default bound on block-medium requests in flight per batch.
+pub const IO_DEPTH_DEFAULT: u32 = 128;
 
 /// Options for [`Store::open`].
 #[derive(Clone, Debug)]
@@ -28,11 +37,28 @@ pub struct StoreOptions {
     /// On open, check every row's checksum and drop rows that fail, as after a power
     /// loss. Default false: after a process crash only interrupted buckets are checked.
     pub verify: bool,
+    /// Budget of the DRAM row cache shared by the store's tables (0: no cache).
+    /// Memory is taken as rows are cached, not up front. Default 256 MiB.
+    pub cache_bytes: u64,
+    /// I/O engine of block media. Default `auto`: io_uring if the kernel allows, else pread.
+    pub io_engine: IoChoice,
+    /// Most block-medium requests in flight per batch. Default 128.
+    pub io_depth: u32,
+    /// Test hook: inject I/O failures into block media.
+    #[doc(hidden)]
+    pub fault: Option<Arc<FaultPlan>>,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { create: true, verify: false }
+        StoreOptions {
+            create: true,
+            verify: false,
+            cache_bytes: CACHE_BYTES_DEFAULT,
+            io_engine: IoChoice::Auto,
+            io_depth: IO_DEPTH_DEFAULT,
+            fault: None,
+        }
     }
 }
 
@@ -44,12 +70,20 @@ pub struct StoreStats {
     pub rows: u64,
     pub bytes_on_disk: u64,
     pub bytes_mapped: u64,
+    /// The DRAM row cache (absent when the store was opened with `cache_bytes = 0`).
+    pub cache: Option<CacheStats>,
+    /// The I/O engine of block media.
+    pub io: IoStats,
+    pub lookahead_requests: u64,
+    /// Lookahead requests dropped because the queue was full.
+    pub lookahead_dropped: u64,
 }
 
 struct Inner {
     dir: PathBuf,
     catalog: Arc<Catalog>,
     tables: BTreeMap<String, Table>,
+    tier: Arc<Tier>,
     _lock: File,
 }
 
@@ -101,6 +135,12 @@ impl Store {
             }
         }
         std::fs::create_dir_all(tables_dir(&dir)).map_err(|e| io_at("cannot create", &tables_dir(&dir), e))?;
+        let mut io = crate::io::engine(options.io_engine, options.io_depth)?;
+        if let Some(plan) = &options.fault {
+            io = Arc::new(FaultyEngine { inner: io, plan: Arc::clone(plan) });
+        }
+        let cache = (options.cache_bytes > 0).then(|| Arc::new(RowCache::new(options.cache_bytes)));
+        let tier = Tier::new(cache, io);
         let catalog = Arc::new(if exists { Catalog::open(&dir)? } else { Catalog::create(&dir)? });
         let data = catalog.snapshot();
         // Directories of tables the catalog does not know are left-overs of an
@@ -117,11 +157,15 @@ impl Store {
         let mut tables = BTreeMap::new();
         for meta in data.tables {
             let name = meta.name.clone();
-            let table = Table::open(&table_dir(&dir, meta.id), meta, Arc::clone(&catalog), options.verify)
-                .map_err(|e| e.context(format!("table {name:?}")))?;
+            let table =
+                Table::open(&table_dir(&dir, meta.id), meta, Arc::clone(&catalog), options.verify, Arc::clone(&tier))
+                    .map_err(|e| e.context(format!("table {name:?}")))?;
             tables.insert(name, table);
         }
-        Ok(Store { inner: RwLock::new(Some(Inner { dir: dir.clone(), catalog, tables, _lock: lock })), path: dir })
+        Ok(Store {
+            inner: RwLock::new(Some(Inner { dir: dir.clone(), catalog, tables, tier, _lock: lock })),
+            path: dir,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -154,11 +198,17 @@ impl Store {
             missing: options.missing,
             index_generation: 0,
             grow_count: 0,
+            medium: options.medium,
+            placement: options.placement,
         };
         let dir = table_dir(&inner.dir, id);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| io_at("cannot create table directory", &dir, e))?;
-        let table = Table::create(&dir, meta.clone(), options.capacity, Arc::clone(&inner.catalog))?;
+        let table =
+            Table::create(&dir, meta.clone(), options.capacity, Arc::clone(&inner.catalog), Arc::clone(&inner.tier))
+                .inspect_err(|_| {
+                    let _ = std::fs::remove_dir_all(&dir);
+                })?;
         inner.catalog.update(|c| {
             c.next_table_id = id + 1;
             c.tables.push(meta);
@@ -224,6 +274,7 @@ impl Store {
                 first_error.get_or_insert(e);
             }
         }
+        inner.tier.stop();
         drop(inner);
         first_error.map_or(Ok(()), Err)
     }
@@ -240,12 +291,17 @@ impl Store {
             tables.push(t.stats()?);
         }
         let bytes_on_disk = dir_bytes(&inner.dir);
+        let tier = &inner.tier;
         Ok(StoreStats {
             path: inner.dir.display().to_string(),
             rows: tables.iter().map(|t| t.rows).sum(),
             bytes_mapped: tables.iter().map(|t| t.bytes_mapped).sum(),
             bytes_on_disk,
             tables,
+            cache: tier.cache.as_ref().map(|c| c.stats()),
+            io: tier.io.stats(),
+            lookahead_requests: tier.lookahead_requests.load(std::sync::atomic::Ordering::Relaxed),
+            lookahead_dropped: tier.lookahead_dropped.load(std::sync::atomic::Ordering::Relaxed),
         })
     }
 }

@@ -9,18 +9,24 @@
 //! exclusive lock; rows never move.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use serde::Serialize;
 
-use crate::catalog::{Catalog, MissingDefault, TableMeta};
+use crate::catalog::{Catalog, MissingDefault, Placement, TableMeta};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::DType;
 use crate::index::{buckets_for, Index, RecoverReport, SLOTS_PER_BUCKET};
 use crate::init::Initializer;
-use crate::medium::MmapMedium;
+use crate::io::IoStats;
+use crate::medium::{BlockMedium, Medium, MediumKind, MmapMedium, ReadItem};
+use crate::tier::Tier;
+
+#[path = "tiered.rs"]
+mod tiered;
 
 /// Largest `dim` a table may have.
 pub const DIM_MAX: u32 = 4096;
@@ -56,6 +62,11 @@ pub struct TableOptions {
     pub load_factor_max: f64,
     /// What `lookup` returns for missing keys. Default zeros.
     pub missing: MissingDefault,
+    /// Where rows live: `mmap` (default) or `block` (O_DIRECT + io_uring under the row cache).
+    pub medium: MediumKind,
+    /// Whether rows go through the store's DRAM row cache. Default `auto`: cached on
+    /// the block medium, straight from the mapping on the mmap medium.
+    pub placement: Placement,
 }
 
 impl TableOptions {
@@ -69,6 +80,8 @@ impl TableOptions {
             growth: true,
             load_factor_max: 0.9,
             missing: MissingDefault::Zeros,
+            medium: MediumKind::Mmap,
+            placement: Placement::Auto,
         }
     }
 
@@ -135,6 +148,22 @@ pub struct TableStats {
     pub probe_histogram: Vec<u64>,
     /// What recovery repaired when the table was opened after a crash.
     pub recovered: Option<RecoverStats>,
+    /// `mmap` or `block`.
+    pub medium: &'static str,
+    /// Placement in effect (`auto` resolved): `cache`, `pin` or `bypass`.
+    pub placement: &'static str,
+    /// Block medium: whether the file is read with O_DIRECT, and its alignment.
+    pub direct_io: Option<bool>,
+    pub io_align: Option<u32>,
+    /// Block medium: the store's I/O engine and its counters (shared by all block tables).
+    pub io: Option<IoStats>,
+    /// Row-cache hits and misses of this table's reads (cached placements).
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub cache_hit_rate: Option<f64>,
+    /// Rows read from the medium by pulls, lookups and lookaheads.
+    pub medium_rows_read: u64,
+    pub lookahead_rows: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -147,10 +176,26 @@ pub struct RecoverStats {
 
 struct State {
     index: Index,
-    medium: MmapMedium,
+    medium: Medium,
+}
+
+#[derive(Default)]
+struct TierCounters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    rows_read: AtomicU64,
+    lookahead_rows: AtomicU64,
 }
 
 struct Shared {
+    id: u32,
+    medium_kind: MediumKind,
+    /// Resolved: never `Auto`.
+    placement: Placement,
+    tier: Arc<Tier>,
+    counters: TierCounters,
+    /// One write-back at a time per table, so `flush` waits for one in flight elsewhere.
+    write_back_lock: Mutex<()>,
     meta: Mutex<TableMeta>,
     name: String,
     dim: usize,
@@ -173,6 +218,16 @@ pub struct Table {
     shared: Arc<Shared>,
 }
 
+/// A handle that does not keep the table alive (held by the maintenance thread).
+#[derive(Clone)]
+pub struct WeakTable(Weak<Shared>);
+
+impl WeakTable {
+    pub fn upgrade(&self) -> Option<Table> {
+        self.0.upgrade().map(|shared| Table { shared })
+    }
+}
+
 /// Outcome of a write pass that may need the index to grow first.
 enum Pass {
     Done,
@@ -184,8 +239,32 @@ fn index_path(dir: &Path, generation: u64) -> PathBuf {
     dir.join(format!("index.{generation}.ebi"))
 }
 
-fn rows_path(dir: &Path) -> PathBuf {
-    dir.join("rows.ebr")
+fn rows_path(dir: &Path, kind: MediumKind) -> PathBuf {
+    match kind {
+        MediumKind::Mmap => dir.join("rows.ebr"),
+        MediumKind::Block => dir.join("rows.ebb"),
+    }
+}
+
+/// Resolves `Auto` and checks that a cached placement has a cache to use.
+fn resolve_placement(meta: &TableMeta, tier: &Tier, creating: bool) -> Result<Placement> {
+    let has_cache = tier.cache.is_some();
+    Ok(match (meta.placement, meta.medium) {
+        (Placement::Auto, MediumKind::Block) if has_cache => Placement::Cache,
+        (Placement::Auto, _) => Placement::Bypass,
+        (p @ (Placement::Cache | Placement::Pin), _) if !has_cache => {
+            if creating {
+                return Err(Error::config(format!(
+                    "table {:?}: placement {} needs the store's row cache; open the store with cache_bytes > 0",
+                    meta.name,
+                    p.name()
+                )));
+            }
+            tracing::warn!(table = %meta.name, placement = p.name(), "store has no row cache; table reads bypass it");
+            Placement::Bypass
+        }
+        (p, _) => p,
+    })
 }
 
 impl std::fmt::Debug for Table {
@@ -196,18 +275,36 @@ impl std::fmt::Debug for Table {
 
 impl Table {
     /// Creates the files of a new table in `dir` (which must exist and be empty).
-    pub(crate) fn create(dir: &Path, meta: TableMeta, capacity: u64, catalog: Arc<Catalog>) -> Result<Table> {
+    pub(crate) fn create(
+        dir: &Path,
+        meta: TableMeta,
+        capacity: u64,
+        catalog: Arc<Catalog>,
+        tier: Arc<Tier>,
+    ) -> Result<Table> {
+        let placement = resolve_placement(&meta, &tier, true)?;
         let buckets = buckets_for(capacity, LOAD_FACTOR_TARGET);
         let index = Index::create(&index_path(dir, meta.index_generation), buckets, meta.seed)?;
-        let medium = MmapMedium::create(&rows_path(dir), meta.dim, meta.dtype)?;
+        let path = rows_path(dir, meta.medium);
+        let medium = match meta.medium {
+            MediumKind::Mmap => Medium::Mmap(MmapMedium::create(&path, meta.dim, meta.dtype)?),
+            MediumKind::Block => Medium::Block(BlockMedium::create(&path, meta.dim, meta.dtype, Arc::clone(&tier.io))?),
+        };
         index.flush()?;
         medium.flush()?;
         crate::fsutil::sync_dir(dir)?;
-        Ok(Self::new(dir, meta, State { index, medium }, catalog, None))
+        Ok(Self::new(dir, meta, State { index, medium }, catalog, None, tier, placement))
     }
 
     /// Opens the files of a table; repairs them first if the last user did not close cleanly.
-    pub(crate) fn open(dir: &Path, meta: TableMeta, catalog: Arc<Catalog>, verify_all: bool) -> Result<Table> {
+    pub(crate) fn open(
+        dir: &Path,
+        meta: TableMeta,
+        catalog: Arc<Catalog>,
+        verify_all: bool,
+        tier: Arc<Tier>,
+    ) -> Result<Table> {
+        let placement = resolve_placement(&meta, &tier, false)?;
         // Index files of other generations are left-overs of an interrupted rebuild.
         if let Ok(entries) = std::fs::read_dir(dir) {
             let current = index_path(dir, meta.index_generation);
@@ -221,42 +318,83 @@ impl Table {
             }
         }
         let index = Index::open(&index_path(dir, meta.index_generation))?;
-        let medium = MmapMedium::open(&rows_path(dir))?;
+        let path = rows_path(dir, meta.medium);
+        let medium = match meta.medium {
+            MediumKind::Mmap => Medium::Mmap(MmapMedium::open(&path)?),
+            MediumKind::Block => Medium::Block(BlockMedium::open(&path, Arc::clone(&tier.io))?),
+        };
         if medium.dim() != meta.dim as usize {
             return Err(Error::new(ErrorKind::Recover, "rows file dim does not match the catalog")
                 .context(dir.display().to_string()));
         }
-        let clean = index.was_closed_cleanly() && medium.load_free_list(index.free_list_generation());
+        let alloc = medium.alloc();
+        let clean = index.was_closed_cleanly() && alloc.load_free_list(index.free_list_generation());
         let mut recovered = None;
         if !clean || verify_all {
             let t0 = Instant::now();
             let name = meta.name.clone();
             tracing::info!(table = %name, "table was not closed cleanly; repairing index and free list");
+            // On the mmap medium every slot's record key is checked (a memory read); on the
+            // block medium that would be one read per row, so only interrupted buckets'
+            // records are read (and every record with `verify`).
+            let block = matches!(medium, Medium::Block(_));
+            let mut io_error = None;
             let report = index.recover(|key, ptr, interrupted| {
-                medium.is_valid_ptr(ptr)
-                    && medium.key_at(ptr) == key
-                    && (!(interrupted || verify_all) || medium.checksum_ok(ptr))
+                if !alloc.is_valid_ptr(ptr) {
+                    return false;
+                }
+                if block && !(interrupted || verify_all) {
+                    return true;
+                }
+                match medium.check(ptr, key, interrupted || verify_all) {
+                    Ok(ok) => ok,
+                    Err(e) => {
+                        io_error.get_or_insert(e);
+                        true
+                    }
+                }
             });
-            let mut live = medium.new_bitmap();
-            index.for_each(0, index.bucket_count(), |_, ptr| medium.mark(&mut live, ptr));
-            medium.rebuild_free_list(&live);
+            if let Some(e) = io_error {
+                return Err(e.context(format!("recovering table {:?}", meta.name)));
+            }
+            let mut live = alloc.new_bitmap();
+            index.for_each(0, index.bucket_count(), |_, ptr| alloc.mark(&mut live, ptr));
+            alloc.rebuild_free_list(&live);
             let RecoverReport { buckets_interrupted, slots_dropped, .. } = report;
             let stats = RecoverStats {
                 buckets_interrupted,
                 slots_dropped,
-                records_freed: medium.free_records(),
+                records_freed: alloc.free_records(),
                 seconds: t0.elapsed().as_secs_f64(),
             };
             tracing::info!(table = %name, ?stats, "repair done");
             recovered = Some(stats);
         }
         index.mark_open()?;
-        Ok(Self::new(dir, meta, State { index, medium }, catalog, recovered))
+        let table = Self::new(dir, meta, State { index, medium }, catalog, recovered, tier, placement);
+        if placement == Placement::Pin {
+            table.load_pinned()?;
+        }
+        Ok(table)
     }
 
-    fn new(dir: &Path, meta: TableMeta, state: State, catalog: Arc<Catalog>, recovered: Option<RecoverStats>) -> Table {
-        Table {
+    fn new(
+        dir: &Path,
+        meta: TableMeta,
+        state: State,
+        catalog: Arc<Catalog>,
+        recovered: Option<RecoverStats>,
+        tier: Arc<Tier>,
+        placement: Placement,
+    ) -> Table {
+        let table = Table {
             shared: Arc::new(Shared {
+                id: meta.id,
+                medium_kind: meta.medium,
+                placement,
+                tier: Arc::clone(&tier),
+                counters: TierCounters::default(),
+                write_back_lock: Mutex::new(()),
                 name: meta.name.clone(),
                 dim: meta.dim as usize,
                 init: meta.init,
@@ -271,7 +409,19 @@ impl Table {
                 stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
                 recovered,
             }),
-        }
+        };
+        tier.register(&table);
+        table
+    }
+
+    pub(crate) fn downgrade(&self) -> WeakTable {
+        WeakTable(Arc::downgrade(&self.shared))
+    }
+
+    /// True when reads and writes take the tiered path (row cache and/or block medium)
+    /// instead of the mmap fast path.
+    fn tiered(&self) -> bool {
+        self.shared.medium_kind == MediumKind::Block || self.shared.placement != Placement::Bypass
     }
 
     pub fn name(&self) -> &str {
@@ -330,7 +480,7 @@ impl Table {
     /// Returns the positions of keys that were not found.
     fn gather(&self, st: &State, keys: &[u64], out: &mut [f32], found: Option<&mut [bool]>) -> Result<Vec<usize>> {
         let dim = self.shared.dim;
-        let (index, medium) = (&st.index, &st.medium);
+        let (index, medium) = (&st.index, mmap_of(&st.medium));
         let n = keys.len();
         let mut hashes = Vec::with_capacity(n);
         hashes.extend(keys.iter().map(|&k| index.hash(k)));
@@ -377,6 +527,9 @@ impl Table {
     /// Rows of `keys` into `out` (`keys.len() * dim` elements); creates missing rows with the initializer.
     pub fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
         self.check_rows("pull", keys.len(), out.len())?;
+        if self.tiered() {
+            return self.tier_pull(keys, out);
+        }
         let missing = {
             let st = self.state()?;
             let _pin = crossbeam_epoch::pin();
@@ -404,10 +557,11 @@ impl Table {
     /// Creates (or, if another writer got there first, reads) the rows at `positions`.
     fn create_missing(&self, st: &State, keys: &[u64], positions: &[usize], out: &mut [f32]) -> Result<Pass> {
         let dim = self.shared.dim;
-        let (index, medium) = (&st.index, &st.medium);
+        let (index, medium) = (&st.index, mmap_of(&st.medium));
+        let alloc = medium.alloc();
         let _pin = crossbeam_epoch::pin();
         let mut ptrs = Vec::new();
-        medium.allocate(positions.len(), &mut ptrs)?;
+        alloc.allocate(positions.len(), &mut ptrs)?;
         let mut unused = ptrs.into_iter();
         for (done, &i) in positions.iter().enumerate() {
             let key = keys[i];
@@ -419,18 +573,18 @@ impl Table {
                 continue;
             }
             if !self.has_room(index) {
-                medium.release(unused.collect());
+                alloc.release(unused.collect());
                 return Ok(Pass::NeedRoom(done));
             }
             self.shared.init.fill(self.shared.seed, key, row);
             let ptr = unused.next().expect("one record allocated per position");
             medium.write_row(ptr, key, row);
             if !index.insert_new(key, h, ptr) {
-                medium.release(std::iter::once(ptr).chain(unused).collect());
+                alloc.release(std::iter::once(ptr).chain(unused).collect());
                 return Ok(Pass::NeedRoom(done));
             }
         }
-        medium.release(unused.collect());
+        alloc.release(unused.collect());
         Ok(Pass::Done)
     }
 
@@ -441,11 +595,21 @@ impl Table {
         if found.len() != keys.len() {
             return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
         }
+        let missing = if self.tiered() {
+            self.tier_lookup(keys, out, found)?
+        } else {
+            let st = self.state()?;
+            let _pin = crossbeam_epoch::pin();
+            self.gather(st.as_ref().unwrap(), keys, out, Some(found))?
+        };
+        self.fill_missing(keys, &missing, out);
+        Ok(())
+    }
+
+    /// Fills the rows at `positions` with the table's missing-row default.
+    fn fill_missing(&self, keys: &[u64], positions: &[usize], out: &mut [f32]) {
         let dim = self.shared.dim;
-        let st = self.state()?;
-        let _pin = crossbeam_epoch::pin();
-        let missing = self.gather(st.as_ref().unwrap(), keys, out, Some(found))?;
-        for i in missing {
+        for &i in positions {
             let row = &mut out[i * dim..(i + 1) * dim];
             match self.shared.missing {
                 MissingDefault::Zeros => row.fill(0.0),
@@ -453,7 +617,6 @@ impl Table {
                 MissingDefault::Init => self.shared.init.fill(self.shared.seed, keys[i], row),
             }
         }
-        Ok(())
     }
 
     /// Writes rows (insert or replace). With duplicate keys the last row wins.
@@ -465,6 +628,9 @@ impl Table {
                 keys[i / self.shared.dim],
                 rows[i]
             )));
+        }
+        if self.tiered() {
+            return self.tier_push(keys, rows);
         }
         let mut from = 0;
         loop {
@@ -484,10 +650,11 @@ impl Table {
 
     fn push_pass(&self, st: &State, keys: &[u64], rows: &[f32]) -> Result<Pass> {
         let dim = self.shared.dim;
-        let (index, medium) = (&st.index, &st.medium);
+        let (index, medium) = (&st.index, mmap_of(&st.medium));
+        let alloc = medium.alloc();
         let guard = crossbeam_epoch::pin();
         let mut ptrs = Vec::new();
-        medium.allocate(keys.len(), &mut ptrs)?;
+        alloc.allocate(keys.len(), &mut ptrs)?;
         let mut retired = Vec::new();
         let mut result = Pass::Done;
         for (i, &key) in keys.iter().enumerate() {
@@ -498,12 +665,12 @@ impl Table {
             if let Some(old) = index.replace(key, h, ptr) {
                 retired.push(old);
             } else if !self.has_room(index) || !index.insert_new(key, h, ptr) {
-                medium.release(ptrs[i..].to_vec());
+                alloc.release(ptrs[i..].to_vec());
                 result = Pass::NeedRoom(i);
                 break;
             }
         }
-        medium.retire(&guard, retired);
+        alloc.retire(&guard, retired);
         Ok(result)
     }
 
@@ -511,17 +678,24 @@ impl Table {
     pub fn delete(&self, keys: &[u64]) -> Result<u64> {
         let st = self.state()?;
         let State { index, medium } = st.as_ref().unwrap();
+        let cache = self.cache();
         let guard = crossbeam_epoch::pin();
         let mut retired = Vec::new();
         for &key in keys {
             let h = index.hash(key);
             let _w = self.stripe(h).lock();
+            // With a row cache, index changes also hold the key's cache shard (see tiered.rs).
+            let _c = cache.map(|c| {
+                let mut l = c.lock(c.hash(self.shared.id, key));
+                l.remove(self.shared.id, key);
+                l
+            });
             if let Some(ptr) = index.remove(key, h) {
                 retired.push(ptr);
             }
         }
         let n = retired.len() as u64;
-        medium.retire(&guard, retired);
+        medium.alloc().retire(&guard, retired);
         Ok(n)
     }
 
@@ -607,6 +781,8 @@ impl Table {
     pub fn export(&self, chunk_keys: usize, mut f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
         let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
         let dim = self.shared.dim;
+        // Dirty cached rows are newer than the medium: write them back first.
+        self.write_back_all()?;
         let mut keys = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
         let mut rows = Vec::with_capacity((chunk_keys + SLOTS_PER_BUCKET) * dim);
         let mut bucket = 0;
@@ -629,16 +805,27 @@ impl Table {
                 }
                 let _pin = crossbeam_epoch::pin();
                 let mut bad = None;
+                let mut items = Vec::new();
                 while bucket < index.bucket_count() && keys.len() + SLOTS_PER_BUCKET <= chunk_keys {
-                    index.for_each(bucket, bucket + 1, |key, ptr| {
-                        if medium.key_at(ptr) != key || !medium.checksum_ok(ptr) {
-                            bad = Some(key);
-                            return;
+                    index.for_each(bucket, bucket + 1, |key, ptr| match medium {
+                        Medium::Mmap(m) => {
+                            if m.key_at(ptr) != key || !m.checksum_ok(ptr) {
+                                bad = Some(key);
+                                return;
+                            }
+                            keys.push(key);
+                            rows.extend_from_slice(m.row_at(ptr));
                         }
-                        keys.push(key);
-                        rows.extend_from_slice(medium.row_at(ptr));
+                        Medium::Block(_) => {
+                            items.push(ReadItem { key, ptr, pos: keys.len() });
+                            keys.push(key);
+                        }
                     });
                     bucket += 1;
+                }
+                if !items.is_empty() {
+                    rows.resize(keys.len() * dim, 0.0);
+                    medium.read(&items, &mut rows)?;
                 }
                 if let Some(key) = bad {
                     return Err(Error::new(
@@ -655,6 +842,7 @@ impl Table {
 
     /// Makes every write before this call durable: rows first, then the index.
     pub fn flush(&self) -> Result<()> {
+        self.write_back_all()?;
         let st = self.state()?;
         let State { index, medium } = st.as_ref().unwrap();
         medium.flush()?;
@@ -664,11 +852,18 @@ impl Table {
     /// Flushes, saves the free list and marks the files closed cleanly. Further calls
     /// on any handle of this table fail with `Closed`.
     pub(crate) fn close(&self) -> Result<()> {
+        if self.shared.state.read().is_none() {
+            return Ok(());
+        }
+        self.write_back_all()?;
         let mut guard = self.shared.state.write();
         let Some(st) = guard.take() else { return Ok(()) };
+        if let Some(c) = self.cache() {
+            c.remove_table(self.shared.id);
+        }
         st.medium.flush()?;
         let generation = st.index.free_list_generation() + 1;
-        st.medium.save_free_list(generation)?;
+        st.medium.alloc().save_free_list(generation)?;
         st.medium.flush()?;
         st.index.mark_closed(generation)?;
         Ok(())
@@ -677,6 +872,9 @@ impl Table {
     /// Closes without saving anything (the table is being dropped).
     pub(crate) fn detach(&self) {
         self.shared.state.write().take();
+        if let Some(c) = self.cache() {
+            c.remove_table(self.shared.id);
+        }
     }
 
     pub fn stats(&self) -> Result<TableStats> {
@@ -684,6 +882,8 @@ impl Table {
         let State { index, medium } = st.as_ref().unwrap();
         let rows = index.len();
         let meta = self.meta();
+        let c = &self.shared.counters;
+        let (hits, misses) = (c.hits.load(Ordering::Relaxed), c.misses.load(Ordering::Relaxed));
         Ok(TableStats {
             name: self.shared.name.clone(),
             dim: self.shared.dim as u32,
@@ -696,13 +896,46 @@ impl Table {
             growth: self.shared.growth,
             grow_count: meta.grow_count,
             index_bytes: index.file_bytes(),
-            rows_file_bytes: medium.file_bytes(),
-            bytes_mapped: index.file_bytes() + medium.file_bytes(),
-            records_used: medium.next_record(),
-            records_free: medium.free_records(),
-            records_pending: medium.pending_records(),
+            rows_file_bytes: medium.alloc().file_bytes(),
+            bytes_mapped: index.file_bytes()
+                + match medium {
+                    Medium::Mmap(m) => m.alloc().file_bytes(),
+                    Medium::Block(_) => crate::format::ROWS_HEADER_BYTES as u64,
+                },
+            records_used: medium.alloc().next_record(),
+            records_free: medium.alloc().free_records(),
+            records_pending: medium.alloc().pending_records(),
             probe_histogram: index.probe_histogram(),
             recovered: self.shared.recovered.clone(),
+            medium: medium.kind().name(),
+            placement: self.shared.placement.name(),
+            direct_io: match medium {
+                Medium::Block(m) => Some(m.direct()),
+                Medium::Mmap(_) => None,
+            },
+            io_align: match medium {
+                Medium::Block(m) => Some(m.align()),
+                Medium::Mmap(_) => None,
+            },
+            io: match medium {
+                Medium::Block(m) => Some(m.engine().stats()),
+                Medium::Mmap(_) => None,
+            },
+            cache_hits: hits,
+            cache_misses: misses,
+            cache_hit_rate: (hits + misses > 0 && self.shared.placement != Placement::Bypass)
+                .then(|| hits as f64 / (hits + misses) as f64),
+            medium_rows_read: c.rows_read.load(Ordering::Relaxed),
+            lookahead_rows: c.lookahead_rows.load(Ordering::Relaxed),
         })
+    }
+}
+
+/// The mmap medium of a table on the fast path (only mmap tables without a cache take it).
+#[inline(always)]
+fn mmap_of(m: &Medium) -> &MmapMedium {
+    match m {
+        Medium::Mmap(m) => m,
+        Medium::Block(_) => unreachable!("block tables take the tiered path"),
     }
 }

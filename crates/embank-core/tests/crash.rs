@@ -11,7 +11,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use embank_core::{Store, StoreOptions, TableOptions};
+use embank_core::{MediumKind, Store, StoreOptions, TableOptions};
 
 const DIM: usize = 8;
 /// Keys rewritten in every generation.
@@ -50,6 +50,7 @@ fn crash_child() {
         Err(_) => {
             let mut o = TableOptions::new(DIM as u32);
             o.capacity = 64; // grows while being killed
+            o.medium = MediumKind::parse(&std::env::var("EMBANK_CRASH_MEDIUM").unwrap()).unwrap();
             store.create_table("t", o).unwrap()
         }
     };
@@ -87,11 +88,23 @@ impl Rng {
 
 #[test]
 fn sigkill_loses_no_flushed_row_and_tears_none() {
+    crash_run(MediumKind::Mmap);
+}
+
+/// The same on the block medium: rows in the DRAM row cache, written back in
+/// batches with O_DIRECT through io_uring, some written back and some not when
+/// the kill lands.
+#[test]
+fn sigkill_block_medium_loses_no_flushed_row_and_tears_none() {
+    crash_run(MediumKind::Block);
+}
+
+fn crash_run(medium: MediumKind) {
     let kills: u64 = std::env::var("EMBANK_CRASH_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
     let seed: u64 = std::env::var("EMBANK_CRASH_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
     });
-    eprintln!("crash test: {kills} kills, EMBANK_CRASH_SEED={seed}");
+    eprintln!("crash test ({}): {kills} kills, EMBANK_CRASH_SEED={seed}", medium.name());
     let mut rng = Rng(seed);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
@@ -105,6 +118,7 @@ fn sigkill_loses_no_flushed_row_and_tears_none() {
             .args(["--ignored", "--exact", "crash_child", "--nocapture", "--test-threads", "1"])
             .env("EMBANK_CRASH_DIR", &path)
             .env("EMBANK_CRASH_GEN", next_gen.to_string())
+            .env("EMBANK_CRASH_MEDIUM", medium.name())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -136,7 +150,9 @@ fn sigkill_loses_no_flushed_row_and_tears_none() {
             assert!(started.is_none(), "{ctx}: table missing after a generation started");
             continue;
         };
-        if table.stats().unwrap().recovered.is_some() {
+        let stats = table.stats().unwrap();
+        assert_eq!(stats.medium, medium.name(), "{ctx}");
+        if stats.recovered.is_some() {
             recoveries += 1;
         }
         // Steady keys: present (once anything was flushed), whole, not older than the last flush.
@@ -186,7 +202,8 @@ fn sigkill_loses_no_flushed_row_and_tears_none() {
     assert!(last_flushed > 0, "no flush completed in {kills} runs: the kill window is too short");
     assert!(recoveries > 0, "no run needed recovery");
     eprintln!(
-        "crash test: {kills} kills in {:.1}s, {recoveries} recoveries, last flushed gen {last_flushed}",
+        "crash test ({}): {kills} kills in {:.1}s, {recoveries} recoveries, last flushed gen {last_flushed}",
+        medium.name(),
         t0.elapsed().as_secs_f64()
     );
 }

@@ -1,10 +1,15 @@
 //! Model-based test: random sequences of pull / lookup / push / delete / flush /
-//! close-reopen against a `HashMap` reference. proptest prints the failing
-//! sequence (shrunk) and its seed; set PROPTEST_CASES for longer runs.
+//! close-reopen against a `HashMap` reference, for every medium, placement and
+//! I/O engine (the block medium under a row cache of a few rows, so eviction,
+//! dirty write-back and writer back-pressure happen all the time). proptest
+//! prints the failing sequence (shrunk) and its seed; set PROPTEST_CASES for
+//! longer runs.
 
 use std::collections::HashMap;
 
-use embank_core::{ErrorKind, Initializer, MissingDefault, Store, StoreOptions, TableOptions};
+use embank_core::{
+    ErrorKind, Initializer, IoChoice, MediumKind, MissingDefault, Placement, Store, StoreOptions, TableOptions,
+};
 use proptest::prelude::*;
 
 const DIM: usize = 3;
@@ -18,6 +23,7 @@ enum Op {
     Delete(Vec<u64>),
     Flush,
     Reopen,
+    Lookahead(Vec<u64>),
 }
 
 fn keys() -> impl Strategy<Value = Vec<u64>> {
@@ -33,15 +39,36 @@ fn op() -> impl Strategy<Value = Op> {
         2 => keys().prop_map(Op::Delete),
         1 => Just(Op::Flush),
         1 => Just(Op::Reopen),
+        1 => keys().prop_map(Op::Lookahead),
     ]
+}
+
+/// A medium / placement / engine / cache combination under test.
+#[derive(Clone, Copy, Debug)]
+struct Config {
+    medium: MediumKind,
+    placement: Placement,
+    io: IoChoice,
+    cache_bytes: u64,
+}
+
+const MMAP: Config =
+    Config { medium: MediumKind::Mmap, placement: Placement::Auto, io: IoChoice::Auto, cache_bytes: 0 };
+/// About 19 rows of dim 3 fit: most of the 120 keys are evicted and reread.
+const TINY_CACHE: u64 = 2048;
+
+fn store_options(cfg: Config) -> StoreOptions {
+    StoreOptions { cache_bytes: cfg.cache_bytes, io_engine: cfg.io, io_depth: 8, ..StoreOptions::default() }
 }
 
 fn row_of(key: u64, v: f32) -> [f32; DIM] {
     [v, key as f32, v + 0.5]
 }
 
-fn options() -> TableOptions {
+fn options(cfg: Config) -> TableOptions {
     let mut o = TableOptions::new(DIM as u32);
+    o.medium = cfg.medium;
+    o.placement = cfg.placement;
     o.init = Initializer::Uniform { low: -1.0, high: 1.0 };
     o.seed = 11;
     o.capacity = 8; // grows several times during a run
@@ -55,72 +82,113 @@ fn init_row(key: u64) -> Vec<f32> {
     r
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
-    #[test]
-    fn store_matches_hashmap(ops in proptest::collection::vec(op(), 1..120)) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("store");
-        let mut store = Store::open(&path, StoreOptions::default()).unwrap();
-        store.create_table("t", options()).unwrap();
-        let mut model: HashMap<u64, Vec<f32>> = HashMap::new();
-        for (step, op) in ops.iter().enumerate() {
-            let table = store.table("t").unwrap();
-            match op {
-                Op::Pull(keys) => {
-                    let mut out = vec![0.0; keys.len() * DIM];
-                    table.pull(keys, &mut out).unwrap();
-                    for (i, k) in keys.iter().enumerate() {
-                        let want = model.entry(*k).or_insert_with(|| init_row(*k));
-                        prop_assert_eq!(&out[i * DIM..(i + 1) * DIM], &want[..], "step {} pull key {}", step, k);
-                    }
-                }
-                Op::Lookup(keys) => {
-                    let mut out = vec![0.0; keys.len() * DIM];
-                    let mut found = vec![false; keys.len()];
-                    table.lookup(keys, &mut out, &mut found).unwrap();
-                    for (i, k) in keys.iter().enumerate() {
-                        let want = model.get(k).cloned();
-                        prop_assert_eq!(found[i], want.is_some(), "step {} lookup key {}", step, k);
-                        let want = want.unwrap_or_else(|| vec![-7.0; DIM]);
-                        prop_assert_eq!(&out[i * DIM..(i + 1) * DIM], &want[..], "step {} lookup key {}", step, k);
-                    }
-                }
-                Op::Push(keys, v) => {
-                    let rows: Vec<f32> = keys.iter().enumerate().flat_map(|(i, k)| row_of(*k, v + i as f32)).collect();
-                    table.push(keys, &rows).unwrap();
-                    for (i, k) in keys.iter().enumerate() {
-                        model.insert(*k, row_of(*k, v + i as f32).to_vec());
-                    }
-                }
-                Op::Delete(keys) => {
-                    let n = table.delete(keys).unwrap();
-                    let mut want = 0;
-                    for k in keys {
-                        if model.remove(k).is_some() {
-                            want += 1;
-                        }
-                    }
-                    prop_assert_eq!(n, want, "step {} delete", step);
-                }
-                Op::Flush => store.flush().unwrap(),
-                Op::Reopen => {
-                    drop(table);
-                    store.close().unwrap();
-                    prop_assert_eq!(store.table("t").err().map(|e| e.kind()), Some(ErrorKind::Closed));
-                    store = Store::open(&path, StoreOptions::default()).unwrap();
+fn check(ops: &[Op], cfg: Config) -> Result<(), TestCaseError> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let mut store = Store::open(&path, store_options(cfg)).unwrap();
+    store.create_table("t", options(cfg)).unwrap();
+    let mut model: HashMap<u64, Vec<f32>> = HashMap::new();
+    for (step, op) in ops.iter().enumerate() {
+        let table = store.table("t").unwrap();
+        match op {
+            Op::Pull(keys) => {
+                let mut out = vec![0.0; keys.len() * DIM];
+                table.pull(keys, &mut out).unwrap();
+                for (i, k) in keys.iter().enumerate() {
+                    let want = model.entry(*k).or_insert_with(|| init_row(*k));
+                    prop_assert_eq!(&out[i * DIM..(i + 1) * DIM], &want[..], "step {} pull key {}", step, k);
                 }
             }
-            prop_assert_eq!(store.table("t").unwrap().len().unwrap(), model.len() as u64, "step {} len", step);
+            Op::Lookup(keys) => {
+                let mut out = vec![0.0; keys.len() * DIM];
+                let mut found = vec![false; keys.len()];
+                table.lookup(keys, &mut out, &mut found).unwrap();
+                for (i, k) in keys.iter().enumerate() {
+                    let want = model.get(k).cloned();
+                    prop_assert_eq!(found[i], want.is_some(), "step {} lookup key {}", step, k);
+                    let want = want.unwrap_or_else(|| vec![-7.0; DIM]);
+                    prop_assert_eq!(&out[i * DIM..(i + 1) * DIM], &want[..], "step {} lookup key {}", step, k);
+                }
+            }
+            Op::Push(keys, v) => {
+                let rows: Vec<f32> = keys.iter().enumerate().flat_map(|(i, k)| row_of(*k, v + i as f32)).collect();
+                table.push(keys, &rows).unwrap();
+                for (i, k) in keys.iter().enumerate() {
+                    model.insert(*k, row_of(*k, v + i as f32).to_vec());
+                }
+            }
+            Op::Delete(keys) => {
+                let n = table.delete(keys).unwrap();
+                let mut want = 0;
+                for k in keys {
+                    if model.remove(k).is_some() {
+                        want += 1;
+                    }
+                }
+                prop_assert_eq!(n, want, "step {} delete", step);
+            }
+            Op::Flush => store.flush().unwrap(),
+            Op::Reopen => {
+                drop(table);
+                store.close().unwrap();
+                prop_assert_eq!(store.table("t").err().map(|e| e.kind()), Some(ErrorKind::Closed));
+                store = Store::open(&path, store_options(cfg)).unwrap();
+            }
+            Op::Lookahead(keys) => {
+                // A hint only: nothing may change that a later read can see.
+                table.lookahead(keys).unwrap();
+            }
         }
-        // Export sees exactly the model.
-        let mut exported = HashMap::new();
-        store.table("t").unwrap().export(7, |keys, rows| {
+        prop_assert_eq!(store.table("t").unwrap().len().unwrap(), model.len() as u64, "step {} len", step);
+    }
+    // Export sees exactly the model.
+    let mut exported = HashMap::new();
+    store
+        .table("t")
+        .unwrap()
+        .export(7, |keys, rows| {
             for (i, k) in keys.iter().enumerate() {
                 assert!(exported.insert(*k, rows[i * DIM..(i + 1) * DIM].to_vec()).is_none(), "key {k} exported twice");
             }
             Ok(())
-        }).unwrap();
-        prop_assert_eq!(exported, model);
+        })
+        .unwrap();
+    prop_assert_eq!(exported, model);
+    let stats = store.table("t").unwrap().stats().unwrap();
+    prop_assert_eq!(stats.medium, cfg.medium.name());
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn mmap_matches_hashmap(ops in proptest::collection::vec(op(), 1..120)) {
+        check(&ops, MMAP)?;
+    }
+
+    #[test]
+    fn mmap_with_cache_matches_hashmap(ops in proptest::collection::vec(op(), 1..120)) {
+        check(&ops, Config { placement: Placement::Cache, cache_bytes: TINY_CACHE, ..MMAP })?;
+    }
+
+    #[test]
+    fn block_uring_cache_matches_hashmap(ops in proptest::collection::vec(op(), 1..120)) {
+        check(&ops, Config { medium: MediumKind::Block, io: IoChoice::Auto, cache_bytes: TINY_CACHE, ..MMAP })?;
+    }
+
+    #[test]
+    fn block_pread_cache_matches_hashmap(ops in proptest::collection::vec(op(), 1..120)) {
+        check(&ops, Config { medium: MediumKind::Block, io: IoChoice::Pread, cache_bytes: TINY_CACHE, ..MMAP })?;
+    }
+
+    #[test]
+    fn block_bypass_matches_hashmap(ops in proptest::collection::vec(op(), 1..120)) {
+        check(&ops, Config { medium: MediumKind::Block, placement: Placement::Bypass, cache_bytes: TINY_CACHE, ..MMAP })?;
+    }
+
+    #[test]
+    fn block_pin_matches_hashmap(ops in proptest::collection::vec(op(), 1..120)) {
+        check(&ops, Config { medium: MediumKind::Block, placement: Placement::Pin, cache_bytes: TINY_CACHE, ..MMAP })?;
     }
 }

@@ -65,9 +65,19 @@ struct Store {
 #[pymethods]
 impl Store {
     #[staticmethod]
-    #[pyo3(signature = (path, create=true, verify=false))]
-    fn open(py: Python<'_>, path: PathBuf, create: bool, verify: bool) -> PyResult<Store> {
-        let store = py.detach(|| core::Store::open(&path, core::StoreOptions { create, verify })).map_err(to_py_err)?;
+    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT))]
+    fn open(
+        py: Python<'_>,
+        path: PathBuf,
+        create: bool,
+        verify: bool,
+        cache_bytes: u64,
+        io_engine: &str,
+        io_depth: u32,
+    ) -> PyResult<Store> {
+        let io_engine = core::IoChoice::parse(io_engine).map_err(to_py_err)?;
+        let options = core::StoreOptions { create, verify, cache_bytes, io_engine, io_depth, ..Default::default() };
+        let store = py.detach(|| core::Store::open(&path, options)).map_err(to_py_err)?;
         Ok(Store { inner: Arc::new(store) })
     }
 
@@ -82,7 +92,7 @@ impl Store {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (name, dim, init_kind, init_a, init_b, seed, capacity, growth, load_factor_max, missing_kind, missing_value))]
+    #[pyo3(signature = (name, dim, init_kind, init_a, init_b, seed, capacity, growth, load_factor_max, missing_kind, missing_value, medium="mmap", placement="auto"))]
     fn create_table(
         &self,
         py: Python<'_>,
@@ -97,6 +107,8 @@ impl Store {
         load_factor_max: f64,
         missing_kind: &str,
         missing_value: f32,
+        medium: &str,
+        placement: &str,
     ) -> PyResult<Table> {
         let mut o = core::TableOptions::new(dim);
         o.init = match init_kind {
@@ -116,6 +128,8 @@ impl Store {
         o.capacity = capacity;
         o.growth = growth;
         o.load_factor_max = load_factor_max;
+        o.medium = core::MediumKind::parse(medium).map_err(to_py_err)?;
+        o.placement = core::Placement::parse(placement).map_err(to_py_err)?;
         let inner = py.detach(|| self.inner.create_table(name, o)).map_err(to_py_err)?;
         Ok(Table { inner })
     }
@@ -217,6 +231,12 @@ impl Table {
     fn delete(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<u64> {
         let keys = slice(&keys, "keys")?;
         py.detach(|| self.inner.delete(keys)).map_err(to_py_err)
+    }
+
+    /// Queues a background load of these rows into the row cache; returns at once.
+    fn lookahead(&self, keys: PyReadonlyArray1<'_, u64>) -> PyResult<bool> {
+        let keys = slice(&keys, "keys")?;
+        self.inner.lookahead(keys).map_err(to_py_err)
     }
 
     fn __len__(&self) -> PyResult<usize> {

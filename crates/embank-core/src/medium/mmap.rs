@@ -13,39 +13,23 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
 
-use crossbeam_epoch::Guard;
 use memmap2::{MmapOptions, MmapRaw};
-use parking_lot::Mutex;
 
+use super::alloc::RecordAlloc;
 use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::format::{self, record_stride, DType, RowsHeader, ROWS_HEADER_BYTES, ROW_HEADER_BYTES};
 
 /// Address space reserved per rows file (1 TiB); a table's rows cannot outgrow it.
 pub const RESERVE_BYTES: u64 = 1 << 40;
-/// Smallest step the file grows by.
-pub const GROW_BYTES_MIN: u64 = 16 << 20;
-
-/// Free records, and how many retired records still wait for their grace period.
-#[derive(Default)]
-pub struct FreeList {
-    records: Mutex<Vec<u64>>,
-    pending: AtomicU64,
-}
 
 pub struct MmapMedium {
-    path: PathBuf,
-    file: File,
+    // `alloc` points into `map`: declared first so it is dropped first.
+    alloc: RecordAlloc,
     map: MmapRaw,
     header: RowsHeader,
-    stride: u64,
-    /// Records the file currently has room for.
-    file_records: AtomicU64,
-    grow_lock: Mutex<()>,
-    free: Arc<FreeList>,
 }
 
 // SAFETY: the mapping is shared memory; records are written only by the
@@ -97,29 +81,13 @@ impl MmapMedium {
             .len(RESERVE_BYTES as usize)
             .map_raw(&file)
             .map_err(|e| io_at("cannot map rows file", path, e))?;
-        let stride = header.stride as u64;
-        let medium = MmapMedium {
-            path: path.to_owned(),
-            file,
-            map,
-            header,
-            stride,
-            file_records: AtomicU64::new(len.saturating_sub(ROWS_HEADER_BYTES as u64) / stride),
-            grow_lock: Mutex::new(()),
-            free: Arc::new(FreeList::default()),
+        // SAFETY: the word is in the header page of `map`, 8-aligned; `map` outlives `alloc`
+        // (same struct, dropped after it).
+        let alloc = unsafe {
+            let next = map.as_ptr().add(format::ROWS_NEXT_RECORD_OFFSET) as *const AtomicU64;
+            RecordAlloc::new(path, file, header.stride as u64, RESERVE_BYTES, next)?
         };
-        let next = medium.next_record();
-        if next > medium.file_records.load(Ordering::Relaxed) {
-            return Err(Error::new(
-                ErrorKind::Recover,
-                format!(
-                    "rows file holds {} records but {next} were handed out",
-                    medium.file_records.load(Ordering::Relaxed)
-                ),
-            )
-            .context(path.display().to_string()));
-        }
-        Ok(medium)
+        Ok(MmapMedium { alloc, map, header })
     }
 
     pub fn dim(&self) -> usize {
@@ -127,134 +95,17 @@ impl MmapMedium {
     }
 
     pub fn stride(&self) -> u64 {
-        self.stride
+        self.alloc.stride()
     }
 
-    fn next_record_word(&self) -> &AtomicU64 {
-        // SAFETY: inside the header page, 8-aligned.
-        unsafe { &*(self.map.as_ptr().add(format::ROWS_NEXT_RECORD_OFFSET) as *const AtomicU64) }
-    }
-
-    /// Records handed out so far (live, free, or retired).
-    pub fn next_record(&self) -> u64 {
-        self.next_record_word().load(Ordering::Acquire)
-    }
-
-    pub fn free_records(&self) -> u64 {
-        self.free.records.lock().len() as u64
-    }
-
-    /// Retired records still waiting for readers to move on.
-    pub fn pending_records(&self) -> u64 {
-        self.free.pending.load(Ordering::Acquire)
-    }
-
-    pub fn file_bytes(&self) -> u64 {
-        ROWS_HEADER_BYTES as u64 + self.file_records.load(Ordering::Acquire) * self.stride
-    }
-
-    #[inline(always)]
-    fn ptr_of(&self, record: u64) -> u64 {
-        ROWS_HEADER_BYTES as u64 + record * self.stride
-    }
-
-    #[inline(always)]
-    fn record_of(&self, ptr: u64) -> u64 {
-        (ptr - ROWS_HEADER_BYTES as u64) / self.stride
-    }
-
-    /// True when `ptr` names a record that has been handed out.
-    pub fn is_valid_ptr(&self, ptr: u64) -> bool {
-        ptr >= ROWS_HEADER_BYTES as u64
-            && (ptr - ROWS_HEADER_BYTES as u64).is_multiple_of(self.stride)
-            && self.record_of(ptr) < self.next_record()
-    }
-
-    /// Hands out `n` fresh records, reusing free ones first.
-    pub fn allocate(&self, n: usize, out: &mut Vec<u64>) -> Result<()> {
-        out.clear();
-        {
-            let mut free = self.free.records.lock();
-            let take = n.min(free.len());
-            let start = free.len() - take;
-            out.extend(free.drain(start..).map(|r| self.ptr_of(r)));
-        }
-        let rest = (n - out.len()) as u64;
-        if rest > 0 {
-            let first = self.next_record_word().fetch_add(rest, Ordering::AcqRel);
-            if let Err(e) = self.ensure_records(first + rest) {
-                // Hand back what was taken from the free list; the bumped range stays leaked
-                // until the next recovery scan (the file could not grow anyway).
-                self.release(std::mem::take(out));
-                return Err(e);
-            }
-            out.extend((first..first + rest).map(|r| self.ptr_of(r)));
-        }
-        Ok(())
-    }
-
-    fn ensure_records(&self, records: u64) -> Result<()> {
-        if records <= self.file_records.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        let _g = self.grow_lock.lock();
-        let have = self.file_records.load(Ordering::Acquire);
-        if records <= have {
-            return Ok(());
-        }
-        let grow_records = (GROW_BYTES_MIN / self.stride).max(have / 4).max(1);
-        let want = records.max(have + grow_records);
-        let bytes = ROWS_HEADER_BYTES as u64 + want * self.stride;
-        if bytes > RESERVE_BYTES {
-            return Err(Error::new(ErrorKind::TableFull, "rows file reached its 1 TiB reservation"));
-        }
-        self.file.set_len(bytes).map_err(|e| io_at("cannot grow rows file", &self.path, e))?;
-        self.file_records.store(want, Ordering::Release);
-        Ok(())
-    }
-
-    /// Returns never-published records to the free list at once.
-    pub fn release(&self, ptrs: Vec<u64>) {
-        if ptrs.is_empty() {
-            return;
-        }
-        let mut free = self.free.records.lock();
-        free.extend(ptrs.into_iter().map(|p| self.record_of(p)));
-    }
-
-    /// Frees records that readers may still see, once every reader pinned now has moved on.
-    pub fn retire(&self, guard: &Guard, ptrs: Vec<u64>) {
-        if ptrs.is_empty() {
-            return;
-        }
-        let records: Vec<u64> = ptrs.into_iter().map(|p| self.record_of(p)).collect();
-        let free = Arc::clone(&self.free);
-        free.pending.fetch_add(records.len() as u64, Ordering::AcqRel);
-        guard.defer(move || {
-            let n = records.len() as u64;
-            free.records.lock().extend(records);
-            free.pending.fetch_sub(n, Ordering::AcqRel);
-        });
-    }
-
-    /// Waits (bounded) until retired records have reached the free list.
-    pub fn drain_retired(&self) {
-        for _ in 0..10_000 {
-            if self.pending_records() == 0 {
-                return;
-            }
-            crossbeam_epoch::pin().flush();
-            std::thread::yield_now();
-        }
-        tracing::warn!(
-            pending = self.pending_records(),
-            "retired rows still pending at close; they are reclaimed at the next recovery"
-        );
+    /// Allocation, free list and reclamation of records.
+    pub fn alloc(&self) -> &RecordAlloc {
+        &self.alloc
     }
 
     #[inline(always)]
     fn record_ptr(&self, ptr: u64) -> *mut u8 {
-        debug_assert!(ptr + self.stride <= self.file_bytes());
+        debug_assert!(ptr + self.stride() <= self.alloc.file_bytes());
         // SAFETY: callers pass pointers of handed-out records, all inside the file.
         unsafe { self.map.as_mut_ptr().add(ptr as usize) }
     }
@@ -296,7 +147,7 @@ impl MmapMedium {
     pub fn prefetch(&self, ptr: u64) {
         let p = self.record_ptr(ptr);
         let mut off = 0;
-        while off < self.stride as usize {
+        while off < self.stride() as usize {
             // SAFETY: within the record.
             crate::prefetch::prefetch_read(unsafe { p.add(off) });
             off += 64;
@@ -317,59 +168,8 @@ impl MmapMedium {
 
     /// Writes every record handed out so far and the header to the file (msync).
     pub fn flush(&self) -> Result<()> {
-        let used = (ROWS_HEADER_BYTES as u64 + self.next_record() * self.stride).min(self.file_bytes());
-        self.map.flush_range(0, used as usize).map_err(|e| io_at("cannot sync rows file", &self.path, e))
-    }
-
-    fn free_path(&self) -> PathBuf {
-        self.path.with_extension("free")
-    }
-
-    /// Saves the free list (after draining retired records) for the next clean open.
-    pub fn save_free_list(&self, generation: u64) -> Result<()> {
-        self.drain_retired();
-        let records = self.free.records.lock().clone();
-        let bytes = format::encode_free_list(generation, &records);
-        crate::fsutil::write_atomic(&self.free_path(), &bytes)
-    }
-
-    /// Loads the free list saved at a clean close; false if it is missing, stale or damaged.
-    pub fn load_free_list(&self, generation: u64) -> bool {
-        let Ok(bytes) = std::fs::read(self.free_path()) else { return false };
-        match format::decode_free_list(&bytes) {
-            Ok((g, records)) if g == generation && records.iter().all(|&r| r < self.next_record()) => {
-                *self.free.records.lock() = records;
-                true
-            }
-            Ok(_) => false,
-            Err(e) => {
-                tracing::warn!(path = %self.free_path().display(), error = %e, "ignoring damaged free list");
-                false
-            }
-        }
-    }
-
-    /// Rebuilds the free list: every handed-out record not in `live` (bitmap by record) is free.
-    pub fn rebuild_free_list(&self, live: &[u64]) {
-        let next = self.next_record();
-        let mut free = self.free.records.lock();
-        free.clear();
-        for r in (0..next).rev() {
-            if live[(r / 64) as usize] & (1 << (r % 64)) == 0 {
-                free.push(r);
-            }
-        }
-    }
-
-    /// Bitmap sized for every handed-out record.
-    pub fn new_bitmap(&self) -> Vec<u64> {
-        vec![0u64; self.next_record().div_ceil(64) as usize]
-    }
-
-    /// Sets the bit of `ptr`'s record.
-    pub fn mark(&self, bitmap: &mut [u64], ptr: u64) {
-        let r = self.record_of(ptr);
-        bitmap[(r / 64) as usize] |= 1 << (r % 64);
+        let used = (ROWS_HEADER_BYTES as u64 + self.alloc.next_record() * self.stride()).min(self.alloc.file_bytes());
+        self.map.flush_range(0, used as usize).map_err(|e| io_at("cannot sync rows file", self.alloc.path(), e))
     }
 }
 
@@ -382,7 +182,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = MmapMedium::create(&dir.path().join("rows.ebr"), 5, DType::F32).unwrap();
         let mut ptrs = Vec::new();
-        m.allocate(3, &mut ptrs).unwrap();
+        m.alloc().allocate(3, &mut ptrs).unwrap();
         assert_eq!(ptrs.len(), 3);
         for (i, &p) in ptrs.iter().enumerate() {
             m.write_row(p, i as u64 * 10, &[i as f32; 5]);
@@ -391,15 +191,15 @@ mod tests {
             assert_eq!(m.key_at(p), i as u64 * 10);
             assert_eq!(m.row_at(p), &[i as f32; 5]);
             assert!(m.checksum_ok(p));
-            assert!(m.is_valid_ptr(p));
+            assert!(m.alloc().is_valid_ptr(p));
         }
-        assert!(!m.is_valid_ptr(ptrs[2] + m.stride()));
-        assert!(!m.is_valid_ptr(ptrs[0] + 1));
-        m.release(vec![ptrs[1]]);
+        assert!(!m.alloc().is_valid_ptr(ptrs[2] + m.stride()));
+        assert!(!m.alloc().is_valid_ptr(ptrs[0] + 1));
+        m.alloc().release(vec![ptrs[1]]);
         let mut again = Vec::new();
-        m.allocate(2, &mut again).unwrap();
+        m.alloc().allocate(2, &mut again).unwrap();
         assert_eq!(again[0], ptrs[1], "a free record is reused first");
-        assert_eq!(m.next_record(), 4);
+        assert_eq!(m.alloc().next_record(), 4);
     }
 
     #[test]
@@ -407,7 +207,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = MmapMedium::create(&dir.path().join("rows.ebr"), 8, DType::F32).unwrap();
         let mut ptrs = Vec::new();
-        m.allocate(1, &mut ptrs).unwrap();
+        m.alloc().allocate(1, &mut ptrs).unwrap();
         m.write_row(ptrs[0], 7, &[1.5; 8]);
         unsafe { *m.record_ptr(ptrs[0]).add(ROW_HEADER_BYTES + 3) ^= 0x10 };
         assert!(!m.checksum_ok(ptrs[0]));
@@ -417,18 +217,18 @@ mod tests {
     fn grows_the_file_and_reopens() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rows.ebr");
-        let n = (GROW_BYTES_MIN / record_stride(64, DType::F32) as u64) as usize + 10;
+        let n = (super::super::alloc::GROW_BYTES_MIN / record_stride(64, DType::F32) as u64) as usize + 10;
         {
             let m = MmapMedium::create(&path, 64, DType::F32).unwrap();
             let mut ptrs = Vec::new();
-            m.allocate(n, &mut ptrs).unwrap();
+            m.alloc().allocate(n, &mut ptrs).unwrap();
             for (i, &p) in ptrs.iter().enumerate() {
                 m.write_row(p, i as u64, &[i as f32; 64]);
             }
             m.flush().unwrap();
         }
         let m = MmapMedium::open(&path).unwrap();
-        assert_eq!(m.next_record(), n as u64);
+        assert_eq!(m.alloc().next_record(), n as u64);
         let last = ROWS_HEADER_BYTES as u64 + (n as u64 - 1) * m.stride();
         assert_eq!(m.key_at(last), n as u64 - 1);
         assert!(m.checksum_ok(last));

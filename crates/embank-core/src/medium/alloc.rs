@@ -1,0 +1,263 @@
+//! Record allocation shared by both media: fixed-stride records after a
+//! 4096-byte header, a bump pointer (`next record`, a word of the header that
+//! lives in shared memory so it survives a killed process), a DRAM free list
+//! saved at a clean close and rebuilt from the index after a crash, and
+//! epoch-deferred reclamation of replaced records.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crossbeam_epoch::Guard;
+use parking_lot::Mutex;
+
+use crate::error::{io_at, Error, ErrorKind, Result};
+use crate::format::{self, ROWS_HEADER_BYTES};
+
+/// Smallest step a rows file grows by.
+pub const GROW_BYTES_MIN: u64 = 16 << 20;
+
+/// Free records, and how many retired records still wait for their grace period.
+#[derive(Default)]
+pub struct FreeList {
+    records: Mutex<Vec<u64>>,
+    pending: AtomicU64,
+}
+
+pub struct RecordAlloc {
+    path: PathBuf,
+    file: File,
+    stride: u64,
+    /// Largest the file may grow to.
+    limit_bytes: u64,
+    /// The `next record` word in the file's mapped header.
+    next: *const AtomicU64,
+    /// Records the file currently has room for.
+    file_records: AtomicU64,
+    grow_lock: Mutex<()>,
+    free: Arc<FreeList>,
+}
+
+// SAFETY: `next` points into a shared mapping its owner keeps alive as long as this.
+unsafe impl Send for RecordAlloc {}
+unsafe impl Sync for RecordAlloc {}
+
+impl RecordAlloc {
+    /// `next` must point at the header's next-record word in a mapping that outlives `self`.
+    pub(crate) unsafe fn new(
+        path: &Path,
+        file: File,
+        stride: u64,
+        limit_bytes: u64,
+        next: *const AtomicU64,
+    ) -> Result<RecordAlloc> {
+        let len = file.metadata().map_err(|e| io_at("cannot stat rows file", path, e))?.len();
+        let alloc = RecordAlloc {
+            path: path.to_owned(),
+            file,
+            stride,
+            limit_bytes,
+            next,
+            file_records: AtomicU64::new(len.saturating_sub(ROWS_HEADER_BYTES as u64) / stride),
+            grow_lock: Mutex::new(()),
+            free: Arc::new(FreeList::default()),
+        };
+        let next = alloc.next_record();
+        if next > alloc.file_records.load(Ordering::Relaxed) {
+            return Err(Error::new(
+                ErrorKind::Recover,
+                format!(
+                    "rows file holds {} records but {next} were handed out",
+                    alloc.file_records.load(Ordering::Relaxed)
+                ),
+            )
+            .context(path.display().to_string()));
+        }
+        Ok(alloc)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn stride(&self) -> u64 {
+        self.stride
+    }
+
+    fn next_word(&self) -> &AtomicU64 {
+        // SAFETY: see `new`.
+        unsafe { &*self.next }
+    }
+
+    /// Records handed out so far (live, free, or retired).
+    pub fn next_record(&self) -> u64 {
+        self.next_word().load(Ordering::Acquire)
+    }
+
+    pub fn free_records(&self) -> u64 {
+        self.free.records.lock().len() as u64
+    }
+
+    /// Retired records still waiting for readers to move on.
+    pub fn pending_records(&self) -> u64 {
+        self.free.pending.load(Ordering::Acquire)
+    }
+
+    pub fn file_bytes(&self) -> u64 {
+        ROWS_HEADER_BYTES as u64 + self.file_records.load(Ordering::Acquire) * self.stride
+    }
+
+    #[inline(always)]
+    pub fn ptr_of(&self, record: u64) -> u64 {
+        ROWS_HEADER_BYTES as u64 + record * self.stride
+    }
+
+    #[inline(always)]
+    pub fn record_of(&self, ptr: u64) -> u64 {
+        (ptr - ROWS_HEADER_BYTES as u64) / self.stride
+    }
+
+    /// True when `ptr` names a record that has been handed out.
+    pub fn is_valid_ptr(&self, ptr: u64) -> bool {
+        ptr >= ROWS_HEADER_BYTES as u64
+            && (ptr - ROWS_HEADER_BYTES as u64).is_multiple_of(self.stride)
+            && self.record_of(ptr) < self.next_record()
+    }
+
+    /// Hands out `n` fresh records, reusing free ones first.
+    pub fn allocate(&self, n: usize, out: &mut Vec<u64>) -> Result<()> {
+        out.clear();
+        {
+            let mut free = self.free.records.lock();
+            let take = n.min(free.len());
+            let start = free.len() - take;
+            out.extend(free.drain(start..).map(|r| self.ptr_of(r)));
+        }
+        let rest = (n - out.len()) as u64;
+        if rest > 0 {
+            let first = self.next_word().fetch_add(rest, Ordering::AcqRel);
+            if let Err(e) = self.ensure_records(first + rest) {
+                // Hand back what was taken from the free list; the bumped range stays leaked
+                // until the next recovery scan (the file could not grow anyway).
+                self.release(std::mem::take(out));
+                return Err(e);
+            }
+            out.extend((first..first + rest).map(|r| self.ptr_of(r)));
+        }
+        Ok(())
+    }
+
+    fn ensure_records(&self, records: u64) -> Result<()> {
+        if records <= self.file_records.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _g = self.grow_lock.lock();
+        let have = self.file_records.load(Ordering::Acquire);
+        if records <= have {
+            return Ok(());
+        }
+        let grow_records = (GROW_BYTES_MIN / self.stride).max(have / 4).max(1);
+        let want = records.max(have + grow_records);
+        let bytes = ROWS_HEADER_BYTES as u64 + want * self.stride;
+        if bytes > self.limit_bytes {
+            return Err(Error::new(
+                ErrorKind::TableFull,
+                format!("rows file {} reached its limit of {} bytes", self.path.display(), self.limit_bytes),
+            ));
+        }
+        self.file.set_len(bytes).map_err(|e| io_at("cannot grow rows file", &self.path, e))?;
+        self.file_records.store(want, Ordering::Release);
+        Ok(())
+    }
+
+    /// Returns never-published records to the free list at once.
+    pub fn release(&self, ptrs: Vec<u64>) {
+        if ptrs.is_empty() {
+            return;
+        }
+        let mut free = self.free.records.lock();
+        free.extend(ptrs.into_iter().map(|p| self.record_of(p)));
+    }
+
+    /// Frees records that readers may still see, once every reader pinned now has moved on.
+    pub fn retire(&self, guard: &Guard, ptrs: Vec<u64>) {
+        if ptrs.is_empty() {
+            return;
+        }
+        let records: Vec<u64> = ptrs.into_iter().map(|p| self.record_of(p)).collect();
+        let free = Arc::clone(&self.free);
+        free.pending.fetch_add(records.len() as u64, Ordering::AcqRel);
+        guard.defer(move || {
+            let n = records.len() as u64;
+            free.records.lock().extend(records);
+            free.pending.fetch_sub(n, Ordering::AcqRel);
+        });
+    }
+
+    /// Waits (bounded) until retired records have reached the free list.
+    pub fn drain_retired(&self) {
+        for _ in 0..10_000 {
+            if self.pending_records() == 0 {
+                return;
+            }
+            crossbeam_epoch::pin().flush();
+            std::thread::yield_now();
+        }
+        tracing::warn!(
+            pending = self.pending_records(),
+            "retired rows still pending at close; they are reclaimed at the next recovery"
+        );
+    }
+
+    fn free_path(&self) -> PathBuf {
+        self.path.with_extension("free")
+    }
+
+    /// Saves the free list (after draining retired records) for the next clean open.
+    pub fn save_free_list(&self, generation: u64) -> Result<()> {
+        self.drain_retired();
+        let records = self.free.records.lock().clone();
+        let bytes = format::encode_free_list(generation, &records);
+        crate::fsutil::write_atomic(&self.free_path(), &bytes)
+    }
+
+    /// Loads the free list saved at a clean close; false if it is missing, stale or damaged.
+    pub fn load_free_list(&self, generation: u64) -> bool {
+        let Ok(bytes) = std::fs::read(self.free_path()) else { return false };
+        match format::decode_free_list(&bytes) {
+            Ok((g, records)) if g == generation && records.iter().all(|&r| r < self.next_record()) => {
+                *self.free.records.lock() = records;
+                true
+            }
+            Ok(_) => false,
+            Err(e) => {
+                tracing::warn!(path = %self.free_path().display(), error = %e, "ignoring damaged free list");
+                false
+            }
+        }
+    }
+
+    /// Rebuilds the free list: every handed-out record not in `live` (bitmap by record) is free.
+    pub fn rebuild_free_list(&self, live: &[u64]) {
+        let next = self.next_record();
+        let mut free = self.free.records.lock();
+        free.clear();
+        for r in (0..next).rev() {
+            if live[(r / 64) as usize] & (1 << (r % 64)) == 0 {
+                free.push(r);
+            }
+        }
+    }
+
+    /// Bitmap sized for every handed-out record.
+    pub fn new_bitmap(&self) -> Vec<u64> {
+        vec![0u64; self.next_record().div_ceil(64) as usize]
+    }
+
+    /// Sets the bit of `ptr`'s record.
+    pub fn mark(&self, bitmap: &mut [u64], ptr: u64) {
+        let r = self.record_of(ptr);
+        bitmap[(r / 64) as usize] |= 1 << (r % 64);
+    }
+}

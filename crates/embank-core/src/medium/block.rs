@@ -1,0 +1,331 @@
+//! The block medium: row records in a data file read and written with
+//! `O_DIRECT` through an [`IoEngine`] (io_uring or a pread pool).
+//!
+//! Layout (`rows.ebb`): a 4096-byte header (same fields as the mmap medium's,
+//! magic "EMBKBLKR"), then records of `stride` bytes, `stride` a multiple of
+//! the file system's direct-I/O alignment (512 B here), so reading one row is
+//! one aligned read of the smallest size the device allows. A record is
+//! `key u64 | crc32c u32 | flags u32 | elements`, zero-padded to the stride.
+//!
+//! Only the header page is memory-mapped (its next-record word must survive a
+//! killed process, like the mmap medium's); records are only ever touched by
+//! direct I/O. Records are copy-on-write, as on the mmap medium: a write goes
+//! to a fresh record, the index is pointed at it, the old record is retired.
+
+use std::cell::RefCell;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use super::alloc::RecordAlloc;
+use crate::error::{io_at, Error, ErrorKind, Result};
+use crate::format::{self, block_stride, DType, RowsHeader, BLOCK_ROWS_MAGIC, ROWS_HEADER_BYTES, ROW_HEADER_BYTES};
+use crate::io::{direct_io_alignment, AlignedBuf, Dir, IoEngine, IoReq};
+
+/// Largest block rows file (same bound as the mmap medium's reservation).
+pub const BLOCK_FILE_BYTES_MAX: u64 = 1 << 40;
+/// Alignment assumed when the file system does not report one.
+const ALIGN_FALLBACK: u32 = 4096;
+
+thread_local! {
+    static IO_BUF: RefCell<AlignedBuf> = RefCell::new(AlignedBuf::new(1 << 16));
+}
+
+/// One row to read: its record and where its elements go.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadItem {
+    pub key: u64,
+    pub ptr: u64,
+    /// Row position in the output buffer.
+    pub pos: usize,
+}
+
+pub struct BlockMedium {
+    // `alloc` points into `header_map`: declared first so it is dropped first.
+    alloc: RecordAlloc,
+    header_map: MmapRaw,
+    file: File,
+    header: RowsHeader,
+    direct: bool,
+    align: u32,
+    io: Arc<dyn IoEngine>,
+}
+
+fn open_data(path: &Path, create: bool) -> Result<(File, bool)> {
+    let mut o = OpenOptions::new();
+    o.read(true).write(true);
+    if create {
+        o.create_new(true);
+    }
+    match o.clone().custom_flags(libc::O_DIRECT).open(path) {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            tracing::warn!(path = %path.display(), "file system refuses O_DIRECT; the block medium goes through the page cache");
+            let f = o.open(path).map_err(|e| io_at("cannot open block rows file", path, e))?;
+            Ok((f, false))
+        }
+        Err(e) => {
+            Err(io_at(if create { "cannot create block rows file" } else { "cannot open block rows file" }, path, e))
+        }
+    }
+}
+
+impl BlockMedium {
+    pub fn create(path: &Path, dim: u32, dtype: DType, io: Arc<dyn IoEngine>) -> Result<BlockMedium> {
+        let (file, direct) = open_data(path, true)?;
+        let align = if direct { direct_io_alignment(file.as_raw_fd()).unwrap_or(ALIGN_FALLBACK) } else { 512 };
+        let align = align.max(512);
+        if !(ROWS_HEADER_BYTES as u32).is_multiple_of(align) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("direct I/O alignment {align} is larger than the {ROWS_HEADER_BYTES}-byte header"),
+            ));
+        }
+        let header = RowsHeader { dim, dtype, stride: block_stride(dim, dtype, align) };
+        file.set_len(ROWS_HEADER_BYTES as u64).map_err(|e| io_at("cannot size block rows file", path, e))?;
+        let mut buf = AlignedBuf::new(ROWS_HEADER_BYTES);
+        header.write_as(buf.as_mut_slice(), &BLOCK_ROWS_MAGIC);
+        let req = IoReq { offset: 0, buf: buf.as_mut_ptr(), len: ROWS_HEADER_BYTES };
+        io.submit(file.as_raw_fd(), Dir::Write, &[req]).map_err(|e| e.context(path.display().to_string()))?;
+        Self::finish_open(path, file, header, direct, align, io)
+    }
+
+    pub fn open(path: &Path, io: Arc<dyn IoEngine>) -> Result<BlockMedium> {
+        let (file, direct) = open_data(path, false)?;
+        let len = file.metadata().map_err(|e| io_at("cannot stat block rows file", path, e))?.len();
+        if len < ROWS_HEADER_BYTES as u64 {
+            return Err(Error::new(ErrorKind::Recover, "block rows file is shorter than its header")
+                .context(path.display().to_string()));
+        }
+        let mut buf = AlignedBuf::new(ROWS_HEADER_BYTES);
+        let req = IoReq { offset: 0, buf: buf.as_mut_ptr(), len: ROWS_HEADER_BYTES };
+        io.submit(file.as_raw_fd(), Dir::Read, &[req]).map_err(|e| e.context(path.display().to_string()))?;
+        let header = RowsHeader::read_block(buf.as_slice()).map_err(|e| e.context(path.display().to_string()))?;
+        let mut align = if direct { direct_io_alignment(file.as_raw_fd()).unwrap_or(ALIGN_FALLBACK) } else { 512 };
+        let (file, direct) = if direct && !header.stride.is_multiple_of(align) {
+            tracing::warn!(
+                path = %path.display(),
+                stride = header.stride,
+                align,
+                "records are not aligned for direct I/O on this file system; reading through the page cache"
+            );
+            align = 512;
+            let f = OpenOptions::new().read(true).write(true).open(path).map_err(|e| io_at("cannot open", path, e))?;
+            (f, false)
+        } else {
+            (file, direct)
+        };
+        Self::finish_open(path, file, header, direct, align.max(512), io)
+    }
+
+    fn finish_open(
+        path: &Path,
+        file: File,
+        header: RowsHeader,
+        direct: bool,
+        align: u32,
+        io: Arc<dyn IoEngine>,
+    ) -> Result<BlockMedium> {
+        let header_map = MmapOptions::new()
+            .len(ROWS_HEADER_BYTES)
+            .map_raw(&file)
+            .map_err(|e| io_at("cannot map block rows header", path, e))?;
+        let grow = file.try_clone().map_err(|e| io_at("cannot duplicate file handle", path, e))?;
+        // SAFETY: the word is inside the mapped header page; `header_map` outlives `alloc`.
+        let alloc = unsafe {
+            let next = header_map.as_ptr().add(format::ROWS_NEXT_RECORD_OFFSET) as *const AtomicU64;
+            RecordAlloc::new(path, grow, header.stride as u64, BLOCK_FILE_BYTES_MAX, next)?
+        };
+        Ok(BlockMedium { alloc, header_map, file, header, direct, align, io })
+    }
+
+    pub fn dim(&self) -> usize {
+        self.header.dim as usize
+    }
+
+    pub fn stride(&self) -> u64 {
+        self.alloc.stride()
+    }
+
+    pub fn alloc(&self) -> &RecordAlloc {
+        &self.alloc
+    }
+
+    /// True when the file is read with `O_DIRECT` (false where the file system refuses it).
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    pub fn align(&self) -> u32 {
+        self.align
+    }
+
+    pub fn engine(&self) -> &Arc<dyn IoEngine> {
+        &self.io
+    }
+
+    /// Reads rows: each item's record into `out[pos * dim..]`, checking that the
+    /// record holds the item's key and matches its checksum.
+    pub fn read(&self, items: &[ReadItem], out: &mut [f32]) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let dim = self.dim();
+        let stride = self.stride() as usize;
+        IO_BUF.with(|cell| {
+            let mut buf = cell.borrow_mut();
+            buf.reserve(items.len() * stride);
+            let base = buf.as_mut_ptr();
+            let reqs: Vec<IoReq> = items
+                .iter()
+                .enumerate()
+                // SAFETY: inside the buffer reserved above.
+                .map(|(i, it)| IoReq { offset: it.ptr, buf: unsafe { base.add(i * stride) }, len: stride })
+                .collect();
+            self.io.submit(self.file.as_raw_fd(), Dir::Read, &reqs).map_err(|e| e.context(self.where_()))?;
+            let bytes = buf.as_slice();
+            for (i, it) in items.iter().enumerate() {
+                let rec = &bytes[i * stride..i * stride + ROW_HEADER_BYTES + dim * 4];
+                let key = u64::from_le_bytes(rec[0..8].try_into().unwrap());
+                if key != it.key {
+                    return Err(Error::corrupt(format!(
+                        "{}: record at offset {} holds key {key}, the index says {}",
+                        self.where_(),
+                        it.ptr,
+                        it.key
+                    )));
+                }
+                let stored = u32::from_le_bytes(rec[8..12].try_into().unwrap());
+                let crc = crc32c::crc32c_append(crc32c::crc32c(&rec[0..8]), &rec[ROW_HEADER_BYTES..]);
+                if crc != stored {
+                    return Err(Error::new(
+                        ErrorKind::ChecksumMismatch,
+                        format!("{}: row of key {key} at offset {} fails its checksum", self.where_(), it.ptr),
+                    ));
+                }
+                let dst = &mut out[it.pos * dim..(it.pos + 1) * dim];
+                for (d, s) in dst.iter_mut().zip(rec[ROW_HEADER_BYTES..].chunks_exact(4)) {
+                    *d = f32::from_le_bytes(s.try_into().unwrap());
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Reads one record and says whether it holds `key` and matches its checksum.
+    pub fn check(&self, ptr: u64, key: u64) -> Result<bool> {
+        let mut row = vec![0f32; self.dim()];
+        match self.read(&[ReadItem { key, ptr, pos: 0 }], &mut row) {
+            Ok(()) => Ok(true),
+            Err(e) if matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::ChecksumMismatch) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes records (`ptr`s from [`RecordAlloc::allocate`], not yet published) in one batch.
+    pub fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let stride = self.stride() as usize;
+        IO_BUF.with(|cell| {
+            let mut buf = cell.borrow_mut();
+            buf.reserve(items.len() * stride);
+            let bytes = buf.as_mut_slice();
+            for (i, &(key, _, row)) in items.iter().enumerate() {
+                debug_assert_eq!(row.len(), self.dim());
+                encode_record(&mut bytes[i * stride..(i + 1) * stride], key, row);
+            }
+            let base = buf.as_mut_ptr();
+            let reqs: Vec<IoReq> = items
+                .iter()
+                .enumerate()
+                // SAFETY: inside the buffer reserved above.
+                .map(|(i, &(_, ptr, _))| IoReq { offset: ptr, buf: unsafe { base.add(i * stride) }, len: stride })
+                .collect();
+            self.io.submit(self.file.as_raw_fd(), Dir::Write, &reqs).map_err(|e| e.context(self.where_()))
+        })
+    }
+
+    /// Makes written records and the header durable (`fdatasync`, msync of the header).
+    pub fn flush(&self) -> Result<()> {
+        self.file.sync_data().map_err(|e| io_at("cannot sync block rows file", self.alloc.path(), e))?;
+        self.header_map.flush().map_err(|e| io_at("cannot sync block rows header", self.alloc.path(), e))
+    }
+
+    fn where_(&self) -> String {
+        self.alloc.path().display().to_string()
+    }
+}
+
+/// Encodes one record into `out` (the stride), zero padding included.
+pub fn encode_record(out: &mut [u8], key: u64, row: &[f32]) {
+    let n = row.len() * 4;
+    out[0..8].copy_from_slice(&key.to_le_bytes());
+    for (d, x) in out[ROW_HEADER_BYTES..ROW_HEADER_BYTES + n].chunks_exact_mut(4).zip(row) {
+        d.copy_from_slice(&x.to_le_bytes());
+    }
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[0..8]), &out[ROW_HEADER_BYTES..ROW_HEADER_BYTES + n]);
+    out[8..12].copy_from_slice(&crc.to_le_bytes());
+    out[12..16].fill(0);
+    out[ROW_HEADER_BYTES + n..].fill(0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::io::{engine, IoChoice};
+
+    fn roundtrip(choice: IoChoice) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rows.ebb");
+        let io = engine(choice, 32).unwrap();
+        let dim = 128;
+        let n = 300;
+        let rows: Vec<Vec<f32>> = (0..n).map(|i| (0..dim).map(|j| (i * 1000 + j) as f32).collect()).collect();
+        let ptrs = {
+            let m = BlockMedium::create(&path, dim as u32, DType::F32, Arc::clone(&io)).unwrap();
+            assert_eq!(m.stride() % 512, 0);
+            assert_eq!(m.stride(), 1024, "528-byte records of dim 128 take two 512-byte blocks");
+            let mut ptrs = Vec::new();
+            m.alloc().allocate(n, &mut ptrs).unwrap();
+            let items: Vec<(u64, u64, &[f32])> =
+                ptrs.iter().enumerate().map(|(i, &p)| (i as u64 + 7, p, rows[i].as_slice())).collect();
+            m.write(&items).unwrap();
+            m.flush().unwrap();
+            ptrs
+        };
+        let m = BlockMedium::open(&path, io).unwrap();
+        assert_eq!(m.alloc().next_record(), n as u64);
+        let items: Vec<ReadItem> = ptrs
+            .iter()
+            .enumerate()
+            .rev()
+            .map(|(i, &p)| ReadItem { key: i as u64 + 7, ptr: p, pos: n - 1 - i })
+            .collect();
+        let mut out = vec![0f32; n * dim];
+        m.read(&items, &mut out).unwrap();
+        for i in 0..n {
+            assert_eq!(&out[(n - 1 - i) * dim..(n - i) * dim], rows[i].as_slice());
+        }
+        assert!(m.check(ptrs[3], 10).unwrap());
+        assert!(!m.check(ptrs[3], 11).unwrap(), "a record of another key is refused");
+        let e = m.read(&[ReadItem { key: 8, ptr: ptrs[0], pos: 0 }], &mut out).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt);
+    }
+
+    #[test]
+    fn block_medium_roundtrip_pread() {
+        roundtrip(IoChoice::Pread);
+    }
+
+    #[test]
+    fn block_medium_roundtrip_auto() {
+        roundtrip(IoChoice::Auto);
+    }
+}

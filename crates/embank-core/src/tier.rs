@@ -1,0 +1,130 @@
+//! What a store's tables share across tiers: the DRAM row cache, the I/O
+//! engine of block media, and the maintenance thread that writes dirty rows
+//! back and serves `lookahead` requests off the caller's path.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::cache::RowCache;
+use crate::io::IoEngine;
+use crate::table::{Table, WeakTable};
+
+/// Lookahead requests queued at most; more are dropped (and counted), never waited for.
+const LOOKAHEAD_QUEUE: usize = 256;
+/// How often the maintenance thread checks for dirty rows when idle.
+const TICK: Duration = Duration::from_millis(20);
+/// Rows one write-back round takes per table.
+const WRITE_BACK_BATCH: usize = 4096;
+
+enum Job {
+    Lookahead(WeakTable, Vec<u64>),
+    Stop,
+}
+
+pub struct Tier {
+    pub cache: Option<Arc<RowCache>>,
+    pub io: Arc<dyn IoEngine>,
+    tables: Mutex<Vec<WeakTable>>,
+    jobs: Mutex<Option<SyncSender<Job>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    pub lookahead_dropped: AtomicU64,
+    pub lookahead_requests: AtomicU64,
+}
+
+impl Tier {
+    pub fn new(cache: Option<Arc<RowCache>>, io: Arc<dyn IoEngine>) -> Arc<Tier> {
+        let (tx, rx) = sync_channel(LOOKAHEAD_QUEUE);
+        let tier = Arc::new(Tier {
+            cache,
+            io,
+            tables: Mutex::new(Vec::new()),
+            jobs: Mutex::new(Some(tx)),
+            thread: Mutex::new(None),
+            lookahead_dropped: AtomicU64::new(0),
+            lookahead_requests: AtomicU64::new(0),
+        });
+        let weak = Arc::downgrade(&tier);
+        let handle = std::thread::Builder::new()
+            .name("embank-maint".into())
+            .spawn(move || maintenance(weak, rx))
+            .expect("spawn maintenance thread");
+        *tier.thread.lock() = Some(handle);
+        tier
+    }
+
+    pub fn register(&self, table: &Table) {
+        let mut tables = self.tables.lock();
+        tables.retain(|t| t.upgrade().is_some());
+        tables.push(table.downgrade());
+    }
+
+    /// Queues a lookahead; returns false if the queue was full and the hint was dropped.
+    pub fn lookahead(&self, table: &Table, keys: Vec<u64>) -> bool {
+        self.lookahead_requests.fetch_add(1, Ordering::Relaxed);
+        let jobs = self.jobs.lock();
+        let Some(tx) = jobs.as_ref() else { return false };
+        match tx.try_send(Job::Lookahead(table.downgrade(), keys)) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                self.lookahead_dropped.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    /// Stops the maintenance thread (the store is closing).
+    pub fn stop(&self) {
+        if let Some(tx) = self.jobs.lock().take() {
+            let _ = tx.send(Job::Stop);
+        }
+        if let Some(handle) = self.thread.lock().take() {
+            if handle.thread().id() != std::thread::current().id() {
+                let _ = handle.join();
+            }
+        }
+    }
+
+    fn write_back_round(&self) {
+        let Some(cache) = &self.cache else { return };
+        if cache.dirty_bytes() <= cache.dirty_target() {
+            return;
+        }
+        let tables: Vec<Table> = self.tables.lock().iter().filter_map(|t| t.upgrade()).collect();
+        for table in tables {
+            if let Err(e) = table.write_back(WRITE_BACK_BATCH) {
+                if e.kind() != crate::ErrorKind::Closed {
+                    tracing::warn!(table = table.name(), error = %e, "background write-back failed; rows stay dirty");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Tier {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn maintenance(tier: std::sync::Weak<Tier>, rx: Receiver<Job>) {
+    loop {
+        match rx.recv_timeout(TICK) {
+            Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+            Ok(Job::Lookahead(table, keys)) => {
+                if let Some(table) = table.upgrade() {
+                    if let Err(e) = table.warm(&keys) {
+                        tracing::debug!(table = table.name(), error = %e, "lookahead failed");
+                    }
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        let Some(tier) = tier.upgrade() else { return };
+        tier.write_back_round();
+    }
+}
