@@ -8,9 +8,11 @@ use std::process::Command;
 fn smoke_runs_or_explains_every_engine() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("results.json");
-    for workload in ["ycsb-c", "ycsb-a", "train"] {
+    let all = "embank-mmap,embank-block,embank-block-pread,hashmap,rocksdb,lmdb,redis";
+    for workload in ["ycsb-c", "ycsb-a", "hps-a", "train"] {
         let run = Command::new(env!("CARGO_BIN_EXE_embank"))
-            .args(["bench", "--smoke", "--workload", workload, "--out"])
+            // A row cache of a quarter of the rows, so the block engines miss and read.
+            .args(["bench", "--smoke", "--engines", all, "--cache-bytes", "300K", "--workload", workload, "--out"])
             .arg(&out)
             .output()
             .unwrap();
@@ -18,7 +20,7 @@ fn smoke_runs_or_explains_every_engine() {
         assert!(run.status.success(), "{workload}: {stdout}\n{}", String::from_utf8_lossy(&run.stderr));
         let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
         let engines = report["engines"].as_array().unwrap();
-        assert_eq!(engines.len(), 5, "{workload}: every engine is reported");
+        assert_eq!(engines.len(), 7, "{workload}: every engine is reported");
         assert!(report["gather_keys_per_second"].as_f64().unwrap() > 0.0);
         for e in engines {
             let name = e["engine"].as_str().unwrap();
@@ -31,6 +33,13 @@ fn smoke_runs_or_explains_every_engine() {
                 assert!(e["keys_per_second"].as_f64().unwrap() > 0.0, "{workload}: {name}");
                 assert!(e["latency_us_p99"].as_f64().unwrap() >= e["latency_us_p50"].as_f64().unwrap());
                 assert!(e["ratio_to_hashmap"].as_f64().is_some(), "{name}");
+                if name.starts_with("embank-block") {
+                    let hit = e["hit_rate"].as_f64().unwrap_or_else(|| panic!("{workload}: {name} has no hit rate"));
+                    assert!(
+                        (0.0..1.0).contains(&hit),
+                        "{workload}: {name} hit rate {hit}: the cache is too small to hit always"
+                    );
+                }
             }
         }
         assert!(stdout.contains("vs hash"), "{stdout}");

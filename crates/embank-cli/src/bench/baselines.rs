@@ -62,6 +62,10 @@ impl Engine for Lmdb {
         }
         wtxn.commit().map_err(|e| e.to_string())
     }
+    /// Written pages reach the file before the measured phase (as with every engine).
+    fn finish_load(&self) -> Result<(), String> {
+        self.env.force_sync().map_err(|e| e.to_string())
+    }
     fn pull(&self, _: usize, keys: &[u64], out: &mut [f32]) -> Result<(), String> {
         let rtxn = self.env.read_txn().map_err(|e| e.to_string())?;
         for (i, &k) in keys.iter().enumerate() {
@@ -81,7 +85,9 @@ pub struct Rocks {
 }
 
 impl Rocks {
-    pub fn open(dir: &Path, dram_bytes: u64, dim: usize) -> Result<Self, String> {
+    /// `direct`: read and compact with O_DIRECT, so the OS page cache does not add
+    /// memory beyond the block cache (used when a DRAM budget is set).
+    pub fn open(dir: &Path, dram_bytes: u64, dim: usize, direct: bool) -> Result<Self, String> {
         let mut table = rocksdb::BlockBasedOptions::default();
         let cache = rocksdb::Cache::new_lru_cache(dram_bytes as usize);
         table.set_block_cache(&cache);
@@ -91,6 +97,10 @@ impl Rocks {
         opts.create_if_missing(true);
         opts.set_block_based_table_factory(&table);
         opts.increase_parallelism(std::thread::available_parallelism().map(|n| n.get() as i32).unwrap_or(2));
+        if direct {
+            opts.set_use_direct_reads(true);
+            opts.set_use_direct_io_for_flush_and_compaction(true);
+        }
         let db = rocksdb::DB::open(&opts, dir.join("rocksdb")).map_err(|e| e.to_string())?;
         Ok(Rocks { db, dim })
     }

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use embank_core::{Store, StoreOptions, Table, TableOptions};
+use embank_core::{IoChoice, MediumKind, Store, StoreOptions, Table, TableOptions};
 use parking_lot::RwLock;
 
 /// A key-value engine holding rows of `dim` f32 per u64 key.
@@ -24,27 +24,64 @@ pub trait Engine: Sync {
     fn external_resident_bytes(&self) -> Option<u64> {
         None
     }
+    /// Hit rate of the engine's DRAM tier during the measured phase, where it has one.
+    fn hit_rate(&self) -> Option<f64> {
+        None
+    }
+    /// Called between the load and the measured phase (resets counters).
+    fn start_measure(&self) {}
 }
 
-/// The embedded embank store on the mmap medium.
-pub struct EmbankMmap {
+/// The embedded embank store: `embank-mmap` (the mmap medium, no row cache),
+/// `embank-block` (block medium through io_uring under the row cache) and
+/// `embank-block-pread` (the same through the pread pool).
+pub struct Embank {
+    name: &'static str,
     _store: Store,
     table: Table,
+    /// Cache hits and misses when the measured phase started.
+    base: parking_lot::Mutex<(u64, u64)>,
 }
 
-impl EmbankMmap {
-    pub fn open(dir: &Path, keys: u64, dim: u32) -> Result<Self, String> {
-        let store = Store::open(dir.join("embank"), StoreOptions::default()).map_err(|e| e.to_string())?;
+impl Embank {
+    pub fn open(name: &'static str, dir: &Path, keys: u64, dim: u32, cache_bytes: u64) -> Result<Self, String> {
+        let (medium, io) = match name {
+            "embank-mmap" => (MediumKind::Mmap, IoChoice::Auto),
+            "embank-block" => (MediumKind::Block, IoChoice::Uring),
+            "embank-block-pread" => (MediumKind::Block, IoChoice::Pread),
+            other => return Err(format!("not an embank engine: {other}")),
+        };
+        let options = StoreOptions { cache_bytes, io_engine: io, ..StoreOptions::default() };
+        let store = Store::open(dir.join(name), options).map_err(|e| e.to_string())?;
         let mut o = TableOptions::new(dim);
         o.capacity = keys;
+        o.medium = medium;
         let table = store.create_table("bench", o).map_err(|e| e.to_string())?;
-        Ok(EmbankMmap { _store: store, table })
+        Ok(Embank { name, _store: store, table, base: parking_lot::Mutex::new((0, 0)) })
+    }
+
+    fn hits_misses(&self) -> (u64, u64) {
+        self.table.stats().map(|s| (s.cache_hits, s.cache_misses)).unwrap_or((0, 0))
     }
 }
 
-impl Engine for EmbankMmap {
+impl Engine for Embank {
     fn name(&self) -> &'static str {
-        "embank-mmap"
+        self.name
+    }
+    /// Rows reach the medium before the measured phase (the page cache holds no
+    /// dirty pages of the load; the row cache no dirty rows).
+    fn finish_load(&self) -> Result<(), String> {
+        self.table.flush().map_err(|e| e.to_string())
+    }
+    fn start_measure(&self) {
+        *self.base.lock() = self.hits_misses();
+    }
+    fn hit_rate(&self) -> Option<f64> {
+        let (h0, m0) = *self.base.lock();
+        let (h, m) = self.hits_misses();
+        let (h, m) = (h - h0, m - m0);
+        (self.name != "embank-mmap" && h + m > 0).then(|| h as f64 / (h + m) as f64)
     }
     fn push(&self, _: usize, keys: &[u64], rows: &[f32]) -> Result<(), String> {
         self.table.push(keys, rows).map_err(|e| e.to_string())

@@ -59,7 +59,8 @@ impl Workload {
 }
 
 /// Every engine this build knows, in report order.
-pub const ENGINES: [&str; 5] = ["embank-mmap", "hashmap", "rocksdb", "lmdb", "redis"];
+pub const ENGINES: [&str; 7] =
+    ["embank-mmap", "embank-block", "embank-block-pread", "hashmap", "rocksdb", "lmdb", "redis"];
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -87,7 +88,8 @@ pub struct BenchArgs {
     /// Measure a fixed number of batches per engine instead of a duration.
     #[arg(long)]
     pub ops: Option<u64>,
-    /// Comma-separated engines: embank-mmap, hashmap, rocksdb, lmdb, redis.
+    /// Comma-separated engines: embank-mmap, embank-block (block medium + io_uring + row
+    /// cache), embank-block-pread (the same with the pread pool), hashmap, rocksdb, lmdb, redis.
     #[arg(long, value_delimiter = ',', default_value = "embank-mmap,hashmap,rocksdb,lmdb,redis")]
     pub engines: Vec<String>,
     /// Seed of the key streams and operation mix.
@@ -102,6 +104,32 @@ pub struct BenchArgs {
     /// A few seconds in all: 20 000 keys, dim 16, 0.3 s per engine. Keeps the bench from rotting.
     #[arg(long)]
     pub smoke: bool,
+    /// DRAM budget of the caching engines: embank-block's row cache and RocksDB's block
+    /// cache (RocksDB then reads with O_DIRECT so the page cache adds nothing). Default:
+    /// the size of the rows. Accepts K, M, G suffixes (powers of 1024).
+    #[arg(long, value_parser = parse_bytes)]
+    pub cache_bytes: Option<u64>,
+    /// Skip measuring the copy bandwidth and the index-free gather (the gather allocates
+    /// a flat array of all rows: skip it in a memory-limited run).
+    #[arg(long)]
+    pub skip_limits: bool,
+}
+
+/// `4G`, `512M`, `64K` or a plain number of bytes.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mul) = match s.char_indices().last() {
+        Some((i, c)) if c.eq_ignore_ascii_case(&'k') => (&s[..i], 1u64 << 10),
+        Some((i, c)) if c.eq_ignore_ascii_case(&'m') => (&s[..i], 1 << 20),
+        Some((i, c)) if c.eq_ignore_ascii_case(&'g') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|v| *v >= 0.0)
+        .map(|v| (v * mul as f64) as u64)
+        .ok_or_else(|| format!("not a byte count: {s:?} (use e.g. 2G, 512M, 1048576)"))
 }
 
 #[derive(Debug, Serialize)]
@@ -117,6 +145,8 @@ pub struct EngineResult {
     pub batches: u64,
     pub resident_bytes: u64,
     pub ratio_to_hashmap: Option<f64>,
+    /// Hit rate of the DRAM row cache in the measured phase (embank-block engines).
+    pub hit_rate: Option<f64>,
     pub fraction_of_gather: f64,
     pub fraction_of_copy_bound: f64,
     /// Latency CDF: (microseconds, fraction of batches at or below).
@@ -133,6 +163,8 @@ pub struct Report {
     pub threads: usize,
     pub seed: u64,
     pub machine: String,
+    /// DRAM budget of the caching engines, bytes.
+    pub cache_bytes: u64,
     pub copy_gb_per_second: f64,
     pub copy_bound_keys_per_second: f64,
     pub gather_keys_per_second: f64,
@@ -151,6 +183,7 @@ fn skipped(engine: &str, why: String) -> EngineResult {
         batches: 0,
         resident_bytes: 0,
         ratio_to_hashmap: None,
+        hit_rate: None,
         fraction_of_gather: 0.0,
         fraction_of_copy_bound: 0.0,
         latency_cdf: Vec::new(),
@@ -302,16 +335,19 @@ fn measure(
 
 fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usize) -> Result<Box<dyn Engine>, String> {
     let dim = args.dim as usize;
-    // What every engine may keep in DRAM: the whole data set (rows only).
-    let dram_bytes = args.keys * dim as u64 * 4;
-    let _ = (threads, dram_bytes);
+    // What the caching engines may keep in DRAM: the budget, or the whole data set (rows only).
+    let dram_bytes = args.cache_bytes.unwrap_or(args.keys * dim as u64 * 4);
+    let _ = threads;
     match name {
-        "embank-mmap" => Ok(Box::new(engines::EmbankMmap::open(dir, args.keys, args.dim)?)),
+        "embank-mmap" | "embank-block" | "embank-block-pread" => {
+            let name = ENGINES.iter().find(|e| **e == name).expect("known engine");
+            Ok(Box::new(engines::Embank::open(name, dir, args.keys, args.dim, dram_bytes)?))
+        }
         "hashmap" => Ok(Box::new(engines::ShardedHashMap::new(args.keys, dim))),
         #[cfg(feature = "baselines")]
         "lmdb" => Ok(Box::new(baselines::Lmdb::open(dir, args.keys, dim)?)),
         #[cfg(feature = "baselines")]
-        "rocksdb" => Ok(Box::new(baselines::Rocks::open(dir, dram_bytes, dim)?)),
+        "rocksdb" => Ok(Box::new(baselines::Rocks::open(dir, dram_bytes, dim, args.cache_bytes.is_some())?)),
         #[cfg(feature = "baselines")]
         "redis" => Ok(Box::new(baselines::Redis::start(dir, threads, dim)?)),
         #[cfg(not(feature = "baselines"))]
@@ -367,15 +403,21 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
     let streams = streams(&args, threads, zipf)?;
 
     // Physical limits first, while memory is empty.
-    let copy = limits::copy_bandwidth();
     let row_bytes = (dim * 4) as f64;
-    let copy_bound = copy * 1e9 / (2.0 * row_bytes);
-    let gather = limits::gather(args.keys, dim, &streams.batches, args.batch, args.duration.min(3.0));
-    println!(
-        "limits: memory copy {copy:.1} GB/s (read + write) bounds pulls at {:.1} M keys/s; index-free prefetched gather {:.1} M keys/s",
-        copy_bound / 1e6,
-        gather / 1e6
-    );
+    let (copy, copy_bound, gather) = if args.skip_limits {
+        println!("limits: skipped (--skip-limits)");
+        (f64::NAN, f64::NAN, f64::NAN)
+    } else {
+        let copy = limits::copy_bandwidth();
+        let copy_bound = copy * 1e9 / (2.0 * row_bytes);
+        let gather = limits::gather(args.keys, dim, &streams.batches, args.batch, args.duration.min(3.0));
+        println!(
+            "limits: memory copy {copy:.1} GB/s (read + write) bounds pulls at {:.1} M keys/s; index-free prefetched gather {:.1} M keys/s",
+            copy_bound / 1e6,
+            gather / 1e6
+        );
+        (copy, copy_bound, gather)
+    };
 
     let mut results = Vec::new();
     for name in &args.engines {
@@ -383,22 +425,23 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         let engine = match open_engine(name, &dir, &args, threads) {
             Ok(e) => e,
             Err(why) => {
-                println!("{name:<12} skipped: {why}");
+                println!("{name:<18} skipped: {why}");
                 results.push(skipped(name, why));
                 continue;
             }
         };
         let outcome = load(engine.as_ref(), args.keys, dim).and_then(|load_s| {
+            engine.start_measure();
             let (secs, lat) = measure(engine.as_ref(), &args, threads, &streams)?;
             // Resident after the measured phase, so caches filled by it count.
             let resident = rss_bytes().saturating_sub(rss0) + engine.external_resident_bytes().unwrap_or(0);
-            Ok((load_s, resident, secs, lat))
+            Ok((load_s, resident, secs, lat, engine.hit_rate()))
         });
         drop(engine);
-        let (load_s, resident, secs, lat) = match outcome {
+        let (load_s, resident, secs, lat, hit_rate) = match outcome {
             Ok(x) => x,
             Err(why) => {
-                println!("{name:<12} failed: {why}");
+                println!("{name:<18} failed: {why}");
                 results.push(skipped(name, format!("failed: {why}")));
                 continue;
             }
@@ -416,11 +459,12 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             batches: lat.len() as u64,
             resident_bytes: resident,
             ratio_to_hashmap: None,
+            hit_rate,
             fraction_of_gather: kps / gather,
             fraction_of_copy_bound: kps / copy_bound,
             latency_cdf: cdf,
         });
-        println!("{name:<12} done: {:.2} M keys/s", kps / 1e6);
+        println!("{name:<18} done: {:.2} M keys/s", kps / 1e6);
     }
     if let Some(base) = results.iter().find(|r| r.engine == "hashmap" && r.skipped.is_none()).map(|r| r.keys_per_second)
     {
@@ -437,6 +481,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         threads,
         seed: args.seed,
         machine,
+        cache_bytes: args.cache_bytes.unwrap_or(args.keys * dim as u64 * 4),
         copy_gb_per_second: copy,
         copy_bound_keys_per_second: copy_bound,
         gather_keys_per_second: gather,
@@ -459,16 +504,26 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
 fn print_table(r: &Report) {
     println!();
     println!(
-        "{:<12} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>8} {:>8}",
-        "engine", "load s", "keys/s", "p50 us", "p99 us", "p999 us", "resident", "vs hash", "of gath", "of copy"
+        "{:<18} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>6} {:>8} {:>8}",
+        "engine",
+        "load s",
+        "keys/s",
+        "p50 us",
+        "p99 us",
+        "p999 us",
+        "resident",
+        "vs hash",
+        "hits",
+        "of gath",
+        "of copy"
     );
     for e in &r.engines {
         if let Some(why) = &e.skipped {
-            println!("{:<12} skipped: {why}", e.engine);
+            println!("{:<18} skipped: {why}", e.engine);
             continue;
         }
         println!(
-            "{:<12} {:>8.2} {:>9.2}M {:>9.1} {:>9.1} {:>9.1} {:>10} {:>9} {:>7.0}% {:>7.0}%",
+            "{:<18} {:>8.2} {:>9.2}M {:>9.1} {:>9.1} {:>9.1} {:>10} {:>9} {:>6} {:>7.0}% {:>7.0}%",
             e.engine,
             e.load_seconds,
             e.keys_per_second / 1e6,
@@ -477,6 +532,7 @@ fn print_table(r: &Report) {
             e.latency_us_p999,
             human_bytes(e.resident_bytes),
             e.ratio_to_hashmap.map_or("-".into(), |x| format!("{x:.2}x")),
+            e.hit_rate.map_or("-".into(), |x| format!("{:.1}%", x * 100.0)),
             e.fraction_of_gather * 100.0,
             e.fraction_of_copy_bound * 100.0
         );
