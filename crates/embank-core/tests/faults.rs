@@ -68,7 +68,7 @@ fn run(io: IoChoice) {
         store.flush().unwrap();
 
         // 1. A write fails in the middle of a push of new rows (write-through).
-        plan.fail_writes_after(5);
+        plan.fail_writes_after(0);
         let fresh: Vec<u64> = (1000..1200).collect();
         let e = t.push(&fresh, &rows(&fresh, 2.0)).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Io, "{e}");
@@ -83,7 +83,7 @@ fn run(io: IoChoice) {
             model.insert(k, row(k, 3.0));
         }
         plan.short.store(true, std::sync::atomic::Ordering::SeqCst);
-        plan.fail_writes_after(2);
+        plan.fail_writes_after(0);
         let e = store.flush().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Io, "{e}");
         assert!(e.to_string().contains("short write"), "{e}");
@@ -100,7 +100,7 @@ fn run(io: IoChoice) {
         let maybe: Vec<(u64, Vec<f32>)> = (1000..1200).map(|k| (k, row(k, 2.0))).collect();
 
         // 3. A read fails: the lookup fails, nothing changes.
-        plan.fail_reads_after(3);
+        plan.fail_reads_after(0);
         let keys: Vec<u64> = (0..300).collect();
         let mut out = vec![0.0; keys.len() * DIM];
         let mut found = vec![false; keys.len()];

@@ -31,6 +31,25 @@ use crate::io::{direct_io_alignment, AlignedBuf, Dir, IoEngine, IoReq};
 pub const BLOCK_FILE_BYTES_MAX: u64 = 1 << 40;
 /// Alignment assumed when the file system does not report one.
 const ALIGN_FALLBACK: u32 = 4096;
+/// Largest single request when adjacent records are merged.
+const MERGE_BYTES_MAX: usize = 1 << 20;
+
+/// Requests for records laid out in `buf` in ascending `ptrs` order (one stride each),
+/// merging records adjacent in the file into one request of up to 1 MiB.
+fn merged_requests(ptrs_sorted: &[u64], stride: usize, buf: *mut u8) -> Vec<IoReq> {
+    let mut reqs: Vec<IoReq> = Vec::new();
+    for (i, &ptr) in ptrs_sorted.iter().enumerate() {
+        if let Some(last) = reqs.last_mut() {
+            if last.offset + last.len as u64 == ptr && last.len + stride <= MERGE_BYTES_MAX {
+                last.len += stride;
+                continue;
+            }
+        }
+        // SAFETY: the caller's buffer holds `ptrs_sorted.len()` strides.
+        reqs.push(IoReq { offset: ptr, buf: unsafe { buf.add(i * stride) }, len: stride });
+    }
+    reqs
+}
 
 thread_local! {
     static IO_BUF: RefCell<AlignedBuf> = RefCell::new(AlignedBuf::new(1 << 16));
@@ -177,19 +196,18 @@ impl BlockMedium {
         }
         let dim = self.dim();
         let stride = self.stride() as usize;
+        // Read in file order so records adjacent on disk become one request.
+        let mut order: Vec<u32> = (0..items.len() as u32).collect();
+        order.sort_unstable_by_key(|&i| items[i as usize].ptr);
         IO_BUF.with(|cell| {
             let mut buf = cell.borrow_mut();
             buf.reserve(items.len() * stride);
-            let base = buf.as_mut_ptr();
-            let reqs: Vec<IoReq> = items
-                .iter()
-                .enumerate()
-                // SAFETY: inside the buffer reserved above.
-                .map(|(i, it)| IoReq { offset: it.ptr, buf: unsafe { base.add(i * stride) }, len: stride })
-                .collect();
+            let ptrs: Vec<u64> = order.iter().map(|&i| items[i as usize].ptr).collect();
+            let reqs = merged_requests(&ptrs, stride, buf.as_mut_ptr());
             self.io.submit(self.file.as_raw_fd(), Dir::Read, &reqs).map_err(|e| e.context(self.where_()))?;
             let bytes = buf.as_slice();
-            for (i, it) in items.iter().enumerate() {
+            for (i, &o) in order.iter().enumerate() {
+                let it = &items[o as usize];
                 let rec = &bytes[i * stride..i * stride + ROW_HEADER_BYTES + dim * 4];
                 let key = u64::from_le_bytes(rec[0..8].try_into().unwrap());
                 if key != it.key {
@@ -233,21 +251,20 @@ impl BlockMedium {
             return Ok(());
         }
         let stride = self.stride() as usize;
+        // Write in file order so freshly allocated (adjacent) records become one request.
+        let mut order: Vec<u32> = (0..items.len() as u32).collect();
+        order.sort_unstable_by_key(|&i| items[i as usize].1);
         IO_BUF.with(|cell| {
             let mut buf = cell.borrow_mut();
             buf.reserve(items.len() * stride);
             let bytes = buf.as_mut_slice();
-            for (i, &(key, _, row)) in items.iter().enumerate() {
+            for (i, &o) in order.iter().enumerate() {
+                let (key, _, row) = items[o as usize];
                 debug_assert_eq!(row.len(), self.dim());
                 encode_record(&mut bytes[i * stride..(i + 1) * stride], key, row);
             }
-            let base = buf.as_mut_ptr();
-            let reqs: Vec<IoReq> = items
-                .iter()
-                .enumerate()
-                // SAFETY: inside the buffer reserved above.
-                .map(|(i, &(_, ptr, _))| IoReq { offset: ptr, buf: unsafe { base.add(i * stride) }, len: stride })
-                .collect();
+            let ptrs: Vec<u64> = order.iter().map(|&i| items[i as usize].1).collect();
+            let reqs = merged_requests(&ptrs, stride, buf.as_mut_ptr());
             self.io.submit(self.file.as_raw_fd(), Dir::Write, &reqs).map_err(|e| e.context(self.where_()))
         })
     }
@@ -317,6 +334,20 @@ mod tests {
         assert!(!m.check(ptrs[3], 11).unwrap(), "a record of another key is refused");
         let e = m.read(&[ReadItem { key: 8, ptr: ptrs[0], pos: 0 }], &mut out).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Corrupt);
+    }
+
+    #[test]
+    fn adjacent_records_merge_into_one_request_up_to_a_limit() {
+        let mut buf = AlignedBuf::new(4096 * 3000);
+        let base = buf.as_mut_ptr();
+        let reqs = merged_requests(&[4096, 5120, 6144, 9216, 10240], 1024, base);
+        let spans: Vec<(u64, usize)> = reqs.iter().map(|r| (r.offset, r.len)).collect();
+        assert_eq!(spans, vec![(4096, 3072), (9216, 2048)]);
+        assert_eq!(reqs[1].buf, unsafe { base.add(3 * 1024) });
+        let many: Vec<u64> = (0..2048u64).map(|i| 4096 + i * 1024).collect();
+        let reqs = merged_requests(&many, 1024, base);
+        assert_eq!(reqs.len(), 2, "2 MiB of adjacent records: two 1 MiB requests");
+        assert!(reqs.iter().all(|r| r.len == MERGE_BYTES_MAX));
     }
 
     #[test]
