@@ -11,7 +11,8 @@
 //! write-back (maintenance thread, writer back-pressure, `flush`, `close`).
 //! Rows new to the index, and every write of a `bypass` table, go through to
 //! the medium at once: written to fresh records in one batch, then published
-//! in the index. So a dirty cache entry always belongs to a key the index has,
+//! in the index (write-around: they enter the cache when first read, so a
+//! bulk load does not flush the hot set; a pinned table caches them at once). So a dirty cache entry always belongs to a key the index has,
 //! and a table that cannot grow fails the push itself, never a later
 //! write-back.
 //!
@@ -291,8 +292,10 @@ impl Table {
                 break;
             }
             if let Some(l) = l.as_mut() {
-                if !l.update_clean(id, key, row) {
-                    l.insert(id, key, row, false, self.pinned());
+                // Write-around: a written row enters the cache when it is read (a bulk
+                // load would otherwise flush the hot set), except in a pinned table.
+                if !l.update_clean(id, key, row) && self.pinned() {
+                    l.insert(id, key, row, false, true);
                 }
             }
         }

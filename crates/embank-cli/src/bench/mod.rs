@@ -85,6 +85,15 @@ pub struct BenchArgs {
     /// Seconds each engine is measured.
     #[arg(long, default_value_t = 10.0, conflicts_with = "ops")]
     pub duration: f64,
+    /// Batches pre-generated per client thread; a thread replays them in a loop. Raise it
+    /// so a run never repeats its keys (larger-than-memory runs: the distinct keys must
+    /// not fit the cache just because the stream repeats). 8 bytes per key in DRAM.
+    #[arg(long, default_value_t = 1000)]
+    pub stream_batches: usize,
+    /// Seconds of the same workload run before the measured phase and not counted,
+    /// so caches reach their steady state (0: measure from a cold cache).
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup: f64,
     /// Measure a fixed number of batches per engine instead of a duration.
     #[arg(long)]
     pub ops: Option<u64>,
@@ -165,6 +174,10 @@ pub struct Report {
     pub machine: String,
     /// DRAM budget of the caching engines, bytes.
     pub cache_bytes: u64,
+    /// Seconds run before each measured phase, not counted.
+    pub warmup_seconds: f64,
+    /// Batches each thread replays in a loop.
+    pub stream_batches: usize,
     pub copy_gb_per_second: f64,
     pub copy_bound_keys_per_second: f64,
     pub gather_keys_per_second: f64,
@@ -219,17 +232,15 @@ struct Streams {
     pushes: Vec<Vec<bool>>,
 }
 
-const BATCHES_PER_THREAD: usize = 1000;
-
 fn streams(args: &BenchArgs, threads: usize, zipf: f64) -> Result<Streams, String> {
     let mut batches = Vec::new();
     let mut pushes = Vec::new();
     for t in 0..threads {
         let seed = args.seed.wrapping_add(t as u64 * 7919);
         let mut s = KeyStream::new(args.keys, zipf, seed)?;
-        batches.push(s.batches(BATCHES_PER_THREAD, args.batch));
+        batches.push(s.batches(args.stream_batches, args.batch));
         let mut rng = StdRng::seed_from_u64(seed ^ 0xABCD);
-        pushes.push((0..BATCHES_PER_THREAD).map(|_| rng.random::<f64>() < args.workload.push_fraction()).collect());
+        pushes.push((0..args.stream_batches).map(|_| rng.random::<f64>() < args.workload.push_fraction()).collect());
     }
     Ok(Streams { batches, pushes })
 }
@@ -293,7 +304,7 @@ fn measure(
                         } else if Instant::now() >= deadline {
                             break;
                         }
-                        let b = i % BATCHES_PER_THREAD;
+                        let b = i % args.stream_batches;
                         let ks = &keys[b * batch..(b + 1) * batch];
                         let start = Instant::now();
                         if train {
@@ -365,8 +376,8 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         args.duration = 0.3;
         args.ops = None;
     }
-    if args.keys == 0 || args.batch == 0 || args.dim == 0 {
-        return Err("--keys, --batch and --dim must be at least 1".into());
+    if args.keys == 0 || args.batch == 0 || args.dim == 0 || args.stream_batches == 0 {
+        return Err("--keys, --batch, --dim and --stream-batches must be at least 1".into());
     }
     for e in &args.engines {
         if !ENGINES.contains(&e.as_str()) {
@@ -390,7 +401,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
     };
     let machine = machine();
     println!(
-        "embank bench {}: {} keys x dim {} f32, batch {}, Zipf {}, {} threads, {} per engine; {}",
+        "embank bench {}: {} keys x dim {} f32, batch {}, Zipf {}, {} threads, {} per engine{}; {}",
         args.workload.name(),
         args.keys,
         dim,
@@ -398,6 +409,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         zipf,
         threads,
         args.ops.map_or(format!("{}s", args.duration), |o| format!("{o} batches")),
+        if args.warmup > 0.0 { format!(" after {}s of warm-up", args.warmup) } else { String::new() },
         machine
     );
     let streams = streams(&args, threads, zipf)?;
@@ -431,6 +443,10 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             }
         };
         let outcome = load(engine.as_ref(), args.keys, dim).and_then(|load_s| {
+            if args.warmup > 0.0 {
+                let warm = BenchArgs { duration: args.warmup, ops: None, ..args.clone() };
+                measure(engine.as_ref(), &warm, threads, &streams)?;
+            }
             engine.start_measure();
             let (secs, lat) = measure(engine.as_ref(), &args, threads, &streams)?;
             // Resident after the measured phase, so caches filled by it count.
@@ -438,6 +454,8 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             Ok((load_s, resident, secs, lat, engine.hit_rate()))
         });
         drop(engine);
+        // Free the disk before the next engine loads.
+        let _ = std::fs::remove_dir_all(dir.join(name.as_str()));
         let (load_s, resident, secs, lat, hit_rate) = match outcome {
             Ok(x) => x,
             Err(why) => {
@@ -482,6 +500,8 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         seed: args.seed,
         machine,
         cache_bytes: args.cache_bytes.unwrap_or(args.keys * dim as u64 * 4),
+        warmup_seconds: args.warmup,
+        stream_batches: args.stream_batches,
         copy_gb_per_second: copy,
         copy_bound_keys_per_second: copy_bound,
         gather_keys_per_second: gather,

@@ -81,6 +81,12 @@ impl MmapMedium {
             .len(RESERVE_BYTES as usize)
             .map_raw(&file)
             .map_err(|e| io_at("cannot map rows file", path, e))?;
+        // Rows are read at random, a few hundred bytes each: no read-around, which would
+        // pull 32 neighbouring pages per miss into the page cache once the file is larger
+        // than the memory left for it.
+        if let Err(e) = map.advise(memmap2::Advice::Random) {
+            tracing::debug!(error = %e, "madvise(MADV_RANDOM) refused for the rows mapping");
+        }
         // SAFETY: the word is in the header page of `map`, 8-aligned; `map` outlives `alloc`
         // (same struct, dropped after it).
         let alloc = unsafe {
