@@ -81,6 +81,9 @@ pub struct TableMeta {
     pub medium: crate::medium::MediumKind,
     #[serde(default)]
     pub placement: Placement,
+    /// Server-side optimizer (learning rate as last set).
+    #[serde(default)]
+    pub optimizer: crate::optim::Optimizer,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

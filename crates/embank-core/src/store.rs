@@ -200,6 +200,7 @@ impl Store {
             grow_count: 0,
             medium: options.medium,
             placement: options.placement,
+            optimizer: options.optimizer,
         };
         let dir = table_dir(&inner.dir, id);
         let _ = std::fs::remove_dir_all(&dir);

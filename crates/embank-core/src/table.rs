@@ -23,6 +23,7 @@ use crate::index::{buckets_for, Index, RecoverReport, SLOTS_PER_BUCKET};
 use crate::init::Initializer;
 use crate::io::IoStats;
 use crate::medium::{BlockMedium, Medium, MediumKind, MmapMedium, ReadItem};
+use crate::optim::{sum_duplicates, Optimizer};
 use crate::tier::Tier;
 
 #[path = "tiered.rs"]
@@ -67,6 +68,8 @@ pub struct TableOptions {
     /// Whether rows go through the store's DRAM row cache. Default `auto`: cached on
     /// the block medium, straight from the mapping on the mmap medium.
     pub placement: Placement,
+    /// Server-side optimizer applied by `push_grad`. Default none.
+    pub optimizer: Optimizer,
 }
 
 impl TableOptions {
@@ -82,6 +85,7 @@ impl TableOptions {
             missing: MissingDefault::Zeros,
             medium: MediumKind::Mmap,
             placement: Placement::Auto,
+            optimizer: Optimizer::None,
         }
     }
 
@@ -99,6 +103,7 @@ impl TableOptions {
             )));
         }
         self.init.validate()?;
+        self.optimizer.validate()?;
         if let MissingDefault::Value { value } = self.missing {
             if value.is_nan() {
                 return Err(Error::config("missing-row default value is NaN"));
@@ -161,6 +166,7 @@ pub struct TableStats {
     pub cache_hits: u64,
     pub cache_misses: u64,
     pub cache_hit_rate: Option<f64>,
+    pub optimizer: Optimizer,
     /// Rows read from the medium by pulls, lookups and lookaheads.
     pub medium_rows_read: u64,
     pub lookahead_rows: u64,
@@ -189,6 +195,12 @@ struct TierCounters {
 
 struct Shared {
     id: u32,
+    /// Elements of a row as users see it (`dim` below counts the record's elements:
+    /// the row and its optimizer state).
+    row_dim: usize,
+    optimizer: Mutex<Optimizer>,
+    /// One `push_grad` at a time per table (read, update, write of each row).
+    grad_lock: Mutex<()>,
     medium_kind: MediumKind,
     /// Resolved: never `Auto`.
     placement: Placement,
@@ -269,7 +281,7 @@ fn resolve_placement(meta: &TableMeta, tier: &Tier, creating: bool) -> Result<Pl
 
 impl std::fmt::Debug for Table {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Table").field("name", &self.shared.name).field("dim", &self.shared.dim).finish()
+        f.debug_struct("Table").field("name", &self.shared.name).field("dim", &self.shared.row_dim).finish()
     }
 }
 
@@ -287,8 +299,10 @@ impl Table {
         let index = Index::create(&index_path(dir, meta.index_generation), buckets, meta.seed)?;
         let path = rows_path(dir, meta.medium);
         let medium = match meta.medium {
-            MediumKind::Mmap => Medium::Mmap(MmapMedium::create(&path, meta.dim, meta.dtype)?),
-            MediumKind::Block => Medium::Block(BlockMedium::create(&path, meta.dim, meta.dtype, Arc::clone(&tier.io))?),
+            MediumKind::Mmap => Medium::Mmap(MmapMedium::create(&path, record_dim(&meta) as u32, meta.dtype)?),
+            MediumKind::Block => {
+                Medium::Block(BlockMedium::create(&path, record_dim(&meta) as u32, meta.dtype, Arc::clone(&tier.io))?)
+            }
         };
         index.flush()?;
         medium.flush()?;
@@ -323,7 +337,7 @@ impl Table {
             MediumKind::Mmap => Medium::Mmap(MmapMedium::open(&path)?),
             MediumKind::Block => Medium::Block(BlockMedium::open(&path, Arc::clone(&tier.io))?),
         };
-        if medium.dim() != meta.dim as usize {
+        if medium.dim() != record_dim(&meta) {
             return Err(Error::new(ErrorKind::Recover, "rows file dim does not match the catalog")
                 .context(dir.display().to_string()));
         }
@@ -390,13 +404,16 @@ impl Table {
         let table = Table {
             shared: Arc::new(Shared {
                 id: meta.id,
+                row_dim: meta.dim as usize,
+                optimizer: Mutex::new(meta.optimizer),
+                grad_lock: Mutex::new(()),
                 medium_kind: meta.medium,
                 placement,
                 tier: Arc::clone(&tier),
                 counters: TierCounters::default(),
                 write_back_lock: Mutex::new(()),
                 name: meta.name.clone(),
-                dim: meta.dim as usize,
+                dim: record_dim(&meta),
                 init: meta.init,
                 seed: meta.seed,
                 growth: meta.growth,
@@ -429,7 +446,42 @@ impl Table {
     }
 
     pub fn dim(&self) -> usize {
-        self.shared.dim
+        self.shared.row_dim
+    }
+
+    /// The table's optimizer (with its current learning rate).
+    pub fn optimizer(&self) -> Optimizer {
+        *self.shared.optimizer.lock()
+    }
+
+    /// Changes the optimizer's learning rate; durable at once (the catalog is rewritten).
+    pub fn set_lr(&self, lr: f32) -> Result<()> {
+        let new = self.optimizer().with_lr(lr)?;
+        let id = self.shared.id;
+        let meta = self.shared.catalog.update(|c| {
+            let m = c
+                .tables
+                .iter_mut()
+                .find(|m| m.id == id)
+                .ok_or_else(|| Error::new(ErrorKind::Closed, "table was dropped"))?;
+            m.optimizer = new;
+            Ok(m.clone())
+        })?;
+        *self.shared.meta.lock() = meta;
+        *self.shared.optimizer.lock() = new;
+        Ok(())
+    }
+
+    /// Whether records carry optimizer state after the row.
+    fn has_state(&self) -> bool {
+        self.shared.dim != self.shared.row_dim
+    }
+
+    /// Fills a new record: the initializer's row, then the optimizer's initial state.
+    pub(crate) fn init_record(&self, key: u64, record: &mut [f32]) {
+        let (row, state) = record.split_at_mut(self.shared.row_dim);
+        self.shared.init.fill(self.shared.seed, key, row);
+        self.optimizer().init_state(state);
     }
 
     pub fn meta(&self) -> TableMeta {
@@ -454,7 +506,7 @@ impl Table {
     }
 
     fn check_rows(&self, what: &str, keys: usize, rows: usize) -> Result<()> {
-        let dim = self.shared.dim;
+        let dim = self.shared.row_dim;
         if rows != keys * dim {
             return Err(Error::invalid(format!(
                 "{what}: table {:?} has dim {dim}, so {keys} keys need {} row elements, got {rows}{}",
@@ -527,6 +579,25 @@ impl Table {
     /// Rows of `keys` into `out` (`keys.len() * dim` elements); creates missing rows with the initializer.
     pub fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
         self.check_rows("pull", keys.len(), out.len())?;
+        if !self.has_state() {
+            return self.pull_records(keys, out);
+        }
+        let mut records = vec![0f32; keys.len() * self.shared.dim];
+        self.pull_records(keys, &mut records)?;
+        self.copy_rows(&records, out);
+        Ok(())
+    }
+
+    /// Copies the row part of each record.
+    fn copy_rows(&self, records: &[f32], out: &mut [f32]) {
+        let (w, d) = (self.shared.dim, self.shared.row_dim);
+        for (rec, row) in records.chunks_exact(w).zip(out.chunks_exact_mut(d)) {
+            row.copy_from_slice(&rec[..d]);
+        }
+    }
+
+    /// Records (row and optimizer state) of `keys`, created if missing.
+    fn pull_records(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
         if self.tiered() {
             return self.tier_pull(keys, out);
         }
@@ -576,7 +647,7 @@ impl Table {
                 alloc.release(unused.collect());
                 return Ok(Pass::NeedRoom(done));
             }
-            self.shared.init.fill(self.shared.seed, key, row);
+            self.init_record(key, row);
             let ptr = unused.next().expect("one record allocated per position");
             medium.write_row(ptr, key, row);
             if !index.insert_new(key, h, ptr) {
@@ -595,20 +666,25 @@ impl Table {
         if found.len() != keys.len() {
             return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
         }
+        let mut records = if self.has_state() { vec![0f32; keys.len() * self.shared.dim] } else { Vec::new() };
+        let buf: &mut [f32] = if self.has_state() { &mut records } else { &mut *out };
         let missing = if self.tiered() {
-            self.tier_lookup(keys, out, found)?
+            self.tier_lookup(keys, buf, found)?
         } else {
             let st = self.state()?;
             let _pin = crossbeam_epoch::pin();
-            self.gather(st.as_ref().unwrap(), keys, out, Some(found))?
+            self.gather(st.as_ref().unwrap(), keys, buf, Some(found))?
         };
+        if self.has_state() {
+            self.copy_rows(&records, out);
+        }
         self.fill_missing(keys, &missing, out);
         Ok(())
     }
 
     /// Fills the rows at `positions` with the table's missing-row default.
     fn fill_missing(&self, keys: &[u64], positions: &[usize], out: &mut [f32]) {
-        let dim = self.shared.dim;
+        let dim = self.shared.row_dim;
         for &i in positions {
             let row = &mut out[i * dim..(i + 1) * dim];
             match self.shared.missing {
@@ -625,10 +701,64 @@ impl Table {
         if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
             return Err(Error::invalid(format!(
                 "push: row of key {} holds a non-finite value ({}); nothing was written",
-                keys[i / self.shared.dim],
+                keys[i / self.shared.row_dim],
                 rows[i]
             )));
         }
+        if !self.has_state() {
+            return self.push_records(keys, rows);
+        }
+        // A pushed row starts its optimizer state afresh.
+        let (w, d) = (self.shared.dim, self.shared.row_dim);
+        let mut records = vec![0f32; keys.len() * w];
+        let opt = self.optimizer();
+        for (rec, row) in records.chunks_exact_mut(w).zip(rows.chunks_exact(d)) {
+            rec[..d].copy_from_slice(row);
+            opt.init_state(&mut rec[d..]);
+        }
+        self.push_records(keys, &records)
+    }
+
+    /// Applies the table's optimizer to the rows of `keys` with gradients `grads`
+    /// (`keys.len() * dim` elements). Gradients of duplicate keys are summed first, so
+    /// each row gets one update per call. Missing rows are created with the
+    /// initializer, then updated. Non-finite gradients are refused with nothing written.
+    pub fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        self.check_rows("push_grad", keys.len(), grads.len())?;
+        let d = self.shared.row_dim;
+        if let Some(i) = grads.iter().position(|x| !x.is_finite()) {
+            return Err(Error::invalid(format!(
+                "push_grad: gradient of key {} holds a non-finite value ({}); nothing was written",
+                keys[i / d],
+                grads[i]
+            )));
+        }
+        let opt = self.optimizer();
+        if opt == Optimizer::None {
+            return Err(Error::config(format!(
+                "push_grad: table {:?} has no optimizer; create it with one (e.g. optimizer=Adagrad)",
+                self.shared.name
+            )));
+        }
+        let (uniq, sums) = sum_duplicates(keys, grads, d);
+        let w = self.shared.dim;
+        let _one = self.shared.grad_lock.lock();
+        let mut records = vec![0f32; uniq.len() * w];
+        self.pull_records(&uniq, &mut records)?;
+        for (rec, g) in records.chunks_exact_mut(w).zip(sums.chunks_exact(d)) {
+            opt.apply(rec, g);
+        }
+        if let Some(i) = records.iter().position(|x| !x.is_finite()) {
+            return Err(Error::invalid(format!(
+                "push_grad: the update of key {} is not finite (learning rate too large?); nothing was written",
+                uniq[i / w]
+            )));
+        }
+        self.push_records(&uniq, &records)
+    }
+
+    /// Writes whole records (row and optimizer state).
+    fn push_records(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
         if self.tiered() {
             return self.tier_push(keys, rows);
         }
@@ -835,7 +965,13 @@ impl Table {
                 }
             }
             if !keys.is_empty() {
-                f(&keys, &rows)?;
+                if self.has_state() {
+                    let mut out = vec![0f32; keys.len() * self.shared.row_dim];
+                    self.copy_rows(&rows, &mut out);
+                    f(&keys, &out)?;
+                } else {
+                    f(&keys, &rows)?;
+                }
             }
         }
     }
@@ -886,7 +1022,7 @@ impl Table {
         let (hits, misses) = (c.hits.load(Ordering::Relaxed), c.misses.load(Ordering::Relaxed));
         Ok(TableStats {
             name: self.shared.name.clone(),
-            dim: self.shared.dim as u32,
+            dim: self.shared.row_dim as u32,
             dtype: meta.dtype.name(),
             rows,
             capacity: (self.shared.load_factor_max * index.slot_count() as f64) as u64,
@@ -921,6 +1057,7 @@ impl Table {
                 Medium::Block(m) => Some(m.engine().stats()),
                 Medium::Mmap(_) => None,
             },
+            optimizer: self.optimizer(),
             cache_hits: hits,
             cache_misses: misses,
             cache_hit_rate: (hits + misses > 0 && self.shared.placement != Placement::Bypass)
@@ -938,4 +1075,9 @@ fn mmap_of(m: &Medium) -> &MmapMedium {
         Medium::Mmap(m) => m,
         Medium::Block(_) => unreachable!("block tables take the tiered path"),
     }
+}
+
+/// Elements of a table's records: the row, then its optimizer state.
+fn record_dim(meta: &TableMeta) -> usize {
+    meta.dim as usize + meta.optimizer.state_len(meta.dim as usize)
 }

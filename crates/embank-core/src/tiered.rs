@@ -185,7 +185,7 @@ impl Table {
         let dim = self.shared.dim;
         let id = self.shared.id;
         for &i in positions {
-            self.shared.init.fill(self.shared.seed, keys[i], &mut out[i * dim..(i + 1) * dim]);
+            self.init_record(keys[i], &mut out[i * dim..(i + 1) * dim]);
         }
         let ptrs = self.write_records(st, positions.iter().map(|&i| (keys[i], &out[i * dim..(i + 1) * dim])))?;
         let alloc = st.medium.alloc();

@@ -1,0 +1,216 @@
+//! Server-side optimizers: `push_grad` updates rows where they live.
+//!
+//! A table with an optimizer stores its optimizer state in the same record as
+//! the row, after the row's elements, so state never travels and is persisted,
+//! cached and recovered with the row:
+//!
+//! ```text
+//! SGD      row[dim]                          (no state)
+//! Adagrad  row[dim] | sum of squared grads[dim]
+//! Adam     row[dim] | first moment[dim] | second moment[dim] | step (1 element)
+//! ```
+//!
+//! Updates are per row and lazy (rows not in a `push_grad` are untouched), the
+//! semantics of sparse optimizers: Adagrad is exactly PyTorch's `Adagrad` on
+//! sparse gradients (`lr_decay = 0`, no weight decay); Adam keeps its step
+//! count per row (each row's bias correction uses the number of updates that
+//! row received), like TensorFlow's lazy Adam with a per-row step.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// A table's optimizer and its hyper-parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Optimizer {
+    /// No optimizer: `push_grad` is refused.
+    #[default]
+    None,
+    /// `w -= lr * g`.
+    Sgd { lr: f32 },
+    /// `s += g^2; w -= lr * g / (sqrt(s) + eps)`; `s` starts at `initial_accumulator_value`.
+    Adagrad { lr: f32, eps: f32, initial_accumulator_value: f32 },
+    /// `t += 1; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+    /// w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`.
+    Adam { lr: f32, beta1: f32, beta2: f32, eps: f32 },
+}
+
+impl Optimizer {
+    /// Elements of state stored after a row of `dim` elements.
+    pub fn state_len(&self, dim: usize) -> usize {
+        match self {
+            Optimizer::None | Optimizer::Sgd { .. } => 0,
+            Optimizer::Adagrad { .. } => dim,
+            Optimizer::Adam { .. } => 2 * dim + 1,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Optimizer::None => "none",
+            Optimizer::Sgd { .. } => "sgd",
+            Optimizer::Adagrad { .. } => "adagrad",
+            Optimizer::Adam { .. } => "adam",
+        }
+    }
+
+    pub fn lr(&self) -> Option<f32> {
+        match *self {
+            Optimizer::None => None,
+            Optimizer::Sgd { lr } | Optimizer::Adagrad { lr, .. } | Optimizer::Adam { lr, .. } => Some(lr),
+        }
+    }
+
+    /// The same optimizer with another learning rate.
+    pub fn with_lr(&self, new: f32) -> Result<Optimizer> {
+        let mut o = *self;
+        match &mut o {
+            Optimizer::None => return Err(Error::config("the table has no optimizer, so no learning rate")),
+            Optimizer::Sgd { lr } | Optimizer::Adagrad { lr, .. } | Optimizer::Adam { lr, .. } => *lr = new,
+        }
+        o.validate()?;
+        Ok(o)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::config(format!("{} optimizer: {what}", self.name())));
+        match *self {
+            Optimizer::None => Ok(()),
+            Optimizer::Sgd { lr } if !(lr.is_finite() && lr > 0.0) => bad(&format!("lr must be > 0, got {lr}")),
+            Optimizer::Sgd { .. } => Ok(()),
+            Optimizer::Adagrad { lr, eps, initial_accumulator_value } => {
+                if !(lr.is_finite() && lr > 0.0) {
+                    return bad(&format!("lr must be > 0, got {lr}"));
+                }
+                if !(eps.is_finite() && eps >= 0.0) {
+                    return bad(&format!("eps must be >= 0, got {eps}"));
+                }
+                if !(initial_accumulator_value.is_finite() && initial_accumulator_value >= 0.0) {
+                    return bad(&format!("initial_accumulator_value must be >= 0, got {initial_accumulator_value}"));
+                }
+                Ok(())
+            }
+            Optimizer::Adam { lr, beta1, beta2, eps } => {
+                if !(lr.is_finite() && lr > 0.0) {
+                    return bad(&format!("lr must be > 0, got {lr}"));
+                }
+                if !((0.0..1.0).contains(&beta1) && (0.0..1.0).contains(&beta2)) {
+                    return bad(&format!("betas must be in [0, 1), got ({beta1}, {beta2})"));
+                }
+                if !(eps.is_finite() && eps >= 0.0) {
+                    return bad(&format!("eps must be >= 0, got {eps}"));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Fills the state of a new row.
+    pub fn init_state(&self, state: &mut [f32]) {
+        match *self {
+            Optimizer::Adagrad { initial_accumulator_value, .. } => state.fill(initial_accumulator_value),
+            _ => state.fill(0.0),
+        }
+    }
+
+    /// Applies one update to `record` (`dim` row elements, then the state) with gradient `g`.
+    pub fn apply(&self, record: &mut [f32], g: &[f32]) {
+        let dim = g.len();
+        debug_assert_eq!(record.len(), dim + self.state_len(dim));
+        match *self {
+            Optimizer::None => {}
+            Optimizer::Sgd { lr } => {
+                for (w, g) in record.iter_mut().zip(g) {
+                    *w -= lr * g;
+                }
+            }
+            Optimizer::Adagrad { lr, eps, .. } => {
+                let (w, s) = record.split_at_mut(dim);
+                for i in 0..dim {
+                    s[i] += g[i] * g[i];
+                    w[i] -= lr * g[i] / (s[i].sqrt() + eps);
+                }
+            }
+            Optimizer::Adam { lr, beta1, beta2, eps } => {
+                let (w, rest) = record.split_at_mut(dim);
+                let (m, rest) = rest.split_at_mut(dim);
+                let (v, t) = rest.split_at_mut(dim);
+                t[0] += 1.0;
+                let step = t[0];
+                let bc1 = 1.0 - beta1.powf(step);
+                let bc2 = 1.0 - beta2.powf(step);
+                for i in 0..dim {
+                    m[i] = beta1 * m[i] + (1.0 - beta1) * g[i];
+                    v[i] = beta2 * v[i] + (1.0 - beta2) * g[i] * g[i];
+                    let mhat = m[i] / bc1;
+                    let vhat = v[i] / bc2;
+                    w[i] -= lr * mhat / (vhat.sqrt() + eps);
+                }
+            }
+        }
+    }
+}
+
+/// Sums the gradients of duplicate keys: returns the unique keys (first-seen order)
+/// and one summed gradient row per unique key.
+pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> (Vec<u64>, Vec<f32>) {
+    let mut at: std::collections::HashMap<u64, usize> = std::collections::HashMap::with_capacity(keys.len());
+    let mut uniq = Vec::with_capacity(keys.len());
+    let mut sums: Vec<f32> = Vec::with_capacity(grads.len());
+    for (i, &k) in keys.iter().enumerate() {
+        let g = &grads[i * dim..(i + 1) * dim];
+        match at.get(&k) {
+            Some(&j) => {
+                for (s, x) in sums[j * dim..(j + 1) * dim].iter_mut().zip(g) {
+                    *s += x;
+                }
+            }
+            None => {
+                at.insert(k, uniq.len());
+                uniq.push(k);
+                sums.extend_from_slice(g);
+            }
+        }
+    }
+    (uniq, sums)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adagrad_by_hand() {
+        let o = Optimizer::Adagrad { lr: 0.5, eps: 0.0, initial_accumulator_value: 0.0 };
+        let mut r = [1.0, 2.0, 0.0, 0.0];
+        o.apply(&mut r, &[2.0, -1.0]);
+        // s = [4, 1]; w -= 0.5 * g / sqrt(s) = 0.5 * [1, -1]
+        assert_eq!(r, [0.5, 2.5, 4.0, 1.0]);
+    }
+
+    #[test]
+    fn adam_first_step_moves_by_lr() {
+        let o = Optimizer::Adam { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 0.0 };
+        let mut r = vec![0.0; 2 + 2 * 2 + 1];
+        o.apply(&mut r, &[3.0, -0.5]);
+        // After one step mhat = g and vhat = g^2, so each weight moves by lr * sign(g).
+        assert!((r[0] + 0.1).abs() < 1e-6 && (r[1] - 0.1).abs() < 1e-6, "{r:?}");
+        assert_eq!(r[6], 1.0, "step count");
+    }
+
+    #[test]
+    fn duplicates_are_summed_in_first_seen_order() {
+        let (k, g) = sum_duplicates(&[5, 3, 5, 5], &[1.0, 10.0, 2.0, 4.0], 1);
+        assert_eq!(k, vec![5, 3]);
+        assert_eq!(g, vec![7.0, 10.0]);
+    }
+
+    #[test]
+    fn bad_hyper_parameters_are_config_errors() {
+        assert!(Optimizer::Sgd { lr: 0.0 }.validate().is_err());
+        assert!(Optimizer::Adam { lr: 0.1, beta1: 1.0, beta2: 0.9, eps: 1e-8 }.validate().is_err());
+        assert!(Optimizer::None.with_lr(0.1).is_err());
+        assert_eq!(Optimizer::Sgd { lr: 0.1 }.with_lr(0.2).unwrap().lr(), Some(0.2));
+    }
+}
