@@ -195,7 +195,7 @@ struct TierCounters {
 
 struct Shared {
     id: u32,
-    /// Elements of a row as users see it (`dim` below counts the record's elements:
+    /// Elements of a row as users see it (`width` counts the record's elements:
     /// the row and its optimizer state).
     row_dim: usize,
     optimizer: Mutex<Optimizer>,
@@ -210,7 +210,8 @@ struct Shared {
     write_back_lock: Mutex<()>,
     meta: Mutex<TableMeta>,
     name: String,
-    dim: usize,
+    /// Elements of a record: the row, then its optimizer state.
+    width: usize,
     init: Initializer,
     seed: u64,
     growth: bool,
@@ -413,7 +414,7 @@ impl Table {
                 counters: TierCounters::default(),
                 write_back_lock: Mutex::new(()),
                 name: meta.name.clone(),
-                dim: record_dim(&meta),
+                width: record_dim(&meta),
                 init: meta.init,
                 seed: meta.seed,
                 growth: meta.growth,
@@ -474,7 +475,7 @@ impl Table {
 
     /// Whether records carry optimizer state after the row.
     fn has_state(&self) -> bool {
-        self.shared.dim != self.shared.row_dim
+        self.shared.width != self.shared.row_dim
     }
 
     /// Fills a new record: the initializer's row, then the optimizer's initial state.
@@ -531,7 +532,7 @@ impl Table {
     /// Resolves every key (lock-free, prefetching), copying found rows into `out`.
     /// Returns the positions of keys that were not found.
     fn gather(&self, st: &State, keys: &[u64], out: &mut [f32], found: Option<&mut [bool]>) -> Result<Vec<usize>> {
-        let dim = self.shared.dim;
+        let dim = self.shared.width;
         let (index, medium) = (&st.index, mmap_of(&st.medium));
         let n = keys.len();
         let mut hashes = Vec::with_capacity(n);
@@ -582,7 +583,7 @@ impl Table {
         if !self.has_state() {
             return self.pull_records(keys, out);
         }
-        let mut records = vec![0f32; keys.len() * self.shared.dim];
+        let mut records = vec![0f32; keys.len() * self.shared.width];
         self.pull_records(keys, &mut records)?;
         self.copy_rows(&records, out);
         Ok(())
@@ -590,7 +591,7 @@ impl Table {
 
     /// Copies the row part of each record.
     fn copy_rows(&self, records: &[f32], out: &mut [f32]) {
-        let (w, d) = (self.shared.dim, self.shared.row_dim);
+        let (w, d) = (self.shared.width, self.shared.row_dim);
         for (rec, row) in records.chunks_exact(w).zip(out.chunks_exact_mut(d)) {
             row.copy_from_slice(&rec[..d]);
         }
@@ -627,7 +628,7 @@ impl Table {
 
     /// Creates (or, if another writer got there first, reads) the rows at `positions`.
     fn create_missing(&self, st: &State, keys: &[u64], positions: &[usize], out: &mut [f32]) -> Result<Pass> {
-        let dim = self.shared.dim;
+        let dim = self.shared.width;
         let (index, medium) = (&st.index, mmap_of(&st.medium));
         let alloc = medium.alloc();
         let _pin = crossbeam_epoch::pin();
@@ -666,7 +667,7 @@ impl Table {
         if found.len() != keys.len() {
             return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
         }
-        let mut records = if self.has_state() { vec![0f32; keys.len() * self.shared.dim] } else { Vec::new() };
+        let mut records = if self.has_state() { vec![0f32; keys.len() * self.shared.width] } else { Vec::new() };
         let buf: &mut [f32] = if self.has_state() { &mut records } else { &mut *out };
         let missing = if self.tiered() {
             self.tier_lookup(keys, buf, found)?
@@ -709,7 +710,7 @@ impl Table {
             return self.push_records(keys, rows);
         }
         // A pushed row starts its optimizer state afresh.
-        let (w, d) = (self.shared.dim, self.shared.row_dim);
+        let (w, d) = (self.shared.width, self.shared.row_dim);
         let mut records = vec![0f32; keys.len() * w];
         let opt = self.optimizer();
         for (rec, row) in records.chunks_exact_mut(w).zip(rows.chunks_exact(d)) {
@@ -741,7 +742,7 @@ impl Table {
             )));
         }
         let (uniq, sums) = sum_duplicates(keys, grads, d);
-        let w = self.shared.dim;
+        let w = self.shared.width;
         let _one = self.shared.grad_lock.lock();
         let mut records = vec![0f32; uniq.len() * w];
         self.pull_records(&uniq, &mut records)?;
@@ -766,7 +767,7 @@ impl Table {
         loop {
             let pass = {
                 let st = self.state()?;
-                self.push_pass(st.as_ref().unwrap(), &keys[from..], &rows[from * self.shared.dim..])?
+                self.push_pass(st.as_ref().unwrap(), &keys[from..], &rows[from * self.shared.width..])?
             };
             match pass {
                 Pass::Done => return Ok(()),
@@ -779,7 +780,7 @@ impl Table {
     }
 
     fn push_pass(&self, st: &State, keys: &[u64], rows: &[f32]) -> Result<Pass> {
-        let dim = self.shared.dim;
+        let dim = self.shared.width;
         let (index, medium) = (&st.index, mmap_of(&st.medium));
         let alloc = medium.alloc();
         let guard = crossbeam_epoch::pin();
@@ -910,7 +911,7 @@ impl Table {
     /// positions changed. Checks each row's checksum.
     pub fn export(&self, chunk_keys: usize, mut f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
         let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
-        let dim = self.shared.dim;
+        let dim = self.shared.width;
         // Dirty cached rows are newer than the medium: write them back first.
         self.write_back_all()?;
         let mut keys = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);

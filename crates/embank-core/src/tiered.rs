@@ -60,7 +60,7 @@ impl Table {
         found: Option<&mut [bool]>,
         count: bool,
     ) -> Result<Vec<usize>> {
-        let dim = self.shared.dim;
+        let dim = self.shared.width;
         let id = self.shared.id;
         let cache = self.cache();
         let mut miss: Vec<usize> = Vec::new();
@@ -144,7 +144,7 @@ impl Table {
         }
         if !reread.is_empty() {
             // Created by another writer between our read and our create: read theirs.
-            let dim = self.shared.dim;
+            let dim = self.shared.width;
             let sub: Vec<u64> = reread.iter().map(|&i| keys[i]).collect();
             let mut rows = vec![0f32; sub.len() * dim];
             {
@@ -182,7 +182,7 @@ impl Table {
         out: &mut [f32],
         reread: &mut Vec<usize>,
     ) -> Result<Pass> {
-        let dim = self.shared.dim;
+        let dim = self.shared.width;
         let id = self.shared.id;
         for &i in positions {
             self.init_record(keys[i], &mut out[i * dim..(i + 1) * dim]);
@@ -220,7 +220,7 @@ impl Table {
     }
 
     pub(super) fn tier_push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
-        let dim = self.shared.dim;
+        let dim = self.shared.width;
         let id = self.shared.id;
         let mut through: Vec<usize> = Vec::new();
         match self.cache() {
@@ -269,7 +269,7 @@ impl Table {
 
     /// Writes the rows at `positions` to fresh records and publishes them (insert or replace).
     fn write_through(&self, st: &State, keys: &[u64], rows: &[f32], positions: &[usize]) -> Result<Pass> {
-        let dim = self.shared.dim;
+        let dim = self.shared.width;
         let id = self.shared.id;
         let ptrs = self.write_records(st, positions.iter().map(|&i| (keys[i], &rows[i * dim..(i + 1) * dim])))?;
         let alloc = st.medium.alloc();
@@ -387,7 +387,7 @@ impl Table {
 
     /// Loads rows without creating any (the work behind `lookahead`).
     pub(crate) fn warm(&self, keys: &[u64]) -> Result<()> {
-        let dim = self.shared.dim;
+        let dim = self.shared.width;
         let st = self.state()?;
         let st = st.as_ref().unwrap();
         let _pin = crossbeam_epoch::pin();
@@ -421,7 +421,7 @@ impl Table {
     /// Reads every row of a pinned table into the cache (at open).
     pub(super) fn load_pinned(&self) -> Result<()> {
         let Some(cache) = self.cache() else { return Ok(()) };
-        let dim = self.shared.dim;
+        let dim = self.shared.width;
         let id = self.shared.id;
         let t0 = std::time::Instant::now();
         let st = self.state()?;

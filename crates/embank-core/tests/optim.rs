@@ -3,6 +3,8 @@
 //! pulls, plain pushes (which restart a row's state), a learning-rate change,
 //! flush and close/reopen (state persists with the row), on every medium.
 
+#![allow(clippy::needless_range_loop)] // the formulas read best with indices
+
 use std::collections::HashMap;
 
 use embank_core::{Initializer, IoChoice, MediumKind, Optimizer, Placement, Store, StoreOptions, Table, TableOptions};
