@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from . import errors, init
+from . import errors, init, optim
 from ._native import __version__
 from ._store import Store, Table, open
 from .errors import (
@@ -44,4 +44,5 @@ __all__ = [
     "errors",
     "init",
     "open",
+    "optim",
 ]

@@ -18,6 +18,7 @@ import numpy.typing as npt
 from . import _native
 from .errors import InvalidInputError
 from .init import Initializer, zeros
+from .optim import Optimizer
 
 KeysLike = Union[npt.NDArray[np.integer[Any]], Sequence[int]]
 Rows = npt.NDArray[np.float32]
@@ -26,7 +27,8 @@ __all__ = ["Store", "Table", "open"]
 
 
 def _keys(keys: KeysLike) -> npt.NDArray[np.uint64]:
-    """Keys as a contiguous uint64 array, without copying when they already are."""
+    """Keys as a contiguous uint64 array, without copying when they already are
+    (a strided view, such as ``keys[::2]``, is copied: keys are small)."""
     if isinstance(keys, np.ndarray):
         arr = keys
     else:
@@ -36,7 +38,7 @@ def _keys(keys: KeysLike) -> npt.NDArray[np.uint64]:
     if arr.ndim != 1:
         raise InvalidInputError(f"keys must be a 1-D array, got shape {arr.shape}")
     if not arr.flags.c_contiguous:
-        raise InvalidInputError("keys must be a C-contiguous array (use np.ascontiguousarray)")
+        arr = np.ascontiguousarray(arr)
     if arr.dtype == np.uint64:
         return arr.view(np.uint64)
     if arr.dtype.kind in "iu":
@@ -121,6 +123,24 @@ class Table:
         """Deletes keys; returns how many were present."""
         return self._t.delete(_keys(keys))
 
+    def push_grad(self, keys: KeysLike, grads: Rows) -> None:
+        """Applies the table's optimizer to the rows of ``keys`` with gradients ``grads``
+        (``(n, dim)`` float32). Gradients of duplicate keys are summed first, so each row
+        gets one update per call; missing rows are created with the initializer, then
+        updated. Raises :class:`~embank.errors.ConfigError` if the table has no optimizer."""
+        k = _keys(keys)
+        self._t.push_grad(k, _rows(grads, len(k), self.dim, self.name))
+
+    @property
+    def optimizer(self) -> dict[str, Any] | None:
+        """The optimizer and its current hyper-parameters, or ``None``."""
+        opt: dict[str, Any] = json.loads(self._t.meta_json())["optimizer"]
+        return None if opt["kind"] == "none" else opt
+
+    def set_lr(self, lr: float) -> None:
+        """Changes the optimizer's learning rate (durable at once)."""
+        self._t.set_lr(float(lr))
+
     def lookahead(self, keys: KeysLike) -> bool:
         """Loads these rows into the DRAM row cache in the background, so a later
         :meth:`pull` of them hits. Returns at once; ``False`` if the request queue
@@ -175,6 +195,7 @@ class Store:
         missing: float | str = 0.0,
         medium: str = "mmap",
         placement: str = "auto",
+        optimizer: Optimizer | None = None,
     ) -> Table:
         """Creates a table.
 
@@ -196,6 +217,9 @@ class Store:
                 written back in batches), ``"pin"`` (the whole table in the cache),
                 ``"bypass"`` (straight to the medium), or ``"auto"`` (the default:
                 ``cache`` on the block medium, ``bypass`` on mmap).
+            optimizer: the server-side optimizer :meth:`Table.push_grad` applies
+                (:class:`embank.optim.SGD`, :class:`~embank.optim.Adagrad`,
+                :class:`~embank.optim.Adam`); its state is stored with each row.
         """
         init = init or zeros()
         if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
@@ -228,6 +252,7 @@ class Store:
             missing_value,
             medium,
             placement,
+            optimizer._json() if optimizer is not None else None,
         )
         return Table(native)
 
@@ -283,6 +308,7 @@ def open(
     cache_bytes: int = 256 << 20,
     io_engine: str = "auto",
     io_depth: int = 128,
+    mmap_random_access: bool = False,
 ) -> Store:
     """Opens (or creates) the store in directory ``path``.
 
@@ -297,6 +323,8 @@ def open(
         io_engine: ``"auto"`` (io_uring where the kernel allows, else pread),
             ``"uring"`` or ``"pread"``: how block-medium tables are read.
         io_depth: most block-medium reads in flight per batch.
+        mmap_random_access: map mmap-medium files with ``MADV_RANDOM`` (no
+            read-around); turn on when they are larger than the page cache can keep.
 
     Raises:
         StoreLockedError: another process or handle has the store open.
@@ -306,4 +334,14 @@ def open(
         from .errors import ConfigError
 
         raise ConfigError("cache_bytes must be >= 0 and io_depth >= 1")
-    return Store(_native.Store.open(os.fspath(path), create, verify, int(cache_bytes), io_engine, int(io_depth)))
+    return Store(
+        _native.Store.open(
+            os.fspath(path),
+            create,
+            verify,
+            int(cache_bytes),
+            io_engine,
+            int(io_depth),
+            bool(mmap_random_access),
+        )
+    )

@@ -219,7 +219,6 @@ impl Index {
         file.set_len(bytes).map_err(|e| io_at("cannot size index file", path, e))?;
         let mut map =
             unsafe { MmapOptions::new().map_mut(&file) }.map_err(|e| io_at("cannot map index file", path, e))?;
-        let _ = map.advise(memmap2::Advice::Random); // one bucket per key: no read-around
         let header = IndexHeader::new(bucket_count, seed);
         header.write(&mut map[..INDEX_HEADER_BYTES]);
         let index =
@@ -240,7 +239,6 @@ impl Index {
                 .map_err(|e| e.context(path.display().to_string()));
         }
         let map = unsafe { MmapOptions::new().map_mut(&file) }.map_err(|e| io_at("cannot map index file", path, e))?;
-        let _ = map.advise(memmap2::Advice::Random); // one bucket per key: no read-around
         let header =
             IndexHeader::read(&map[..INDEX_HEADER_BYTES]).map_err(|e| e.context(path.display().to_string()))?;
         let want = INDEX_HEADER_BYTES as u64 + header.bucket_count * BUCKET_BYTES as u64;
@@ -272,6 +270,11 @@ impl Index {
 
     pub fn seed(&self) -> u64 {
         self.seed
+    }
+
+    /// Turns off read-around for the mapping (see `MmapMedium::advise_random`).
+    pub fn advise_random(&self) {
+        let _ = self.map.advise(memmap2::Advice::Random);
     }
 
     pub fn file_bytes(&self) -> u64 {

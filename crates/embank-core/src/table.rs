@@ -308,6 +308,7 @@ impl Table {
         index.flush()?;
         medium.flush()?;
         crate::fsutil::sync_dir(dir)?;
+        advise(&tier, &index, &medium);
         Ok(Self::new(dir, meta, State { index, medium }, catalog, None, tier, placement))
     }
 
@@ -386,6 +387,7 @@ impl Table {
             recovered = Some(stats);
         }
         index.mark_open()?;
+        advise(&tier, &index, &medium);
         let table = Self::new(dir, meta, State { index, medium }, catalog, recovered, tier, placement);
         if placement == Placement::Pin {
             table.load_pinned()?;
@@ -890,6 +892,9 @@ impl Table {
             Ok(m.clone())
         })?;
         let old_path = st.index.path().to_owned();
+        if self.shared.tier.mmap_random {
+            index.advise_random();
+        }
         st.index = index;
         let _ = std::fs::remove_file(&old_path);
         *self.shared.meta.lock() = meta;
@@ -1081,4 +1086,14 @@ fn mmap_of(m: &Medium) -> &MmapMedium {
 /// Elements of a table's records: the row, then its optimizer state.
 fn record_dim(meta: &TableMeta) -> usize {
     meta.dim as usize + meta.optimizer.state_len(meta.dim as usize)
+}
+
+/// `MADV_RANDOM` on a table's mappings when the store asks for it.
+fn advise(tier: &Tier, index: &Index, medium: &Medium) {
+    if tier.mmap_random {
+        index.advise_random();
+        if let Medium::Mmap(m) = medium {
+            m.advise_random();
+        }
+    }
 }

@@ -29,6 +29,8 @@ enum Job {
 pub struct Tier {
     pub cache: Option<Arc<RowCache>>,
     pub io: Arc<dyn IoEngine>,
+    /// Map mmap-medium files with `MADV_RANDOM`.
+    pub mmap_random: bool,
     tables: Mutex<Vec<WeakTable>>,
     jobs: Mutex<Option<SyncSender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -37,11 +39,12 @@ pub struct Tier {
 }
 
 impl Tier {
-    pub fn new(cache: Option<Arc<RowCache>>, io: Arc<dyn IoEngine>) -> Arc<Tier> {
+    pub fn new(cache: Option<Arc<RowCache>>, io: Arc<dyn IoEngine>, mmap_random: bool) -> Arc<Tier> {
         let (tx, rx) = sync_channel(LOOKAHEAD_QUEUE);
         let tier = Arc::new(Tier {
             cache,
             io,
+            mmap_random,
             tables: Mutex::new(Vec::new()),
             jobs: Mutex::new(Some(tx)),
             thread: Mutex::new(None),

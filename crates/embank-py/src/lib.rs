@@ -65,7 +65,8 @@ struct Store {
 #[pymethods]
 impl Store {
     #[staticmethod]
-    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT))]
+    #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.open
+    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=false))]
     fn open(
         py: Python<'_>,
         path: PathBuf,
@@ -74,9 +75,18 @@ impl Store {
         cache_bytes: u64,
         io_engine: &str,
         io_depth: u32,
+        mmap_random_access: bool,
     ) -> PyResult<Store> {
         let io_engine = core::IoChoice::parse(io_engine).map_err(to_py_err)?;
-        let options = core::StoreOptions { create, verify, cache_bytes, io_engine, io_depth, ..Default::default() };
+        let options = core::StoreOptions {
+            create,
+            verify,
+            cache_bytes,
+            io_engine,
+            io_depth,
+            mmap_random_access,
+            ..Default::default()
+        };
         let store = py.detach(|| core::Store::open(&path, options)).map_err(to_py_err)?;
         Ok(Store { inner: Arc::new(store) })
     }
@@ -92,7 +102,7 @@ impl Store {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (name, dim, init_kind, init_a, init_b, seed, capacity, growth, load_factor_max, missing_kind, missing_value, medium="mmap", placement="auto"))]
+    #[pyo3(signature = (name, dim, init_kind, init_a, init_b, seed, capacity, growth, load_factor_max, missing_kind, missing_value, medium="mmap", placement="auto", optimizer_json=None))]
     fn create_table(
         &self,
         py: Python<'_>,
@@ -109,6 +119,7 @@ impl Store {
         missing_value: f32,
         medium: &str,
         placement: &str,
+        optimizer_json: Option<&str>,
     ) -> PyResult<Table> {
         let mut o = core::TableOptions::new(dim);
         o.init = match init_kind {
@@ -130,6 +141,10 @@ impl Store {
         o.load_factor_max = load_factor_max;
         o.medium = core::MediumKind::parse(medium).map_err(to_py_err)?;
         o.placement = core::Placement::parse(placement).map_err(to_py_err)?;
+        if let Some(j) = optimizer_json {
+            o.optimizer = serde_json::from_str(j)
+                .map_err(|e| PyValueError::new_err(format!("bad optimizer description {j:?}: {e}")))?;
+        }
         let inner = py.detach(|| self.inner.create_table(name, o)).map_err(to_py_err)?;
         Ok(Table { inner })
     }
@@ -231,6 +246,21 @@ impl Table {
     fn delete(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<u64> {
         let keys = slice(&keys, "keys")?;
         py.detach(|| self.inner.delete(keys)).map_err(to_py_err)
+    }
+
+    fn push_grad(
+        &self,
+        py: Python<'_>,
+        keys: PyReadonlyArray1<'_, u64>,
+        grads: PyReadonlyArray2<'_, f32>,
+    ) -> PyResult<()> {
+        let keys = slice(&keys, "keys")?;
+        let grads = grads.as_slice().map_err(|_| PyValueError::new_err("grads must be a C-contiguous array"))?;
+        py.detach(|| self.inner.push_grad(keys, grads)).map_err(to_py_err)
+    }
+
+    fn set_lr(&self, lr: f32) -> PyResult<()> {
+        self.inner.set_lr(lr).map_err(to_py_err)
     }
 
     /// Queues a background load of these rows into the row cache; returns at once.

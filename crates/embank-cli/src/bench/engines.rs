@@ -44,14 +44,21 @@ pub struct Embank {
 }
 
 impl Embank {
-    pub fn open(name: &'static str, dir: &Path, keys: u64, dim: u32, cache_bytes: u64) -> Result<Self, String> {
+    pub fn open(
+        name: &'static str,
+        dir: &Path,
+        keys: u64,
+        dim: u32,
+        cache_bytes: u64,
+        mmap_random_access: bool,
+    ) -> Result<Self, String> {
         let (medium, io) = match name {
             "embank-mmap" => (MediumKind::Mmap, IoChoice::Auto),
             "embank-block" => (MediumKind::Block, IoChoice::Uring),
             "embank-block-pread" => (MediumKind::Block, IoChoice::Pread),
             other => return Err(format!("not an embank engine: {other}")),
         };
-        let options = StoreOptions { cache_bytes, io_engine: io, ..StoreOptions::default() };
+        let options = StoreOptions { cache_bytes, io_engine: io, mmap_random_access, ..StoreOptions::default() };
         let store = Store::open(dir.join(name), options).map_err(|e| e.to_string())?;
         let mut o = TableOptions::new(dim);
         o.capacity = keys;

@@ -118,6 +118,10 @@ pub struct BenchArgs {
     /// the size of the rows. Accepts K, M, G suffixes (powers of 1024).
     #[arg(long, value_parser = parse_bytes)]
     pub cache_bytes: Option<u64>,
+    /// Open embank-mmap with `mmap_random_access` (MADV_RANDOM: no read-around), for
+    /// runs where its files are larger than the page cache can keep.
+    #[arg(long)]
+    pub mmap_random_access: bool,
     /// Skip measuring the copy bandwidth and the index-free gather (the gather allocates
     /// a flat array of all rows: skip it in a memory-limited run).
     #[arg(long)]
@@ -352,7 +356,7 @@ fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usi
     match name {
         "embank-mmap" | "embank-block" | "embank-block-pread" => {
             let name = ENGINES.iter().find(|e| **e == name).expect("known engine");
-            Ok(Box::new(engines::Embank::open(name, dir, args.keys, args.dim, dram_bytes)?))
+            Ok(Box::new(engines::Embank::open(name, dir, args.keys, args.dim, dram_bytes, args.mmap_random_access)?))
         }
         "hashmap" => Ok(Box::new(engines::ShardedHashMap::new(args.keys, dim))),
         #[cfg(feature = "baselines")]

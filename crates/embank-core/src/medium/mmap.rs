@@ -81,12 +81,6 @@ impl MmapMedium {
             .len(RESERVE_BYTES as usize)
             .map_raw(&file)
             .map_err(|e| io_at("cannot map rows file", path, e))?;
-        // Rows are read at random, a few hundred bytes each: no read-around, which would
-        // pull 32 neighbouring pages per miss into the page cache once the file is larger
-        // than the memory left for it.
-        if let Err(e) = map.advise(memmap2::Advice::Random) {
-            tracing::debug!(error = %e, "madvise(MADV_RANDOM) refused for the rows mapping");
-        }
         // SAFETY: the word is in the header page of `map`, 8-aligned; `map` outlives `alloc`
         // (same struct, dropped after it).
         let alloc = unsafe {
@@ -102,6 +96,16 @@ impl MmapMedium {
 
     pub fn stride(&self) -> u64 {
         self.alloc.stride()
+    }
+
+    /// Turns off read-around (`MADV_RANDOM`): a page fault then reads one page instead of
+    /// a window of neighbours. Worth it once the file is larger than the page cache can
+    /// keep (each miss otherwise evicts hot pages for 31 cold ones); costs ~25 % when
+    /// everything is resident (fault-around is off too), so it is opt-in.
+    pub fn advise_random(&self) {
+        if let Err(e) = self.map.advise(memmap2::Advice::Random) {
+            tracing::debug!(error = %e, "madvise(MADV_RANDOM) refused for the rows mapping");
+        }
     }
 
     /// Allocation, free list and reclamation of records.
