@@ -38,7 +38,7 @@ CG=/sys/fs/cgroup/memory/embank-hps-a
 if mkdir -p "$CG" 2>/dev/null && echo "$LIMIT" > "$CG/memory.limit_in_bytes" 2>/dev/null; then
     echo "embank-mmap in memory cgroup $CG limited to $LIMIT bytes (budget + index + key streams + 64 MiB)"
     # The subshell joins the cgroup, then runs the bench; the limit covers its page cache.
-    (echo $BASHPID > "$CG/cgroup.procs"; exec "$BIN" bench "${COMMON[@]}" --skip-limits --mmap-random-access \
+    (echo $BASHPID > "$CG/cgroup.procs"; exec "$BIN" bench "${COMMON[@]}" --skip-limits --mmap-random-access true \
         --engines embank-mmap --out "$OUT/hps-a-mmap-cgroup.json") | tee "$OUT/hps-a-mmap-cgroup.txt"
     rmdir "$CG" 2>/dev/null || true
 else

@@ -15,7 +15,7 @@ class Store:
         cache_bytes: int = ...,
         io_engine: str = "auto",
         io_depth: int = 128,
-        mmap_random_access: bool = False,
+        mmap_random_access: bool = True,
     ) -> Store: ...
     @property
     def path(self) -> str: ...

@@ -308,7 +308,7 @@ def open(
     cache_bytes: int = 256 << 20,
     io_engine: str = "auto",
     io_depth: int = 128,
-    mmap_random_access: bool = False,
+    mmap_random_access: bool = True,
 ) -> Store:
     """Opens (or creates) the store in directory ``path``.
 
@@ -323,8 +323,9 @@ def open(
         io_engine: ``"auto"`` (io_uring where the kernel allows, else pread),
             ``"uring"`` or ``"pread"``: how block-medium tables are read.
         io_depth: most block-medium reads in flight per batch.
-        mmap_random_access: map mmap-medium files with ``MADV_RANDOM`` (no
-            read-around); turn on when they are larger than the page cache can keep.
+        mmap_random_access: map mmap-medium files with ``MADV_RANDOM`` (the default):
+            no read-around, small page-cache folios, so a row write dirties one page.
+            Turn off for read-only tables that fit in memory (reads ~25 % faster).
 
     Raises:
         StoreLockedError: another process or handle has the store open.

@@ -66,7 +66,7 @@ struct Store {
 impl Store {
     #[staticmethod]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.open
-    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=false))]
+    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true))]
     fn open(
         py: Python<'_>,
         path: PathBuf,

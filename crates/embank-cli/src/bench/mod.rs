@@ -118,9 +118,9 @@ pub struct BenchArgs {
     /// the size of the rows. Accepts K, M, G suffixes (powers of 1024).
     #[arg(long, value_parser = parse_bytes)]
     pub cache_bytes: Option<u64>,
-    /// Open embank-mmap with `mmap_random_access` (MADV_RANDOM: no read-around), for
-    /// runs where its files are larger than the page cache can keep.
-    #[arg(long)]
+    /// embank's `mmap_random_access` store option (MADV_RANDOM on mmap files); `false`
+    /// measures the read-optimised setting of a read-only, resident table.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub mmap_random_access: bool,
     /// Skip measuring the copy bandwidth and the index-free gather (the gather allocates
     /// a flat array of all rows: skip it in a memory-limited run).

@@ -99,9 +99,9 @@ impl MmapMedium {
     }
 
     /// Turns off read-around (`MADV_RANDOM`): a page fault then reads one page instead of
-    /// a window of neighbours. Worth it once the file is larger than the page cache can
-    /// keep (each miss otherwise evicts hot pages for 31 cold ones); costs ~25 % when
-    /// everything is resident (fault-around is off too), so it is opt-in.
+    /// a window of neighbours, and the page cache keeps this file in small folios, so a
+    /// row write dirties one 4 KiB page rather than a large folio. Costs about 25 % of
+    /// read throughput when everything is resident (see `StoreOptions::mmap_random_access`).
     pub fn advise_random(&self) {
         if let Err(e) = self.map.advise(memmap2::Advice::Random) {
             tracing::debug!(error = %e, "madvise(MADV_RANDOM) refused for the rows mapping");
