@@ -67,6 +67,14 @@ class UnsupportedError(EmbankError, NotImplementedError):
     """Not supported by this build or medium."""
 
 
+class UnauthorizedError(EmbankError, PermissionError):
+    """A server refused the connection's token (``embank.connect(..., token=...)``)."""
+
+
+class ShardUnavailableError(EmbankError, ConnectionError):
+    """A server (shard) of a remote store cannot be reached; the message names it."""
+
+
 __all__ = [
     "ConfigError",
     "CorruptStoreError",
@@ -81,5 +89,7 @@ __all__ = [
     "TableExistsError",
     "TableFullError",
     "TableNotFoundError",
+    "ShardUnavailableError",
+    "UnauthorizedError",
     "UnsupportedError",
 ]

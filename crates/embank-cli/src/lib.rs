@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 pub mod bench;
 pub mod demo;
 pub mod npy;
+pub mod serve;
 pub mod tools;
 pub mod workload;
 
@@ -34,6 +35,8 @@ enum Command {
     /// Run a DESIGN.md workload against embank and baseline engines side by side, next to
     /// the machine's physical limits (see docs/BENCHMARKS.md).
     Bench(bench::BenchArgs),
+    /// Serve a store over TCP as one shard of a networked store (see docs/serve.sample.toml).
+    Serve(serve::ServeArgs),
     /// Show a store's tables: rows, capacity, load factor, bytes, probe lengths.
     Inspect {
         /// Store directory.
@@ -71,6 +74,7 @@ where
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Inspect { path, json } => tools::inspect(&path, json),
         Command::Export(args) => tools::export(args),
         Command::Import(args) => tools::import(args),

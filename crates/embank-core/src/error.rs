@@ -36,6 +36,10 @@ pub enum ErrorKind {
     Timeout,
     /// An internal invariant was broken: a bug, please report it.
     Corrupt,
+    /// A server refused the connection's credentials (remote stores).
+    Unauthorized,
+    /// A server (shard) cannot be reached or is at its connection limit (remote stores).
+    Unavailable,
 }
 
 impl ErrorKind {
@@ -55,6 +59,8 @@ impl ErrorKind {
             ErrorKind::Unsupported => "unsupported",
             ErrorKind::Timeout => "timeout",
             ErrorKind::Corrupt => "corrupt",
+            ErrorKind::Unauthorized => "unauthorized",
+            ErrorKind::Unavailable => "unavailable",
         }
     }
 }

@@ -22,6 +22,10 @@
 //!
 //! **Architecture invariant:** this crate knows nothing of the network or Python.
 
+// Records and the wire format store `f32` and `u64` little-endian and are read in place.
+#[cfg(not(target_endian = "little"))]
+compile_error!("embank stores rows little-endian and reads them in place: little-endian targets only");
+
 #[macro_use]
 pub mod assert;
 pub mod cache;
@@ -48,4 +52,4 @@ pub use io::IoChoice;
 pub use medium::MediumKind;
 pub use optim::Optimizer;
 pub use store::{Store, StoreOptions, StoreStats};
-pub use table::{Table, TableOptions, TableStats, DIM_MAX};
+pub use table::{ExportCursor, Table, TableOptions, TableStats, DIM_MAX};

@@ -44,7 +44,11 @@ const _: () = assert!(STRIPES.is_power_of_two());
 const _: () = assert!(LOAD_FACTOR_TARGET < 0.95);
 
 /// Options of a new table. Every field has a default (see [`TableOptions::new`]).
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Deserializable (a server's config file, a remote `create_table`): absent fields take
+/// their defaults, unknown fields are refused, `dim` is required (0 fails validation).
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct TableOptions {
     /// Elements per row, 1 to 4096. Required.
     pub dim: u32,
@@ -70,6 +74,13 @@ pub struct TableOptions {
     pub placement: Placement,
     /// Server-side optimizer applied by `push_grad`. Default none.
     pub optimizer: Optimizer,
+}
+
+impl Default for TableOptions {
+    /// The defaults with `dim` 0, which [`validate`](Self::validate) refuses: set it.
+    fn default() -> Self {
+        TableOptions::new(0)
+    }
 }
 
 impl TableOptions {
@@ -239,6 +250,25 @@ impl WeakTable {
     pub fn upgrade(&self) -> Option<Table> {
         self.0.upgrade().map(|shared| Table { shared })
     }
+}
+
+/// Where an export continues: the index generation it started on and a bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportCursor {
+    pub generation: u64,
+    pub bucket: u64,
+}
+
+impl ExportCursor {
+    /// The start of a table.
+    pub const START: ExportCursor = ExportCursor { generation: u64::MAX, bucket: 0 };
+}
+
+/// The bytes of `f32`s as stored and sent: little-endian (embank builds only for
+/// little-endian targets, see `lib.rs`).
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: any f32 is 4 initialized bytes; u8 has alignment 1.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
 /// Outcome of a write pass that may need the index to grow first.
@@ -915,71 +945,205 @@ impl Table {
     /// (the table grew) between two chunks the export stops with an error, since bucket
     /// positions changed. Checks each row's checksum.
     pub fn export(&self, chunk_keys: usize, mut f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
-        let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
-        let dim = self.shared.width;
-        // Dirty cached rows are newer than the medium: write them back first.
-        self.write_back_all()?;
-        let mut keys = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
-        let mut rows = Vec::with_capacity((chunk_keys + SLOTS_PER_BUCKET) * dim);
-        let mut bucket = 0;
-        let mut generation = None;
+        let mut keys = Vec::new();
+        let mut rows = Vec::new();
+        let mut cursor = ExportCursor::START;
         loop {
-            keys.clear();
-            rows.clear();
-            {
-                let st = self.state()?;
-                let State { index, medium } = st.as_ref().unwrap();
-                let current = self.shared.meta.lock().index_generation;
-                if *generation.get_or_insert(current) != current {
-                    return Err(Error::new(
-                        ErrorKind::Unsupported,
-                        format!("table {:?} grew during the export; run the export again", self.shared.name),
-                    ));
-                }
-                if bucket >= index.bucket_count() {
-                    return Ok(());
-                }
-                let _pin = crossbeam_epoch::pin();
-                let mut bad = None;
-                let mut items = Vec::new();
-                while bucket < index.bucket_count() && keys.len() + SLOTS_PER_BUCKET <= chunk_keys {
-                    index.for_each(bucket, bucket + 1, |key, ptr| match medium {
-                        Medium::Mmap(m) => {
-                            if m.key_at(ptr) != key || !m.checksum_ok(ptr) {
-                                bad = Some(key);
-                                return;
-                            }
-                            keys.push(key);
-                            rows.extend_from_slice(m.row_at(ptr));
-                        }
-                        Medium::Block(_) => {
-                            items.push(ReadItem { key, ptr, pos: keys.len() });
-                            keys.push(key);
-                        }
-                    });
-                    bucket += 1;
-                }
-                if !items.is_empty() {
-                    rows.resize(keys.len() * dim, 0.0);
-                    medium.read(&items, &mut rows)?;
-                }
-                if let Some(key) = bad {
-                    return Err(Error::new(
-                        ErrorKind::ChecksumMismatch,
-                        format!("table {:?}: row of key {key} fails its checksum", self.shared.name),
-                    ));
-                }
-            }
+            let next = self.export_page(cursor, chunk_keys, &mut keys, &mut rows)?;
             if !keys.is_empty() {
-                if self.has_state() {
-                    let mut out = vec![0f32; keys.len() * self.shared.row_dim];
-                    self.copy_rows(&rows, &mut out);
-                    f(&keys, &out)?;
-                } else {
-                    f(&keys, &rows)?;
-                }
+                f(&keys, &rows)?;
+            }
+            match next {
+                Some(c) => cursor = c,
+                None => return Ok(()),
             }
         }
+    }
+
+    /// One page of an export: clears `keys` and `rows`, fills them with at most
+    /// `chunk_keys` rows (at least one bucket's worth) from `cursor` on, and returns
+    /// where the next page starts (`None` when the table is done). Pages of one export
+    /// may be fetched by different calls (a remote client pages through a table this
+    /// way); a page from a cursor of an older index generation fails with
+    /// `Unsupported` (the table grew; start again).
+    pub fn export_page(
+        &self,
+        cursor: ExportCursor,
+        chunk_keys: usize,
+        keys: &mut Vec<u64>,
+        rows: &mut Vec<f32>,
+    ) -> Result<Option<ExportCursor>> {
+        let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
+        let dim = self.shared.width;
+        keys.clear();
+        rows.clear();
+        if cursor.bucket == 0 {
+            // Dirty cached rows are newer than the medium: write them back first.
+            self.write_back_all()?;
+        }
+        let mut records = Vec::with_capacity((chunk_keys + SLOTS_PER_BUCKET) * dim);
+        let mut bucket = cursor.bucket;
+        let next = {
+            let st = self.state()?;
+            let State { index, medium } = st.as_ref().unwrap();
+            let current = self.shared.meta.lock().index_generation;
+            let generation = if cursor == ExportCursor::START { current } else { cursor.generation };
+            if generation != current {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!("table {:?} grew during the export; run the export again", self.shared.name),
+                ));
+            }
+            let _pin = crossbeam_epoch::pin();
+            let mut bad = None;
+            let mut items = Vec::new();
+            while bucket < index.bucket_count() && keys.len() + SLOTS_PER_BUCKET <= chunk_keys {
+                index.for_each(bucket, bucket + 1, |key, ptr| match medium {
+                    Medium::Mmap(m) => {
+                        if m.key_at(ptr) != key || !m.checksum_ok(ptr) {
+                            bad = Some(key);
+                            return;
+                        }
+                        keys.push(key);
+                        records.extend_from_slice(m.row_at(ptr));
+                    }
+                    Medium::Block(_) => {
+                        items.push(ReadItem { key, ptr, pos: keys.len() });
+                        keys.push(key);
+                    }
+                });
+                bucket += 1;
+            }
+            if !items.is_empty() {
+                records.resize(keys.len() * dim, 0.0);
+                medium.read(&items, &mut records)?;
+            }
+            if let Some(key) = bad {
+                return Err(Error::new(
+                    ErrorKind::ChecksumMismatch,
+                    format!("table {:?}: row of key {key} fails its checksum", self.shared.name),
+                ));
+            }
+            (bucket < index.bucket_count()).then_some(ExportCursor { generation, bucket })
+        };
+        if self.has_state() {
+            rows.resize(keys.len() * self.shared.row_dim, 0.0);
+            self.copy_rows(&records, rows);
+        } else {
+            *rows = records;
+        }
+        Ok(next)
+    }
+
+    /// Calls `f` with the rows of `keys` borrowed from the mapped file, without copying
+    /// them (for a server that sends rows straight from the medium with vectored writes).
+    /// Each item of `f`'s slice is one row's `dim * 4` bytes, little-endian `f32`, in key
+    /// order; rows the table does not hold point into a scratch buffer (with `create`,
+    /// rows made by the initializer and stored, as [`pull`](Self::pull) does; without,
+    /// the missing-row default, as [`lookup`](Self::lookup) does) and `found` says which.
+    ///
+    /// The table's read lock and an epoch guard are held while `f` runs: a row overwritten
+    /// meanwhile keeps its old bytes (copy-on-write) until `f` returns, so `f` should not
+    /// block for long. Returns `Ok(None)` without calling `f` when the table's rows are not
+    /// directly addressable (block medium, or rows behind the row cache); use
+    /// [`pull`](Self::pull)/[`lookup`](Self::lookup) then (also the answer, rarely,
+    /// when a key is deleted while its missing neighbours are being created).
+    pub fn with_rows<R>(
+        &self,
+        keys: &[u64],
+        create: bool,
+        f: impl FnOnce(&[&[u8]], &[bool]) -> R,
+    ) -> Result<Option<R>> {
+        if self.tiered() {
+            return Ok(None);
+        }
+        let (w, d) = (self.shared.width, self.shared.row_dim);
+        let n = keys.len();
+        let st = self.state()?;
+        let State { index, medium } = st.as_ref().unwrap();
+        let medium = mmap_of(medium);
+        let _pin = crossbeam_epoch::pin();
+        let mut ptrs = vec![0u64; n];
+        let mut missing = Vec::new();
+        for (i, &key) in keys.iter().enumerate() {
+            if i + PREFETCH_KEYS_AHEAD < n {
+                index.prefetch(index.hash(keys[i + PREFETCH_KEYS_AHEAD]));
+            }
+            match index.get(key, index.hash(key)) {
+                Some(ptr) if medium.key_at(ptr) == key => ptrs[i] = ptr,
+                Some(_) => {
+                    return Err(Error::corrupt(format!(
+                        "table {:?}: the index points key {key} at a record of another key",
+                        self.shared.name
+                    )))
+                }
+                None => missing.push(i),
+            }
+        }
+        let mut scratch = vec![0f32; missing.len() * d];
+        if !missing.is_empty() {
+            let missing_keys: Vec<u64> = missing.iter().map(|&i| keys[i]).collect();
+            if create {
+                // Creating rows takes writer locks and may grow the index: not under our read lock.
+                drop(st);
+                Table::pull(self, &missing_keys, &mut scratch)?;
+                return self.with_rows_created(keys, &missing, &scratch, f);
+            }
+            let positions: Vec<usize> = (0..missing.len()).collect();
+            self.fill_missing(&missing_keys, &positions, &mut scratch);
+        }
+        let mut found = vec![true; n];
+        let mut slices: Vec<&[u8]> = Vec::with_capacity(n);
+        let mut next_missing = missing.iter().peekable();
+        let mut m = 0;
+        for (i, &ptr) in ptrs.iter().enumerate() {
+            if next_missing.peek() == Some(&&i) {
+                next_missing.next();
+                found[i] = false;
+                slices.push(f32_bytes(&scratch[m * d..(m + 1) * d]));
+                m += 1;
+            } else {
+                let rec = medium.row_at(ptr);
+                debug_assert_eq!(rec.len(), w);
+                slices.push(f32_bytes(&rec[..d]));
+            }
+        }
+        Ok(Some(f(&slices, &found)))
+    }
+
+    /// Second half of [`with_rows`](Self::with_rows) with `create`, once the missing rows
+    /// exist: resolves every key again; a key deleted in between is sent as created.
+    fn with_rows_created<R>(
+        &self,
+        keys: &[u64],
+        missing: &[usize],
+        created: &[f32],
+        f: impl FnOnce(&[&[u8]], &[bool]) -> R,
+    ) -> Result<Option<R>> {
+        let d = self.shared.row_dim;
+        let st = self.state()?;
+        let State { index, medium } = st.as_ref().unwrap();
+        let medium = mmap_of(medium);
+        let _pin = crossbeam_epoch::pin();
+        let mut found = vec![true; keys.len()];
+        for &i in missing {
+            found[i] = false;
+        }
+        let mut slices: Vec<&[u8]> = Vec::with_capacity(keys.len());
+        let mut m = 0;
+        for (i, &key) in keys.iter().enumerate() {
+            let fallback = !found[i];
+            if fallback {
+                m += 1;
+            }
+            match index.get(key, index.hash(key)) {
+                Some(ptr) if medium.key_at(ptr) == key => slices.push(f32_bytes(&medium.row_at(ptr)[..d])),
+                _ if fallback => slices.push(f32_bytes(&created[(m - 1) * d..m * d])),
+                // Deleted between the two passes: let the caller take the copying path.
+                _ => return Ok(None),
+            }
+        }
+        Ok(Some(f(&slices, &found)))
     }
 
     /// Makes every write before this call durable: rows first, then the index.

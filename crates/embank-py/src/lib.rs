@@ -32,6 +32,8 @@ fn to_py_err(e: core::Error) -> PyErr {
         ErrorKind::Closed => "StoreClosedError",
         ErrorKind::Unsupported => "UnsupportedError",
         ErrorKind::Timeout => "EmbankTimeoutError",
+        ErrorKind::Unauthorized => "UnauthorizedError",
+        ErrorKind::Unavailable => "ShardUnavailableError",
     };
     let message = e.to_string();
     Python::attach(|py| {

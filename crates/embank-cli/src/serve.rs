@@ -1,0 +1,123 @@
+//! `embank serve`: one shard of a networked store.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use embank_core::{Error, Store};
+use embank_net::config::ServeConfig;
+use embank_net::metrics::serve_admin;
+use embank_net::Server;
+
+const SAMPLE: &str = include_str!("../../../docs/serve.sample.toml");
+
+#[derive(clap::Args, Debug)]
+#[command(after_help = "Without --config, --store is required and every other setting takes its default \
+    (loopback on port 7070, no admin endpoint). Stop with SIGTERM or Ctrl-C: the server stops accepting, \
+    finishes requests in flight, flushes the store and exits 0.\n\n\
+    Clients: embank.connect([\"127.0.0.1:7070\", ...]) in Python, or `embank bench --target tcp://...`.")]
+pub struct ServeArgs {
+    /// TOML config file (print a commented one with --print-sample-config).
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// Store directory (overrides the config's `store`).
+    #[arg(long)]
+    pub store: Option<PathBuf>,
+    /// Protocol address (overrides `listen`); port 0 picks a free port, printed at start.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Admin HTTP address for /metrics and /healthz (overrides `admin`).
+    #[arg(long)]
+    pub admin: Option<String>,
+    /// Print a commented sample config and exit.
+    #[arg(long)]
+    pub print_sample_config: bool,
+}
+
+pub fn run(args: ServeArgs) -> Result<(), String> {
+    if args.print_sample_config {
+        print!("{SAMPLE}");
+        return Ok(());
+    }
+    let mut config = match (&args.config, &args.store) {
+        (Some(path), _) => ServeConfig::from_file(path).map_err(|e| e.to_string())?,
+        (None, Some(store)) => {
+            ServeConfig::parse(&format!("store = {:?}", store.display().to_string())).map_err(|e| e.to_string())?
+        }
+        (None, None) => return Err("give --config FILE (or at least --store DIR); see `embank serve --help`".into()),
+    };
+    if let Some(s) = args.store {
+        config.store = s;
+    }
+    if let Some(l) = args.listen {
+        config.listen = l;
+    }
+    if let Some(a) = args.admin {
+        config.admin = Some(a);
+    }
+    serve(config).map_err(|e| e.to_string())
+}
+
+fn serve(config: ServeConfig) -> Result<(), Error> {
+    let shutdown = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, Arc::clone(&shutdown)).map_err(|e| Error::io("cannot handle signals", e))?;
+    }
+    let store = Arc::new(Store::open(&config.store, config.store_options()?)?);
+    let mut created = Vec::new();
+    for (name, options) in config.table_options()? {
+        match store.table(&name) {
+            Ok(t) => {
+                if t.dim() != options.dim as usize {
+                    return Err(Error::config(format!(
+                        "table {name:?} exists in {} with dim {}, but the config says dim {}",
+                        config.store.display(),
+                        t.dim(),
+                        options.dim
+                    )));
+                }
+            }
+            Err(_) => {
+                store.create_table(&name, options)?;
+                created.push(name);
+            }
+        }
+    }
+    let server = Server::bind(&config.listen, Arc::clone(&store), config.server_options()?)?;
+    let mut admin_line = String::new();
+    let admin = match &config.admin {
+        Some(addr) => {
+            let listener = std::net::TcpListener::bind(addr)
+                .map_err(|e| Error::io(format!("cannot listen on admin {addr}"), e))?;
+            let local = listener.local_addr().map_err(|e| Error::io("admin address", e))?;
+            admin_line = format!(" (admin http://{local})");
+            let (store, metrics, shutdown) = (Arc::clone(&store), server.metrics(), Arc::clone(&shutdown));
+            Some(
+                std::thread::Builder::new()
+                    .name("embank-admin".into())
+                    .spawn(move || serve_admin(listener, store, metrics, shutdown))
+                    .map_err(|e| Error::io("cannot start the admin thread", e))?,
+            )
+        }
+        None => None,
+    };
+    let tables = store.tables()?;
+    println!(
+        "embank serve: listening on {}{admin_line}, store {}, {} tables ({} created)",
+        server.local_addr(),
+        config.store.display(),
+        tables.len(),
+        created.len()
+    );
+    let _ = std::io::stdout().flush();
+    server.run(&shutdown, config.drain()?)?;
+    if let Some(h) = admin {
+        let _ = h.join();
+    }
+    eprintln!("embank serve: shutting down; flushing the store");
+    store.close()?;
+    println!("embank serve: stopped cleanly");
+    let _ = std::io::stdout().flush();
+    Ok(())
+}

@@ -1,0 +1,665 @@
+//! The client: a remote store of N shards with the same operations as an embedded one.
+//!
+//! Keys are routed by [`proto::shard_of`] (a consistent hash, identical in every
+//! client). A batch is split by shard, then into requests of at most
+//! `keys_per_request_max` keys; the requests go out at once, each on its own pooled
+//! connection (up to `in_flight_per_shard` per shard), and the replies are put back
+//! in the caller's order. One request per connection at a time: a server thread
+//! never blocks writing a reply that nobody reads, so big batches cannot deadlock.
+//!
+//! Connections are opened on demand and kept; a pooled connection whose server went
+//! away (restart, crash) is noticed before use and replaced, so a restarted shard is
+//! picked up by the next call. A shard that cannot be reached fails the call with
+//! `Unavailable`, naming the shard.
+
+use std::collections::{HashSet, VecDeque};
+use std::io::{self, IoSlice, Read};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use embank_core::catalog::TableMeta;
+use embank_core::{Error, ErrorKind, ExportCursor, Result, TableOptions};
+use parking_lot::Mutex;
+
+use crate::proto::{self, as_bytes, mask_bytes, Header, Op, HEADER_BYTES, REPLY_BIT};
+use crate::server::write_all_vectored;
+
+/// How a client talks to its shards.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Token the servers require (sent in HELLO on every new connection).
+    pub token: Option<String>,
+    /// Most keys per request; a larger batch is split. Default 500.
+    pub keys_per_request_max: usize,
+    /// Longest wait for a reply (or for a request to be taken). Default 30 s.
+    pub timeout: Duration,
+    /// Longest wait to connect. Default 5 s.
+    pub connect_timeout: Duration,
+    /// Most requests of one call in flight to one shard. Default 8.
+    pub in_flight_per_shard: usize,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            token: None,
+            keys_per_request_max: 500,
+            timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+            in_flight_per_shard: 8,
+        }
+    }
+}
+
+struct Shard {
+    index: usize,
+    addr: String,
+    pool: Mutex<Vec<TcpStream>>,
+}
+
+struct Inner {
+    shards: Vec<Shard>,
+    opts: ClientOptions,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+}
+
+/// A connection to a set of shards; cheap to clone, usable from many threads.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+/// One request of a call.
+struct Req {
+    shard: usize,
+    op: Op,
+    table_id: u32,
+    count: u32,
+    body: Vec<u8>,
+}
+
+impl Shard {
+    fn name(&self) -> String {
+        format!("shard {} ({})", self.index, self.addr)
+    }
+
+    fn unavailable(&self, what: &str, e: &io::Error) -> Error {
+        let kind = if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+            ErrorKind::Timeout
+        } else {
+            ErrorKind::Unavailable
+        };
+        Error::new(kind, format!("{} {what}: {e}", self.name()))
+    }
+}
+
+/// Whether a pooled connection still has its server (no EOF, reset, or stray bytes waiting).
+fn alive(s: &TcpStream) -> bool {
+    if s.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let ok = matches!(s.peek(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+    ok && s.set_nonblocking(false).is_ok()
+}
+
+impl Client {
+    /// Connects to every shard (checking the token), so a wrong address fails here.
+    pub fn connect<S: AsRef<str>>(addrs: &[S], opts: ClientOptions) -> Result<Client> {
+        if addrs.is_empty() {
+            return Err(Error::config("connect: give at least one shard address"));
+        }
+        if opts.keys_per_request_max == 0 || opts.in_flight_per_shard == 0 {
+            return Err(Error::config("keys_per_request_max and in_flight_per_shard must be at least 1"));
+        }
+        let shards = addrs
+            .iter()
+            .enumerate()
+            .map(|(index, a)| {
+                let addr = a.as_ref().trim().trim_start_matches("tcp://").to_string();
+                Shard { index, addr, pool: Mutex::new(Vec::new()) }
+            })
+            .collect();
+        let client = Client {
+            inner: Arc::new(Inner { shards, opts, next_id: AtomicU64::new(1), closed: AtomicBool::new(false) }),
+        };
+        for shard in &client.inner.shards {
+            let conn = client.open_conn(shard)?;
+            shard.pool.lock().push(conn);
+        }
+        Ok(client)
+    }
+
+    pub fn shard_count(&self) -> usize {
+        self.inner.shards.len()
+    }
+
+    /// The shard addresses, in routing order.
+    pub fn addrs(&self) -> Vec<String> {
+        self.inner.shards.iter().map(|s| s.addr.clone()).collect()
+    }
+
+    pub fn options(&self) -> &ClientOptions {
+        &self.inner.opts
+    }
+
+    fn open_conn(&self, shard: &Shard) -> Result<TcpStream> {
+        let opts = &self.inner.opts;
+        let addrs: Vec<SocketAddr> = shard
+            .addr
+            .to_socket_addrs()
+            .map_err(|e| Error::config(format!("{}: address does not resolve: {e}", shard.name())))?
+            .collect();
+        let mut last = None;
+        let mut stream = None;
+        for a in &addrs {
+            match TcpStream::connect_timeout(a, opts.connect_timeout) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let mut s = match stream {
+            Some(s) => s,
+            None => {
+                let e = last.unwrap_or_else(|| io::Error::other("no address"));
+                return Err(Error::new(ErrorKind::Unavailable, format!("{} is unreachable: {e}", shard.name())));
+            }
+        };
+        let setup = |s: &TcpStream| -> io::Result<()> {
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(opts.timeout))?;
+            s.set_write_timeout(Some(opts.timeout))
+        };
+        setup(&s).map_err(|e| shard.unavailable("socket setup failed", &e))?;
+        let token = opts.token.clone().unwrap_or_default();
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let h = Header::request(Op::Hello, id, 0, 0, token.len() as u32);
+        write_all_vectored(&mut s, &mut [IoSlice::new(&h.encode()), IoSlice::new(token.as_bytes())])
+            .map_err(|e| shard.unavailable("refused the hello", &e))?;
+        let (rh, body) = read_reply(&mut s).map_err(|e| shard.unavailable("did not answer the hello", &e))?;
+        check_reply(shard, &h, &rh, body)?;
+        Ok(s)
+    }
+
+    fn take_conn(&self, shard: &Shard) -> Result<TcpStream> {
+        if self.inner.closed.load(Ordering::Relaxed) {
+            return Err(Error::new(ErrorKind::Closed, "the remote store is closed"));
+        }
+        loop {
+            let pooled = shard.pool.lock().pop();
+            match pooled {
+                Some(s) if alive(&s) => return Ok(s),
+                Some(_) => tracing::debug!(shard = %shard.name(), "dropping a dead pooled connection"),
+                None => return self.open_conn(shard),
+            }
+        }
+    }
+
+    /// Sends every request and calls `on_reply(i, header, body)` for request i's reply
+    /// (in no particular order across shards).
+    fn run(&self, reqs: &[Req], mut on_reply: impl FnMut(usize, &Header, Vec<u8>) -> Result<()>) -> Result<()> {
+        let shards = &self.inner.shards;
+        let mut queues: Vec<VecDeque<usize>> = vec![VecDeque::new(); shards.len()];
+        for (i, r) in reqs.iter().enumerate() {
+            queues[r.shard].push_back(i);
+        }
+        let mut in_flight: VecDeque<(TcpStream, usize, Header)> = VecDeque::new();
+        let mut pooled: Vec<(usize, TcpStream)> = Vec::new();
+        let result = (|| {
+            for (s, q) in queues.iter_mut().enumerate() {
+                for _ in 0..q.len().min(self.inner.opts.in_flight_per_shard) {
+                    let conn = self.take_conn(&shards[s])?;
+                    let i = q.pop_front().unwrap();
+                    in_flight.push_back(self.send(conn, i, &reqs[i])?);
+                }
+            }
+            while let Some((mut conn, i, h)) = in_flight.pop_front() {
+                let shard = &shards[reqs[i].shard];
+                let (rh, body) = read_reply(&mut conn)
+                    .map_err(|e| shard.unavailable(&format!("failed during {}", reqs[i].op.name()), &e))?;
+                let body = check_reply(shard, &h, &rh, body);
+                // An error reply leaves the connection in step: keep it.
+                match queues[reqs[i].shard].pop_front() {
+                    Some(next) if body.is_ok() => in_flight.push_back(self.send(conn, next, &reqs[next])?),
+                    _ => pooled.push((reqs[i].shard, conn)),
+                }
+                on_reply(i, &rh, body?)?;
+            }
+            Ok(())
+        })();
+        for (s, conn) in pooled {
+            shards[s].pool.lock().push(conn);
+        }
+        result
+    }
+
+    fn send(&self, mut conn: TcpStream, i: usize, r: &Req) -> Result<(TcpStream, usize, Header)> {
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let h = Header::request(r.op, id, r.table_id, r.count, r.body.len() as u32);
+        write_all_vectored(&mut conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(&r.body)])
+            .map_err(|e| self.inner.shards[r.shard].unavailable(&format!("refused a {} request", r.op.name()), &e))?;
+        Ok((conn, i, h))
+    }
+
+    /// One request to every shard (store-level operations).
+    fn broadcast(&self, op: Op, body: &[u8], table_ids: Option<&[u32]>) -> Result<Vec<(Header, Vec<u8>)>> {
+        let reqs: Vec<Req> = (0..self.shard_count())
+            .map(|s| Req { shard: s, op, table_id: table_ids.map_or(0, |t| t[s]), count: 0, body: body.to_vec() })
+            .collect();
+        let mut out: Vec<Option<(Header, Vec<u8>)>> = vec![None; reqs.len()];
+        self.run(&reqs, |i, h, b| {
+            out[i] = Some((*h, b));
+            Ok(())
+        })?;
+        Ok(out.into_iter().map(|o| o.expect("every shard replied")).collect())
+    }
+
+    /// Creates a table on every shard.
+    pub fn create_table(&self, name: &str, options: TableOptions) -> Result<RemoteTable> {
+        embank_core::table::validate_name(name)?;
+        options.validate()?;
+        let body = serde_json::json!({ "name": name, "options": options }).to_string();
+        let replies = self.broadcast(Op::CreateTable, body.as_bytes(), None)?;
+        self.table_from(name, replies)
+    }
+
+    /// Opens a table that exists on every shard.
+    pub fn table(&self, name: &str) -> Result<RemoteTable> {
+        let replies = self.broadcast(Op::OpenTable, name.as_bytes(), None)?;
+        self.table_from(name, replies)
+    }
+
+    fn table_from(&self, name: &str, replies: Vec<(Header, Vec<u8>)>) -> Result<RemoteTable> {
+        let mut ids = Vec::with_capacity(replies.len());
+        let mut meta: Option<TableMeta> = None;
+        for (s, (h, body)) in replies.into_iter().enumerate() {
+            let m: TableMeta = serde_json::from_slice(&body)
+                .map_err(|e| Error::corrupt(format!("{}: bad table description: {e}", self.inner.shards[s].name())))?;
+            if let Some(first) = &meta {
+                if first.dim != m.dim {
+                    return Err(Error::config(format!(
+                        "table {name:?} has dim {} on shard 0 but {} on {}",
+                        first.dim,
+                        m.dim,
+                        self.inner.shards[s].name()
+                    )));
+                }
+            }
+            ids.push(h.table_id);
+            meta.get_or_insert(m);
+        }
+        let meta = meta.expect("at least one shard");
+        Ok(RemoteTable { client: self.clone(), name: name.to_string(), dim: meta.dim as usize, ids, meta })
+    }
+
+    /// Names of the tables on the servers (their union), sorted.
+    pub fn tables(&self) -> Result<Vec<String>> {
+        let mut names = std::collections::BTreeSet::new();
+        for (_, body) in self.broadcast(Op::ListTables, &[], None)? {
+            let list: Vec<String> =
+                serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad table list: {e}")))?;
+            names.extend(list);
+        }
+        Ok(names.into_iter().collect())
+    }
+
+    pub fn drop_table(&self, name: &str) -> Result<()> {
+        self.broadcast(Op::DropTable, name.as_bytes(), None).map(|_| ())
+    }
+
+    /// Makes every write acknowledged before this call durable on every shard.
+    pub fn flush(&self) -> Result<()> {
+        self.broadcast(Op::Flush, &[], None).map(|_| ())
+    }
+
+    /// Every shard's store statistics, and totals.
+    pub fn stats(&self) -> Result<serde_json::Value> {
+        let mut shards = Vec::new();
+        let mut rows = 0u64;
+        for (s, (_, body)) in self.broadcast(Op::StoreStats, &[], None)?.into_iter().enumerate() {
+            let mut v: serde_json::Value =
+                serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad stats: {e}")))?;
+            rows += v["rows"].as_u64().unwrap_or(0);
+            v["shard"] = serde_json::json!(self.inner.shards[s].addr);
+            shards.push(v);
+        }
+        Ok(serde_json::json!({ "path": self.url(), "rows": rows, "shards": shards }))
+    }
+
+    /// `tcp://host:port,host:port`.
+    pub fn url(&self) -> String {
+        format!("tcp://{}", self.addrs().join(","))
+    }
+
+    /// Closes every pooled connection; later calls fail with `Closed`. The servers keep running.
+    pub fn close(&self) {
+        self.inner.closed.store(true, Ordering::Relaxed);
+        for s in &self.inner.shards {
+            s.pool.lock().clear();
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::Relaxed)
+    }
+}
+
+/// Reads one reply frame.
+fn read_reply(conn: &mut TcpStream) -> io::Result<(Header, Vec<u8>)> {
+    let mut hdr = [0u8; HEADER_BYTES];
+    conn.read_exact(&mut hdr)?;
+    let h = Header::decode(&hdr).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+    let mut body = vec![0u8; h.body_len as usize];
+    conn.read_exact(&mut body)?;
+    Ok((h, body))
+}
+
+/// Checks that a reply answers `req`, and turns an error status into the error.
+fn check_reply(shard: &Shard, req: &Header, reply: &Header, body: Vec<u8>) -> Result<Vec<u8>> {
+    if reply.status != 0 {
+        let message = String::from_utf8_lossy(&body).into_owned();
+        return Err(proto::error_of(reply.status, message).context(shard.name()));
+    }
+    if reply.opcode != req.opcode | REPLY_BIT || reply.request_id != req.request_id {
+        return Err(Error::corrupt(format!(
+            "{}: reply (opcode {:#x}, id {}) does not match the request (opcode {:#x}, id {})",
+            shard.name(),
+            reply.opcode,
+            reply.request_id,
+            req.opcode,
+            req.request_id
+        )));
+    }
+    Ok(body)
+}
+
+/// A table of a remote store: the operations of `embank_core::Table`, over the wire.
+#[derive(Clone)]
+pub struct RemoteTable {
+    client: Client,
+    name: String,
+    dim: usize,
+    /// The table's id on each shard.
+    ids: Vec<u32>,
+    meta: TableMeta,
+}
+
+impl std::fmt::Debug for RemoteTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteTable").field("name", &self.name).field("dim", &self.dim).finish()
+    }
+}
+
+/// Requests for a keyed operation, with each request's positions in the caller's batch.
+struct Plan {
+    reqs: Vec<Req>,
+    positions: Vec<Vec<usize>>,
+}
+
+impl RemoteTable {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The table's description (from shard 0; every shard was created alike).
+    pub fn meta(&self) -> TableMeta {
+        self.meta.clone()
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    fn check_rows(&self, what: &str, keys: usize, rows: usize) -> Result<()> {
+        if rows != keys * self.dim {
+            return Err(Error::invalid(format!(
+                "{what}: table {:?} has dim {}, so {keys} keys need {} row elements, got {rows}",
+                self.name,
+                self.dim,
+                keys * self.dim
+            )));
+        }
+        Ok(())
+    }
+
+    /// Splits `keys` by shard and into requests; `rows` (if any) travel after the keys.
+    fn plan(&self, op: Op, keys: &[u64], rows: Option<&[f32]>) -> Plan {
+        let n = self.client.shard_count();
+        let mut by_shard: Vec<Vec<usize>> = vec![Vec::new(); n];
+        if n == 1 {
+            by_shard[0] = (0..keys.len()).collect();
+        } else {
+            for (i, &k) in keys.iter().enumerate() {
+                by_shard[proto::shard_of(k, n as u32) as usize].push(i);
+            }
+        }
+        let max = self.client.inner.opts.keys_per_request_max;
+        let d = self.dim;
+        let mut plan = Plan { reqs: Vec::new(), positions: Vec::new() };
+        for (shard, positions) in by_shard.into_iter().enumerate() {
+            for chunk in positions.chunks(max) {
+                let rows_len = rows.map_or(0, |_| chunk.len() * d * 4);
+                let mut body = Vec::with_capacity(chunk.len() * 8 + rows_len);
+                for &i in chunk {
+                    body.extend_from_slice(&keys[i].to_le_bytes());
+                }
+                if let Some(rows) = rows {
+                    for &i in chunk {
+                        body.extend_from_slice(as_bytes(&rows[i * d..(i + 1) * d]));
+                    }
+                }
+                plan.reqs.push(Req { shard, op, table_id: self.ids[shard], count: chunk.len() as u32, body });
+                plan.positions.push(chunk.to_vec());
+            }
+        }
+        plan
+    }
+
+    /// Copies reply rows (`body[at..]`, one per position) into `out`.
+    fn scatter(&self, body: &[u8], at: usize, positions: &[usize], out: &mut [f32]) -> Result<()> {
+        let row_bytes = self.dim * 4;
+        if body.len() != at + positions.len() * row_bytes {
+            return Err(Error::corrupt(format!(
+                "reply of {} bytes for {} rows of dim {}",
+                body.len(),
+                positions.len(),
+                self.dim
+            )));
+        }
+        let d = self.dim;
+        for (j, &i) in positions.iter().enumerate() {
+            let src = &body[at + j * row_bytes..at + (j + 1) * row_bytes];
+            let dst = &mut out[i * d..(i + 1) * d];
+            for (x, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Rows of `keys` into `out`; missing rows are created with the initializer.
+    pub fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
+        self.check_rows("pull", keys.len(), out.len())?;
+        let plan = self.plan(Op::Pull, keys, None);
+        self.client.run(&plan.reqs, |i, _, body| self.scatter(&body, 0, &plan.positions[i], out))
+    }
+
+    /// Rows of `keys` and a found mask; never creates rows.
+    pub fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        self.check_rows("lookup", keys.len(), out.len())?;
+        if found.len() != keys.len() {
+            return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
+        }
+        let plan = self.plan(Op::Lookup, keys, None);
+        self.client.run(&plan.reqs, |i, _, body| {
+            let positions = &plan.positions[i];
+            let m = mask_bytes(positions.len());
+            if body.len() < m {
+                return Err(Error::corrupt("lookup reply shorter than its mask"));
+            }
+            for (j, &p) in positions.iter().enumerate() {
+                found[p] = body[j / 8] & (1 << (j % 8)) != 0;
+            }
+            self.scatter(&body, m, positions, out)
+        })
+    }
+
+    fn check_finite(&self, what: &str, keys: &[u64], rows: &[f32]) -> Result<()> {
+        if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
+            return Err(Error::invalid(format!(
+                "{what}: row of key {} holds a non-finite value ({}); nothing was written",
+                keys[i / self.dim],
+                rows[i]
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes rows; with duplicate keys the last row wins (as embedded).
+    pub fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
+        self.check_rows("push", keys.len(), rows.len())?;
+        self.check_finite("push", keys, rows)?;
+        // Requests run in parallel: keep only each key's last row so order cannot matter.
+        let mut seen = HashSet::with_capacity(keys.len());
+        let mut last: Vec<usize> = (0..keys.len()).rev().filter(|&i| seen.insert(keys[i])).collect();
+        last.reverse();
+        let (ukeys, urows) = if last.len() == keys.len() {
+            (keys.to_vec(), rows.to_vec())
+        } else {
+            let d = self.dim;
+            (
+                last.iter().map(|&i| keys[i]).collect(),
+                last.iter().flat_map(|&i| rows[i * d..(i + 1) * d].iter().copied()).collect(),
+            )
+        };
+        let plan = self.plan(Op::Push, &ukeys, Some(&urows));
+        self.client.run(&plan.reqs, |_, _, _| Ok(()))
+    }
+
+    /// Applies the table's optimizer; gradients of duplicate keys are summed first.
+    pub fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        self.check_rows("push_grad", keys.len(), grads.len())?;
+        self.check_finite("push_grad", keys, grads)?;
+        let (ukeys, sums) = embank_core::optim::sum_duplicates(keys, grads, self.dim);
+        let plan = self.plan(Op::PushGrad, &ukeys, Some(&sums));
+        self.client.run(&plan.reqs, |_, _, _| Ok(()))
+    }
+
+    /// Deletes keys; returns how many were present.
+    pub fn delete(&self, keys: &[u64]) -> Result<u64> {
+        let mut seen = HashSet::with_capacity(keys.len());
+        let uniq: Vec<u64> = keys.iter().copied().filter(|k| seen.insert(*k)).collect();
+        let plan = self.plan(Op::Delete, &uniq, None);
+        let mut gone = 0;
+        self.client.run(&plan.reqs, |_, _, body| {
+            gone += u64_reply(&body)?;
+            Ok(())
+        })?;
+        Ok(gone)
+    }
+
+    /// Asks each shard to load these rows into its row cache. `false` if any shard dropped the hint.
+    pub fn lookahead(&self, keys: &[u64]) -> Result<bool> {
+        let plan = self.plan(Op::Lookahead, keys, None);
+        let mut all = true;
+        self.client.run(&plan.reqs, |_, _, body| {
+            all &= u64_reply(&body)? == 1;
+            Ok(())
+        })?;
+        Ok(all)
+    }
+
+    /// Live rows over every shard.
+    pub fn len(&self) -> Result<u64> {
+        let replies = self.client.broadcast(Op::Len, &[], Some(&self.ids))?;
+        replies.iter().map(|(_, b)| u64_reply(b)).sum()
+    }
+
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// Changes the optimizer's learning rate on every shard.
+    pub fn set_lr(&self, lr: f32) -> Result<()> {
+        self.client.broadcast(Op::SetLr, &lr.to_le_bytes(), Some(&self.ids)).map(|_| ())
+    }
+
+    /// Each shard's statistics of this table, and totals.
+    pub fn stats(&self) -> Result<serde_json::Value> {
+        let replies = self.client.broadcast(Op::TableStats, &[], Some(&self.ids))?;
+        let mut shards = Vec::new();
+        let (mut rows, mut hits, mut misses) = (0u64, 0u64, 0u64);
+        for (s, (_, body)) in replies.into_iter().enumerate() {
+            let mut v: serde_json::Value =
+                serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad stats: {e}")))?;
+            rows += v["rows"].as_u64().unwrap_or(0);
+            hits += v["cache_hits"].as_u64().unwrap_or(0);
+            misses += v["cache_misses"].as_u64().unwrap_or(0);
+            v["shard"] = serde_json::json!(self.client.inner.shards[s].addr);
+            shards.push(v);
+        }
+        let hit_rate = if hits + misses > 0 { Some(hits as f64 / (hits + misses) as f64) } else { None };
+        Ok(serde_json::json!({
+            "name": self.name, "dim": self.dim, "rows": rows,
+            "cache_hits": hits, "cache_misses": misses, "cache_hit_rate": hit_rate,
+            "shards": shards,
+        }))
+    }
+
+    /// Streams every `(key, row)`, shard after shard, in chunks of at most `chunk_keys`.
+    pub fn export(&self, chunk_keys: usize, mut f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
+        let d = self.dim;
+        for shard in 0..self.client.shard_count() {
+            let mut cursor = ExportCursor::START;
+            loop {
+                let mut body = Vec::with_capacity(24);
+                body.extend_from_slice(&cursor.generation.to_le_bytes());
+                body.extend_from_slice(&cursor.bucket.to_le_bytes());
+                body.extend_from_slice(&(chunk_keys as u64).to_le_bytes());
+                let req = Req { shard, op: Op::Export, table_id: self.ids[shard], count: 0, body };
+                let mut page = None;
+                self.client.run(std::slice::from_ref(&req), |_, h, b| {
+                    page = Some((h.count as usize, b));
+                    Ok(())
+                })?;
+                let (n, b) = page.expect("one reply");
+                if b.len() != 24 + n * 8 + n * d * 4 {
+                    return Err(Error::corrupt("export page of the wrong length"));
+                }
+                let word = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+                let (generation, bucket, done) = (word(0), word(8), word(16));
+                let keys: Vec<u64> = (0..n).map(|i| word(24 + i * 8)).collect();
+                let mut rows = vec![0f32; n * d];
+                let positions: Vec<usize> = (0..n).collect();
+                self.scatter(&b, 24 + n * 8, &positions, &mut rows)?;
+                if n > 0 {
+                    f(&keys, &rows)?;
+                }
+                if done == 1 {
+                    break;
+                }
+                cursor = ExportCursor { generation, bucket };
+            }
+        }
+        Ok(())
+    }
+
+    /// Which shard serves `key` (for tests and tools).
+    pub fn shard_of(&self, key: u64) -> usize {
+        proto::shard_of(key, self.client.shard_count() as u32) as usize
+    }
+}
+
+fn u64_reply(body: &[u8]) -> Result<u64> {
+    let b: [u8; 8] = body.try_into().map_err(|_| Error::corrupt("expected an 8-byte reply"))?;
+    Ok(u64::from_le_bytes(b))
+}

@@ -1,0 +1,236 @@
+//! The `embank serve` configuration file (TOML). See docs/serve.sample.toml.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use embank_core::{Error, IoChoice, Result, StoreOptions, TableOptions};
+use serde::Deserialize;
+
+use crate::server::ServerOptions;
+
+/// The whole file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeConfig {
+    /// Address of the protocol listener. Default `127.0.0.1:7070`.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Address of `/metrics` and `/healthz` (HTTP). None: not served.
+    #[serde(default)]
+    pub admin: Option<String>,
+    /// Store directory (created if missing).
+    pub store: PathBuf,
+    /// Shared secret clients present; required to listen beyond loopback.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// File holding the token (first line), instead of `token`.
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// How long a shutdown waits for requests in flight. Default 30 s.
+    #[serde(default = "default_drain")]
+    pub drain_seconds: f64,
+    #[serde(default)]
+    pub store_options: StoreSection,
+    #[serde(default)]
+    pub limits: Limits,
+    /// Tables created at start if missing (`name` plus any table option).
+    #[serde(default)]
+    pub tables: Vec<toml::Table>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreSection {
+    pub cache_bytes: u64,
+    pub io_engine: String,
+    pub io_depth: u32,
+    pub mmap_random_access: bool,
+    pub verify: bool,
+}
+
+impl Default for StoreSection {
+    fn default() -> Self {
+        let d = StoreOptions::default();
+        StoreSection {
+            cache_bytes: d.cache_bytes,
+            io_engine: "auto".into(),
+            io_depth: d.io_depth,
+            mmap_random_access: d.mmap_random_access,
+            verify: d.verify,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    pub max_frame_bytes: u32,
+    pub keys_per_request_max: u32,
+    pub max_connections: usize,
+    pub idle_timeout_seconds: f64,
+    pub frame_timeout_seconds: f64,
+    pub zero_copy: bool,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        let d = ServerOptions::default();
+        Limits {
+            max_frame_bytes: d.max_frame_bytes,
+            keys_per_request_max: d.keys_per_request_max,
+            max_connections: d.max_connections,
+            idle_timeout_seconds: d.idle_timeout.as_secs_f64(),
+            frame_timeout_seconds: d.frame_timeout.as_secs_f64(),
+            zero_copy: d.zero_copy,
+        }
+    }
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:7070".into()
+}
+
+fn default_drain() -> f64 {
+    30.0
+}
+
+fn seconds(what: &str, s: f64) -> Result<Duration> {
+    if !(s.is_finite() && s > 0.0) {
+        return Err(Error::config(format!("{what} must be a positive number of seconds, got {s}")));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+impl ServeConfig {
+    /// Reads and checks a config file; errors name the file, the key and what was wrong.
+    pub fn from_file(path: &Path) -> Result<ServeConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("cannot read config {}", path.display()), e))?;
+        let mut c = Self::parse(&text).map_err(|e| e.context(format!("config {}", path.display())))?;
+        // Relative paths in the file are relative to the file.
+        let base = path.parent().unwrap_or(Path::new("."));
+        if c.store.is_relative() {
+            c.store = base.join(&c.store);
+        }
+        if let Some(t) = &c.token_file {
+            let p = if t.is_relative() { base.join(t) } else { t.clone() };
+            let token = std::fs::read_to_string(&p)
+                .map_err(|e| Error::io(format!("cannot read token_file {}", p.display()), e))?;
+            c.token = Some(token.lines().next().unwrap_or("").trim().to_string());
+        }
+        Ok(c)
+    }
+
+    /// Parses config text (relative paths stay relative).
+    pub fn parse(text: &str) -> Result<ServeConfig> {
+        let c: ServeConfig = toml::from_str(text).map_err(|e| Error::config(e.to_string()))?;
+        if c.token.is_some() && c.token_file.is_some() {
+            return Err(Error::config("set `token` or `token_file`, not both"));
+        }
+        if c.token.as_deref() == Some("") {
+            return Err(Error::config("`token` is empty"));
+        }
+        c.server_options()?;
+        c.store_options()?;
+        c.table_options()?;
+        Ok(c)
+    }
+
+    pub fn server_options(&self) -> Result<ServerOptions> {
+        let l = &self.limits;
+        if l.keys_per_request_max == 0 || l.max_connections == 0 || l.max_frame_bytes < 64 {
+            return Err(Error::config(
+                "limits: keys_per_request_max and max_connections must be at least 1, max_frame_bytes at least 64",
+            ));
+        }
+        Ok(ServerOptions {
+            token: self.token.clone(),
+            max_frame_bytes: l.max_frame_bytes,
+            keys_per_request_max: l.keys_per_request_max,
+            max_connections: l.max_connections,
+            idle_timeout: seconds("limits.idle_timeout_seconds", l.idle_timeout_seconds)?,
+            frame_timeout: seconds("limits.frame_timeout_seconds", l.frame_timeout_seconds)?,
+            zero_copy: l.zero_copy,
+        })
+    }
+
+    pub fn drain(&self) -> Result<Duration> {
+        seconds("drain_seconds", self.drain_seconds)
+    }
+
+    pub fn store_options(&self) -> Result<StoreOptions> {
+        let s = &self.store_options;
+        if s.io_depth == 0 {
+            return Err(Error::config("store_options.io_depth must be at least 1"));
+        }
+        Ok(StoreOptions {
+            cache_bytes: s.cache_bytes,
+            io_engine: IoChoice::parse(&s.io_engine).map_err(|e| e.context("store_options.io_engine"))?,
+            io_depth: s.io_depth,
+            mmap_random_access: s.mmap_random_access,
+            verify: s.verify,
+            ..StoreOptions::default()
+        })
+    }
+
+    /// `(name, options)` of each `[[tables]]` entry.
+    pub fn table_options(&self) -> Result<Vec<(String, TableOptions)>> {
+        let mut out: Vec<(String, TableOptions)> = Vec::new();
+        for (i, t) in self.tables.iter().enumerate() {
+            let mut t = t.clone();
+            let name = match t.remove("name") {
+                Some(toml::Value::String(s)) => s,
+                Some(_) => return Err(Error::config(format!("tables[{i}].name must be a string"))),
+                None => return Err(Error::config(format!("tables[{i}] has no `name`"))),
+            };
+            embank_core::table::validate_name(&name).map_err(|e| e.context(format!("tables[{i}]")))?;
+            if !t.contains_key("dim") {
+                return Err(Error::config(format!("tables[{i}] ({name:?}) has no `dim`")));
+            }
+            let o: TableOptions =
+                toml::Value::Table(t).try_into().map_err(|e| Error::config(format!("tables[{i}] ({name:?}): {e}")))?;
+            o.validate().map_err(|e| e.context(format!("tables[{i}] ({name:?})")))?;
+            if out.iter().any(|(n, _)| *n == name) {
+                return Err(Error::config(format!("tables[{i}]: table {name:?} is listed twice")));
+            }
+            out.push((name, o));
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = include_str!("../../../docs/serve.sample.toml");
+
+    #[test]
+    fn sample_config_parses() {
+        let c = ServeConfig::parse(SAMPLE).unwrap();
+        let tables = c.table_options().unwrap();
+        assert_eq!(tables.len(), 2);
+        assert_eq!(tables[0].0, "user");
+        assert_eq!(tables[0].1.dim, 64);
+        assert_eq!(c.server_options().unwrap().keys_per_request_max, 65_536);
+    }
+
+    fn err(text: &str) -> String {
+        ServeConfig::parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn bad_configs_name_the_key() {
+        assert!(err("store = 'x'\nlisen = 'a'").contains("lisen"), "{}", err("store = 'x'\nlisen = 'a'"));
+        assert!(err("listen = 'a'").contains("store"));
+        assert!(err("store = 'x'\n[limits]\nkeys_per_request_max = 'many'").contains("keys_per_request_max"));
+        assert!(err("store = 'x'\n[[tables]]\nname = 'u'\ndim = 8\ndimm = 3").contains("dimm"));
+        assert!(err("store = 'x'\n[[tables]]\nname = 'u'").contains("no `dim`"));
+        assert!(err("store = 'x'\n[[tables]]\nname = 'u'\ndim = 0").contains("dim must be"));
+        assert!(err("store = 'x'\n[[tables]]\nname = 'u'\ndim = 8\nmedium = 'tape'").contains("tape"));
+        assert!(err("store = 'x'\n[store_options]\nio_engine = 'x'").contains("io_engine"));
+        assert!(err("store = 'x'\ntoken = ''").contains("empty"));
+        assert!(err("store = 'x'\n[limits]\nidle_timeout_seconds = -1").contains("idle_timeout"));
+        assert!(err("store = 'x'\n[[tables]]\nname = 'u'\ndim = 8\n[[tables]]\nname = 'u'\ndim = 8").contains("twice"));
+    }
+}

@@ -1,0 +1,427 @@
+//! The wire format: a 32-byte header, then a body. Little-endian throughout.
+//!
+//! ```text
+//! offset size field
+//!      0    4 magic       "EMBN" (0x4E424D45 as u32 LE)
+//!      4    2 version     1
+//!      6    2 opcode      requests: see `Op`; replies: the request's opcode | 0x8000
+//!      8    8 request_id  chosen by the client, echoed by the reply
+//!     16    4 table_id    the table's id on that server (from OPEN_TABLE), else 0
+//!     20    4 count       keys in the body (requests), rows in the body (replies)
+//!     24    4 body_len    bytes after the header
+//!     28    2 status      replies: 0 ok, else an error code (the body is then a UTF-8 message)
+//!     30    2 reserved    0
+//! ```
+//!
+//! Bodies are documented per opcode in docs/FORMAT.md. Everything here is pure
+//! (no I/O): the decoder is what the fuzz/property tests hammer.
+
+use embank_core::{Error, ErrorKind};
+
+pub const MAGIC: u32 = u32::from_le_bytes(*b"EMBN");
+pub const VERSION: u16 = 1;
+pub const HEADER_BYTES: usize = 32;
+/// Set in a reply's opcode.
+pub const REPLY_BIT: u16 = 0x8000;
+
+/// Request opcodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Op {
+    /// Body: the auth token (may be empty). Reply: JSON about the server.
+    Hello = 1,
+    /// Reply: JSON list of table names.
+    ListTables = 2,
+    /// Body: table name. Reply: `table_id`, `count` = dim, body = the table's JSON meta.
+    OpenTable = 3,
+    /// Body: JSON `{"name": ..., "options": TableOptions}`. Reply as `OpenTable`.
+    CreateTable = 4,
+    /// Body: table name.
+    DropTable = 5,
+    /// Reply: JSON store statistics.
+    StoreStats = 6,
+    /// Makes every write before it durable (whole store).
+    Flush = 7,
+    /// Body: `count` keys (u64). Reply: `count` rows (dim f32 each), created if missing.
+    Pull = 16,
+    /// Body: keys. Reply: found mask (bit i of byte i/8), padded to 8 bytes, then rows.
+    Lookup = 17,
+    /// Body: keys, then `count` rows.
+    Push = 18,
+    /// Body: keys. Reply body: u64 rows deleted.
+    Delete = 19,
+    /// Body: keys, then `count` gradient rows.
+    PushGrad = 20,
+    /// Body: keys. Reply body: u64 1 if queued, 0 if dropped.
+    Lookahead = 21,
+    /// Reply body: u64 live rows.
+    Len = 22,
+    /// Reply: JSON table statistics.
+    TableStats = 23,
+    /// Body: generation u64, bucket u64, max keys u64 (cursor from the last page; start:
+    /// u64::MAX, 0). Reply: next generation u64, next bucket u64, done u64 (1 = last page),
+    /// then `count` keys, then `count` rows.
+    Export = 24,
+    /// Body: f32 learning rate (4 bytes).
+    SetLr = 25,
+}
+
+impl Op {
+    pub fn from_u16(v: u16) -> Option<Op> {
+        use Op::*;
+        Some(match v {
+            1 => Hello,
+            2 => ListTables,
+            3 => OpenTable,
+            4 => CreateTable,
+            5 => DropTable,
+            6 => StoreStats,
+            7 => Flush,
+            16 => Pull,
+            17 => Lookup,
+            18 => Push,
+            19 => Delete,
+            20 => PushGrad,
+            21 => Lookahead,
+            22 => Len,
+            23 => TableStats,
+            24 => Export,
+            25 => SetLr,
+            _ => return None,
+        })
+    }
+
+    /// Name used in metrics and logs.
+    pub fn name(self) -> &'static str {
+        use Op::*;
+        match self {
+            Hello => "hello",
+            ListTables => "list_tables",
+            OpenTable => "open_table",
+            CreateTable => "create_table",
+            DropTable => "drop_table",
+            StoreStats => "store_stats",
+            Flush => "flush",
+            Pull => "pull",
+            Lookup => "lookup",
+            Push => "push",
+            Delete => "delete",
+            PushGrad => "push_grad",
+            Lookahead => "lookahead",
+            Len => "len",
+            TableStats => "table_stats",
+            Export => "export",
+            SetLr => "set_lr",
+        }
+    }
+
+    pub const ALL: [Op; 17] = [
+        Op::Hello,
+        Op::ListTables,
+        Op::OpenTable,
+        Op::CreateTable,
+        Op::DropTable,
+        Op::StoreStats,
+        Op::Flush,
+        Op::Pull,
+        Op::Lookup,
+        Op::Push,
+        Op::Delete,
+        Op::PushGrad,
+        Op::Lookahead,
+        Op::Len,
+        Op::TableStats,
+        Op::Export,
+        Op::SetLr,
+    ];
+
+    /// Whether the body starts with `count` keys.
+    pub fn has_keys(self) -> bool {
+        matches!(self, Op::Pull | Op::Lookup | Op::Push | Op::Delete | Op::PushGrad | Op::Lookahead)
+    }
+
+    /// Whether the body carries `count` rows after the keys.
+    pub fn has_rows(self) -> bool {
+        matches!(self, Op::Push | Op::PushGrad)
+    }
+
+    /// Whether repeating the request after a lost reply leaves the same state.
+    pub fn idempotent(self) -> bool {
+        !matches!(self, Op::PushGrad | Op::CreateTable | Op::DropTable)
+    }
+}
+
+/// Reply status codes: engine error kinds, then protocol errors.
+pub mod status {
+    pub const OK: u16 = 0;
+    /// The frame could not be parsed (bad magic, version, lengths).
+    pub const BAD_FRAME: u16 = 64;
+    /// The connection has not presented the server's token.
+    pub const UNAUTHORIZED: u16 = 65;
+    /// Frame or key count over the server's limits.
+    pub const TOO_LARGE: u16 = 66;
+    pub const UNKNOWN_OPCODE: u16 = 67;
+    /// The server is at its connection limit.
+    pub const BUSY: u16 = 68;
+}
+
+const KINDS: [ErrorKind; 16] = [
+    ErrorKind::Io,
+    ErrorKind::Config,
+    ErrorKind::InvalidInput,
+    ErrorKind::NotFound,
+    ErrorKind::AlreadyExists,
+    ErrorKind::TableFull,
+    ErrorKind::ChecksumMismatch,
+    ErrorKind::FormatVersion,
+    ErrorKind::Recover,
+    ErrorKind::Locked,
+    ErrorKind::Closed,
+    ErrorKind::Unsupported,
+    ErrorKind::Timeout,
+    ErrorKind::Corrupt,
+    ErrorKind::Unauthorized,
+    ErrorKind::Unavailable,
+];
+
+/// Status code of an engine error kind (1-based position in a fixed list).
+pub fn status_of(kind: ErrorKind) -> u16 {
+    KINDS.iter().position(|&k| k == kind).map_or(ErrorKind::Corrupt as u16, |i| i as u16 + 1)
+}
+
+/// The error a client raises for a non-zero status and its message.
+pub fn error_of(status: u16, message: String) -> Error {
+    let kind = match status {
+        1..=16 => KINDS[status as usize - 1],
+        status::BAD_FRAME | status::TOO_LARGE | status::UNKNOWN_OPCODE => ErrorKind::InvalidInput,
+        status::UNAUTHORIZED => ErrorKind::Unauthorized,
+        status::BUSY => ErrorKind::Unavailable,
+        _ => ErrorKind::Corrupt,
+    };
+    Error::new(kind, message)
+}
+
+/// A decoded header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub opcode: u16,
+    pub request_id: u64,
+    pub table_id: u32,
+    pub count: u32,
+    pub body_len: u32,
+    pub status: u16,
+}
+
+/// Why a header was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HeaderError {
+    BadMagic(u32),
+    BadVersion(u16),
+    /// Non-zero reserved bytes.
+    Reserved,
+}
+
+impl std::fmt::Display for HeaderError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HeaderError::BadMagic(m) => write!(f, "bad magic {m:#010x} (expected {MAGIC:#010x}, \"EMBN\")"),
+            HeaderError::BadVersion(v) => write!(f, "protocol version {v}, this server speaks {VERSION}"),
+            HeaderError::Reserved => write!(f, "reserved header bytes are not zero"),
+        }
+    }
+}
+
+impl Header {
+    pub fn request(op: Op, request_id: u64, table_id: u32, count: u32, body_len: u32) -> Header {
+        Header { opcode: op as u16, request_id, table_id, count, body_len, status: 0 }
+    }
+
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&self.opcode.to_le_bytes());
+        b[8..16].copy_from_slice(&self.request_id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.table_id.to_le_bytes());
+        b[20..24].copy_from_slice(&self.count.to_le_bytes());
+        b[24..28].copy_from_slice(&self.body_len.to_le_bytes());
+        b[28..30].copy_from_slice(&self.status.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; HEADER_BYTES]) -> Result<Header, HeaderError> {
+        let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]);
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let magic = u32_at(0);
+        if magic != MAGIC {
+            return Err(HeaderError::BadMagic(magic));
+        }
+        let version = u16_at(4);
+        if version != VERSION {
+            return Err(HeaderError::BadVersion(version));
+        }
+        if u16_at(30) != 0 {
+            return Err(HeaderError::Reserved);
+        }
+        Ok(Header {
+            opcode: u16_at(6),
+            request_id: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+            table_id: u32_at(16),
+            count: u32_at(20),
+            body_len: u32_at(24),
+            status: u16_at(28),
+        })
+    }
+
+    /// The reply header to this request.
+    pub fn reply(&self, count: u32, body_len: usize, status: u16) -> Header {
+        Header {
+            opcode: self.opcode | REPLY_BIT,
+            request_id: self.request_id,
+            table_id: self.table_id,
+            count,
+            body_len: body_len as u32,
+            status,
+        }
+    }
+}
+
+/// Body length a keyed request of `count` keys must have for a table of `dim`.
+pub fn keyed_body_len(op: Op, count: u32, dim: usize) -> u64 {
+    let keys = count as u64 * 8;
+    if op.has_rows() {
+        keys + count as u64 * dim as u64 * 4
+    } else {
+        keys
+    }
+}
+
+/// Bytes of a lookup reply's found mask (padded so the rows start 8-byte aligned).
+pub fn mask_bytes(count: usize) -> usize {
+    count.div_ceil(8).div_ceil(8) * 8
+}
+
+/// A request body viewed as keys, and rows after them. `body` must be 8-byte aligned
+/// and `keyed_body_len` long (checked by the caller).
+pub fn split_keyed(body: &[u64], count: usize) -> (&[u64], &[f32]) {
+    let (keys, rest) = body.split_at(count);
+    // SAFETY: u64 storage reinterpreted as f32 (both plain data; f32 alignment 4 <= 8).
+    let rows = unsafe { std::slice::from_raw_parts(rest.as_ptr() as *const f32, rest.len() * 2) };
+    (keys, rows)
+}
+
+/// The bytes of a plain-data slice, as sent.
+pub fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: callers pass u64/f32/u8 slices: initialized plain data without padding.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// The bytes of a `u64` buffer, for reading a body into it.
+pub fn as_bytes_mut(v: &mut [u64]) -> &mut [u8] {
+    // SAFETY: any bytes are a valid u64.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 8) }
+}
+
+/// Constant-time comparison of a presented token with the configured one (the time
+/// depends on the lengths only).
+pub fn token_eq(presented: &[u8], expected: &[u8]) -> bool {
+    let mut diff = (presented.len() != expected.len()) as u8;
+    for (i, &e) in expected.iter().enumerate() {
+        let p = presented.get(i).copied().unwrap_or(0);
+        diff |= std::hint::black_box(p ^ e);
+    }
+    diff == 0
+}
+
+/// Consistent shard of a key among `shards`: jump consistent hash of the key's xxh3.
+/// Identical in every client; moving from n to n+1 shards moves 1/(n+1) of the keys.
+pub fn shard_of(key: u64, shards: u32) -> u32 {
+    let mut k = xxhash_rust::xxh3::xxh3_64_with_seed(&key.to_le_bytes(), ROUTE_SEED);
+    let (mut b, mut j) = (-1i64, 0i64);
+    while j < shards as i64 {
+        b = j;
+        k = k.wrapping_mul(2862933555777941757).wrapping_add(1);
+        j = ((b.wrapping_add(1) as f64) * ((1u64 << 31) as f64 / ((k >> 33).wrapping_add(1) as f64))) as i64;
+    }
+    b as u32
+}
+
+/// Seed of the routing hash: "embank" in ASCII.
+pub const ROUTE_SEED: u64 = 0x656d_6261_6e6b;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn header_round_trips(op in 0u16..=u16::MAX, id: u64, t: u32, c: u32, l: u32, s: u16) {
+            let h = Header { opcode: op, request_id: id, table_id: t, count: c, body_len: l, status: s };
+            prop_assert_eq!(Header::decode(&h.encode()), Ok(h));
+        }
+
+        #[test]
+        fn decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), HEADER_BYTES)) {
+            let b: [u8; HEADER_BYTES] = bytes.try_into().unwrap();
+            let _ = Header::decode(&b);
+        }
+
+        #[test]
+        fn status_round_trips(i in 0usize..KINDS.len()) {
+            let kind = KINDS[i];
+            prop_assert_eq!(error_of(status_of(kind), String::new()).kind(), kind);
+        }
+
+        #[test]
+        fn shard_is_in_range_and_stable(key: u64, n in 1u32..64) {
+            let s = shard_of(key, n);
+            prop_assert!(s < n);
+            // Consistency: growing by one shard moves a key only onto the new shard.
+            let t = shard_of(key, n + 1);
+            prop_assert!(t == s || t == n);
+        }
+    }
+
+    #[test]
+    fn shards_are_balanced() {
+        let mut counts = [0u32; 4];
+        for k in 0..40_000u64 {
+            counts[shard_of(k, 4) as usize] += 1;
+        }
+        for c in counts {
+            assert!((9_000..11_000).contains(&c), "{counts:?}");
+        }
+    }
+
+    #[test]
+    fn bad_headers_are_named() {
+        let mut b = Header::request(Op::Pull, 1, 2, 3, 24).encode();
+        b[0] = b'X';
+        assert!(matches!(Header::decode(&b), Err(HeaderError::BadMagic(_))));
+        let mut b = Header::request(Op::Pull, 1, 2, 3, 24).encode();
+        b[4] = 9;
+        assert_eq!(Header::decode(&b), Err(HeaderError::BadVersion(9)));
+        let mut b = Header::request(Op::Pull, 1, 2, 3, 24).encode();
+        b[31] = 1;
+        assert_eq!(Header::decode(&b), Err(HeaderError::Reserved));
+    }
+
+    #[test]
+    fn token_comparison() {
+        assert!(token_eq(b"secret", b"secret"));
+        assert!(!token_eq(b"secreT", b"secret"));
+        assert!(!token_eq(b"secret!", b"secret"));
+        assert!(!token_eq(b"", b"secret"));
+        assert!(token_eq(b"", b""));
+    }
+
+    #[test]
+    fn mask_is_padded_to_eight_bytes() {
+        assert_eq!(mask_bytes(0), 0);
+        assert_eq!(mask_bytes(1), 8);
+        assert_eq!(mask_bytes(64), 8);
+        assert_eq!(mask_bytes(65), 16);
+        assert_eq!(mask_bytes(500), 64);
+    }
+}
