@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from . import errors, init, optim
 from ._native import __version__
-from ._store import Store, Table, open
+from ._store import Store, Table, connect, open
 from .errors import (
     ConfigError,
     CorruptStoreError,
@@ -21,10 +21,12 @@ from .errors import (
     FormatVersionError,
     InvalidInputError,
     NotFoundError,
+    ShardUnavailableError,
     StoreClosedError,
     StoreLockedError,
     TableExistsError,
     TableFullError,
+    UnauthorizedError,
 )
 
 __all__ = [
@@ -34,13 +36,16 @@ __all__ = [
     "FormatVersionError",
     "InvalidInputError",
     "NotFoundError",
+    "ShardUnavailableError",
     "Store",
     "StoreClosedError",
     "StoreLockedError",
     "Table",
     "TableExistsError",
     "TableFullError",
+    "UnauthorizedError",
     "__version__",
+    "connect",
     "errors",
     "init",
     "open",

@@ -17,8 +17,19 @@ class Store:
         io_depth: int = 128,
         mmap_random_access: bool = True,
     ) -> Store: ...
+    @staticmethod
+    def connect(
+        addrs: list[str],
+        token: str | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        keys_per_request_max: int = 500,
+        in_flight_per_shard: int = 8,
+    ) -> Store: ...
     @property
     def path(self) -> str: ...
+    @property
+    def remote(self) -> bool: ...
     @property
     def closed(self) -> bool: ...
     def create_table(

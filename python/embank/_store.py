@@ -23,7 +23,7 @@ from .optim import Optimizer
 KeysLike = Union[npt.NDArray[np.integer[Any]], Sequence[int]]
 Rows = npt.NDArray[np.float32]
 
-__all__ = ["Store", "Table", "open"]
+__all__ = ["Store", "Table", "connect", "open"]
 
 
 def _keys(keys: KeysLike) -> npt.NDArray[np.uint64]:
@@ -165,10 +165,11 @@ class Table:
 
 
 class Store:
-    """An open store: one directory holding one model's tables.
+    """An open store: one model's tables, in a directory of this process
+    (:func:`embank.open`) or on the shards of a networked store (:func:`embank.connect`).
 
-    Use :func:`embank.open`. A store is a context manager; leaving the ``with``
-    block closes it (flushing every table).
+    Both kinds have the same methods and raise the same errors. A store is a context
+    manager; leaving the ``with`` block closes it (flushing every table).
     """
 
     def __init__(self, native: _native.Store) -> None:
@@ -176,7 +177,13 @@ class Store:
 
     @property
     def path(self) -> str:
+        """The store's directory, or ``tcp://host:port,...`` for a remote store."""
         return str(self._s.path)
+
+    @property
+    def remote(self) -> bool:
+        """Whether the tables live on servers (:func:`embank.connect`)."""
+        return self._s.remote
 
     @property
     def closed(self) -> bool:
@@ -279,7 +286,10 @@ class Store:
         self._s.flush()
 
     def close(self) -> None:
-        """Flushes and closes every table and releases the store's lock. Idempotent."""
+        """Flushes and closes every table and releases the store's lock. Idempotent.
+
+        On a remote store: flushes every shard and closes this client's connections;
+        the servers keep running."""
         self._s.close()
 
     def stats(self) -> dict[str, Any]:
@@ -344,5 +354,55 @@ def open(
             io_engine,
             int(io_depth),
             bool(mmap_random_access),
+        )
+    )
+
+
+def connect(
+    addrs: str | Sequence[str],
+    *,
+    token: str | None = None,
+    timeout: float = 30.0,
+    connect_timeout: float = 5.0,
+    keys_per_request_max: int = 500,
+    in_flight_per_shard: int = 8,
+) -> Store:
+    """Connects to a networked store: the ``embank serve`` processes at ``addrs``
+    (``"host:port"`` each; one shard per address, in the same order in every client).
+
+    Returns a :class:`Store` whose tables have the same methods and errors as those of
+    :func:`open`. Keys go to shards by a consistent hash; a batch is split into requests
+    of at most ``keys_per_request_max`` keys, sent in parallel and put back in order.
+
+    Args:
+        token: the servers' shared secret (required when they listen beyond loopback).
+        timeout: seconds to wait for a reply before raising ``EmbankTimeoutError``.
+        connect_timeout: seconds to wait for a connection.
+        keys_per_request_max: keys per request (the servers' own limit is higher).
+        in_flight_per_shard: most requests of one call in flight to one shard.
+
+    Raises:
+        ShardUnavailableError: a shard cannot be reached (the message names it).
+        UnauthorizedError: a shard refused the token.
+    """
+    if isinstance(addrs, str):
+        addrs = [a for a in addrs.removeprefix("tcp://").split(",") if a]
+    addrs = list(addrs)
+    if not addrs:
+        from .errors import ConfigError
+
+        raise ConfigError("connect: give at least one shard address")
+    if keys_per_request_max < 1 or in_flight_per_shard < 1:
+        from .errors import ConfigError
+
+        raise ConfigError("keys_per_request_max and in_flight_per_shard must be at least 1")
+    return Store(
+        _native.Store.connect(
+            [str(a) for a in addrs],
+            token,
+            float(timeout),
+            float(connect_timeout),
+            int(keys_per_request_max),
+            int(in_flight_per_shard),
         )
     )

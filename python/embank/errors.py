@@ -84,12 +84,12 @@ __all__ = [
     "FormatVersionError",
     "InvalidInputError",
     "NotFoundError",
+    "ShardUnavailableError",
     "StoreClosedError",
     "StoreLockedError",
     "TableExistsError",
     "TableFullError",
     "TableNotFoundError",
-    "ShardUnavailableError",
     "UnauthorizedError",
     "UnsupportedError",
 ]

@@ -196,7 +196,7 @@ fn two_shards_match_a_model() {
     c.drop_table("model").unwrap();
     assert!(c.tables().unwrap().is_empty());
     let e = t2.pull(&[1], &mut [0.0; 6]).unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    assert_eq!(e.kind(), ErrorKind::Closed, "a dropped table's handle is closed, as embedded: {e}");
 }
 
 /// push_grad over the wire gives exactly the embedded result, duplicates included.

@@ -317,18 +317,20 @@ impl Client {
         self.broadcast(Op::Flush, &[], None).map(|_| ())
     }
 
-    /// Every shard's store statistics, and totals.
+    /// Store statistics with the embedded store's fields, summed over the shards
+    /// (tables matched by name), and each shard's own under `"shards"`.
     pub fn stats(&self) -> Result<serde_json::Value> {
         let mut shards = Vec::new();
-        let mut rows = 0u64;
         for (s, (_, body)) in self.broadcast(Op::StoreStats, &[], None)?.into_iter().enumerate() {
             let mut v: serde_json::Value =
                 serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad stats: {e}")))?;
-            rows += v["rows"].as_u64().unwrap_or(0);
             v["shard"] = serde_json::json!(self.inner.shards[s].addr);
             shards.push(v);
         }
-        Ok(serde_json::json!({ "path": self.url(), "rows": rows, "shards": shards }))
+        let mut total = merge_stats(&shards);
+        total["path"] = serde_json::json!(self.url());
+        total["shards"] = serde_json::Value::Array(shards);
+        Ok(total)
     }
 
     /// `tcp://host:port,host:port`.
@@ -593,26 +595,20 @@ impl RemoteTable {
         self.client.broadcast(Op::SetLr, &lr.to_le_bytes(), Some(&self.ids)).map(|_| ())
     }
 
-    /// Each shard's statistics of this table, and totals.
+    /// The table's statistics with the embedded table's fields, summed over the
+    /// shards, and each shard's own under `"shards"`.
     pub fn stats(&self) -> Result<serde_json::Value> {
         let replies = self.client.broadcast(Op::TableStats, &[], Some(&self.ids))?;
         let mut shards = Vec::new();
-        let (mut rows, mut hits, mut misses) = (0u64, 0u64, 0u64);
         for (s, (_, body)) in replies.into_iter().enumerate() {
             let mut v: serde_json::Value =
                 serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad stats: {e}")))?;
-            rows += v["rows"].as_u64().unwrap_or(0);
-            hits += v["cache_hits"].as_u64().unwrap_or(0);
-            misses += v["cache_misses"].as_u64().unwrap_or(0);
             v["shard"] = serde_json::json!(self.client.inner.shards[s].addr);
             shards.push(v);
         }
-        let hit_rate = if hits + misses > 0 { Some(hits as f64 / (hits + misses) as f64) } else { None };
-        Ok(serde_json::json!({
-            "name": self.name, "dim": self.dim, "rows": rows,
-            "cache_hits": hits, "cache_misses": misses, "cache_hit_rate": hit_rate,
-            "shards": shards,
-        }))
+        let mut total = merge_stats(&shards);
+        total["shards"] = serde_json::Value::Array(shards);
+        Ok(total)
     }
 
     /// Streams every `(key, row)`, shard after shard, in chunks of at most `chunk_keys`.
@@ -662,4 +658,104 @@ impl RemoteTable {
 fn u64_reply(body: &[u8]) -> Result<u64> {
     let b: [u8; 8] = body.try_into().map_err(|_| Error::corrupt("expected an 8-byte reply"))?;
     Ok(u64::from_le_bytes(b))
+}
+
+/// Numeric statistics that are the same on every shard, not parts of a total.
+const KEEP_FIRST: [&str; 3] = ["dim", "io_align", "depth"];
+
+/// Sums statistics documents field by field: numbers add up, arrays of numbers add up
+/// element-wise, `tables` are merged by name, ratios are recomputed from their parts,
+/// anything else is taken from the first document.
+pub fn merge_stats(docs: &[serde_json::Value]) -> serde_json::Value {
+    use serde_json::Value;
+    let Some(first) = docs.first() else { return Value::Null };
+    match first {
+        Value::Object(map) => {
+            let mut out = serde_json::Map::new();
+            for (k, v) in map {
+                let parts: Vec<Value> = docs.iter().map(|d| d.get(k).cloned().unwrap_or(Value::Null)).collect();
+                let merged = if k == "tables" {
+                    merge_tables(&parts)
+                } else if k == "shard" || k == "path" {
+                    continue;
+                } else if KEEP_FIRST.contains(&k.as_str()) {
+                    v.clone()
+                } else {
+                    match v {
+                        Value::Number(_) | Value::Object(_) => merge_stats(&parts),
+                        Value::Array(a) if a.iter().all(Value::is_number) => {
+                            let n = parts.iter().filter_map(Value::as_array).map(Vec::len).max().unwrap_or(0);
+                            Value::Array(
+                                (0..n)
+                                    .map(|i| {
+                                        merge_stats(&parts.iter().filter_map(|p| p.get(i).cloned()).collect::<Vec<_>>())
+                                    })
+                                    .collect(),
+                            )
+                        }
+                        _ => v.clone(),
+                    }
+                };
+                out.insert(k.clone(), merged);
+            }
+            let num = |out: &serde_json::Map<String, Value>, k: &str| out.get(k).and_then(Value::as_f64);
+            if let (Some(rows), Some(slots)) = (num(&out, "rows"), num(&out, "slots")) {
+                if slots > 0.0 {
+                    out.insert("load_factor".into(), serde_json::json!(rows / slots));
+                }
+            }
+            if let (Some(h), Some(m)) = (num(&out, "cache_hits"), num(&out, "cache_misses")) {
+                let rate = if h + m > 0.0 { serde_json::json!(h / (h + m)) } else { Value::Null };
+                out.insert("cache_hit_rate".into(), rate);
+            }
+            Value::Object(out)
+        }
+        Value::Number(_) => {
+            if docs.iter().all(|d| d.as_u64().is_some()) {
+                serde_json::json!(docs.iter().filter_map(Value::as_u64).sum::<u64>())
+            } else {
+                serde_json::json!(docs.iter().filter_map(Value::as_f64).sum::<f64>())
+            }
+        }
+        other => other.clone(),
+    }
+}
+
+fn merge_tables(parts: &[serde_json::Value]) -> serde_json::Value {
+    let mut by_name: Vec<(String, Vec<serde_json::Value>)> = Vec::new();
+    for list in parts.iter().filter_map(serde_json::Value::as_array) {
+        for t in list {
+            let name = t["name"].as_str().unwrap_or_default().to_string();
+            match by_name.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, v)) => v.push(t.clone()),
+                None => by_name.push((name, vec![t.clone()])),
+            }
+        }
+    }
+    serde_json::Value::Array(by_name.iter().map(|(_, docs)| merge_stats(docs)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_stats;
+    use serde_json::json;
+
+    #[test]
+    fn stats_merge_sums_and_recomputes_ratios() {
+        let a = json!({"rows": 3, "slots": 10, "load_factor": 0.3, "dim": 4, "medium": "mmap",
+                       "probe_histogram": [3, 0], "cache_hits": 1, "cache_misses": 1, "cache_hit_rate": 0.5,
+                       "tables": [{"name": "t", "rows": 3}], "shard": "a"});
+        let b = json!({"rows": 5, "slots": 10, "load_factor": 0.5, "dim": 4, "medium": "mmap",
+                       "probe_histogram": [4, 1], "cache_hits": 3, "cache_misses": 0, "cache_hit_rate": 1.0,
+                       "tables": [{"name": "t", "rows": 5}, {"name": "u", "rows": 1}], "shard": "b"});
+        let m = merge_stats(&[a, b]);
+        assert_eq!(m["rows"], 8);
+        assert_eq!(m["dim"], 4);
+        assert_eq!(m["load_factor"], 0.4);
+        assert_eq!(m["cache_hit_rate"], 0.8);
+        assert_eq!(m["probe_histogram"], json!([7, 1]));
+        assert_eq!(m["medium"], "mmap");
+        assert_eq!(m["tables"], json!([{"name": "t", "rows": 8}, {"name": "u", "rows": 1}]));
+        assert!(m.get("shard").is_none());
+    }
 }

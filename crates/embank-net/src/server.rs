@@ -404,9 +404,10 @@ impl<'a> Conn<'a> {
                 return Ok(t);
             }
         }
+        // Closed, as an embedded table handle is after its table was dropped.
         Err(Refusal::engine(Error::new(
-            ErrorKind::NotFound,
-            format!("no table with id {id} on this server (dropped? open it again by name)"),
+            ErrorKind::Closed,
+            format!("table id {id} is not open on this server (dropped? open the table again by name)"),
         )))
     }
 

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use embank_core as core;
 use embank_core::{ErrorKind, Initializer, MissingDefault};
+use embank_net as net;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
@@ -58,10 +59,32 @@ fn slice<'a, T: numpy::Element>(a: &'a PyReadonlyArray1<'_, T>, what: &str) -> P
     a.as_slice().map_err(|_| PyValueError::new_err(format!("{what} must be a C-contiguous array")))
 }
 
-/// An open store.
+/// An open store: embedded (a directory in this process) or remote (shards over TCP).
 #[pyclass(module = "embank._native", frozen)]
 struct Store {
-    inner: Arc<core::Store>,
+    inner: Backend,
+}
+
+enum Backend {
+    Local(Arc<core::Store>),
+    Remote(net::Client),
+}
+
+/// A table of either backend; every method has the same meaning on both.
+#[derive(Clone)]
+enum TableBackend {
+    Local(core::Table),
+    Remote(net::RemoteTable),
+}
+
+/// Calls the same method on whichever backend holds the table.
+macro_rules! on_table {
+    ($t:expr, $x:ident => $e:expr) => {
+        match $t {
+            TableBackend::Local($x) => $e,
+            TableBackend::Remote($x) => $e,
+        }
+    };
 }
 
 #[pymethods]
@@ -90,17 +113,59 @@ impl Store {
             ..Default::default()
         };
         let store = py.detach(|| core::Store::open(&path, options)).map_err(to_py_err)?;
-        Ok(Store { inner: Arc::new(store) })
+        Ok(Store { inner: Backend::Local(Arc::new(store)) })
+    }
+
+    /// Connects to the shards of a remote store (`embank serve` processes).
+    #[staticmethod]
+    #[pyo3(signature = (addrs, token=None, timeout=30.0, connect_timeout=5.0, keys_per_request_max=500, in_flight_per_shard=8))]
+    fn connect(
+        py: Python<'_>,
+        addrs: Vec<String>,
+        token: Option<String>,
+        timeout: f64,
+        connect_timeout: f64,
+        keys_per_request_max: usize,
+        in_flight_per_shard: usize,
+    ) -> PyResult<Store> {
+        let secs = |what: &str, s: f64| {
+            if s.is_finite() && s > 0.0 {
+                Ok(std::time::Duration::from_secs_f64(s))
+            } else {
+                Err(to_py_err(core::Error::config(format!("{what} must be a positive number of seconds, got {s}"))))
+            }
+        };
+        let options = net::ClientOptions {
+            token,
+            keys_per_request_max,
+            timeout: secs("timeout", timeout)?,
+            connect_timeout: secs("connect_timeout", connect_timeout)?,
+            in_flight_per_shard,
+        };
+        let client = py.detach(|| net::Client::connect(&addrs, options)).map_err(to_py_err)?;
+        Ok(Store { inner: Backend::Remote(client) })
+    }
+
+    /// The store's directory, or `tcp://host:port,...` for a remote store.
+    #[getter]
+    fn path(&self) -> String {
+        match &self.inner {
+            Backend::Local(s) => s.path().display().to_string(),
+            Backend::Remote(c) => c.url(),
+        }
     }
 
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.inner.path().to_owned()
+    fn remote(&self) -> bool {
+        matches!(self.inner, Backend::Remote(_))
     }
 
     #[getter]
     fn closed(&self) -> bool {
-        self.inner.is_closed()
+        match &self.inner {
+            Backend::Local(s) => s.is_closed(),
+            Backend::Remote(c) => c.is_closed(),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -147,81 +212,120 @@ impl Store {
             o.optimizer = serde_json::from_str(j)
                 .map_err(|e| PyValueError::new_err(format!("bad optimizer description {j:?}: {e}")))?;
         }
-        let inner = py.detach(|| self.inner.create_table(name, o)).map_err(to_py_err)?;
+        let inner = py
+            .detach(|| match &self.inner {
+                Backend::Local(s) => s.create_table(name, o).map(TableBackend::Local),
+                Backend::Remote(c) => c.create_table(name, o).map(TableBackend::Remote),
+            })
+            .map_err(to_py_err)?;
         Ok(Table { inner })
     }
 
-    fn table(&self, name: &str) -> PyResult<Table> {
-        Ok(Table { inner: self.inner.table(name).map_err(to_py_err)? })
+    fn table(&self, py: Python<'_>, name: &str) -> PyResult<Table> {
+        let inner = py
+            .detach(|| match &self.inner {
+                Backend::Local(s) => s.table(name).map(TableBackend::Local),
+                Backend::Remote(c) => c.table(name).map(TableBackend::Remote),
+            })
+            .map_err(to_py_err)?;
+        Ok(Table { inner })
     }
 
-    fn tables(&self) -> PyResult<Vec<String>> {
-        self.inner.tables().map_err(to_py_err)
+    fn tables(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        py.detach(|| match &self.inner {
+            Backend::Local(s) => s.tables(),
+            Backend::Remote(c) => c.tables(),
+        })
+        .map_err(to_py_err)
     }
 
     fn drop_table(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        py.detach(|| self.inner.drop_table(name)).map_err(to_py_err)
+        py.detach(|| match &self.inner {
+            Backend::Local(s) => s.drop_table(name),
+            Backend::Remote(c) => c.drop_table(name),
+        })
+        .map_err(to_py_err)
     }
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.flush()).map_err(to_py_err)
+        py.detach(|| match &self.inner {
+            Backend::Local(s) => s.flush(),
+            Backend::Remote(c) => c.flush(),
+        })
+        .map_err(to_py_err)
     }
 
+    /// Embedded: flushes and closes every table. Remote: flushes the shards, then
+    /// closes this client's connections (the servers keep running).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.close()).map_err(to_py_err)
+        py.detach(|| match &self.inner {
+            Backend::Local(s) => s.close(),
+            Backend::Remote(c) => {
+                if c.is_closed() {
+                    return Ok(());
+                }
+                let flushed = c.flush();
+                c.close();
+                flushed
+            }
+        })
+        .map_err(to_py_err)
     }
 
     /// Statistics as a JSON document.
     fn stats_json(&self, py: Python<'_>) -> PyResult<String> {
-        let stats = py.detach(|| self.inner.stats()).map_err(to_py_err)?;
-        Ok(serde_json::to_string(&stats).expect("stats serialize"))
+        py.detach(|| match &self.inner {
+            Backend::Local(s) => s.stats().map(|st| serde_json::to_string(&st).expect("stats serialize")),
+            Backend::Remote(c) => c.stats().map(|v| v.to_string()),
+        })
+        .map_err(to_py_err)
     }
 }
 
 /// One table of a store.
 #[pyclass(module = "embank._native", frozen)]
 struct Table {
-    inner: core::Table,
+    inner: TableBackend,
 }
 
 #[pymethods]
 impl Table {
     #[getter]
     fn name(&self) -> String {
-        self.inner.name().to_owned()
+        on_table!(&self.inner, t => t.name().to_owned())
     }
 
     #[getter]
     fn dim(&self) -> usize {
-        self.inner.dim()
+        on_table!(&self.inner, t => t.dim())
     }
 
     /// Creation options as a JSON document.
     fn meta_json(&self) -> String {
-        serde_json::to_string(&self.inner.meta()).expect("meta serializes")
+        on_table!(&self.inner, t => serde_json::to_string(&t.meta()).expect("meta serializes"))
     }
 
     fn pull<'py>(&self, py: Python<'py>, keys: PyReadonlyArray1<'py, u64>) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let keys = slice(&keys, "keys")?;
-        let out = PyArray2::<f32>::zeros(py, [keys.len(), self.inner.dim()], false);
+        let out = PyArray2::<f32>::zeros(py, [keys.len(), self.dim()], false);
         {
             let mut rw = out.readwrite();
             let rows = rw.as_slice_mut().expect("new array is contiguous");
-            py.detach(|| self.inner.pull(keys, rows)).map_err(to_py_err)?;
+            py.detach(|| on_table!(&self.inner, t => t.pull(keys, rows))).map_err(to_py_err)?;
         }
         Ok(out)
     }
 
     fn lookup<'py>(&self, py: Python<'py>, keys: PyReadonlyArray1<'py, u64>) -> PyResult<LookupResult<'py>> {
         let keys = slice(&keys, "keys")?;
-        let out = PyArray2::<f32>::zeros(py, [keys.len(), self.inner.dim()], false);
+        let out = PyArray2::<f32>::zeros(py, [keys.len(), self.dim()], false);
         let found = PyArray1::<bool>::zeros(py, [keys.len()], false);
         {
             let mut rw = out.readwrite();
             let mut fw = found.readwrite();
             let rows = rw.as_slice_mut().expect("new array is contiguous");
             let mask = fw.as_slice_mut().expect("new array is contiguous");
-            py.detach(|| self.inner.lookup(keys, rows, mask)).map_err(to_py_err)?;
+            py.detach(|| on_table!(&self.inner, t => t.lookup(keys, rows, mask))).map_err(to_py_err)?;
         }
         Ok((out, found))
     }
@@ -229,25 +333,24 @@ impl Table {
     fn push(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>, rows: PyReadonlyArray2<'_, f32>) -> PyResult<()> {
         let keys = slice(&keys, "keys")?;
         let shape = rows.shape();
-        if shape[0] != keys.len() || shape[1] != self.inner.dim() {
+        let dim = self.dim();
+        if shape[0] != keys.len() || shape[1] != dim {
             return Err(to_py_err(core::Error::invalid(format!(
-                "push: rows have shape ({}, {}), expected ({}, {}) for {} keys of table {:?} (dim {})",
+                "push: rows have shape ({}, {}), expected ({}, {dim}) for {} keys of table {:?} (dim {dim})",
                 shape[0],
                 shape[1],
                 keys.len(),
-                self.inner.dim(),
                 keys.len(),
-                self.inner.name(),
-                self.inner.dim()
+                self.name(),
             ))));
         }
         let rows = rows.as_slice().map_err(|_| PyValueError::new_err("rows must be a C-contiguous array"))?;
-        py.detach(|| self.inner.push(keys, rows)).map_err(to_py_err)
+        py.detach(|| on_table!(&self.inner, t => t.push(keys, rows))).map_err(to_py_err)
     }
 
     fn delete(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<u64> {
         let keys = slice(&keys, "keys")?;
-        py.detach(|| self.inner.delete(keys)).map_err(to_py_err)
+        py.detach(|| on_table!(&self.inner, t => t.delete(keys))).map_err(to_py_err)
     }
 
     fn push_grad(
@@ -258,26 +361,29 @@ impl Table {
     ) -> PyResult<()> {
         let keys = slice(&keys, "keys")?;
         let grads = grads.as_slice().map_err(|_| PyValueError::new_err("grads must be a C-contiguous array"))?;
-        py.detach(|| self.inner.push_grad(keys, grads)).map_err(to_py_err)
+        py.detach(|| on_table!(&self.inner, t => t.push_grad(keys, grads))).map_err(to_py_err)
     }
 
-    fn set_lr(&self, lr: f32) -> PyResult<()> {
-        self.inner.set_lr(lr).map_err(to_py_err)
+    fn set_lr(&self, py: Python<'_>, lr: f32) -> PyResult<()> {
+        py.detach(|| on_table!(&self.inner, t => t.set_lr(lr))).map_err(to_py_err)
     }
 
     /// Queues a background load of these rows into the row cache; returns at once.
-    fn lookahead(&self, keys: PyReadonlyArray1<'_, u64>) -> PyResult<bool> {
+    fn lookahead(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<bool> {
         let keys = slice(&keys, "keys")?;
-        self.inner.lookahead(keys).map_err(to_py_err)
+        py.detach(|| on_table!(&self.inner, t => t.lookahead(keys))).map_err(to_py_err)
     }
 
-    fn __len__(&self) -> PyResult<usize> {
-        Ok(self.inner.len().map_err(to_py_err)? as usize)
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(py.detach(|| on_table!(&self.inner, t => t.len())).map_err(to_py_err)? as usize)
     }
 
     fn stats_json(&self, py: Python<'_>) -> PyResult<String> {
-        let stats = py.detach(|| self.inner.stats()).map_err(to_py_err)?;
-        Ok(serde_json::to_string(&stats).expect("stats serialize"))
+        py.detach(|| match &self.inner {
+            TableBackend::Local(t) => t.stats().map(|s| serde_json::to_string(&s).expect("stats serialize")),
+            TableBackend::Remote(t) => t.stats().map(|v| v.to_string()),
+        })
+        .map_err(to_py_err)
     }
 
     /// Starts a streaming export; chunks of at most `chunk_keys` keys come from the iterator.
@@ -285,15 +391,16 @@ impl Table {
         let (tx, rx) = sync_channel::<ExportChunk>(2);
         let table = self.inner.clone();
         std::thread::spawn(move || {
-            let result = table.export(chunk_keys, |keys, rows| {
+            let send = |keys: &[u64], rows: &[f32]| {
                 tx.send(Ok((keys.to_vec(), rows.to_vec())))
                     .map_err(|_| core::Error::new(ErrorKind::Closed, "export abandoned by its reader"))
-            });
+            };
+            let result = on_table!(&table, t => t.export(chunk_keys, send));
             if let Err(e) = result {
                 let _ = tx.send(Err(e));
             }
         });
-        Export { rx: Mutex::new(Some(rx)), dim: self.inner.dim() }
+        Export { rx: Mutex::new(Some(rx)), dim: self.dim() }
     }
 }
 

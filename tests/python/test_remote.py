@@ -1,0 +1,135 @@
+"""embank.connect against real `embank serve` processes: the embedded store's
+model-based test through two shards, optimizers over the wire, and the errors a
+remote store adds (a shard down, a wrong token)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import embank
+import numpy as np
+import pytest
+from embank import errors
+
+
+def test_model_based_random_ops_through_two_shards(cluster: list[str]) -> None:
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    s = embank.connect(cluster, keys_per_request_max=5)  # batches split into many requests
+    assert s.remote and s.path == "tcp://" + ",".join(cluster)
+    s.create_table("model", dim=2, capacity=4, missing=-1.0)
+    model: dict[int, list[float]] = {}
+    try:
+        for step in range(300):
+            t = s.table("model")
+            keys = [rng.randrange(60) for _ in range(rng.randrange(0, 30))]
+            op = rng.choice(["push", "pull", "lookup", "delete", "reconnect"])
+            ctx = f"seed {seed} step {step} op {op} keys {keys}"
+            if op == "push":
+                rows = np.array([[rng.random(), k] for k in keys], dtype=np.float32).reshape(len(keys), 2)
+                t.push(keys, rows)
+                for i, k in enumerate(keys):
+                    model[k] = rows[i].tolist()
+            elif op == "pull":
+                got = t.pull(keys)
+                for i, k in enumerate(keys):
+                    model.setdefault(k, [0.0, 0.0])
+                    assert got[i].tolist() == model[k], ctx
+            elif op == "lookup":
+                got, found = t.lookup(keys)
+                for i, k in enumerate(keys):
+                    assert bool(found[i]) == (k in model), ctx
+                    assert got[i].tolist() == model.get(k, [-1.0, -1.0]), ctx
+            elif op == "delete":
+                n = t.delete(keys)
+                assert n == len({k for k in keys if k in model}), ctx
+                for k in keys:
+                    model.pop(k, None)
+            else:
+                s.close()
+                s = embank.connect(cluster)
+            assert len(s.table("model")) == len(model), ctx
+        exported = {int(k): r.tolist() for ks, rs in s.table("model").export(7) for k, r in zip(ks, rs)}
+        assert exported == model
+        per_shard = [sh["rows"] for sh in s.table("model").stats()["shards"]]
+        assert sum(per_shard) == len(model) and all(n > 0 for n in per_shard), per_shard
+    finally:
+        s.drop_table("model")
+        s.close()
+
+
+def test_optimizer_over_the_wire_matches_embedded(cluster: list[str], store_path: Path) -> None:
+    opt = embank.optim.Adam(lr=0.01)
+    rng = np.random.default_rng(3)
+    with embank.connect(cluster) as remote, embank.open(store_path) as local:
+        r = remote.create_table("emb", dim=8, init=embank.init.normal(0, 0.1), seed=5, optimizer=opt)
+        e = local.create_table("emb", dim=8, init=embank.init.normal(0, 0.1), seed=5, optimizer=opt)
+        for _ in range(20):
+            keys = rng.integers(0, 100, size=300).astype(np.uint64)
+            grads = rng.standard_normal((300, 8)).astype(np.float32)
+            r.push_grad(keys, grads)
+            e.push_grad(keys, grads)
+        r.set_lr(0.5)
+        e.set_lr(0.5)
+        keys = np.arange(100, dtype=np.uint64)
+        r.push_grad(keys, np.ones((100, 8), dtype=np.float32))
+        e.push_grad(keys, np.ones((100, 8), dtype=np.float32))
+        np.testing.assert_array_equal(r.pull(keys), e.pull(keys))
+        assert r.optimizer is not None and r.optimizer["kind"] == "adam"
+        assert r.lookahead(keys) in (True, False)
+        remote.drop_table("emb")
+
+
+@pytest.fixture
+def lone_shard(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
+    config = tmp_path / "shard.toml"
+    config.write_text(f'store = "{tmp_path / "s"}"\nlisten = "127.0.0.1:0"\ntoken = "s3cret"\n')
+    p = subprocess.Popen(
+        [sys.executable, "-m", "embank", "serve", "--config", str(config)], stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert "listening on" in line, line
+    yield p, line.split("listening on ")[1].split()[0].rstrip(","), config
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+
+
+def test_token_and_a_shard_that_goes_down(lone_shard: tuple[subprocess.Popen[str], str, Path]) -> None:
+    proc, addr, _ = lone_shard
+    with pytest.raises(errors.UnauthorizedError, match="token"):
+        embank.connect([addr])
+    with pytest.raises(PermissionError):
+        embank.connect([addr], token="wrong")
+    s = embank.connect(addr, token="s3cret")
+    t = s.create_table("t", dim=3)
+    t.push([1, 2], np.ones((2, 3), dtype=np.float32))
+    s.flush()
+    proc.kill()
+    proc.wait()
+    with pytest.raises(errors.ShardUnavailableError, match=f"shard 0 \\({addr}\\)") as e:
+        t.pull([1])
+    assert isinstance(e.value, ConnectionError)
+    with pytest.raises(errors.ShardUnavailableError, match="unreachable"):
+        embank.connect([addr], token="s3cret", connect_timeout=1.0)
+    with pytest.raises(errors.ShardUnavailableError):
+        s.close()  # the final flush cannot reach the shard; the client is closed anyway
+    assert s.closed
+    s.close()  # idempotent
+    with pytest.raises(errors.StoreClosedError):
+        s.table("t")
+
+
+def test_connect_argument_errors() -> None:
+    with pytest.raises(errors.ConfigError, match="at least one"):
+        embank.connect([])
+    with pytest.raises(errors.ConfigError, match="timeout"):
+        embank.connect(["127.0.0.1:1"], timeout=0)
+    with pytest.raises(errors.ShardUnavailableError):
+        embank.connect(["127.0.0.1:1"], connect_timeout=0.5)
