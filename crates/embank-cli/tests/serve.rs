@@ -379,14 +379,15 @@ fn bad_input_gets_errors_and_the_server_keeps_serving() {
     assert_eq!(h.status, proto::status::BAD_FRAME);
     assert!(String::from_utf8_lossy(&msg).contains("dim 4"), "{}", String::from_utf8_lossy(&msg));
 
-    // Unknown opcode and unknown table: error replies on the same connection.
+    // Unknown opcode, unknown table id (as a dropped table: closed) and unknown table
+    // name: error replies on the same connection.
     send(&mut s, 999, id, 0, &[]);
     assert_eq!(recv(&mut s).unwrap().0.status, proto::status::UNKNOWN_OPCODE);
     send(&mut s, Op::Pull as u16, 4242, 1, &1u64.to_le_bytes());
     let (h, msg) = recv(&mut s).unwrap();
     assert_eq!(
         proto::error_of(h.status, String::new()).kind(),
-        ErrorKind::NotFound,
+        ErrorKind::Closed,
         "{}",
         String::from_utf8_lossy(&msg)
     );
