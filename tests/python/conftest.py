@@ -23,8 +23,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     addrs: list[str] = []
     for i in range(2):
         d = tmp_path_factory.mktemp(f"shard{i}")
+        # Shard 0 sends every pull/lookup reply zero-copy; shard 1 copies small rows (the default).
+        config = d / "serve.toml"
+        min_bytes = 0 if i == 0 else 1024
+        config.write_text(f'store = "{d / "store"}"\n[limits]\nzero_copy_min_row_bytes = {min_bytes}\n')
         p = subprocess.Popen(
-            [sys.executable, "-m", "embank", "serve", "--store", str(d / "store"), "--listen", "127.0.0.1:0"],
+            [sys.executable, "-m", "embank", "serve", "--config", str(config), "--listen", "127.0.0.1:0"],
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, "EMBANK_LOG": "warn"},

@@ -109,7 +109,9 @@ fn row_of(key: u64, version: u32, dim: usize) -> Vec<f32> {
 #[test]
 fn two_shards_match_a_model() {
     let dir = tempfile::tempdir().unwrap();
-    let a = Shard::start(dir.path(), "a", "");
+    // Shard a sends every pull/lookup reply zero-copy, shard b copies (rows this small
+    // are copied by default): the model checks both paths.
+    let a = Shard::start(dir.path(), "a", "[limits]\nzero_copy_min_row_bytes = 0\n");
     let b = Shard::start(dir.path(), "b", "");
     let c = client(&[&a, &b]);
     let dim = 6;
@@ -193,6 +195,15 @@ fn two_shards_match_a_model() {
     let mut found = vec![false; keys.len()];
     t2.lookup(&keys, &mut out, &mut found).unwrap();
     assert!(found.iter().all(|&f| f));
+    let counter = |shard: &Shard, name: &str| -> u64 {
+        let m = http_get(&shard.admin, "/metrics");
+        let line = m.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name} missing"));
+        line.split_whitespace().last().unwrap().parse().unwrap()
+    };
+    assert!(counter(&a, "embank_replies_zero_copy_total") > 0);
+    assert_eq!(counter(&a, "embank_replies_copied_total"), 0);
+    assert_eq!(counter(&b, "embank_replies_zero_copy_total"), 0);
+    assert!(counter(&b, "embank_replies_copied_total") > 0);
     c.drop_table("model").unwrap();
     assert!(c.tables().unwrap().is_empty());
     let e = t2.pull(&[1], &mut [0.0; 6]).unwrap_err();
@@ -385,12 +396,7 @@ fn bad_input_gets_errors_and_the_server_keeps_serving() {
     assert_eq!(recv(&mut s).unwrap().0.status, proto::status::UNKNOWN_OPCODE);
     send(&mut s, Op::Pull as u16, 4242, 1, &1u64.to_le_bytes());
     let (h, msg) = recv(&mut s).unwrap();
-    assert_eq!(
-        proto::error_of(h.status, String::new()).kind(),
-        ErrorKind::Closed,
-        "{}",
-        String::from_utf8_lossy(&msg)
-    );
+    assert_eq!(proto::error_of(h.status, String::new()).kind(), ErrorKind::Closed, "{}", String::from_utf8_lossy(&msg));
     send(&mut s, Op::OpenTable as u16, 0, 0, b"nope");
     assert_eq!(proto::error_of(recv(&mut s).unwrap().0.status, String::new()).kind(), ErrorKind::NotFound);
 

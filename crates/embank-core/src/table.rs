@@ -1070,7 +1070,11 @@ impl Table {
                 index.prefetch(index.hash(keys[i + PREFETCH_KEYS_AHEAD]));
             }
             match index.get(key, index.hash(key)) {
-                Some(ptr) if medium.key_at(ptr) == key => ptrs[i] = ptr,
+                Some(ptr) if medium.key_at(ptr) == key => {
+                    // The kernel copies the rows out later: have them in cache by then.
+                    medium.prefetch(ptr);
+                    ptrs[i] = ptr
+                }
                 Some(_) => {
                     return Err(Error::corrupt(format!(
                         "table {:?}: the index points key {key} at a record of another key",

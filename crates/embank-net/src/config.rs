@@ -70,6 +70,7 @@ pub struct Limits {
     pub idle_timeout_seconds: f64,
     pub frame_timeout_seconds: f64,
     pub zero_copy: bool,
+    pub zero_copy_min_row_bytes: usize,
 }
 
 impl Default for Limits {
@@ -82,6 +83,7 @@ impl Default for Limits {
             idle_timeout_seconds: d.idle_timeout.as_secs_f64(),
             frame_timeout_seconds: d.frame_timeout.as_secs_f64(),
             zero_copy: d.zero_copy,
+            zero_copy_min_row_bytes: d.zero_copy_min_row_bytes,
         }
     }
 }
@@ -151,6 +153,7 @@ impl ServeConfig {
             idle_timeout: seconds("limits.idle_timeout_seconds", l.idle_timeout_seconds)?,
             frame_timeout: seconds("limits.frame_timeout_seconds", l.frame_timeout_seconds)?,
             zero_copy: l.zero_copy,
+            zero_copy_min_row_bytes: l.zero_copy_min_row_bytes,
         })
     }
 

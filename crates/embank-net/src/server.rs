@@ -45,9 +45,13 @@ pub struct ServerOptions {
     pub idle_timeout: Duration,
     /// A frame must arrive whole within this once its first byte has. Default 30 s.
     pub frame_timeout: Duration,
-    /// Send pull/lookup rows straight from the mapped rows file with vectored writes.
-    /// Default true (off only to measure what it saves).
+    /// Send pull/lookup rows straight from the mapped rows file with vectored writes
+    /// (no copy into a reply buffer). Default true.
     pub zero_copy: bool,
+    /// ... but only for rows of at least this many bytes. Default 1024: measured on
+    /// loopback, 512-byte rows went out ~15 % faster copied into one buffer (the kernel's
+    /// per-segment cost outweighs the copy), 2 KiB rows ~23 % faster zero-copy.
+    pub zero_copy_min_row_bytes: usize,
 }
 
 impl Default for ServerOptions {
@@ -60,6 +64,7 @@ impl Default for ServerOptions {
             idle_timeout: Duration::from_secs(600),
             frame_timeout: Duration::from_secs(30),
             zero_copy: true,
+            zero_copy_min_row_bytes: 1024,
         }
     }
 }
@@ -525,7 +530,7 @@ impl<'a> Conn<'a> {
             Op::Pull | Op::Lookup => {
                 let keys = &body[..n];
                 let create = op == Op::Pull;
-                if self.ctx.opts.zero_copy {
+                if self.ctx.opts.zero_copy && dim * 4 >= self.ctx.opts.zero_copy_min_row_bytes {
                     let metrics = Arc::clone(&self.ctx.metrics);
                     let stream = &mut self.stream;
                     let sent = table

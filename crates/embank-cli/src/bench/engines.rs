@@ -98,6 +98,48 @@ impl Engine for Embank {
     }
 }
 
+/// `embank-tcp`: running `embank serve` shards through the client (the same keys
+/// routed and split as `embank.connect` does).
+pub struct Remote {
+    client: embank_net::Client,
+    table: embank_net::RemoteTable,
+}
+
+impl Remote {
+    pub fn open(target: &str, token: Option<String>, keys: u64, dim: u32) -> Result<Remote, String> {
+        let addrs: Vec<&str> = target.trim_start_matches("tcp://").split(',').filter(|a| !a.is_empty()).collect();
+        let client = embank_net::Client::connect(&addrs, embank_net::ClientOptions { token, ..Default::default() })
+            .map_err(|e| e.to_string())?;
+        let name = format!("bench-{}", std::process::id());
+        let _ = client.drop_table(&name);
+        let mut o = TableOptions::new(dim);
+        o.capacity = keys / client.shard_count() as u64 + 1;
+        let table = client.create_table(&name, o).map_err(|e| e.to_string())?;
+        Ok(Remote { client, table })
+    }
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        let _ = self.client.drop_table(self.table.name());
+    }
+}
+
+impl Engine for Remote {
+    fn name(&self) -> &'static str {
+        "embank-tcp"
+    }
+    fn finish_load(&self) -> Result<(), String> {
+        self.client.flush().map_err(|e| e.to_string())
+    }
+    fn push(&self, _: usize, keys: &[u64], rows: &[f32]) -> Result<(), String> {
+        self.table.push(keys, rows).map_err(|e| e.to_string())
+    }
+    fn pull(&self, _: usize, keys: &[u64], out: &mut [f32]) -> Result<(), String> {
+        self.table.pull(keys, out).map_err(|e| e.to_string())
+    }
+}
+
 /// Shards of the classic in-DRAM parameter server.
 pub const HASHMAP_SHARDS: usize = 32;
 

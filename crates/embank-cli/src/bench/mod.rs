@@ -59,8 +59,8 @@ impl Workload {
 }
 
 /// Every engine this build knows, in report order.
-pub const ENGINES: [&str; 7] =
-    ["embank-mmap", "embank-block", "embank-block-pread", "hashmap", "rocksdb", "lmdb", "redis"];
+pub const ENGINES: [&str; 8] =
+    ["embank-tcp", "embank-mmap", "embank-block", "embank-block-pread", "hashmap", "rocksdb", "lmdb", "redis"];
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -126,6 +126,14 @@ pub struct BenchArgs {
     /// a flat array of all rows: skip it in a memory-limited run).
     #[arg(long)]
     pub skip_limits: bool,
+    /// Running `embank serve` shards (`tcp://host:port[,host:port...]`): adds the
+    /// `embank-tcp` engine, the workload through the client against them (a table
+    /// `bench-<pid>` is created there, mmap medium, and dropped afterwards).
+    #[arg(long)]
+    pub target: Option<String>,
+    /// Token of the `--target` servers (default: $EMBANK_TOKEN).
+    #[arg(long, env = "EMBANK_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 /// `4G`, `512M`, `64K` or a plain number of bytes.
@@ -354,6 +362,10 @@ fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usi
     let dram_bytes = args.cache_bytes.unwrap_or(args.keys * dim as u64 * 4);
     let _ = threads;
     match name {
+        "embank-tcp" => match &args.target {
+            Some(target) => Ok(Box::new(engines::Remote::open(target, args.token.clone(), args.keys, args.dim)?)),
+            None => Err("embank-tcp runs against servers: give --target tcp://host:port[,host:port]".into()),
+        },
         "embank-mmap" | "embank-block" | "embank-block-pread" => {
             let name = ENGINES.iter().find(|e| **e == name).expect("known engine");
             Ok(Box::new(engines::Embank::open(name, dir, args.keys, args.dim, dram_bytes, args.mmap_random_access)?))
@@ -382,6 +394,9 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
     }
     if args.keys == 0 || args.batch == 0 || args.dim == 0 || args.stream_batches == 0 {
         return Err("--keys, --batch, --dim and --stream-batches must be at least 1".into());
+    }
+    if args.target.is_some() && !args.engines.iter().any(|e| e == "embank-tcp") {
+        args.engines.insert(0, "embank-tcp".into());
     }
     for e in &args.engines {
         if !ENGINES.contains(&e.as_str()) {
