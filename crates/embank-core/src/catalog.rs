@@ -84,6 +84,15 @@ pub struct TableMeta {
     /// Server-side optimizer (learning rate as last set).
     #[serde(default)]
     pub optimizer: crate::optim::Optimizer,
+    /// Bounded staleness (`None`: ASP).
+    #[serde(default)]
+    pub staleness_bound: Option<u32>,
+    #[serde(default = "default_lease")]
+    pub lease_seconds: f64,
+}
+
+fn default_lease() -> f64 {
+    60.0
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

@@ -40,6 +40,7 @@ pub mod io;
 pub mod medium;
 pub mod optim;
 mod prefetch;
+pub mod staleness;
 pub mod store;
 pub mod table;
 mod tier;

@@ -208,6 +208,8 @@ impl Store {
             medium: options.medium,
             placement: options.placement,
             optimizer: options.optimizer,
+            staleness_bound: options.staleness_bound,
+            lease_seconds: options.lease_seconds,
         };
         let dir = table_dir(&inner.dir, id);
         let _ = std::fs::remove_dir_all(&dir);

@@ -24,6 +24,7 @@ use crate::init::Initializer;
 use crate::io::IoStats;
 use crate::medium::{BlockMedium, Medium, MediumKind, MmapMedium, ReadItem};
 use crate::optim::{sum_duplicates, Optimizer};
+use crate::staleness::Holds;
 use crate::tier::Tier;
 
 #[path = "tiered.rs"]
@@ -74,6 +75,11 @@ pub struct TableOptions {
     pub placement: Placement,
     /// Server-side optimizer applied by `push_grad`. Default none.
     pub optimizer: Optimizer,
+    /// Bounded staleness of workers' pulls ([`Table::pull_held`]): `None` = ASP
+    /// (default: nothing waits), `Some(0)` = BSP, `Some(k)` = SSP with bound k.
+    pub staleness_bound: Option<u32>,
+    /// A worker silent this long loses its holds. Default 60 s.
+    pub lease_seconds: f64,
 }
 
 impl Default for TableOptions {
@@ -97,6 +103,8 @@ impl TableOptions {
             medium: MediumKind::Mmap,
             placement: Placement::Auto,
             optimizer: Optimizer::None,
+            staleness_bound: None,
+            lease_seconds: 60.0,
         }
     }
 
@@ -115,6 +123,9 @@ impl TableOptions {
         }
         self.init.validate()?;
         self.optimizer.validate()?;
+        if !(self.lease_seconds.is_finite() && self.lease_seconds > 0.0) {
+            return Err(Error::config(format!("lease_seconds must be positive, got {}", self.lease_seconds)));
+        }
         if let MissingDefault::Value { value } = self.missing {
             if value.is_nan() {
                 return Err(Error::config("missing-row default value is NaN"));
@@ -181,6 +192,10 @@ pub struct TableStats {
     /// Rows read from the medium by pulls, lookups and lookaheads.
     pub medium_rows_read: u64,
     pub lookahead_rows: u64,
+    /// Staleness bound (`None`: ASP), holds outstanding and workers holding any.
+    pub staleness_bound: Option<u32>,
+    pub holds_outstanding: u64,
+    pub holding_workers: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -234,6 +249,8 @@ struct Shared {
     state: RwLock<Option<State>>,
     stripes: Box<[Mutex<()>]>,
     recovered: Option<RecoverStats>,
+    /// Staleness holds of workers (`None`: ASP).
+    holds: Option<Holds>,
 }
 
 /// A handle to one table; cheap to clone, usable from many threads.
@@ -434,6 +451,8 @@ impl Table {
         tier: Arc<Tier>,
         placement: Placement,
     ) -> Table {
+        let lease = std::time::Duration::from_secs_f64(meta.lease_seconds);
+        let holds = meta.staleness_bound.map(|k| Holds::new(k, lease));
         let table = Table {
             shared: Arc::new(Shared {
                 id: meta.id,
@@ -458,6 +477,7 @@ impl Table {
                 state: RwLock::new(Some(state)),
                 stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
                 recovered,
+                holds,
             }),
         };
         tier.register(&table);
@@ -756,6 +776,42 @@ impl Table {
     /// (`keys.len() * dim` elements). Gradients of duplicate keys are summed first, so
     /// each row gets one update per call. Missing rows are created with the
     /// initializer, then updated. Non-finite gradients are refused with nothing written.
+    /// [`pull`](Self::pull) by a training worker under the table's staleness bound: each
+    /// distinct key gets a hold for `worker` until its [`push_grad_held`](Self::push_grad_held);
+    /// a key whose holds already exceed the bound waits for a push (at most `timeout`, then
+    /// `Timeout` naming the key). Without a bound (ASP) it is a plain pull.
+    pub fn pull_held(&self, worker: u64, keys: &[u64], out: &mut [f32], timeout: std::time::Duration) -> Result<()> {
+        self.check_rows("pull", keys.len(), out.len())?;
+        let Some(holds) = &self.shared.holds else { return self.pull(keys, out) };
+        holds.acquire(worker, keys, timeout, &self.shared.name)?;
+        self.pull(keys, out).inspect_err(|_| holds.give_back(worker, keys))
+    }
+
+    /// [`push_grad`](Self::push_grad) by a training worker: once applied, gives back the
+    /// worker's hold of each distinct key (if it has one). If the update fails the holds
+    /// stay, so the worker can retry.
+    pub fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
+        self.push_grad(keys, grads)?;
+        if let Some(holds) = &self.shared.holds {
+            let mut uniq = keys.to_vec();
+            uniq.sort_unstable();
+            uniq.dedup();
+            holds.give_back(worker, &uniq);
+        }
+        Ok(())
+    }
+
+    /// Gives back every hold of `worker` (a worker that stops, or dies and is noticed).
+    /// Returns how many holds it had.
+    pub fn release(&self, worker: u64) -> u64 {
+        self.shared.holds.as_ref().map_or(0, |h| h.release(worker))
+    }
+
+    /// The staleness bound (`None`: ASP).
+    pub fn staleness_bound(&self) -> Option<u32> {
+        self.shared.holds.as_ref().map(Holds::bound)
+    }
+
     pub fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
         self.check_rows("push_grad", keys.len(), grads.len())?;
         let d = self.shared.row_dim;
@@ -1238,6 +1294,9 @@ impl Table {
                 .then(|| hits as f64 / (hits + misses) as f64),
             medium_rows_read: c.rows_read.load(Ordering::Relaxed),
             lookahead_rows: c.lookahead_rows.load(Ordering::Relaxed),
+            staleness_bound: self.staleness_bound(),
+            holds_outstanding: self.shared.holds.as_ref().map_or(0, |h| h.outstanding().0),
+            holding_workers: self.shared.holds.as_ref().map_or(0, |h| h.outstanding().1),
         })
     }
 }
