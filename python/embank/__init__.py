@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from . import errors, init, optim
 from ._native import __version__
-from ._store import Store, Table, connect, open
+from ._store import Store, Table, Worker, connect, open
 from .errors import (
     ConfigError,
     CorruptStoreError,
@@ -44,6 +44,7 @@ __all__ = [
     "TableExistsError",
     "TableFullError",
     "UnauthorizedError",
+    "Worker",
     "__version__",
     "connect",
     "errors",

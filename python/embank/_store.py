@@ -23,7 +23,7 @@ from .optim import Optimizer
 KeysLike = Union[npt.NDArray[np.integer[Any]], Sequence[int]]
 Rows = npt.NDArray[np.float32]
 
-__all__ = ["Store", "Table", "connect", "open"]
+__all__ = ["Store", "Table", "Worker", "connect", "open"]
 
 
 def _keys(keys: KeysLike) -> npt.NDArray[np.uint64]:
@@ -131,6 +131,24 @@ class Table:
         k = _keys(keys)
         self._t.push_grad(k, _rows(grads, len(k), self.dim, self.name))
 
+    def worker(self, timeout: float = 60.0) -> Worker:
+        """A training worker's view of this table, for bounded staleness.
+
+        Its :meth:`Worker.pull` takes a hold on each key until its
+        :meth:`Worker.push_grad`; under the table's ``staleness_bound`` a pull of a key
+        that already has ``bound + 1`` holds waits (at most ``timeout`` seconds, then
+        :class:`~embank.errors.EmbankTimeoutError` naming the key). Leaving a ``with``
+        block, or :meth:`Worker.release`, gives back its holds; a worker that dies
+        loses them when its lease (``lease_seconds`` of the table) runs out.
+        """
+        return Worker(self, timeout)
+
+    @property
+    def staleness_bound(self) -> int | None:
+        """Bounded staleness of :meth:`worker` pulls: ``None`` (ASP), 0 (BSP) or k (SSP)."""
+        bound: int | None = json.loads(self._t.meta_json()).get("staleness_bound")
+        return bound
+
     @property
     def optimizer(self) -> dict[str, Any] | None:
         """The optimizer and its current hyper-parameters, or ``None``."""
@@ -162,6 +180,45 @@ class Table:
 
     def __repr__(self) -> str:
         return f"<embank.Table {self.name!r} dim={self.dim}>"
+
+
+class Worker:
+    """A training worker of one table (from :meth:`Table.worker`): pulls under the
+    table's staleness bound and pushes gradients that give the holds back."""
+
+    def __init__(self, table: Table, timeout: float) -> None:
+        if timeout < 0:
+            from .errors import ConfigError
+
+            raise ConfigError(f"timeout must be >= 0 seconds, got {timeout}")
+        self.table = table
+        self.timeout = float(timeout)
+        #: Identifies this worker's holds (random, so workers of many processes never collide).
+        self.id = int.from_bytes(os.urandom(8), "little")
+
+    def pull(self, keys: KeysLike) -> Rows:
+        """Like :meth:`Table.pull`, holding each key until :meth:`push_grad`."""
+        return self.table._t.pull_held(self.id, _keys(keys), self.timeout)
+
+    def push_grad(self, keys: KeysLike, grads: Rows) -> None:
+        """Like :meth:`Table.push_grad`, then gives back this worker's holds of ``keys``."""
+        k = _keys(keys)
+        self.table._t.push_grad_held(self.id, k, _rows(grads, len(k), self.table.dim, self.table.name))
+
+    def release(self) -> int:
+        """Gives back every hold of this worker; returns how many it had."""
+        return self.table._t.release(self.id)
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<embank.Worker {self.id:#x} of {self.table.name!r}>"
 
 
 class Store:
@@ -203,6 +260,8 @@ class Store:
         medium: str = "mmap",
         placement: str = "auto",
         optimizer: Optimizer | None = None,
+        staleness_bound: int | None = None,
+        lease_seconds: float = 60.0,
     ) -> Table:
         """Creates a table.
 
@@ -227,7 +286,15 @@ class Store:
             optimizer: the server-side optimizer :meth:`Table.push_grad` applies
                 (:class:`embank.optim.SGD`, :class:`~embank.optim.Adagrad`,
                 :class:`~embank.optim.Adam`); its state is stored with each row.
+            staleness_bound: how far behind a :meth:`Table.worker` pull may be: ``None``
+                (ASP, the default: nothing waits), ``0`` (BSP: per key strictly pull, push,
+                pull, push), ``k`` (SSP: at most k updates behind).
+            lease_seconds: a worker silent this long loses its holds.
         """
+        if staleness_bound is not None and staleness_bound < 0:
+            from .errors import ConfigError
+
+            raise ConfigError(f"staleness_bound must be None or >= 0, got {staleness_bound}")
         init = init or zeros()
         if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
             raise TypeError(f"dim must be an int, got {type(dim).__name__}")
@@ -260,6 +327,8 @@ class Store:
             medium,
             placement,
             optimizer._json() if optimizer is not None else None,
+            None if staleness_bound is None else int(staleness_bound),
+            float(lease_seconds),
         )
         return Table(native)
 

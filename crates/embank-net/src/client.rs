@@ -435,6 +435,11 @@ impl RemoteTable {
 
     /// Splits `keys` by shard and into requests; `rows` (if any) travel after the keys.
     fn plan(&self, op: Op, keys: &[u64], rows: Option<&[f32]>) -> Plan {
+        self.plan_with(op, &[], keys, rows)
+    }
+
+    /// [`plan`](Self::plan) with `prefix` words before each request's keys.
+    fn plan_with(&self, op: Op, prefix: &[u64], keys: &[u64], rows: Option<&[f32]>) -> Plan {
         let n = self.client.shard_count();
         let mut by_shard: Vec<Vec<usize>> = vec![Vec::new(); n];
         if n == 1 {
@@ -450,7 +455,10 @@ impl RemoteTable {
         for (shard, positions) in by_shard.into_iter().enumerate() {
             for chunk in positions.chunks(max) {
                 let rows_len = rows.map_or(0, |_| chunk.len() * d * 4);
-                let mut body = Vec::with_capacity(chunk.len() * 8 + rows_len);
+                let mut body = Vec::with_capacity(prefix.len() * 8 + chunk.len() * 8 + rows_len);
+                for w in prefix {
+                    body.extend_from_slice(&w.to_le_bytes());
+                }
                 for &i in chunk {
                     body.extend_from_slice(&keys[i].to_le_bytes());
                 }
@@ -554,6 +562,49 @@ impl RemoteTable {
         let (ukeys, sums) = embank_core::optim::sum_duplicates(keys, grads, self.dim);
         let plan = self.plan(Op::PushGrad, &ukeys, Some(&sums));
         self.client.run(&plan.reqs, |_, _, _| Ok(()))
+    }
+
+    /// A training worker's pull under the table's staleness bound (see
+    /// `embank_core::Table::pull_held`). Keys are deduplicated per shard request by the
+    /// server; `timeout` bounds the wait of each shard.
+    ///
+    /// Holds are taken in one global order, (shard, key), so that workers pulling
+    /// overlapping batches cannot deadlock across shards: the requests go out one after
+    /// the other, shard 0's first, each shard's keys sorted (the server takes a request's
+    /// keys in sorted order). Slower than a plain pull's parallel requests, but two
+    /// workers each holding a key the other waits for on another shard would otherwise
+    /// wait until their timeouts.
+    pub fn pull_held(&self, worker: u64, keys: &[u64], out: &mut [f32], timeout: Duration) -> Result<()> {
+        self.check_rows("pull", keys.len(), out.len())?;
+        let mut order: Vec<usize> = (0..keys.len()).collect();
+        order.sort_unstable_by_key(|&i| (self.shard_of(keys[i]), keys[i]));
+        let sorted: Vec<u64> = order.iter().map(|&i| keys[i]).collect();
+        let plan = self.plan_with(Op::PullHeld, &[worker, timeout.as_millis() as u64], &sorted, None);
+        let mut rows = vec![0f32; out.len()];
+        for (i, req) in plan.reqs.iter().enumerate() {
+            self.client
+                .run(std::slice::from_ref(req), |_, _, body| self.scatter(&body, 0, &plan.positions[i], &mut rows))?;
+        }
+        let d = self.dim;
+        for (j, &i) in order.iter().enumerate() {
+            out[i * d..(i + 1) * d].copy_from_slice(&rows[j * d..(j + 1) * d]);
+        }
+        Ok(())
+    }
+
+    /// A training worker's push_grad: applies it and gives back the worker's holds.
+    pub fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
+        self.check_rows("push_grad", keys.len(), grads.len())?;
+        self.check_finite("push_grad", keys, grads)?;
+        let (ukeys, sums) = embank_core::optim::sum_duplicates(keys, grads, self.dim);
+        let plan = self.plan_with(Op::PushGradHeld, &[worker], &ukeys, Some(&sums));
+        self.client.run(&plan.reqs, |_, _, _| Ok(()))
+    }
+
+    /// Gives back every hold of `worker` on every shard; returns how many.
+    pub fn release(&self, worker: u64) -> Result<u64> {
+        let replies = self.client.broadcast(Op::Release, &worker.to_le_bytes(), Some(&self.ids))?;
+        replies.iter().map(|(_, b)| u64_reply(b)).sum()
     }
 
     /// Deletes keys; returns how many were present.

@@ -64,6 +64,13 @@ pub enum Op {
     Export = 24,
     /// Body: f32 learning rate (4 bytes).
     SetLr = 25,
+    /// Body: worker u64, timeout in ms u64, then keys. Reply: rows. A pull under the
+    /// table's staleness bound (holds for `worker`).
+    PullHeld = 26,
+    /// Body: worker u64, then keys, then gradient rows. Gives back the worker's holds.
+    PushGradHeld = 27,
+    /// Body: worker u64. Reply body: u64 holds given back.
+    Release = 28,
 }
 
 impl Op {
@@ -87,6 +94,9 @@ impl Op {
             23 => TableStats,
             24 => Export,
             25 => SetLr,
+            26 => PullHeld,
+            27 => PushGradHeld,
+            28 => Release,
             _ => return None,
         })
     }
@@ -112,10 +122,13 @@ impl Op {
             TableStats => "table_stats",
             Export => "export",
             SetLr => "set_lr",
+            PullHeld => "pull_held",
+            PushGradHeld => "push_grad_held",
+            Release => "release",
         }
     }
 
-    pub const ALL: [Op; 17] = [
+    pub const ALL: [Op; 20] = [
         Op::Hello,
         Op::ListTables,
         Op::OpenTable,
@@ -133,21 +146,43 @@ impl Op {
         Op::TableStats,
         Op::Export,
         Op::SetLr,
+        Op::PullHeld,
+        Op::PushGradHeld,
+        Op::Release,
     ];
 
-    /// Whether the body starts with `count` keys.
+    /// Whether the body carries `count` keys (after the prefix words).
     pub fn has_keys(self) -> bool {
-        matches!(self, Op::Pull | Op::Lookup | Op::Push | Op::Delete | Op::PushGrad | Op::Lookahead)
+        matches!(
+            self,
+            Op::Pull
+                | Op::Lookup
+                | Op::Push
+                | Op::Delete
+                | Op::PushGrad
+                | Op::Lookahead
+                | Op::PullHeld
+                | Op::PushGradHeld
+        )
     }
 
     /// Whether the body carries `count` rows after the keys.
     pub fn has_rows(self) -> bool {
-        matches!(self, Op::Push | Op::PushGrad)
+        matches!(self, Op::Push | Op::PushGrad | Op::PushGradHeld)
+    }
+
+    /// u64 words before the keys (worker id, timeout).
+    pub fn prefix_words(self) -> usize {
+        match self {
+            Op::PullHeld => 2,
+            Op::PushGradHeld => 1,
+            _ => 0,
+        }
     }
 
     /// Whether repeating the request after a lost reply leaves the same state.
     pub fn idempotent(self) -> bool {
-        !matches!(self, Op::PushGrad | Op::CreateTable | Op::DropTable)
+        !matches!(self, Op::PushGrad | Op::PushGradHeld | Op::PullHeld | Op::CreateTable | Op::DropTable)
     }
 }
 
@@ -288,7 +323,7 @@ impl Header {
 
 /// Body length a keyed request of `count` keys must have for a table of `dim`.
 pub fn keyed_body_len(op: Op, count: u32, dim: usize) -> u64 {
-    let keys = count as u64 * 8;
+    let keys = op.prefix_words() as u64 * 8 + count as u64 * 8;
     if op.has_rows() {
         keys + count as u64 * dim as u64 * 4
     } else {

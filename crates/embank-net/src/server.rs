@@ -526,6 +526,7 @@ impl<'a> Conn<'a> {
             }
         }
         let eng = |e: Error| Ok(Refusal::engine(e));
+        let (prefix, body) = body.split_at(op.prefix_words().min(body.len()));
         match op {
             Op::Pull | Op::Lookup => {
                 let keys = &body[..n];
@@ -575,6 +576,34 @@ impl<'a> Conn<'a> {
                 let rows = &rows[..n * dim];
                 if op == Op::Push { table.push(keys, rows) } else { table.push_grad(keys, rows) }.map_err(eng)?;
                 self.reply_bytes(h, 0, &[]).map_err(Err)
+            }
+            Op::PullHeld => {
+                let (worker, timeout) = (prefix[0], std::time::Duration::from_millis(prefix[1]));
+                let mut rows = std::mem::take(&mut self.rows);
+                rows.clear();
+                rows.resize(n * dim, 0.0);
+                let r = table.pull_held(worker, &body[..n], &mut rows, timeout);
+                let sent = match r {
+                    Ok(()) => {
+                        let head = h.reply(h.count, rows.len() * 4, status::OK).encode();
+                        self.send(&mut [IoSlice::new(&head), IoSlice::new(as_bytes(&rows))]).map_err(Err)
+                    }
+                    Err(e) => Err(eng(e)),
+                };
+                self.rows = rows;
+                sent
+            }
+            Op::PushGradHeld => {
+                let (keys, grads) = proto::split_keyed(&body[..n + (n * dim).div_ceil(2)], n);
+                table.push_grad_held(prefix[0], keys, &grads[..n * dim]).map_err(eng)?;
+                self.reply_bytes(h, 0, &[]).map_err(Err)
+            }
+            Op::Release => {
+                if h.body_len != 8 {
+                    return Err(Ok(Refusal::frame(status::BAD_FRAME, "release takes an 8-byte worker id".into())));
+                }
+                let n = table.release(body[0]);
+                self.reply_bytes(h, 0, &n.to_le_bytes()).map_err(Err)
             }
             Op::Delete => {
                 let gone = table.delete(&body[..n]).map_err(eng)?;

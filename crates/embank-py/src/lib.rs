@@ -169,7 +169,7 @@ impl Store {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (name, dim, init_kind, init_a, init_b, seed, capacity, growth, load_factor_max, missing_kind, missing_value, medium="mmap", placement="auto", optimizer_json=None))]
+    #[pyo3(signature = (name, dim, init_kind, init_a, init_b, seed, capacity, growth, load_factor_max, missing_kind, missing_value, medium="mmap", placement="auto", optimizer_json=None, staleness_bound=None, lease_seconds=60.0))]
     fn create_table(
         &self,
         py: Python<'_>,
@@ -187,6 +187,8 @@ impl Store {
         medium: &str,
         placement: &str,
         optimizer_json: Option<&str>,
+        staleness_bound: Option<u32>,
+        lease_seconds: f64,
     ) -> PyResult<Table> {
         let mut o = core::TableOptions::new(dim);
         o.init = match init_kind {
@@ -208,6 +210,8 @@ impl Store {
         o.load_factor_max = load_factor_max;
         o.medium = core::MediumKind::parse(medium).map_err(to_py_err)?;
         o.placement = core::Placement::parse(placement).map_err(to_py_err)?;
+        o.staleness_bound = staleness_bound;
+        o.lease_seconds = lease_seconds;
         if let Some(j) = optimizer_json {
             o.optimizer = serde_json::from_str(j)
                 .map_err(|e| PyValueError::new_err(format!("bad optimizer description {j:?}: {e}")))?;
@@ -362,6 +366,48 @@ impl Table {
         let keys = slice(&keys, "keys")?;
         let grads = grads.as_slice().map_err(|_| PyValueError::new_err("grads must be a C-contiguous array"))?;
         py.detach(|| on_table!(&self.inner, t => t.push_grad(keys, grads))).map_err(to_py_err)
+    }
+
+    /// A worker's pull under the table's staleness bound (holds until its push_grad_held).
+    fn pull_held<'py>(
+        &self,
+        py: Python<'py>,
+        worker: u64,
+        keys: PyReadonlyArray1<'py, u64>,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let keys = slice(&keys, "keys")?;
+        if !(timeout.is_finite() && timeout >= 0.0) {
+            return Err(to_py_err(core::Error::config(format!("timeout must be >= 0 seconds, got {timeout}"))));
+        }
+        let timeout = std::time::Duration::from_secs_f64(timeout);
+        let out = PyArray2::<f32>::zeros(py, [keys.len(), self.dim()], false);
+        {
+            let mut rw = out.readwrite();
+            let rows = rw.as_slice_mut().expect("new array is contiguous");
+            py.detach(|| on_table!(&self.inner, t => t.pull_held(worker, keys, rows, timeout))).map_err(to_py_err)?;
+        }
+        Ok(out)
+    }
+
+    fn push_grad_held(
+        &self,
+        py: Python<'_>,
+        worker: u64,
+        keys: PyReadonlyArray1<'_, u64>,
+        grads: PyReadonlyArray2<'_, f32>,
+    ) -> PyResult<()> {
+        let keys = slice(&keys, "keys")?;
+        let grads = grads.as_slice().map_err(|_| PyValueError::new_err("grads must be a C-contiguous array"))?;
+        py.detach(|| on_table!(&self.inner, t => t.push_grad_held(worker, keys, grads))).map_err(to_py_err)
+    }
+
+    fn release(&self, py: Python<'_>, worker: u64) -> PyResult<u64> {
+        py.detach(|| match &self.inner {
+            TableBackend::Local(t) => Ok(t.release(worker)),
+            TableBackend::Remote(t) => t.release(worker),
+        })
+        .map_err(to_py_err)
     }
 
     fn set_lr(&self, py: Python<'_>, lr: f32) -> PyResult<()> {
