@@ -4,7 +4,6 @@ remote store adds (a shard down, a wrong token)."""
 
 from __future__ import annotations
 
-import random
 import signal
 import subprocess
 import sys
@@ -15,52 +14,17 @@ import embank
 import numpy as np
 import pytest
 from embank import errors
+from test_store import run_model_ops
 
 
 def test_model_based_random_ops_through_two_shards(cluster: list[str]) -> None:
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
-    s = embank.connect(cluster, keys_per_request_max=5)  # batches split into many requests
-    assert s.remote and s.path == "tcp://" + ",".join(cluster)
-    s.create_table("model", dim=2, capacity=4, missing=-1.0)
-    model: dict[int, list[float]] = {}
-    try:
-        for step in range(300):
-            t = s.table("model")
-            keys = [rng.randrange(60) for _ in range(rng.randrange(0, 30))]
-            op = rng.choice(["push", "pull", "lookup", "delete", "reconnect"])
-            ctx = f"seed {seed} step {step} op {op} keys {keys}"
-            if op == "push":
-                rows = np.array([[rng.random(), k] for k in keys], dtype=np.float32).reshape(len(keys), 2)
-                t.push(keys, rows)
-                for i, k in enumerate(keys):
-                    model[k] = rows[i].tolist()
-            elif op == "pull":
-                got = t.pull(keys)
-                for i, k in enumerate(keys):
-                    model.setdefault(k, [0.0, 0.0])
-                    assert got[i].tolist() == model[k], ctx
-            elif op == "lookup":
-                got, found = t.lookup(keys)
-                for i, k in enumerate(keys):
-                    assert bool(found[i]) == (k in model), ctx
-                    assert got[i].tolist() == model.get(k, [-1.0, -1.0]), ctx
-            elif op == "delete":
-                n = t.delete(keys)
-                assert n == len({k for k in keys if k in model}), ctx
-                for k in keys:
-                    model.pop(k, None)
-            else:
-                s.close()
-                s = embank.connect(cluster)
-            assert len(s.table("model")) == len(model), ctx
-        exported = {int(k): r.tolist() for ks, rs in s.table("model").export(7) for k, r in zip(ks, rs)}
-        assert exported == model
+    # Requests of at most 5 keys, so batches split into many; "reopen" reconnects.
+    model = run_model_ops(lambda: embank.connect(cluster, keys_per_request_max=5), 300, 30, table="model")
+    with embank.connect(cluster) as s:
+        assert s.remote and s.path == "tcp://" + ",".join(cluster)
         per_shard = [sh["rows"] for sh in s.table("model").stats()["shards"]]
         assert sum(per_shard) == len(model) and all(n > 0 for n in per_shard), per_shard
-    finally:
         s.drop_table("model")
-        s.close()
 
 
 def test_optimizer_over_the_wire_matches_embedded(cluster: list[str], store_path: Path) -> None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import embank
 import numpy as np
@@ -134,15 +134,20 @@ def test_stats_and_flush_and_drop(store: embank.Store) -> None:
         store.drop_table("t")
 
 
-def test_model_based_random_ops(store_path: Path) -> None:
+def run_model_ops(
+    open_store: Callable[[], embank.Store], steps: int, max_keys: int, table: str = "t"
+) -> dict[int, list[float]]:
+    """Random pull/lookup/push/delete batches against a dict model, with the store closed
+    and opened again (`open_store`) at random; returns the model. Shared by the embedded
+    and the remote model tests."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    s = embank.open(store_path)
-    s.create_table("t", dim=2, capacity=4, missing=-1.0)
+    s = open_store()
+    s.create_table(table, dim=2, capacity=4, missing=-1.0)
     model: dict[int, list[float]] = {}
-    for step in range(400):
-        t = s.table("t")
-        keys = [rng.randrange(60) for _ in range(rng.randrange(0, 12))]
+    for step in range(steps):
+        t = s.table(table)
+        keys = [rng.randrange(60) for _ in range(rng.randrange(0, max_keys))]
         op = rng.choice(["push", "pull", "lookup", "delete", "reopen"])
         ctx = f"seed {seed} step {step} op {op} keys {keys}"
         if op == "push":
@@ -167,9 +172,16 @@ def test_model_based_random_ops(store_path: Path) -> None:
                 model.pop(k, None)
         else:
             s.close()
-            s = embank.open(store_path)
-        assert len(s.table("t")) == len(model), ctx
+            s = open_store()
+        assert len(s.table(table)) == len(model), ctx
+    exported = {int(k): r.tolist() for ks, rs in s.table(table).export(7) for k, r in zip(ks, rs)}
+    assert exported == model, f"seed {seed}: export"
     s.close()
+    return model
+
+
+def test_model_based_random_ops(store_path: Path) -> None:
+    run_model_ops(lambda: embank.open(store_path), steps=400, max_keys=12)
 
 
 # ---- errors -------------------------------------------------------------------------
