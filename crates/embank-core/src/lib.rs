@@ -37,6 +37,7 @@ pub mod hash;
 pub mod index;
 pub mod init;
 pub mod io;
+pub mod journal;
 pub mod medium;
 pub mod optim;
 mod prefetch;

@@ -50,6 +50,9 @@ pub struct StoreOptions {
     /// outgrow memory each miss reads a window of pages. Turn it off for a read-only,
     /// fully resident table: reads are then about 25 % faster.
     pub mmap_random_access: bool,
+    /// Checkpoints kept for [`Store::restore`]; older ones are dropped (and the rows
+    /// they alone needed freed). Default 2.
+    pub keep_checkpoints: usize,
     /// Test hook: inject I/O failures into block media.
     #[doc(hidden)]
     pub fault: Option<Arc<FaultPlan>>,
@@ -64,6 +67,7 @@ impl Default for StoreOptions {
             io_engine: IoChoice::Auto,
             io_depth: IO_DEPTH_DEFAULT,
             mmap_random_access: true,
+            keep_checkpoints: 2,
             fault: None,
         }
     }
@@ -86,7 +90,62 @@ pub struct StoreStats {
     pub lookahead_dropped: u64,
 }
 
+/// One retained checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct CheckpointInfo {
+    /// The caller's batch id.
+    pub batch_id: u64,
+    /// The store's sequence number of the checkpoint (names its undo journals).
+    pub seq: u64,
+    pub unix_seconds: f64,
+}
+
+/// The `CHECKPOINTS` file.
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
+struct CheckpointFile {
+    next_seq: u64,
+    checkpoints: Vec<CheckpointInfo>,
+    /// Set while a restore to this seq has not finished: the next open completes it.
+    #[serde(default)]
+    restore_to: Option<u64>,
+}
+
+const CHECKPOINTS_FILE: &str = "CHECKPOINTS";
+
+impl CheckpointFile {
+    fn load(dir: &Path) -> Result<CheckpointFile> {
+        let path = dir.join(CHECKPOINTS_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| Error::new(ErrorKind::Recover, format!("{}: {e}", path.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Ok(CheckpointFile { next_seq: 1, ..Default::default() })
+            }
+            Err(e) => Err(io_at("cannot read", &path, e)),
+        }
+    }
+
+    /// Replaces the file (write and rename; no fsync: a SIGKILL keeps it, `flush` syncs).
+    fn save(&self, dir: &Path) -> Result<()> {
+        let path = dir.join(CHECKPOINTS_FILE);
+        let tmp = dir.join("CHECKPOINTS.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(self).expect("checkpoints serialize"))
+            .map_err(|e| io_at("cannot write", &tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| io_at("cannot replace", &path, e))
+    }
+
+    fn state(&self, restore_to: Option<u64>) -> crate::table::CheckpointState {
+        crate::table::CheckpointState {
+            latest: self.checkpoints.last().map_or(0, |c| c.seq),
+            oldest: self.checkpoints.first().map_or(0, |c| c.seq),
+            restore_to,
+        }
+    }
+}
+
 struct Inner {
+    ckpts: parking_lot::Mutex<CheckpointFile>,
+    keep_checkpoints: usize,
     dir: PathBuf,
     catalog: Arc<Catalog>,
     tables: BTreeMap<String, Table>,
@@ -161,16 +220,39 @@ impl Store {
                 }
             }
         }
+        if options.keep_checkpoints == 0 {
+            return Err(Error::config("keep_checkpoints must be at least 1"));
+        }
+        let mut ckpts = CheckpointFile::load(&dir)?;
+        let state = ckpts.state(ckpts.restore_to);
+        tier.interval.store(state.latest, std::sync::atomic::Ordering::Release);
         let mut tables = BTreeMap::new();
         for meta in data.tables {
             let name = meta.name.clone();
-            let table =
-                Table::open(&table_dir(&dir, meta.id), meta, Arc::clone(&catalog), options.verify, Arc::clone(&tier))
-                    .map_err(|e| e.context(format!("table {name:?}")))?;
+            let table = Table::open(
+                &table_dir(&dir, meta.id),
+                meta,
+                Arc::clone(&catalog),
+                options.verify,
+                Arc::clone(&tier),
+                state,
+            )
+            .map_err(|e| e.context(format!("table {name:?}")))?;
             tables.insert(name, table);
         }
+        if ckpts.restore_to.take().is_some() {
+            ckpts.save(&dir)?;
+        }
         Ok(Store {
-            inner: RwLock::new(Some(Inner { dir: dir.clone(), catalog, tables, tier, _lock: lock })),
+            inner: RwLock::new(Some(Inner {
+                ckpts: parking_lot::Mutex::new(ckpts),
+                keep_checkpoints: options.keep_checkpoints,
+                dir: dir.clone(),
+                catalog,
+                tables,
+                tier,
+                _lock: lock,
+            })),
             path: dir,
         })
     }
@@ -263,6 +345,105 @@ impl Store {
         let dir = table_dir(&inner.dir, id);
         std::fs::remove_dir_all(&dir).map_err(|e| io_at("cannot remove table directory", &dir, e))?;
         Ok(())
+    }
+
+    /// Marks a batch boundary: after a crash, reopening returns every table — rows and
+    /// optimizer state — to exactly this point, even though later writes reached the
+    /// medium; [`restore`](Self::restore) returns to it on demand. Waits for batches in
+    /// flight on other threads, writes back dirty cached rows (tables behind the row
+    /// cache), then starts a new undo journal per table and records the checkpoint: no
+    /// copy of any table. `batch_id`s must increase. The checkpoint survives a process
+    /// crash at once and a power loss after the next [`flush`](Self::flush).
+    pub fn checkpoint(&self, batch_id: u64) -> Result<()> {
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        let _gate = inner.tier.gate.write();
+        let mut file = inner.ckpts.lock();
+        if let Some(last) = file.checkpoints.last() {
+            if batch_id <= last.batch_id {
+                return Err(Error::invalid(format!(
+                    "checkpoint batch ids must increase: the latest checkpoint is batch {}, got {batch_id}",
+                    last.batch_id
+                )));
+            }
+        }
+        for t in inner.tables.values() {
+            t.write_back_all_locked()?;
+        }
+        let seq = file.next_seq.max(1);
+        for t in inner.tables.values() {
+            t.start_interval(seq)?;
+        }
+        let unix_seconds =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        file.checkpoints.push(CheckpointInfo { batch_id, seq, unix_seconds });
+        file.next_seq = seq + 1;
+        let mut dropped = Vec::new();
+        while file.checkpoints.len() > inner.keep_checkpoints {
+            dropped.push(file.checkpoints.remove(0).seq);
+        }
+        file.save(&inner.dir)?;
+        inner.tier.interval.store(seq, std::sync::atomic::Ordering::Release);
+        for old in dropped {
+            for t in inner.tables.values() {
+                t.drop_interval(old)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The retained checkpoints, oldest first.
+    pub fn checkpoints(&self) -> Result<Vec<CheckpointInfo>> {
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        let file = inner.ckpts.lock();
+        Ok(file.checkpoints.clone())
+    }
+
+    /// Returns every table to the state of checkpoint `batch_id` and forgets later
+    /// checkpoints. Every [`Table`] handle taken before is closed: get them again with
+    /// [`table`](Self::table). Tables created or dropped since are not affected (a table
+    /// created after the checkpoint comes back empty). A crash during the restore is
+    /// finished by the next open.
+    pub fn restore(&self, batch_id: u64) -> Result<()> {
+        let mut guard = self.inner.write();
+        let inner = guard.as_mut().ok_or_else(|| self.closed())?;
+        let state = {
+            let mut file = inner.ckpts.lock();
+            let Some(target) = file.checkpoints.iter().find(|c| c.batch_id == batch_id).map(|c| c.seq) else {
+                let kept: Vec<u64> = file.checkpoints.iter().map(|c| c.batch_id).collect();
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!("no retained checkpoint of batch {batch_id} (retained: {kept:?})"),
+                ));
+            };
+            file.checkpoints.retain(|c| c.seq <= target);
+            file.restore_to = Some(target);
+            file.save(&inner.dir)?;
+            file.state(Some(target))
+        };
+        for t in inner.tables.values() {
+            t.close()?;
+        }
+        inner.tier.interval.store(state.latest, std::sync::atomic::Ordering::Release);
+        let mut tables = BTreeMap::new();
+        for (name, old) in std::mem::take(&mut inner.tables) {
+            let meta = old.meta();
+            let t = Table::open(
+                &table_dir(&inner.dir, meta.id),
+                meta,
+                Arc::clone(&inner.catalog),
+                false,
+                Arc::clone(&inner.tier),
+                state,
+            )
+            .map_err(|e| e.context(format!("restoring table {name:?}")))?;
+            tables.insert(name, t);
+        }
+        inner.tables = tables;
+        let mut file = inner.ckpts.lock();
+        file.restore_to = None;
+        file.save(&inner.dir)
     }
 
     /// Makes every write before this call durable.

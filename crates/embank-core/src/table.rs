@@ -22,6 +22,7 @@ use crate::format::DType;
 use crate::index::{buckets_for, Index, RecoverReport, SLOTS_PER_BUCKET};
 use crate::init::Initializer;
 use crate::io::IoStats;
+use crate::journal::{self, Journal};
 use crate::medium::{BlockMedium, Medium, MediumKind, MmapMedium, ReadItem};
 use crate::optim::{sum_duplicates, Optimizer};
 use crate::staleness::Holds;
@@ -247,7 +248,12 @@ struct Shared {
     catalog: Arc<Catalog>,
     /// `None` once the table is closed or dropped.
     state: RwLock<Option<State>>,
-    stripes: Box<[Mutex<()>]>,
+    stripes: Box<[Mutex<StripeLog>]>,
+    /// Undo journal of the latest checkpoint's interval (`None` before any checkpoint).
+    journal: RwLock<Option<Arc<Journal>>>,
+    /// Records live at a retained checkpoint and since replaced, by the checkpoint's seq:
+    /// kept from reuse until that checkpoint is dropped.
+    held: Mutex<std::collections::BTreeMap<u64, Vec<u64>>>,
     recovered: Option<RecoverStats>,
     /// Staleness holds of workers (`None`: ASP).
     holds: Option<Holds>,
@@ -288,6 +294,25 @@ fn f32_bytes(v: &[f32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
+/// Keys of one stripe journaled since the latest checkpoint (`seq`), guarded by the
+/// stripe's lock, so a key's first change after a checkpoint is journaled exactly once.
+#[derive(Default)]
+pub(crate) struct StripeLog {
+    seq: u64,
+    keys: std::collections::HashSet<u64>,
+}
+
+/// What a table needs to know about the store's checkpoints when it opens.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct CheckpointState {
+    /// Seq of the latest checkpoint (0: none).
+    pub latest: u64,
+    /// Seq of the oldest retained checkpoint.
+    pub oldest: u64,
+    /// Roll back to this checkpoint whatever state the table was left in (a restore).
+    pub restore_to: Option<u64>,
+}
+
 /// Outcome of a write pass that may need the index to grow first.
 enum Pass {
     Done,
@@ -304,6 +329,53 @@ fn rows_path(dir: &Path, kind: MediumKind) -> PathBuf {
         MediumKind::Mmap => dir.join("rows.ebr"),
         MediumKind::Block => dir.join("rows.ebb"),
     }
+}
+
+/// Applies the undo journals of checkpoints `to` and later, newest first and each in
+/// reverse (so every key's earliest entry wins): the index then maps every key to its
+/// record at checkpoint `to`. Journal `to` is emptied (new changes start from there), the
+/// later ones deleted. Each journal is deleted only once applied, so a crash in between
+/// applies it again (applying is idempotent).
+fn rollback(dir: &Path, index: &Index, to: u64) -> Result<()> {
+    let seqs: Vec<u64> = journal::list(dir).into_iter().filter(|&s| s >= to).collect();
+    for &seq in seqs.iter().rev() {
+        let j = Journal::open(dir, seq)?;
+        let entries = j.entries();
+        for e in entries.iter().rev() {
+            let h = index.hash(e.key);
+            if e.old == 0 {
+                index.remove(e.key, h);
+            } else if index.replace(e.key, h, e.old).is_none() && !index.insert_new(e.key, h, e.old) {
+                return Err(Error::new(
+                    ErrorKind::Recover,
+                    format!("no index slot to return key {} to checkpoint {to}", e.key),
+                ));
+            }
+        }
+        index.flush()?;
+        tracing::info!(seq, entries = entries.len(), to, "undo journal applied");
+        if seq == to {
+            j.clear()?;
+        } else {
+            j.remove();
+        }
+    }
+    Ok(())
+}
+
+/// Records kept for the retained checkpoints: those the journals name.
+fn held_records(dir: &Path, ckpt: CheckpointState) -> Result<std::collections::BTreeMap<u64, Vec<u64>>> {
+    let mut held = std::collections::BTreeMap::new();
+    for seq in journal::list(dir) {
+        if seq < ckpt.oldest || seq > ckpt.latest {
+            continue;
+        }
+        let v: Vec<u64> = Journal::open(dir, seq)?.entries().iter().filter(|e| e.old != 0).map(|e| e.old).collect();
+        if !v.is_empty() {
+            held.insert(seq, v);
+        }
+    }
+    Ok(held)
 }
 
 /// Resolves `Auto` and checks that a cached placement has a cache to use.
@@ -354,9 +426,13 @@ impl Table {
         };
         index.flush()?;
         medium.flush()?;
+        let seq = tier.interval.load(Ordering::Acquire);
+        let journal = if seq > 0 { Some(Arc::new(Journal::create(dir, seq)?)) } else { None };
         crate::fsutil::sync_dir(dir)?;
         advise(&tier, &index, &medium);
-        Ok(Self::new(dir, meta, State { index, medium }, catalog, None, tier, placement))
+        let table =
+            Self::new(dir, meta, State { index, medium }, catalog, None, tier, placement, journal, Default::default());
+        Ok(table)
     }
 
     /// Opens the files of a table; repairs them first if the last user did not close cleanly.
@@ -366,6 +442,7 @@ impl Table {
         catalog: Arc<Catalog>,
         verify_all: bool,
         tier: Arc<Tier>,
+        ckpt: CheckpointState,
     ) -> Result<Table> {
         let placement = resolve_placement(&meta, &tier, false)?;
         // Index files of other generations are left-overs of an interrupted rebuild.
@@ -393,7 +470,9 @@ impl Table {
         let alloc = medium.alloc();
         let clean = index.was_closed_cleanly() && alloc.load_free_list(index.free_list_generation());
         let mut recovered = None;
-        if !clean || verify_all {
+        // After a crash the table returns to its latest checkpoint; a restore to the one asked.
+        let rollback_to = ckpt.restore_to.or((!clean && ckpt.latest > 0).then_some(ckpt.latest));
+        if !clean || verify_all || rollback_to.is_some() {
             let t0 = Instant::now();
             let name = meta.name.clone();
             tracing::info!(table = %name, "table was not closed cleanly; repairing index and free list");
@@ -420,8 +499,16 @@ impl Table {
             if let Some(e) = io_error {
                 return Err(e.context(format!("recovering table {:?}", meta.name)));
             }
+            if let Some(to) = rollback_to {
+                rollback(dir, &index, to).map_err(|e| e.context(format!("table {:?}", meta.name)))?;
+            }
             let mut live = alloc.new_bitmap();
             index.for_each(0, index.bucket_count(), |_, ptr| alloc.mark(&mut live, ptr));
+            for ptrs in held_records(dir, ckpt)?.values() {
+                for &p in ptrs {
+                    alloc.mark(&mut live, p);
+                }
+            }
             alloc.rebuild_free_list(&live);
             let RecoverReport { buckets_interrupted, slots_dropped, .. } = report;
             let stats = RecoverStats {
@@ -433,15 +520,45 @@ impl Table {
             tracing::info!(table = %name, ?stats, "repair done");
             recovered = Some(stats);
         }
+        // Journals of dropped checkpoints, or of one whose creation was cut short, are left-overs.
+        for seq in journal::list(dir) {
+            if seq < ckpt.oldest || seq > ckpt.latest {
+                let _ = std::fs::remove_file(journal::path_of(dir, seq));
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().ends_with(".ebj.tmp") {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
         index.mark_open()?;
         advise(&tier, &index, &medium);
-        let table = Self::new(dir, meta, State { index, medium }, catalog, recovered, tier, placement);
+        let held = held_records(dir, ckpt)?;
+        let journal = match ckpt.latest {
+            0 => None,
+            seq if journal::path_of(dir, seq).exists() => Some(Arc::new(Journal::open(dir, seq)?)),
+            seq => Some(Arc::new(Journal::create(dir, seq)?)),
+        };
+        let table = Self::new(dir, meta, State { index, medium }, catalog, recovered, tier, placement, journal, held);
+        // Keys already journaled in the current interval are not journaled again.
+        if let Some(j) = table.shared.journal.read().as_ref() {
+            let index_hash = |k: u64| table.state().map(|st| st.as_ref().unwrap().index.hash(k));
+            for e in j.entries() {
+                let h = index_hash(e.key)?;
+                let mut w = table.stripe(h).lock();
+                w.seq = j.seq();
+                w.keys.insert(e.key);
+            }
+        }
         if placement == Placement::Pin {
             table.load_pinned()?;
         }
         Ok(table)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn new(
         dir: &Path,
         meta: TableMeta,
@@ -450,6 +567,8 @@ impl Table {
         recovered: Option<RecoverStats>,
         tier: Arc<Tier>,
         placement: Placement,
+        journal: Option<Arc<Journal>>,
+        held: std::collections::BTreeMap<u64, Vec<u64>>,
     ) -> Table {
         let lease = std::time::Duration::from_secs_f64(meta.lease_seconds);
         let holds = meta.staleness_bound.map(|k| Holds::new(k, lease));
@@ -475,7 +594,9 @@ impl Table {
                 dir: dir.to_owned(),
                 catalog,
                 state: RwLock::new(Some(state)),
-                stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+                stripes: (0..STRIPES).map(|_| Mutex::new(StripeLog::default())).collect(),
+                journal: RwLock::new(journal),
+                held: Mutex::new(held),
                 recovered,
                 holds,
             }),
@@ -576,7 +697,7 @@ impl Table {
     }
 
     #[inline(always)]
-    fn stripe(&self, hash: u64) -> &Mutex<()> {
+    fn stripe(&self, hash: u64) -> &Mutex<StripeLog> {
         // The stripe comes from bits the home bucket does not use first.
         &self.shared.stripes[((hash >> 40) as usize) & (STRIPES - 1)]
     }
@@ -651,6 +772,8 @@ impl Table {
 
     /// Records (row and optimizer state) of `keys`, created if missing.
     fn pull_records(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
+        // Pulls may create rows: a checkpoint sees all of a batch or none of it.
+        let _gate = self.shared.tier.gate.read_recursive();
         if self.tiered() {
             return self.tier_pull(keys, out);
         }
@@ -691,7 +814,7 @@ impl Table {
             let key = keys[i];
             let h = index.hash(key);
             let row = &mut out[i * dim..(i + 1) * dim];
-            let _w = self.stripe(h).lock();
+            let mut w = self.stripe(h).lock();
             if let Some(ptr) = index.get(key, h) {
                 row.copy_from_slice(medium.row_at(ptr));
                 continue;
@@ -703,6 +826,7 @@ impl Table {
             self.init_record(key, row);
             let ptr = unused.next().expect("one record allocated per position");
             medium.write_row(ptr, key, row);
+            self.journal(&mut w, index, key, h)?;
             if !index.insert_new(key, h, ptr) {
                 alloc.release(std::iter::once(ptr).chain(unused).collect());
                 return Ok(Pass::NeedRoom(done));
@@ -813,6 +937,8 @@ impl Table {
     }
 
     pub fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        // Read, update and write as one step for checkpoints.
+        let _gate = self.shared.tier.gate.read_recursive();
         self.check_rows("push_grad", keys.len(), grads.len())?;
         let d = self.shared.row_dim;
         if let Some(i) = grads.iter().position(|x| !x.is_finite()) {
@@ -848,6 +974,7 @@ impl Table {
 
     /// Writes whole records (row and optimizer state).
     fn push_records(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
+        let _gate = self.shared.tier.gate.read_recursive();
         if self.tiered() {
             return self.tier_push(keys, rows);
         }
@@ -874,35 +1001,42 @@ impl Table {
         let guard = crossbeam_epoch::pin();
         let mut ptrs = Vec::new();
         alloc.allocate(keys.len(), &mut ptrs)?;
-        let mut retired = Vec::new();
+        let (mut retired, mut held) = (Vec::new(), Vec::new());
         let mut result = Pass::Done;
         for (i, &key) in keys.iter().enumerate() {
             let ptr = ptrs[i];
             medium.write_row(ptr, key, &rows[i * dim..(i + 1) * dim]);
             let h = index.hash(key);
-            let _w = self.stripe(h).lock();
+            let mut w = self.stripe(h).lock();
+            let keep = self.journal(&mut w, index, key, h)?;
             if let Some(old) = index.replace(key, h, ptr) {
-                retired.push(old);
+                if keep == Some(old) {
+                    held.push(old)
+                } else {
+                    retired.push(old)
+                }
             } else if !self.has_room(index) || !index.insert_new(key, h, ptr) {
                 alloc.release(ptrs[i..].to_vec());
                 result = Pass::NeedRoom(i);
                 break;
             }
         }
-        alloc.retire(&guard, retired);
+        self.settle(alloc, &guard, retired, held);
         Ok(result)
     }
 
     /// Deletes keys; returns how many were present.
     pub fn delete(&self, keys: &[u64]) -> Result<u64> {
+        let _gate = self.shared.tier.gate.read_recursive();
         let st = self.state()?;
         let State { index, medium } = st.as_ref().unwrap();
         let cache = self.cache();
         let guard = crossbeam_epoch::pin();
-        let mut retired = Vec::new();
+        let (mut retired, mut held) = (Vec::new(), Vec::new());
         for &key in keys {
             let h = index.hash(key);
-            let _w = self.stripe(h).lock();
+            let mut w = self.stripe(h).lock();
+            let keep = self.journal(&mut w, index, key, h)?;
             // With a row cache, index changes also hold the key's cache shard (see tiered.rs).
             let _c = cache.map(|c| {
                 let mut l = c.lock(c.hash(self.shared.id, key));
@@ -910,12 +1044,84 @@ impl Table {
                 l
             });
             if let Some(ptr) = index.remove(key, h) {
-                retired.push(ptr);
+                if keep == Some(ptr) {
+                    held.push(ptr)
+                } else {
+                    retired.push(ptr)
+                }
             }
         }
-        let n = retired.len() as u64;
-        medium.alloc().retire(&guard, retired);
+        let n = (retired.len() + held.len()) as u64;
+        self.settle(medium.alloc(), &guard, retired, held);
         Ok(n)
+    }
+
+    /// Under the key's stripe lock, before its index slot changes (with the store's
+    /// checkpoint gate held): journals the key's current record if this is its first
+    /// change since the latest checkpoint, and returns that record, which the caller must
+    /// hold (not retire) since the checkpoint still needs it.
+    fn journal(&self, w: &mut StripeLog, index: &Index, key: u64, h: u64) -> Result<Option<u64>> {
+        let seq = self.shared.tier.interval.load(Ordering::Acquire);
+        if seq == 0 {
+            return Ok(None);
+        }
+        if w.seq != seq {
+            w.seq = seq;
+            w.keys.clear();
+        }
+        if w.keys.contains(&key) {
+            return Ok(None);
+        }
+        let cur = index.get(key, h);
+        match self.shared.journal.read().as_ref() {
+            Some(j) if j.seq() == seq => j.append(key, cur.unwrap_or(0))?,
+            _ => {
+                return Err(Error::corrupt(format!("table {:?} has no journal for checkpoint {seq}", self.shared.name)))
+            }
+        }
+        w.keys.insert(key);
+        Ok(cur)
+    }
+
+    /// Retires replaced records, except those a retained checkpoint needs (`held`).
+    fn settle(
+        &self,
+        alloc: &crate::medium::alloc::RecordAlloc,
+        guard: &crossbeam_epoch::Guard,
+        retired: Vec<u64>,
+        held: Vec<u64>,
+    ) {
+        alloc.retire(guard, retired);
+        if !held.is_empty() {
+            let seq = self.shared.tier.interval.load(Ordering::Acquire);
+            self.shared.held.lock().entry(seq).or_default().extend(held);
+        }
+    }
+
+    /// Starts the interval of checkpoint `seq` (the store's checkpoint gate is held
+    /// exclusively): a new, empty undo journal.
+    pub(crate) fn start_interval(&self, seq: u64) -> Result<()> {
+        let j = Journal::create(&self.shared.dir, seq)?;
+        *self.shared.journal.write() = Some(Arc::new(j));
+        Ok(())
+    }
+
+    /// Checkpoint `seq` is no longer retained: its journal goes, and records held for it
+    /// return to the allocator.
+    pub(crate) fn drop_interval(&self, seq: u64) -> Result<()> {
+        let _ = std::fs::remove_file(journal::path_of(&self.shared.dir, seq));
+        let freed = self.shared.held.lock().remove(&seq).unwrap_or_default();
+        if !freed.is_empty() {
+            let st = self.state()?;
+            let guard = crossbeam_epoch::pin();
+            st.as_ref().unwrap().medium.alloc().retire(&guard, freed);
+        }
+        Ok(())
+    }
+
+    /// Records held for retained checkpoints.
+    pub fn held_records(&self) -> u64 {
+        self.shared.held.lock().values().map(|v| v.len() as u64).sum()
     }
 
     fn has_room(&self, index: &Index) -> bool {
@@ -1209,6 +1415,9 @@ impl Table {
     /// Makes every write before this call durable: rows first, then the index.
     pub fn flush(&self) -> Result<()> {
         self.write_back_all()?;
+        if let Some(j) = self.shared.journal.read().as_ref() {
+            j.flush()?;
+        }
         let st = self.state()?;
         let State { index, medium } = st.as_ref().unwrap();
         medium.flush()?;

@@ -36,6 +36,11 @@ pub struct Tier {
     thread: Mutex<Option<JoinHandle<()>>>,
     pub lookahead_dropped: AtomicU64,
     pub lookahead_requests: AtomicU64,
+    /// Batches that change rows hold this shared; a checkpoint holds it exclusively, so
+    /// it falls between batches. Taken before any table lock (`read_recursive`: batches nest).
+    pub gate: parking_lot::RwLock<()>,
+    /// Seq of the latest checkpoint (0: none yet, nothing is journaled).
+    pub interval: AtomicU64,
 }
 
 impl Tier {
@@ -50,6 +55,8 @@ impl Tier {
             thread: Mutex::new(None),
             lookahead_dropped: AtomicU64::new(0),
             lookahead_requests: AtomicU64::new(0),
+            gate: parking_lot::RwLock::new(()),
+            interval: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&tier);
         let handle = std::thread::Builder::new()

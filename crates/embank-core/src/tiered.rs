@@ -195,7 +195,7 @@ impl Table {
         for (j, &i) in positions.iter().enumerate() {
             let key = keys[i];
             let h = index.hash(key);
-            let _w = self.stripe(h).lock();
+            let mut w = self.stripe(h).lock();
             let mut l = cache.map(|c| c.lock(c.hash(id, key)));
             let row = &mut out[i * dim..(i + 1) * dim];
             if let Some(e) = l.as_ref().and_then(|l| l.get(id, key)) {
@@ -208,7 +208,12 @@ impl Table {
                 reread.push(i);
                 continue;
             }
-            if !self.has_room(index) || !index.insert_new(key, h, ptrs[j]) {
+            if !self.has_room(index) {
+                alloc.release(ptrs[j..].to_vec());
+                return Ok(Pass::NeedRoom(j));
+            }
+            self.journal(&mut w, index, key, h)?;
+            if !index.insert_new(key, h, ptrs[j]) {
                 alloc.release(ptrs[j..].to_vec());
                 return Ok(Pass::NeedRoom(j));
             }
@@ -276,16 +281,21 @@ impl Table {
         let index = &st.index;
         let cache = self.cache();
         let guard = crossbeam_epoch::pin();
-        let mut retired = Vec::new();
+        let (mut retired, mut held) = (Vec::new(), Vec::new());
         let mut result = Pass::Done;
         for (j, &i) in positions.iter().enumerate() {
             let key = keys[i];
             let row = &rows[i * dim..(i + 1) * dim];
             let h = index.hash(key);
-            let _w = self.stripe(h).lock();
+            let mut w = self.stripe(h).lock();
             let mut l = cache.map(|c| c.lock(c.hash(id, key)));
+            let keep = self.journal(&mut w, index, key, h)?;
             if let Some(old) = index.replace(key, h, ptrs[j]) {
-                retired.push(old);
+                if keep == Some(old) {
+                    held.push(old)
+                } else {
+                    retired.push(old)
+                }
             } else if !self.has_room(index) || !index.insert_new(key, h, ptrs[j]) {
                 alloc.release(ptrs[j..].to_vec());
                 result = Pass::NeedRoom(j);
@@ -299,12 +309,18 @@ impl Table {
                 }
             }
         }
-        alloc.retire(&guard, retired);
+        self.settle(alloc, &guard, retired, held);
         Ok(result)
     }
 
     /// Writes back up to `max` dirty rows of this table; returns how many were taken.
     pub(crate) fn write_back(&self, max: usize) -> Result<usize> {
+        let _gate = self.shared.tier.gate.read_recursive();
+        self.write_back_locked(max)
+    }
+
+    /// [`write_back`](Self::write_back) for a caller that holds the checkpoint gate.
+    fn write_back_locked(&self, max: usize) -> Result<usize> {
         let Some(cache) = self.cache() else { return Ok(0) };
         let id = self.shared.id;
         let _one = self.shared.write_back_lock.lock();
@@ -341,12 +357,12 @@ impl Table {
         let alloc = st.medium.alloc();
         let index = &st.index;
         let guard = crossbeam_epoch::pin();
-        let mut retired = Vec::new();
+        let (mut retired, mut held) = (Vec::new(), Vec::new());
         let mut unused = Vec::new();
         let mut result = Pass::Done;
         for (j, r) in rows.iter().enumerate() {
             let h = index.hash(r.key);
-            let _w = self.stripe(h).lock();
+            let mut w = self.stripe(h).lock();
             let mut l = cache.lock(cache.hash(id, r.key));
             let current = l.get(id, r.key).is_some_and(|e| e.dirty && e.version == r.version);
             if !current {
@@ -354,8 +370,13 @@ impl Table {
                 unused.push(ptrs[j]);
                 continue;
             }
+            let keep = self.journal(&mut w, index, r.key, h)?;
             if let Some(old) = index.replace(r.key, h, ptrs[j]) {
-                retired.push(old);
+                if keep == Some(old) {
+                    held.push(old)
+                } else {
+                    retired.push(old)
+                }
             } else if !self.has_room(index) || !index.insert_new(r.key, h, ptrs[j]) {
                 unused.extend_from_slice(&ptrs[j..]);
                 result = Pass::NeedRoom(j);
@@ -364,13 +385,19 @@ impl Table {
             l.mark_clean(id, r.key, r.version);
         }
         alloc.release(unused);
-        alloc.retire(&guard, retired);
+        self.settle(alloc, &guard, retired, held);
         Ok(result)
     }
 
     /// Writes back every dirty row of this table.
     pub(crate) fn write_back_all(&self) -> Result<()> {
         while self.write_back(WRITE_BACK_BATCH)? > 0 {}
+        Ok(())
+    }
+
+    /// [`write_back_all`](Self::write_back_all) under the checkpoint gate held exclusively.
+    pub(crate) fn write_back_all_locked(&self) -> Result<()> {
+        while self.write_back_locked(WRITE_BACK_BATCH)? > 0 {}
         Ok(())
     }
 

@@ -1,0 +1,267 @@
+//! Undo journals of checkpoints: `undo.<seq>.ebj` in a table's directory.
+//!
+//! While checkpoint `seq` is the latest, the first change of each key appends
+//! `(key, record pointer the key had at the checkpoint, seq)` to journal `seq` — before
+//! the index changes, so a process killed at any instruction never has an index change
+//! whose undo entry is missing. Rolling back to checkpoint `s` applies journals `>= s`
+//! newest first, each in reverse, so each key's earliest entry wins. The records the
+//! entries point at are kept (not reused) while their checkpoint is retained.
+//!
+//! Appending is a few stores into a shared mapping (the page cache; no system call), so
+//! it survives a SIGKILL like every other write of the store; `flush` makes it durable.
+//!
+//! ```text
+//! header (64 bytes): magic "EMBKUNDO", version u32, entry bytes u32 (32), next u64
+//!                    (entries handed out), then zeros
+//! entry (32 bytes):  key u64, old pointer u64 (0 = the key was absent), seq u64,
+//!                    check u64 = mix(key, old, seq) | 1 (0 = never completed)
+//! ```
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use memmap2::{MmapOptions, MmapRaw};
+use parking_lot::Mutex;
+
+use crate::error::{io_at, Error, ErrorKind, Result};
+
+const MAGIC: &[u8; 8] = b"EMBKUNDO";
+const VERSION: u32 = 1;
+const HEADER: u64 = 64;
+const ENTRY: u64 = 32;
+/// Address space reserved per journal: 2^31 entries.
+const RESERVE: u64 = 64 << 30;
+/// The file grows by this much at a time.
+const GROW: u64 = 1 << 20;
+
+/// One undo entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub key: u64,
+    /// The key's record at the checkpoint; 0 if it had none.
+    pub old: u64,
+    pub seq: u64,
+}
+
+fn check(e: &Entry) -> u64 {
+    let mut z = e.key ^ e.old.rotate_left(21) ^ e.seq.rotate_left(42) ^ 0x9E37_79B9_7F4A_7C15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) | 1
+}
+
+pub struct Journal {
+    path: PathBuf,
+    seq: u64,
+    file: File,
+    map: MmapRaw,
+    /// Bytes of the file (grows under `grow`).
+    len: AtomicU64,
+    grow: Mutex<()>,
+}
+
+// SAFETY: the mapping is shared memory; each entry is written by the one appender that
+// reserved its slot, and read only at open (single-threaded) or after the writers stopped.
+unsafe impl Send for Journal {}
+unsafe impl Sync for Journal {}
+
+pub fn path_of(dir: &Path, seq: u64) -> PathBuf {
+    dir.join(format!("undo.{seq}.ebj"))
+}
+
+/// Sequence numbers of the journals in `dir`.
+pub fn list(dir: &Path) -> Vec<u64> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(seq) = name.strip_prefix("undo.").and_then(|s| s.strip_suffix(".ebj")) {
+                if let Ok(seq) = seq.parse() {
+                    out.push(seq);
+                }
+            }
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
+impl Journal {
+    /// Creates an empty journal (replacing any file of that name). The file appears
+    /// under its name only with its header written (created as `.tmp`, then renamed), so
+    /// a process killed meanwhile leaves no journal without one.
+    pub fn create(dir: &Path, seq: u64) -> Result<Journal> {
+        let path = path_of(dir, seq);
+        let tmp = path.with_extension("ebj.tmp");
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(|e| io_at("cannot create undo journal", &tmp, e))?;
+        file.set_len(GROW).map_err(|e| io_at("cannot size undo journal", &tmp, e))?;
+        let j = Self::map(path.clone(), seq, file, GROW)?;
+        // SAFETY: the header lies in the mapping.
+        unsafe {
+            let p = j.map.as_mut_ptr();
+            std::ptr::copy_nonoverlapping(MAGIC.as_ptr(), p, 8);
+            (p.add(8) as *mut u32).write(VERSION.to_le());
+            (p.add(12) as *mut u32).write((ENTRY as u32).to_le());
+        }
+        std::fs::rename(&tmp, &path).map_err(|e| io_at("cannot name undo journal", &path, e))?;
+        Ok(j)
+    }
+
+    pub fn open(dir: &Path, seq: u64) -> Result<Journal> {
+        let path = path_of(dir, seq);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_at("cannot open undo journal", &path, e))?;
+        let len = file.metadata().map_err(|e| io_at("cannot stat undo journal", &path, e))?.len();
+        if !(HEADER..=RESERVE).contains(&len) {
+            return Err(Error::new(ErrorKind::Recover, format!("undo journal {} has {len} bytes", path.display())));
+        }
+        let j = Self::map(path, seq, file, len)?;
+        // SAFETY: the header lies in the mapping.
+        let (magic, version) = unsafe {
+            let p = j.map.as_ptr();
+            (std::slice::from_raw_parts(p, 8).to_vec(), u32::from_le((p.add(8) as *const u32).read()))
+        };
+        if magic != MAGIC || version != VERSION {
+            return Err(Error::new(
+                ErrorKind::FormatVersion,
+                format!("{} is not an undo journal of format version {VERSION}", j.path.display()),
+            ));
+        }
+        Ok(j)
+    }
+
+    fn map(path: PathBuf, seq: u64, file: File, len: u64) -> Result<Journal> {
+        let map = MmapOptions::new()
+            .len(RESERVE as usize)
+            .map_raw(&file)
+            .map_err(|e| io_at("cannot map undo journal", &path, e))?;
+        Ok(Journal { path, seq, file, map, len: AtomicU64::new(len), grow: Mutex::new(()) })
+    }
+
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    fn next(&self) -> &AtomicU64 {
+        // SAFETY: 8-aligned word of the header page, inside the mapping for its lifetime.
+        unsafe { &*(self.map.as_ptr().add(16) as *const AtomicU64) }
+    }
+
+    /// Appends one entry.
+    pub fn append(&self, key: u64, old: u64) -> Result<()> {
+        let i = self.next().fetch_add(1, Ordering::AcqRel);
+        let end = HEADER + (i + 1) * ENTRY;
+        if end > self.len.load(Ordering::Acquire) {
+            let _g = self.grow.lock();
+            let len = self.len.load(Ordering::Acquire);
+            if end > len {
+                if end > RESERVE {
+                    return Err(Error::new(ErrorKind::Unsupported, "undo journal is full: take a checkpoint"));
+                }
+                let new = (end + GROW).min(RESERVE);
+                self.file.set_len(new).map_err(|e| io_at("cannot grow undo journal", &self.path, e))?;
+                self.len.store(new, Ordering::Release);
+            }
+        }
+        let e = Entry { key, old, seq: self.seq };
+        // SAFETY: slot i was handed to this caller alone and lies inside the file.
+        unsafe {
+            let p = self.map.as_mut_ptr().add((HEADER + i * ENTRY) as usize) as *mut u64;
+            p.write(key.to_le());
+            p.add(1).write(old.to_le());
+            p.add(2).write(self.seq.to_le());
+            // The check word last: an entry without it was never completed.
+            (*(p.add(3) as *const AtomicU64)).store(check(&e).to_le(), Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Every completed entry, in append order.
+    pub fn entries(&self) -> Vec<Entry> {
+        let len = self.len.load(Ordering::Acquire);
+        let n = self.next().load(Ordering::Acquire).min((len - HEADER) / ENTRY);
+        let mut out = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            // SAFETY: inside the file.
+            let e = unsafe {
+                let p = self.map.as_ptr().add((HEADER + i * ENTRY) as usize) as *const u64;
+                let e = Entry {
+                    key: u64::from_le(p.read()),
+                    old: u64::from_le(p.add(1).read()),
+                    seq: u64::from_le(p.add(2).read()),
+                };
+                (e, u64::from_le((*(p.add(3) as *const AtomicU64)).load(Ordering::Acquire)))
+            };
+            if e.1 == check(&e.0) && e.0.seq == self.seq {
+                out.push(e.0);
+            }
+        }
+        out
+    }
+
+    /// Forgets every entry (after the journal was applied).
+    pub fn clear(&self) -> Result<()> {
+        let _g = self.grow.lock();
+        self.next().store(0, Ordering::Release);
+        self.file.set_len(HEADER).map_err(|e| io_at("cannot truncate undo journal", &self.path, e))?;
+        self.file.set_len(GROW).map_err(|e| io_at("cannot size undo journal", &self.path, e))?;
+        self.len.store(GROW, Ordering::Release);
+        Ok(())
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        self.map.flush().map_err(|e| io_at("cannot sync undo journal", &self.path, e))
+    }
+
+    /// Deletes the file.
+    pub fn remove(self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_grow_and_clear() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::create(dir.path(), 3).unwrap();
+        let n = GROW / ENTRY + 100; // past the first size
+        for k in 0..n {
+            j.append(k, k * 2).unwrap();
+        }
+        drop(j);
+        let j = Journal::open(dir.path(), 3).unwrap();
+        let e = j.entries();
+        assert_eq!(e.len() as u64, n);
+        assert_eq!(e[7], Entry { key: 7, old: 14, seq: 3 });
+        assert_eq!(list(dir.path()), vec![3]);
+        j.clear().unwrap();
+        assert!(j.entries().is_empty());
+        j.append(1, 0).unwrap();
+        assert_eq!(j.entries(), vec![Entry { key: 1, old: 0, seq: 3 }]);
+    }
+
+    #[test]
+    fn an_entry_without_its_check_word_is_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::create(dir.path(), 1).unwrap();
+        j.append(5, 6).unwrap();
+        // A slot handed out whose writer was killed before finishing: zeros.
+        j.next().fetch_add(1, Ordering::AcqRel);
+        j.append(8, 9).unwrap();
+        let keys: Vec<u64> = j.entries().iter().map(|e| e.key).collect();
+        assert_eq!(keys, vec![5, 8]);
+    }
+}

@@ -1,0 +1,298 @@
+//! Batch-aware checkpoints.
+//!
+//! - A training loop in a child process (this test binary, `--ignored --exact
+//!   train_child`): pull, push_grad, push, delete per batch, `checkpoint(batch)` every
+//!   few batches, on an mmap table (Adagrad) and a block table behind a tiny row cache
+//!   (Adam). SIGKILLed at random 50 times (`EMBANK_CKPT_KILLS`); after each reopen the
+//!   whole store — rows and optimizer state — must equal a replay from scratch up to
+//!   the last checkpointed batch, though later batches had reached the medium.
+//! - In one process: restore to any retained checkpoint equals the model's snapshot;
+//!   dropped checkpoints cannot be restored; options and errors.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use embank_core::{ErrorKind, Initializer, MediumKind, Optimizer, Placement, Store, StoreOptions, Table, TableOptions};
+
+const DIM: usize = 4;
+const KEYS: u64 = 400;
+const CKPT_EVERY: u64 = 3;
+
+fn options() -> StoreOptions {
+    // A row cache of a few KiB: the block table's rows are evicted and written back constantly.
+    StoreOptions { cache_bytes: 8 << 10, ..Default::default() }
+}
+
+fn create(store: &Store) {
+    let mut o = TableOptions::new(DIM as u32);
+    o.init = Initializer::Normal { mean: 0.0, std: 0.1 };
+    o.optimizer = Optimizer::Adagrad { lr: 0.1, eps: 1e-8, initial_accumulator_value: 0.1 };
+    o.capacity = 32; // grows during the run
+    store.create_table("emb", o.clone()).unwrap();
+    o.medium = MediumKind::Block;
+    o.placement = Placement::Cache;
+    o.optimizer = Optimizer::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+    store.create_table("blk", o).unwrap();
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Batch `b` of the training loop: depends on `b` only.
+fn batch(store: &Store, b: u64) {
+    let mut rng = Rng(b.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    for name in ["emb", "blk"] {
+        let t = store.table(name).unwrap();
+        let keys: Vec<u64> = (0..48).map(|_| rng.next() % KEYS).collect();
+        let mut rows = vec![0f32; keys.len() * DIM];
+        t.pull(&keys, &mut rows).unwrap();
+        let grads: Vec<f32> = (0..keys.len() * DIM).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        t.push_grad(&keys, &grads).unwrap();
+        if b.is_multiple_of(5) {
+            let k = rng.next() % KEYS;
+            t.push(&[k], &[b as f32; DIM]).unwrap();
+        }
+        if b.is_multiple_of(7) {
+            t.delete(&[rng.next() % KEYS, rng.next() % KEYS]).unwrap();
+        }
+    }
+}
+
+/// Every row of a table, optimizer state included: each row is read, then one more
+/// fixed gradient step is taken on a copy of the comparison (the caller compares the
+/// rows before and after that step across stores, so state differences show).
+fn contents(t: &Table) -> BTreeMap<u64, Vec<u32>> {
+    let mut out = BTreeMap::new();
+    t.export(1024, |keys, rows| {
+        for (i, &k) in keys.iter().enumerate() {
+            out.insert(k, rows[i * DIM..(i + 1) * DIM].iter().map(|x| x.to_bits()).collect());
+        }
+        Ok(())
+    })
+    .unwrap();
+    out
+}
+
+/// Compares two stores table by table, rows and optimizer state (one more identical
+/// push_grad on both, then the rows again). Mutates both.
+fn assert_same(a: &Store, b: &Store, ctx: &str) {
+    for name in ["emb", "blk"] {
+        let (ta, tb) = (a.table(name).unwrap(), b.table(name).unwrap());
+        same(&contents(&ta), &contents(&tb), &format!("{ctx}: table {name} rows"));
+        let keys: Vec<u64> = contents(&ta).keys().copied().collect();
+        let grads = vec![0.25f32; keys.len() * DIM];
+        ta.push_grad(&keys, &grads).unwrap();
+        tb.push_grad(&keys, &grads).unwrap();
+        same(&contents(&ta), &contents(&tb), &format!("{ctx}: table {name} optimizer state"));
+    }
+}
+
+/// Equal maps, or a short report: how many keys differ and the first few.
+fn same(a: &BTreeMap<u64, Vec<u32>>, b: &BTreeMap<u64, Vec<u32>>, what: &str) {
+    if a == b {
+        return;
+    }
+    let keys: std::collections::BTreeSet<u64> = a.keys().chain(b.keys()).copied().collect();
+    let diff: Vec<u64> = keys.into_iter().filter(|k| a.get(k) != b.get(k)).collect();
+    let first = diff[0];
+    panic!(
+        "{what} differ at {} of {} keys; key {first}: recovered {:?}, reference {:?}",
+        diff.len(),
+        a.len().max(b.len()),
+        a.get(&first).map(|r| r.iter().map(|&x| f32::from_bits(x)).collect::<Vec<_>>()),
+        b.get(&first).map(|r| r.iter().map(|&x| f32::from_bits(x)).collect::<Vec<_>>()),
+    );
+}
+
+#[test]
+#[ignore]
+fn train_child() {
+    let Ok(path) = std::env::var("EMBANK_CKPT_DIR") else { return };
+    let mut b: u64 = std::env::var("EMBANK_CKPT_FROM").unwrap().parse().unwrap();
+    let store = Store::open(&path, options()).unwrap();
+    loop {
+        batch(&store, b);
+        if b.is_multiple_of(CKPT_EVERY) {
+            store.checkpoint(b).unwrap();
+            println!("CHECKPOINT {b}");
+        }
+        b += 1;
+    }
+}
+
+#[test]
+fn sigkill_returns_to_the_last_checkpoint_exactly() {
+    let kills: u64 = std::env::var("EMBANK_CKPT_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+    let seed: u64 = std::env::var("EMBANK_CKPT_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
+    });
+    eprintln!("checkpoint crash test: {kills} kills, EMBANK_CKPT_SEED={seed}");
+    let mut rng = Rng(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    {
+        let s = Store::open(&path, options()).unwrap();
+        create(&s);
+        s.checkpoint(0).unwrap();
+    }
+    // The reference: the same batches, never killed, advanced to each recovered checkpoint.
+    let reference = Store::open(dir.path().join("reference"), options()).unwrap();
+    create(&reference);
+    let mut replayed = 0u64;
+    let exe = std::env::current_exe().unwrap();
+    let mut rolled_back = 0;
+    for kill in 0..kills {
+        let latest = {
+            let s = Store::open(&path, options()).unwrap();
+            let l = s.checkpoints().unwrap().last().unwrap().batch_id;
+            s.close().unwrap();
+            l
+        };
+        let mut child = Command::new(&exe)
+            .args(["--ignored", "--exact", "train_child", "--nocapture", "--test-threads", "1"])
+            .env("EMBANK_CKPT_DIR", &path)
+            .env("EMBANK_CKPT_FROM", (latest + 1).to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            BufReader::new(stdout).lines().map_while(Result::ok).filter(|l| l.starts_with("CHECKPOINT")).count()
+        });
+        std::thread::sleep(Duration::from_millis(10 + rng.next() % 90));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        reader.join().unwrap();
+
+        let store = Store::open(&path, options()).unwrap_or_else(|e| panic!("kill {kill}: reopen failed: {e}"));
+        let ckpts = store.checkpoints().unwrap();
+        let last = ckpts.last().unwrap().batch_id;
+        assert!(ckpts.len() <= 2, "kept {ckpts:?}");
+        if store.table("emb").unwrap().stats().unwrap().recovered.is_some() {
+            rolled_back += 1;
+        }
+        for b in replayed + 1..=last {
+            batch(&reference, b);
+        }
+        replayed = last;
+        let ctx = format!("kill {kill} (seed {seed}): checkpoint {last}");
+        if reference.checkpoints().unwrap().last().map(|c| c.batch_id) != Some(last) {
+            reference.checkpoint(last).unwrap();
+        }
+        assert_same(&store, &reference, &ctx);
+        // assert_same took one more step on both: return both to the checkpoint.
+        store.restore(last).unwrap();
+        store.close().unwrap();
+        reference.restore(last).unwrap();
+    }
+    assert!(rolled_back > kills / 2, "only {rolled_back} of {kills} reopenings rolled back");
+}
+
+/// Opens the store again. The crash test in this binary forks children meanwhile, and a
+/// child holds copies of every descriptor — our store lock's too — from fork to exec:
+/// a lock released in that window looks held for a moment.
+fn reopen(path: &std::path::Path, opts: &StoreOptions) -> Store {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match Store::open(path, opts.clone()) {
+            Err(e) if e.kind() == ErrorKind::Locked && std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            r => return r.unwrap(),
+        }
+    }
+}
+
+type Snapshot = (BTreeMap<u64, Vec<u32>>, BTreeMap<u64, Vec<u32>>);
+
+fn snapshot(store: &Store) -> Snapshot {
+    (contents(&store.table("emb").unwrap()), contents(&store.table("blk").unwrap()))
+}
+
+/// Random batches and checkpoints in one process, clean reopens, and restores to random
+/// retained checkpoints, each compared with the snapshot taken at that checkpoint.
+#[test]
+fn restore_returns_to_each_retained_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let opts = StoreOptions { keep_checkpoints: 3, ..options() };
+    let mut store = Store::open(&path, opts.clone()).unwrap();
+    create(&store);
+    let mut snapshots: BTreeMap<u64, Snapshot> = BTreeMap::new();
+    let mut rng = Rng(7);
+    let mut b = 0u64;
+    let mut restores = 0;
+    for round in 0..40 {
+        for _ in 0..rng.next() % 4 {
+            b += 1;
+            batch(&store, b);
+        }
+        b += 1;
+        store.checkpoint(b).unwrap();
+        snapshots.insert(b, snapshot(&store));
+        for _ in 0..rng.next() % 3 {
+            b += 1;
+            batch(&store, b);
+        }
+        match round % 4 {
+            1 => {
+                store.close().unwrap();
+                store = reopen(&path, &opts);
+            }
+            3 => {
+                let kept: Vec<u64> = store.checkpoints().unwrap().iter().map(|c| c.batch_id).collect();
+                assert!(!kept.is_empty() && kept.len() <= 3, "{kept:?}");
+                let target = kept[(rng.next() % kept.len() as u64) as usize];
+                let old = store.table("emb").unwrap();
+                store.restore(target).unwrap();
+                assert_eq!(old.len().unwrap_err().kind(), ErrorKind::Closed, "handles from before a restore close");
+                assert!(snapshot(&store) == snapshots[&target], "round {round}: restore to {target}");
+                let now: Vec<u64> = store.checkpoints().unwrap().iter().map(|c| c.batch_id).collect();
+                assert_eq!(now.last(), Some(&target), "later checkpoints are forgotten");
+                snapshots.retain(|&k, _| k <= target);
+                b = target;
+                restores += 1;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(restores, 10);
+}
+
+#[test]
+fn checkpoint_errors_and_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions { keep_checkpoints: 2, ..options() }).unwrap();
+    create(&store);
+    store.checkpoint(10).unwrap();
+    let e = store.checkpoint(10).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    store.checkpoint(11).unwrap();
+    store.checkpoint(12).unwrap();
+    let kept: Vec<u64> = store.checkpoints().unwrap().iter().map(|c| c.batch_id).collect();
+    assert_eq!(kept, vec![11, 12]);
+    let e = store.restore(10).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert!(e.to_string().contains("[11, 12]"), "{e}");
+    // Records only a dropped checkpoint needed are free again: rewriting the same keys
+    // many times over many checkpoints does not grow the held set without bound.
+    let t = store.table("emb").unwrap();
+    let keys: Vec<u64> = (0..50).collect();
+    for b in 13..40 {
+        t.push(&keys, &vec![b as f32; 50 * DIM]).unwrap();
+        store.checkpoint(b).unwrap();
+    }
+    assert!(t.held_records() <= 2 * 50, "held {}", t.held_records());
+    let bad = Store::open(dir.path().join("t"), StoreOptions { keep_checkpoints: 0, ..Default::default() });
+    assert_eq!(bad.err().unwrap().kind(), ErrorKind::Config);
+}
