@@ -354,6 +354,34 @@ class Store:
         """Makes every write before this call durable."""
         self._s.flush()
 
+    def checkpoint(self, batch_id: int) -> None:
+        """Marks a batch boundary of training.
+
+        After a crash, opening the store returns every table — rows and optimizer
+        state — to exactly the last checkpoint, even though later writes had reached the
+        medium; :meth:`restore` returns to any retained one on demand. Cheap: no copy of
+        any table (each key's row at the checkpoint is journaled on its first change
+        after it). Waits for batches in flight on other threads; tables behind the row
+        cache first write back their dirty rows. ``batch_id`` must increase. On a remote
+        store every shard checkpoints (call it between batches).
+        """
+        if batch_id < 0:
+            raise InvalidInputError(f"batch_id must be >= 0, got {batch_id}")
+        self._s.checkpoint(int(batch_id))
+
+    def checkpoints(self) -> list[int]:
+        """Batch ids of the retained checkpoints, oldest first (``keep_checkpoints`` of
+        :func:`open` says how many are kept)."""
+        return [int(c["batch_id"]) for c in json.loads(self._s.checkpoints_json())]
+
+    def restore(self, batch_id: int) -> None:
+        """Returns every table to checkpoint ``batch_id`` and forgets later checkpoints.
+
+        Table objects obtained before are closed afterwards: get them again with
+        :meth:`table`. Raises :class:`~embank.errors.NotFoundError` if that checkpoint
+        is not retained."""
+        self._s.restore(int(batch_id))
+
     def close(self) -> None:
         """Flushes and closes every table and releases the store's lock. Idempotent.
 
@@ -388,6 +416,7 @@ def open(
     io_engine: str = "auto",
     io_depth: int = 128,
     mmap_random_access: bool = True,
+    keep_checkpoints: int = 2,
 ) -> Store:
     """Opens (or creates) the store in directory ``path``.
 
@@ -405,6 +434,7 @@ def open(
         mmap_random_access: map mmap-medium files with ``MADV_RANDOM`` (the default):
             no read-around, small page-cache folios, so a row write dirties one page.
             Turn off for read-only tables that fit in memory (reads ~25 % faster).
+        keep_checkpoints: how many :meth:`Store.checkpoint` s are kept for :meth:`Store.restore`.
 
     Raises:
         StoreLockedError: another process or handle has the store open.
@@ -423,6 +453,7 @@ def open(
             io_engine,
             int(io_depth),
             bool(mmap_random_access),
+            int(keep_checkpoints),
         )
     )
 

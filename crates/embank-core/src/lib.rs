@@ -53,5 +53,5 @@ pub use init::Initializer;
 pub use io::IoChoice;
 pub use medium::MediumKind;
 pub use optim::Optimizer;
-pub use store::{Store, StoreOptions, StoreStats};
+pub use store::{CheckpointInfo, Store, StoreOptions, StoreStats};
 pub use table::{ExportCursor, Table, TableOptions, TableStats, DIM_MAX};

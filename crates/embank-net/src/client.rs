@@ -333,6 +333,30 @@ impl Client {
         Ok(total)
     }
 
+    /// A checkpoint of every shard at this batch boundary (call it between batches).
+    pub fn checkpoint(&self, batch_id: u64) -> Result<()> {
+        self.broadcast(Op::Checkpoint, &batch_id.to_le_bytes(), None).map(|_| ())
+    }
+
+    /// The checkpoints every shard retains, oldest first.
+    pub fn checkpoints(&self) -> Result<Vec<embank_core::store::CheckpointInfo>> {
+        let mut common: Option<Vec<embank_core::store::CheckpointInfo>> = None;
+        for (_, body) in self.broadcast(Op::Checkpoints, &[], None)? {
+            let list: Vec<embank_core::store::CheckpointInfo> =
+                serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad checkpoint list: {e}")))?;
+            common = Some(match common {
+                None => list,
+                Some(c) => c.into_iter().filter(|x| list.iter().any(|y| y.batch_id == x.batch_id)).collect(),
+            });
+        }
+        Ok(common.unwrap_or_default())
+    }
+
+    /// Returns every shard to checkpoint `batch_id`.
+    pub fn restore(&self, batch_id: u64) -> Result<()> {
+        self.broadcast(Op::Restore, &batch_id.to_le_bytes(), None).map(|_| ())
+    }
+
     /// `tcp://host:port,host:port`.
     pub fn url(&self) -> String {
         format!("tcp://{}", self.addrs().join(","))

@@ -71,6 +71,12 @@ pub enum Op {
     PushGradHeld = 27,
     /// Body: worker u64. Reply body: u64 holds given back.
     Release = 28,
+    /// Body: batch id u64. A checkpoint of the whole store.
+    Checkpoint = 29,
+    /// Reply: JSON list of the retained checkpoints.
+    Checkpoints = 30,
+    /// Body: batch id u64. Returns the store to that checkpoint; table ids stay valid.
+    Restore = 31,
 }
 
 impl Op {
@@ -97,6 +103,9 @@ impl Op {
             26 => PullHeld,
             27 => PushGradHeld,
             28 => Release,
+            29 => Checkpoint,
+            30 => Checkpoints,
+            31 => Restore,
             _ => return None,
         })
     }
@@ -125,10 +134,13 @@ impl Op {
             PullHeld => "pull_held",
             PushGradHeld => "push_grad_held",
             Release => "release",
+            Checkpoint => "checkpoint",
+            Checkpoints => "checkpoints",
+            Restore => "restore",
         }
     }
 
-    pub const ALL: [Op; 20] = [
+    pub const ALL: [Op; 23] = [
         Op::Hello,
         Op::ListTables,
         Op::OpenTable,
@@ -149,6 +161,9 @@ impl Op {
         Op::PullHeld,
         Op::PushGradHeld,
         Op::Release,
+        Op::Checkpoint,
+        Op::Checkpoints,
+        Op::Restore,
     ];
 
     /// Whether the body carries `count` keys (after the prefix words).
@@ -182,7 +197,10 @@ impl Op {
 
     /// Whether repeating the request after a lost reply leaves the same state.
     pub fn idempotent(self) -> bool {
-        !matches!(self, Op::PushGrad | Op::PushGradHeld | Op::PullHeld | Op::CreateTable | Op::DropTable)
+        !matches!(
+            self,
+            Op::PushGrad | Op::PushGradHeld | Op::PullHeld | Op::CreateTable | Op::DropTable | Op::Checkpoint
+        )
     }
 }
 

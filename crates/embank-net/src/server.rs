@@ -487,6 +487,26 @@ impl<'a> Conn<'a> {
                 self.ctx.store.flush().map_err(|e| Ok(e.into()))?;
                 self.reply_bytes(h, 0, &[]).map_err(Err)
             }
+            Op::Checkpoint | Op::Restore => {
+                if h.body_len != 8 {
+                    return Err(Ok(Refusal::frame(
+                        status::BAD_FRAME,
+                        format!("{} takes an 8-byte batch id", op.name()),
+                    )));
+                }
+                if op == Op::Checkpoint {
+                    self.ctx.store.checkpoint(body[0]).map_err(|e| Ok(e.into()))?;
+                } else {
+                    self.ctx.store.restore(body[0]).map_err(|e| Ok(e.into()))?;
+                    // Every table handle was reopened: forget the old ones (ids stay the same).
+                    self.ctx.tables.write().clear();
+                }
+                self.reply_bytes(h, 0, &[]).map_err(Err)
+            }
+            Op::Checkpoints => {
+                let list = self.ctx.store.checkpoints().map_err(|e| Ok(e.into()))?;
+                self.reply_bytes(h, list.len() as u32, &serde_json::to_vec(&list).expect("serialize")).map_err(Err)
+            }
             _ => self.table_op(op, h, body),
         }
     }

@@ -91,7 +91,7 @@ macro_rules! on_table {
 impl Store {
     #[staticmethod]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.open
-    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true))]
+    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true, keep_checkpoints=2))]
     fn open(
         py: Python<'_>,
         path: PathBuf,
@@ -101,6 +101,7 @@ impl Store {
         io_engine: &str,
         io_depth: u32,
         mmap_random_access: bool,
+        keep_checkpoints: usize,
     ) -> PyResult<Store> {
         let io_engine = core::IoChoice::parse(io_engine).map_err(to_py_err)?;
         let options = core::StoreOptions {
@@ -110,6 +111,7 @@ impl Store {
             io_engine,
             io_depth,
             mmap_random_access,
+            keep_checkpoints,
             ..Default::default()
         };
         let store = py.detach(|| core::Store::open(&path, options)).map_err(to_py_err)?;
@@ -272,6 +274,33 @@ impl Store {
                 c.close();
                 flushed
             }
+        })
+        .map_err(to_py_err)
+    }
+
+    fn checkpoint(&self, py: Python<'_>, batch_id: u64) -> PyResult<()> {
+        py.detach(|| match &self.inner {
+            Backend::Local(s) => s.checkpoint(batch_id),
+            Backend::Remote(c) => c.checkpoint(batch_id),
+        })
+        .map_err(to_py_err)
+    }
+
+    /// The retained checkpoints as a JSON list.
+    fn checkpoints_json(&self, py: Python<'_>) -> PyResult<String> {
+        let list = py
+            .detach(|| match &self.inner {
+                Backend::Local(s) => s.checkpoints(),
+                Backend::Remote(c) => c.checkpoints(),
+            })
+            .map_err(to_py_err)?;
+        Ok(serde_json::to_string(&list).expect("checkpoints serialize"))
+    }
+
+    fn restore(&self, py: Python<'_>, batch_id: u64) -> PyResult<()> {
+        py.detach(|| match &self.inner {
+            Backend::Local(s) => s.restore(batch_id),
+            Backend::Remote(c) => c.restore(batch_id),
         })
         .map_err(to_py_err)
     }

@@ -1,0 +1,87 @@
+"""Checkpoints from Python, embedded and through two shards; a training process
+SIGKILLed after a checkpoint comes back to exactly that checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import embank
+import numpy as np
+import pytest
+from embank import errors
+
+
+def step(t: embank.Table, b: int) -> None:
+    rng = np.random.default_rng(b)
+    keys = rng.integers(0, 50, size=40).astype(np.uint64)
+    t.pull(keys)
+    t.push_grad(keys, rng.standard_normal((40, 4)).astype(np.float32))
+
+
+def table_rows(t: embank.Table) -> dict[int, list[float]]:
+    return {int(k): r.tolist() for ks, rs in t.export() for k, r in zip(ks, rs)}
+
+
+def test_checkpoint_and_restore(store: embank.Store) -> None:
+    t = store.create_table(
+        "emb", dim=4, init=embank.init.normal(0, 0.1), optimizer=embank.optim.Adagrad(lr=0.1)
+    )
+    for b in range(1, 6):
+        step(t, b)
+    store.checkpoint(5)
+    at5 = table_rows(t)
+    for b in range(6, 9):
+        step(t, b)
+    store.checkpoint(8)
+    at8 = table_rows(t)
+    step(t, 9)
+    assert store.checkpoints() == [5, 8]
+    with pytest.raises(errors.InvalidInputError, match="increase"):
+        store.checkpoint(8)
+    store.restore(8)
+    t = store.table("emb")
+    assert table_rows(t) == at8
+    store.restore(5)
+    t = store.table("emb")
+    assert table_rows(t) == at5
+    assert store.checkpoints() == [5]
+    with pytest.raises(errors.NotFoundError, match="retained"):
+        store.restore(8)
+    # Training goes on from the restored state exactly as it did the first time.
+    for b in range(6, 9):
+        step(t, b)
+    assert table_rows(t) == at8
+
+
+def test_sigkill_returns_to_the_last_checkpoint(store_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        import numpy as np
+        import embank
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_checkpoint import step
+        s = embank.open({str(store_path)!r})
+        t = s.create_table("emb", dim=4, optimizer=embank.optim.Adam(lr=0.01))
+        for b in range(1, 11):
+            step(t, b)
+        s.checkpoint(10)
+        for b in range(11, 30):
+            step(t, b)   # reach the medium, but are after the checkpoint
+        s.flush()        # even flushed
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    with embank.open(store_path) as s:
+        assert s.checkpoints() == [10]
+        recovered = table_rows(s.table("emb"))
+    with embank.open(store_path.parent / "replay") as r:
+        t = r.create_table("emb", dim=4, optimizer=embank.optim.Adam(lr=0.01))
+        for b in range(1, 11):
+            step(t, b)
+        assert recovered == table_rows(t)
