@@ -30,6 +30,10 @@ pub trait Engine: Sync {
     }
     /// Called between the load and the measured phase (resets counters).
     fn start_measure(&self) {}
+    /// A batch-aware checkpoint (`--checkpoint-every`), where the engine has them.
+    fn checkpoint(&self) -> Result<(), String> {
+        Err(format!("{} has no checkpoints (--checkpoint-every is an embank feature)", self.name()))
+    }
 }
 
 /// The embedded embank store: `embank-mmap` (the mmap medium, no row cache),
@@ -41,6 +45,8 @@ pub struct Embank {
     table: Table,
     /// Cache hits and misses when the measured phase started.
     base: parking_lot::Mutex<(u64, u64)>,
+    /// Batch id of the next checkpoint.
+    checkpoints: std::sync::atomic::AtomicU64,
 }
 
 impl Embank {
@@ -64,7 +70,7 @@ impl Embank {
         o.capacity = keys;
         o.medium = medium;
         let table = store.create_table("bench", o).map_err(|e| e.to_string())?;
-        Ok(Embank { name, _store: store, table, base: parking_lot::Mutex::new((0, 0)) })
+        Ok(Embank { name, _store: store, table, base: parking_lot::Mutex::new((0, 0)), checkpoints: std::sync::atomic::AtomicU64::new(1) })
     }
 
     fn hits_misses(&self) -> (u64, u64) {
@@ -95,6 +101,10 @@ impl Engine for Embank {
     }
     fn pull(&self, _: usize, keys: &[u64], out: &mut [f32]) -> Result<(), String> {
         self.table.pull(keys, out).map_err(|e| e.to_string())
+    }
+    fn checkpoint(&self) -> Result<(), String> {
+        let b = self.checkpoints.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self._store.checkpoint(b).map_err(|e| e.to_string())
     }
 }
 

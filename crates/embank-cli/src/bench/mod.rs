@@ -131,6 +131,10 @@ pub struct BenchArgs {
     /// `bench-<pid>` is created there, mmap medium, and dropped afterwards).
     #[arg(long)]
     pub target: Option<String>,
+    /// Thread 0 takes a batch-aware checkpoint after every N of its batches (embank
+    /// engines; its time counts in that batch). 0: never.
+    #[arg(long, default_value_t = 0)]
+    pub checkpoint_every: usize,
     /// Token of the `--target` servers (default: $EMBANK_TOKEN).
     #[arg(long, env = "EMBANK_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -329,6 +333,9 @@ fn measure(
                             engine.push(t, ks, &rows)?;
                         } else {
                             engine.pull(t, ks, &mut out)?;
+                        }
+                        if t == 0 && args.checkpoint_every > 0 && (i + 1).is_multiple_of(args.checkpoint_every) {
+                            engine.checkpoint()?;
                         }
                         lat.push(start.elapsed().as_nanos() as u64);
                         std::hint::black_box(&out);
