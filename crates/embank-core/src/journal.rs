@@ -35,6 +35,37 @@ const RESERVE: u64 = 64 << 30;
 /// The file grows by this much at a time.
 const GROW: u64 = 1 << 20;
 
+/// Slots a batch reserves at a time.
+const SLOTS_PER_RESERVE: u64 = 32;
+
+/// A batch's writer: reserves slots in runs, so the shared counter is touched once per
+/// run instead of once per entry.
+pub struct Writer {
+    journal: std::sync::Arc<Journal>,
+    next: u64,
+    end: u64,
+}
+
+impl Writer {
+    pub fn new(journal: std::sync::Arc<Journal>) -> Writer {
+        Writer { journal, next: 0, end: 0 }
+    }
+
+    pub fn seq(&self) -> u64 {
+        self.journal.seq
+    }
+
+    pub fn append(&mut self, key: u64, old: u64) -> Result<()> {
+        if self.next == self.end {
+            self.next = self.journal.reserve(SLOTS_PER_RESERVE)?;
+            self.end = self.next + SLOTS_PER_RESERVE;
+        }
+        self.journal.write(self.next, key, old);
+        self.next += 1;
+        Ok(())
+    }
+}
+
 /// One undo entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
@@ -159,8 +190,16 @@ impl Journal {
 
     /// Appends one entry.
     pub fn append(&self, key: u64, old: u64) -> Result<()> {
-        let i = self.next().fetch_add(1, Ordering::AcqRel);
-        let end = HEADER + (i + 1) * ENTRY;
+        let i = self.reserve(1)?;
+        self.write(i, key, old);
+        Ok(())
+    }
+
+    /// Hands out `n` consecutive slots (the file grown to hold them); returns the first.
+    /// Slots never written stay zero and are skipped when read.
+    pub fn reserve(&self, n: u64) -> Result<u64> {
+        let i = self.next().fetch_add(n, Ordering::AcqRel);
+        let end = HEADER + (i + n) * ENTRY;
         if end > self.len.load(Ordering::Acquire) {
             let _g = self.grow.lock();
             let len = self.len.load(Ordering::Acquire);
@@ -173,6 +212,11 @@ impl Journal {
                 self.len.store(new, Ordering::Release);
             }
         }
+        Ok(i)
+    }
+
+    /// Writes entry `i` (a slot from [`reserve`](Self::reserve), written once).
+    pub fn write(&self, i: u64, key: u64, old: u64) {
         let e = Entry { key, old, seq: self.seq };
         // SAFETY: slot i was handed to this caller alone and lies inside the file.
         unsafe {
@@ -183,7 +227,6 @@ impl Journal {
             // The check word last: an entry without it was never completed.
             (*(p.add(3) as *const AtomicU64)).store(check(&e).to_le(), Ordering::Release);
         }
-        Ok(())
     }
 
     /// Every completed entry, in append order.

@@ -807,6 +807,7 @@ impl Table {
         let (index, medium) = (&st.index, mmap_of(&st.medium));
         let alloc = medium.alloc();
         let _pin = crossbeam_epoch::pin();
+        let mut jw = None;
         let mut ptrs = Vec::new();
         alloc.allocate(positions.len(), &mut ptrs)?;
         let mut unused = ptrs.into_iter();
@@ -826,7 +827,7 @@ impl Table {
             self.init_record(key, row);
             let ptr = unused.next().expect("one record allocated per position");
             medium.write_row(ptr, key, row);
-            self.journal(&mut w, index, key, h)?;
+            self.journal(&mut jw, &mut w, index, key, h)?;
             if !index.insert_new(key, h, ptr) {
                 alloc.release(std::iter::once(ptr).chain(unused).collect());
                 return Ok(Pass::NeedRoom(done));
@@ -999,6 +1000,7 @@ impl Table {
         let (index, medium) = (&st.index, mmap_of(&st.medium));
         let alloc = medium.alloc();
         let guard = crossbeam_epoch::pin();
+        let mut jw = None;
         let mut ptrs = Vec::new();
         alloc.allocate(keys.len(), &mut ptrs)?;
         let (mut retired, mut held) = (Vec::new(), Vec::new());
@@ -1008,7 +1010,7 @@ impl Table {
             medium.write_row(ptr, key, &rows[i * dim..(i + 1) * dim]);
             let h = index.hash(key);
             let mut w = self.stripe(h).lock();
-            let keep = self.journal(&mut w, index, key, h)?;
+            let keep = self.journal(&mut jw, &mut w, index, key, h)?;
             if let Some(old) = index.replace(key, h, ptr) {
                 if keep == Some(old) {
                     held.push(old)
@@ -1032,11 +1034,12 @@ impl Table {
         let State { index, medium } = st.as_ref().unwrap();
         let cache = self.cache();
         let guard = crossbeam_epoch::pin();
+        let mut jw = None;
         let (mut retired, mut held) = (Vec::new(), Vec::new());
         for &key in keys {
             let h = index.hash(key);
             let mut w = self.stripe(h).lock();
-            let keep = self.journal(&mut w, index, key, h)?;
+            let keep = self.journal(&mut jw, &mut w, index, key, h)?;
             // With a row cache, index changes also hold the key's cache shard (see tiered.rs).
             let _c = cache.map(|c| {
                 let mut l = c.lock(c.hash(self.shared.id, key));
@@ -1060,7 +1063,14 @@ impl Table {
     /// checkpoint gate held): journals the key's current record if this is its first
     /// change since the latest checkpoint, and returns that record, which the caller must
     /// hold (not retire) since the checkpoint still needs it.
-    fn journal(&self, w: &mut StripeLog, index: &Index, key: u64, h: u64) -> Result<Option<u64>> {
+    fn journal(
+        &self,
+        jw: &mut Option<journal::Writer>,
+        w: &mut StripeLog,
+        index: &Index,
+        key: u64,
+        h: u64,
+    ) -> Result<Option<u64>> {
         let seq = self.shared.tier.interval.load(Ordering::Acquire);
         if seq == 0 {
             return Ok(None);
@@ -1073,12 +1083,18 @@ impl Table {
             return Ok(None);
         }
         let cur = index.get(key, h);
-        match self.shared.journal.read().as_ref() {
-            Some(j) if j.seq() == seq => j.append(key, cur.unwrap_or(0))?,
-            _ => {
-                return Err(Error::corrupt(format!("table {:?} has no journal for checkpoint {seq}", self.shared.name)))
+        if jw.as_ref().is_none_or(|j| j.seq() != seq) {
+            match self.shared.journal.read().as_ref() {
+                Some(j) if j.seq() == seq => *jw = Some(journal::Writer::new(Arc::clone(j))),
+                _ => {
+                    return Err(Error::corrupt(format!(
+                        "table {:?} has no journal for checkpoint {seq}",
+                        self.shared.name
+                    )))
+                }
             }
         }
+        jw.as_mut().expect("set above").append(key, cur.unwrap_or(0))?;
         w.keys.insert(key);
         Ok(cur)
     }

@@ -192,6 +192,7 @@ impl Table {
         let index = &st.index;
         let cache = self.cache();
         let _pin = crossbeam_epoch::pin();
+        let mut jw = None;
         for (j, &i) in positions.iter().enumerate() {
             let key = keys[i];
             let h = index.hash(key);
@@ -212,7 +213,7 @@ impl Table {
                 alloc.release(ptrs[j..].to_vec());
                 return Ok(Pass::NeedRoom(j));
             }
-            self.journal(&mut w, index, key, h)?;
+            self.journal(&mut jw, &mut w, index, key, h)?;
             if !index.insert_new(key, h, ptrs[j]) {
                 alloc.release(ptrs[j..].to_vec());
                 return Ok(Pass::NeedRoom(j));
@@ -281,6 +282,7 @@ impl Table {
         let index = &st.index;
         let cache = self.cache();
         let guard = crossbeam_epoch::pin();
+        let mut jw = None;
         let (mut retired, mut held) = (Vec::new(), Vec::new());
         let mut result = Pass::Done;
         for (j, &i) in positions.iter().enumerate() {
@@ -289,7 +291,7 @@ impl Table {
             let h = index.hash(key);
             let mut w = self.stripe(h).lock();
             let mut l = cache.map(|c| c.lock(c.hash(id, key)));
-            let keep = self.journal(&mut w, index, key, h)?;
+            let keep = self.journal(&mut jw, &mut w, index, key, h)?;
             if let Some(old) = index.replace(key, h, ptrs[j]) {
                 if keep == Some(old) {
                     held.push(old)
@@ -357,6 +359,7 @@ impl Table {
         let alloc = st.medium.alloc();
         let index = &st.index;
         let guard = crossbeam_epoch::pin();
+        let mut jw = None;
         let (mut retired, mut held) = (Vec::new(), Vec::new());
         let mut unused = Vec::new();
         let mut result = Pass::Done;
@@ -370,7 +373,7 @@ impl Table {
                 unused.push(ptrs[j]);
                 continue;
             }
-            let keep = self.journal(&mut w, index, r.key, h)?;
+            let keep = self.journal(&mut jw, &mut w, index, r.key, h)?;
             if let Some(old) = index.replace(r.key, h, ptrs[j]) {
                 if keep == Some(old) {
                     held.push(old)

@@ -70,7 +70,13 @@ impl Embank {
         o.capacity = keys;
         o.medium = medium;
         let table = store.create_table("bench", o).map_err(|e| e.to_string())?;
-        Ok(Embank { name, _store: store, table, base: parking_lot::Mutex::new((0, 0)), checkpoints: std::sync::atomic::AtomicU64::new(1) })
+        Ok(Embank {
+            name,
+            _store: store,
+            table,
+            base: parking_lot::Mutex::new((0, 0)),
+            checkpoints: std::sync::atomic::AtomicU64::new(1),
+        })
     }
 
     fn hits_misses(&self) -> (u64, u64) {
