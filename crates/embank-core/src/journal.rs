@@ -145,6 +145,27 @@ impl Journal {
         Ok(j)
     }
 
+    /// Creates an empty spare journal, `undo.spare.ebj`, to become the next checkpoint's
+    /// journal with [`adopt`](Self::adopt) (one rename on the checkpoint's path).
+    pub fn create_spare(dir: &Path) -> Result<Journal> {
+        // Created under a seq no checkpoint has (a left-over is deleted at open), then renamed.
+        let mut j = Self::create(dir, u64::MAX)?;
+        let spare = dir.join("undo.spare.ebj");
+        std::fs::rename(&j.path, &spare).map_err(|e| io_at("cannot name spare undo journal", &spare, e))?;
+        j.path = spare;
+        Ok(j)
+    }
+
+    /// Makes a spare (empty) journal the journal of checkpoint `seq`.
+    pub fn adopt(mut self, dir: &Path, seq: u64) -> Result<Journal> {
+        debug_assert_eq!(self.next().load(Ordering::Acquire), 0);
+        let path = path_of(dir, seq);
+        std::fs::rename(&self.path, &path).map_err(|e| io_at("cannot name undo journal", &path, e))?;
+        self.path = path;
+        self.seq = seq;
+        Ok(self)
+    }
+
     pub fn open(dir: &Path, seq: u64) -> Result<Journal> {
         let path = path_of(dir, seq);
         let file = OpenOptions::new()

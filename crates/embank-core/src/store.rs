@@ -371,8 +371,9 @@ impl Store {
             t.write_back_all_locked()?;
         }
         let seq = file.next_seq.max(1);
+        let mut replaced = Vec::with_capacity(inner.tables.len());
         for t in inner.tables.values() {
-            t.start_interval(seq)?;
+            replaced.push(t.start_interval(seq)?);
         }
         let unix_seconds =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
@@ -384,10 +385,13 @@ impl Store {
         }
         file.save(&inner.dir)?;
         inner.tier.interval.store(seq, std::sync::atomic::Ordering::Release);
-        for old in dropped {
+        for &old in &dropped {
             for t in inner.tables.values() {
                 t.drop_interval(old)?;
             }
+        }
+        for (t, old) in inner.tables.values().zip(replaced) {
+            inner.tier.housekeep(t, dropped.clone(), old);
         }
         Ok(())
     }

@@ -251,6 +251,8 @@ struct Shared {
     stripes: Box<[Mutex<StripeLog>]>,
     /// Undo journal of the latest checkpoint's interval (`None` before any checkpoint).
     journal: RwLock<Option<Arc<Journal>>>,
+    /// An empty journal ready to become the next checkpoint's.
+    spare: Mutex<Option<Journal>>,
     /// Records live at a retained checkpoint and since replaced, by the checkpoint's seq:
     /// kept from reuse until that checkpoint is dropped.
     held: Mutex<std::collections::BTreeMap<u64, Vec<u64>>>,
@@ -528,7 +530,8 @@ impl Table {
         }
         if let Ok(entries) = std::fs::read_dir(dir) {
             for e in entries.flatten() {
-                if e.file_name().to_string_lossy().ends_with(".ebj.tmp") {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.ends_with(".ebj.tmp") || name == "undo.spare.ebj" {
                     let _ = std::fs::remove_file(e.path());
                 }
             }
@@ -596,6 +599,7 @@ impl Table {
                 state: RwLock::new(Some(state)),
                 stripes: (0..STRIPES).map(|_| Mutex::new(StripeLog::default())).collect(),
                 journal: RwLock::new(journal),
+                spare: Mutex::new(None),
                 held: Mutex::new(held),
                 recovered,
                 holds,
@@ -1115,17 +1119,35 @@ impl Table {
     }
 
     /// Starts the interval of checkpoint `seq` (the store's checkpoint gate is held
-    /// exclusively): a new, empty undo journal.
-    pub(crate) fn start_interval(&self, seq: u64) -> Result<()> {
-        let j = Journal::create(&self.shared.dir, seq)?;
-        *self.shared.journal.write() = Some(Arc::new(j));
-        Ok(())
+    /// exclusively): a new, empty undo journal — the spare prepared after the last
+    /// checkpoint, renamed — and returns the one it replaces.
+    pub(crate) fn start_interval(&self, seq: u64) -> Result<Option<Arc<Journal>>> {
+        let spare = self.shared.spare.lock().take();
+        let j = match spare {
+            Some(sp) => sp.adopt(&self.shared.dir, seq)?,
+            None => Journal::create(&self.shared.dir, seq)?,
+        };
+        Ok(self.shared.journal.write().replace(Arc::new(j)))
     }
 
-    /// Checkpoint `seq` is no longer retained: its journal goes, and records held for it
-    /// return to the allocator.
+    /// After a checkpoint, off the caller's thread: deletes the journals of dropped
+    /// checkpoints and prepares the next spare journal.
+    pub(crate) fn housekeep(&self, dropped: &[u64]) {
+        for &seq in dropped {
+            let _ = std::fs::remove_file(journal::path_of(&self.shared.dir, seq));
+        }
+        let mut spare = self.shared.spare.lock();
+        if spare.is_none() && self.shared.state.read().is_some() {
+            match Journal::create_spare(&self.shared.dir) {
+                Ok(j) => *spare = Some(j),
+                Err(e) => tracing::warn!(table = %self.shared.name, error = %e, "cannot prepare a spare undo journal"),
+            }
+        }
+    }
+
+    /// Checkpoint `seq` is no longer retained: records held for it return to the
+    /// allocator (its journal is deleted by [`housekeep`](Self::housekeep)).
     pub(crate) fn drop_interval(&self, seq: u64) -> Result<()> {
-        let _ = std::fs::remove_file(journal::path_of(&self.shared.dir, seq));
         let freed = self.shared.held.lock().remove(&seq).unwrap_or_default();
         if !freed.is_empty() {
             let st = self.state()?;

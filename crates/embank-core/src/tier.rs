@@ -23,6 +23,9 @@ const WRITE_BACK_BATCH: usize = 4096;
 
 enum Job {
     Lookahead(WeakTable, Vec<u64>),
+    /// After a checkpoint: prepare the table's next journal, delete dropped ones, unmap
+    /// the replaced one — file work kept off the checkpointing thread.
+    Housekeep(WeakTable, Vec<u64>, Option<Arc<crate::journal::Journal>>),
     Stop,
 }
 
@@ -71,6 +74,23 @@ impl Tier {
         let mut tables = self.tables.lock();
         tables.retain(|t| t.upgrade().is_some());
         tables.push(table.downgrade());
+    }
+
+    /// Hands post-checkpoint file work to the maintenance thread; does it here if the
+    /// queue is full.
+    pub fn housekeep(&self, table: &Table, dropped: Vec<u64>, old: Option<Arc<crate::journal::Journal>>) {
+        let job = Job::Housekeep(table.downgrade(), dropped, old);
+        let left = match self.jobs.lock().as_ref() {
+            Some(tx) => match tx.try_send(job) {
+                Ok(()) => None,
+                Err(TrySendError::Full(j)) | Err(TrySendError::Disconnected(j)) => Some(j),
+            },
+            None => Some(job),
+        };
+        if let Some(Job::Housekeep(_, dropped, old)) = left {
+            drop(old);
+            table.housekeep(&dropped);
+        }
     }
 
     /// Queues a lookahead; returns false if the queue was full and the hint was dropped.
@@ -125,6 +145,12 @@ fn maintenance(tier: std::sync::Weak<Tier>, rx: Receiver<Job>) {
     loop {
         match rx.recv_timeout(TICK) {
             Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+            Ok(Job::Housekeep(table, dropped, old)) => {
+                drop(old);
+                if let Some(table) = table.upgrade() {
+                    table.housekeep(&dropped);
+                }
+            }
             Ok(Job::Lookahead(table, keys)) => {
                 if let Some(table) = table.upgrade() {
                     if let Err(e) = table.warm(&keys) {
