@@ -374,6 +374,22 @@ class Store:
         :func:`open` says how many are kept)."""
         return [int(c["batch_id"]) for c in json.loads(self._s.checkpoints_json())]
 
+    def export_checkpoint(
+        self, table: str, batch_id: int, chunk_size: int = 65_536
+    ) -> Iterator[tuple[npt.NDArray[np.uint64], Rows]]:
+        """Streams ``(keys, rows)`` of ``table`` as it was at checkpoint ``batch_id`` —
+        a consistent snapshot, while training goes on (embedded stores)."""
+        if chunk_size < 1:
+            raise InvalidInputError("chunk_size must be at least 1")
+        yield from self._s.export_checkpoint(table, int(batch_id), chunk_size)
+
+    def export_changes(
+        self, table: str, since: int
+    ) -> tuple[npt.NDArray[np.uint64], Rows, npt.NDArray[np.uint64]]:
+        """The incremental export since checkpoint ``since``: ``(keys, rows, deleted)`` —
+        the current rows of the keys written since, and the keys deleted since."""
+        return self._s.export_changes(table, int(since))
+
     def restore(self, batch_id: int) -> None:
         """Returns every table to checkpoint ``batch_id`` and forgets later checkpoints.
 

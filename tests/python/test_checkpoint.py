@@ -85,3 +85,49 @@ def test_sigkill_returns_to_the_last_checkpoint(store_path: Path) -> None:
         for b in range(1, 11):
             step(t, b)
         assert recovered == table_rows(t)
+
+
+def test_export_checkpoint_and_changes(store_path: Path, tmp_path: Path) -> None:
+    with embank.open(store_path) as s:
+        t = s.create_table("emb", dim=4, optimizer=embank.optim.SGD(lr=0.5))
+        for b in range(1, 6):
+            step(t, b)
+        s.checkpoint(5)
+        at5 = table_rows(t)
+        for b in range(6, 9):
+            step(t, b)
+        t.delete([int(next(iter(at5)))])
+        got = {
+            int(k): r.tolist()
+            for ks, rs in s.export_checkpoint("emb", 5, chunk_size=16)
+            for k, r in zip(ks, rs)
+        }
+        assert got == at5
+        keys, rows, deleted = s.export_changes("emb", since=5)
+        now = table_rows(t)
+        assert {int(k): r.tolist() for k, r in zip(keys, rows)} == {int(k): now[int(k)] for k in keys}
+        assert deleted.tolist() == [int(next(iter(at5)))]
+        changed = set(keys.tolist()) | set(deleted.tolist())
+        assert all(k in changed for k in set(at5) | set(now) if at5.get(k) != now.get(k))
+    # The CLI exports the checkpoint from the store on disk.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "embank",
+            "export",
+            str(store_path),
+            "--table",
+            "emb",
+            "--checkpoint",
+            "5",
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    keys = np.load(tmp_path / "x" / "emb.keys.npy")
+    rows = np.load(tmp_path / "x" / "emb.rows.npy")
+    assert {int(k): r.tolist() for k, r in zip(keys, rows)} == at5

@@ -109,6 +109,11 @@ pub struct ExportArgs {
     /// Directory the .npy files go to (created if missing).
     #[arg(long, default_value = ".")]
     pub out: PathBuf,
+    /// Export the table as it was at this checkpoint (a batch id of `store.checkpoint`)
+    /// instead of as it is now. In-process, `Store::export_checkpoint` does the same while
+    /// training goes on.
+    #[arg(long)]
+    pub checkpoint: Option<u64>,
 }
 
 pub fn export(args: ExportArgs) -> Result<(), String> {
@@ -122,21 +127,25 @@ pub fn export(args: ExportArgs) -> Result<(), String> {
     let bar = progress(table.len().map_err(|e| e.to_string())?, "export");
     let t0 = Instant::now();
     let mut n = 0u64;
-    table
-        .export(65_536, |keys, rows| {
-            kw.write_u64(keys).map_err(|e| embank_core::Error::io("writing keys", e))?;
-            rw.write_f32_rows(rows).map_err(|e| embank_core::Error::io("writing rows", e))?;
-            n += keys.len() as u64;
-            bar.set_position(n);
-            Ok(())
-        })
-        .map_err(|e| e.to_string())?;
+    let write = |keys: &[u64], rows: &[f32]| {
+        kw.write_u64(keys).map_err(|e| embank_core::Error::io("writing keys", e))?;
+        rw.write_f32_rows(rows).map_err(|e| embank_core::Error::io("writing rows", e))?;
+        n += keys.len() as u64;
+        bar.set_position(n);
+        Ok(())
+    };
+    match args.checkpoint {
+        Some(batch) => store.export_checkpoint(&args.table, batch, 65_536, write),
+        None => table.export(65_536, write),
+    }
+    .map_err(|e| e.to_string())?;
     bar.finish_and_clear();
     kw.finish().map_err(|e| e.to_string())?;
     rw.finish().map_err(|e| e.to_string())?;
     println!(
-        "exported {n} rows of {:?} to {} and {} in {:.2}s",
+        "exported {n} rows of {:?}{} to {} and {} in {:.2}s",
         args.table,
+        args.checkpoint.map_or(String::new(), |b| format!(" at checkpoint {b}")),
         kp.display(),
         rp.display(),
         t0.elapsed().as_secs_f64()

@@ -450,6 +450,62 @@ impl Store {
         file.save(&inner.dir)
     }
 
+    fn checkpoint_seq(&self, inner: &Inner, batch_id: u64) -> Result<u64> {
+        let file = inner.ckpts.lock();
+        file.checkpoints.iter().find(|c| c.batch_id == batch_id).map(|c| c.seq).ok_or_else(|| {
+            let kept: Vec<u64> = file.checkpoints.iter().map(|c| c.batch_id).collect();
+            Error::new(ErrorKind::NotFound, format!("no retained checkpoint of batch {batch_id} (retained: {kept:?})"))
+        })
+    }
+
+    /// Streams every `(key, row)` of table `name` as it was at checkpoint `batch_id`,
+    /// while training goes on: a consistent snapshot (what an inference fleet loads).
+    /// Fails if the checkpoint is dropped before the export ends.
+    pub fn export_checkpoint(
+        &self,
+        name: &str,
+        batch_id: u64,
+        chunk_keys: usize,
+        f: impl FnMut(&[u64], &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let (table, seq) = {
+            let guard = self.inner.read();
+            let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+            (self.table(name)?, self.checkpoint_seq(inner, batch_id)?)
+        };
+        table.export_at(seq, chunk_keys, f)?;
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        self.checkpoint_seq(inner, batch_id)
+            .map_err(|e| e.context("the checkpoint was dropped during the export; its rows may have been reused"))?;
+        Ok(())
+    }
+
+    /// The incremental export since checkpoint `batch_id`: the current rows of the keys
+    /// of table `name` written since, and the keys deleted since (absent now).
+    pub fn export_changes(&self, name: &str, batch_id: u64) -> Result<(Vec<u64>, Vec<f32>, Vec<u64>)> {
+        let (table, seq) = {
+            let guard = self.inner.read();
+            let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+            (self.table(name)?, self.checkpoint_seq(inner, batch_id)?)
+        };
+        let keys = table.changed_keys(seq)?;
+        let mut rows = vec![0f32; keys.len() * table.dim()];
+        let mut found = vec![false; keys.len()];
+        table.lookup(&keys, &mut rows, &mut found)?;
+        let (mut live, mut live_rows, mut deleted) = (Vec::new(), Vec::new(), Vec::new());
+        let d = table.dim();
+        for (i, &k) in keys.iter().enumerate() {
+            if found[i] {
+                live.push(k);
+                live_rows.extend_from_slice(&rows[i * d..(i + 1) * d]);
+            } else {
+                deleted.push(k);
+            }
+        }
+        Ok((live, live_rows, deleted))
+    }
+
     /// Makes every write before this call durable.
     pub fn flush(&self) -> Result<()> {
         let guard = self.inner.read();

@@ -8,6 +8,7 @@
 //! Growth rebuilds the index into a file twice the size under the table's
 //! exclusive lock; rows never move.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -1333,6 +1334,125 @@ impl Table {
             *rows = records;
         }
         Ok(next)
+    }
+
+    /// Reads the records at `items` (key, record) into rows of the user's dim, checking
+    /// that each record holds its key (and on the mmap medium its checksum).
+    fn read_records(&self, st: &State, items: &[(u64, u64)], rows: &mut Vec<f32>) -> Result<()> {
+        let (w, d) = (self.shared.width, self.shared.row_dim);
+        let mut records = vec![0f32; items.len() * w];
+        match &st.medium {
+            Medium::Mmap(m) => {
+                for (i, &(key, ptr)) in items.iter().enumerate() {
+                    if m.key_at(ptr) != key || !m.checksum_ok(ptr) {
+                        return Err(Error::new(
+                            ErrorKind::ChecksumMismatch,
+                            format!("table {:?}: record of key {key} fails its check", self.shared.name),
+                        ));
+                    }
+                    records[i * w..(i + 1) * w].copy_from_slice(m.row_at(ptr));
+                }
+            }
+            Medium::Block(_) => {
+                let reads: Vec<ReadItem> =
+                    items.iter().enumerate().map(|(pos, &(key, ptr))| ReadItem { key, ptr, pos }).collect();
+                st.medium.read(&reads, &mut records)?;
+            }
+        }
+        rows.clear();
+        rows.resize(items.len() * d, 0.0);
+        self.copy_rows(&records, rows);
+        Ok(())
+    }
+
+    /// The first undo entry of each key in the journals of checkpoints `seq` and later:
+    /// each key's record at checkpoint `seq` (0: absent), for keys changed since.
+    fn changed_since(&self, seq: u64, first: &mut HashMap<u64, u64>) -> Result<()> {
+        for j in journal::list(&self.shared.dir).into_iter().filter(|&s| s >= seq) {
+            let Ok(journal) = Journal::open(&self.shared.dir, j) else { continue };
+            for e in journal.entries() {
+                first.entry(e.key).or_insert(e.old);
+            }
+        }
+        Ok(())
+    }
+
+    /// Streams every `(key, row)` as of checkpoint `seq` (rows and their values then),
+    /// while the table keeps changing: the current index gives each key's record unless
+    /// the key changed since the checkpoint, in which case its undo entry gives the record
+    /// it had (kept from reuse while the checkpoint is retained). Keys deleted since come
+    /// from their entries. Memory: the keys changed since the checkpoint and the keys
+    /// emitted.
+    pub(crate) fn export_at(
+        &self,
+        seq: u64,
+        chunk_keys: usize,
+        mut f: impl FnMut(&[u64], &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
+        let mut first = HashMap::new();
+        let mut emitted = std::collections::HashSet::new();
+        let mut bucket = 0u64;
+        let generation = self.shared.meta.lock().index_generation;
+        let mut rows = Vec::new();
+        loop {
+            let mut pairs = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
+            let (keys, done) = {
+                let st = self.state()?;
+                let st = st.as_ref().unwrap();
+                if self.shared.meta.lock().index_generation != generation {
+                    return Err(Error::new(
+                        ErrorKind::Unsupported,
+                        format!("table {:?} grew during the export; run the export again", self.shared.name),
+                    ));
+                }
+                let _pin = crossbeam_epoch::pin();
+                while bucket < st.index.bucket_count() && pairs.len() + SLOTS_PER_BUCKET <= chunk_keys {
+                    st.index.for_each(bucket, bucket + 1, |key, ptr| pairs.push((key, ptr)));
+                    bucket += 1;
+                }
+                // Read the journals after the index: an index change is journaled before it
+                // happens, so every changed key the page saw has its entry by now.
+                self.changed_since(seq, &mut first)?;
+                let mut items = Vec::with_capacity(pairs.len());
+                for (key, ptr) in pairs {
+                    let ptr = first.get(&key).copied().unwrap_or(ptr);
+                    if ptr != 0 && emitted.insert(key) {
+                        items.push((key, ptr));
+                    }
+                }
+                self.read_records(st, &items, &mut rows)?;
+                (items.into_iter().map(|(k, _)| k).collect::<Vec<u64>>(), bucket >= st.index.bucket_count())
+            };
+            if !keys.is_empty() {
+                f(&keys, &rows)?;
+            }
+            if done {
+                break;
+            }
+        }
+        // Keys deleted (or moved past the cursor) since the checkpoint.
+        let rest: Vec<(u64, u64)> =
+            first.iter().filter(|(k, &old)| old != 0 && !emitted.contains(*k)).map(|(&k, &p)| (k, p)).collect();
+        for chunk in rest.chunks(chunk_keys) {
+            let st = self.state()?;
+            let _pin = crossbeam_epoch::pin();
+            self.read_records(st.as_ref().unwrap(), chunk, &mut rows)?;
+            let keys: Vec<u64> = chunk.iter().map(|&(k, _)| k).collect();
+            drop(st);
+            f(&keys, &rows)?;
+        }
+        Ok(())
+    }
+
+    /// Keys changed since checkpoint `seq` (written, created or deleted): what an
+    /// incremental export sends.
+    pub(crate) fn changed_keys(&self, seq: u64) -> Result<Vec<u64>> {
+        let mut first = HashMap::new();
+        self.changed_since(seq, &mut first)?;
+        let mut keys: Vec<u64> = first.into_keys().collect();
+        keys.sort_unstable();
+        Ok(keys)
     }
 
     /// Calls `f` with the rows of `keys` borrowed from the mapped file, without copying

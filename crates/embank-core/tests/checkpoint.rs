@@ -296,3 +296,73 @@ fn checkpoint_errors_and_retention() {
     let bad = Store::open(dir.path().join("t"), StoreOptions { keep_checkpoints: 0, ..Default::default() });
     assert_eq!(bad.err().unwrap().kind(), ErrorKind::Config);
 }
+
+/// A consistent snapshot of a checkpoint while another thread keeps training, and the
+/// incremental export since it.
+#[test]
+fn export_at_a_checkpoint_while_training_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), options()).unwrap();
+    create(&store);
+    for b in 1..=20 {
+        batch(&store, b);
+    }
+    store.checkpoint(20).unwrap();
+    let at20 = snapshot(&store);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    /// Stops the trainer however the exporting side ends (a failed assertion included).
+    struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    std::thread::scope(|s| {
+        let stopper = StopOnDrop(&stop);
+        let trainer = s.spawn(|| {
+            let mut b = 21;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) || b < 60 {
+                batch(&store, b);
+                b += 1;
+            }
+            b
+        });
+        for round in 0..5 {
+            for (name, want) in [("emb", &at20.0), ("blk", &at20.1)] {
+                let mut got = BTreeMap::new();
+                store
+                    .export_checkpoint(name, 20, 64, |keys, rows| {
+                        for (i, &k) in keys.iter().enumerate() {
+                            let row = rows[i * DIM..(i + 1) * DIM].iter().map(|x| x.to_bits()).collect();
+                            assert!(got.insert(k, row).is_none(), "key {k} exported twice");
+                        }
+                        Ok(())
+                    })
+                    .unwrap();
+                same(&got, want, &format!("round {round}: {name} exported at checkpoint 20"));
+            }
+        }
+        drop(stopper);
+        let last = trainer.join().unwrap();
+        assert!(last > 21);
+    });
+    // The incremental export: every key that differs from the checkpoint is in it.
+    let now = snapshot(&store);
+    for (name, then, now) in [("emb", &at20.0, &now.0), ("blk", &at20.1, &now.1)] {
+        let (live, rows, deleted) = store.export_changes(name, 20).unwrap();
+        let changed: std::collections::BTreeSet<u64> = live.iter().chain(&deleted).copied().collect();
+        for k in then.keys().chain(now.keys()) {
+            if then.get(k) != now.get(k) {
+                assert!(changed.contains(k), "{name}: key {k} changed but is not in the incremental export");
+            }
+        }
+        for (i, k) in live.iter().enumerate() {
+            let row: Vec<u32> = rows[i * DIM..(i + 1) * DIM].iter().map(|x| x.to_bits()).collect();
+            assert_eq!(Some(&row), now.get(k), "{name}: key {k}");
+        }
+        for k in &deleted {
+            assert!(!now.contains_key(k), "{name}: key {k} reported deleted but present");
+        }
+    }
+    assert_eq!(store.export_changes("emb", 19).unwrap_err().kind(), ErrorKind::NotFound);
+}

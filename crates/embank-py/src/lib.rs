@@ -297,6 +297,53 @@ impl Store {
         Ok(serde_json::to_string(&list).expect("checkpoints serialize"))
     }
 
+    /// Streams a table as it was at a checkpoint (embedded stores).
+    fn export_checkpoint(&self, name: &str, batch_id: u64, chunk_keys: usize) -> PyResult<Export> {
+        let Backend::Local(store) = &self.inner else {
+            return Err(to_py_err(core::Error::new(
+                ErrorKind::Unsupported,
+                "exporting a checkpoint runs where the store is (embank export --checkpoint on the shard)",
+            )));
+        };
+        let dim = store.table(name).map_err(to_py_err)?.dim();
+        let (tx, rx) = sync_channel::<ExportChunk>(2);
+        let (store, name) = (Arc::clone(store), name.to_owned());
+        std::thread::spawn(move || {
+            let send = |keys: &[u64], rows: &[f32]| {
+                tx.send(Ok((keys.to_vec(), rows.to_vec())))
+                    .map_err(|_| core::Error::new(ErrorKind::Closed, "export abandoned by its reader"))
+            };
+            if let Err(e) = store.export_checkpoint(&name, batch_id, chunk_keys, send) {
+                let _ = tx.send(Err(e));
+            }
+        });
+        Ok(Export { rx: Mutex::new(Some(rx)), dim })
+    }
+
+    /// Keys written since a checkpoint with their rows, and keys deleted since.
+    #[allow(clippy::type_complexity)]
+    fn export_changes<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        batch_id: u64,
+    ) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<u64>>)> {
+        let Backend::Local(store) = &self.inner else {
+            return Err(to_py_err(core::Error::new(
+                ErrorKind::Unsupported,
+                "incremental exports run where the store is",
+            )));
+        };
+        let dim = store.table(name).map_err(to_py_err)?.dim();
+        let (keys, rows, deleted) = py.detach(|| store.export_changes(name, batch_id)).map_err(to_py_err)?;
+        let n = keys.len();
+        Ok((
+            PyArray1::from_vec(py, keys),
+            PyArray1::from_vec(py, rows).reshape([n, dim])?,
+            PyArray1::from_vec(py, deleted),
+        ))
+    }
+
     fn restore(&self, py: Python<'_>, batch_id: u64) -> PyResult<()> {
         py.detach(|| match &self.inner {
             Backend::Local(s) => s.restore(batch_id),
