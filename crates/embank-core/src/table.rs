@@ -1367,14 +1367,28 @@ impl Table {
 
     /// The first undo entry of each key in the journals of checkpoints `seq` and later:
     /// each key's record at checkpoint `seq` (0: absent), for keys changed since.
-    fn changed_since(&self, seq: u64, first: &mut HashMap<u64, u64>) -> Result<()> {
+    /// `open` keeps the journals mapped between calls: only journals of checkpoints taken
+    /// since the last call are opened; the entries of every one are read again (the
+    /// current one grows).
+    fn changed_since(
+        &self,
+        seq: u64,
+        open: &mut std::collections::BTreeMap<u64, Journal>,
+        first: &mut HashMap<u64, u64>,
+    ) {
         for j in journal::list(&self.shared.dir).into_iter().filter(|&s| s >= seq) {
-            let Ok(journal) = Journal::open(&self.shared.dir, j) else { continue };
+            if let std::collections::btree_map::Entry::Vacant(v) = open.entry(j) {
+                // A journal deleted meanwhile belongs to a dropped checkpoint: the caller checks.
+                if let Ok(journal) = Journal::open(&self.shared.dir, j) {
+                    v.insert(journal);
+                }
+            }
+        }
+        for journal in open.values() {
             for e in journal.entries() {
                 first.entry(e.key).or_insert(e.old);
             }
         }
-        Ok(())
     }
 
     /// Streams every `(key, row)` as of checkpoint `seq` (rows and their values then),
@@ -1391,6 +1405,7 @@ impl Table {
     ) -> Result<()> {
         let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
         let mut first = HashMap::new();
+        let mut journals = std::collections::BTreeMap::new();
         let mut emitted = std::collections::HashSet::new();
         let mut bucket = 0u64;
         let generation = self.shared.meta.lock().index_generation;
@@ -1413,7 +1428,7 @@ impl Table {
                 }
                 // Read the journals after the index: an index change is journaled before it
                 // happens, so every changed key the page saw has its entry by now.
-                self.changed_since(seq, &mut first)?;
+                self.changed_since(seq, &mut journals, &mut first);
                 let mut items = Vec::with_capacity(pairs.len());
                 for (key, ptr) in pairs {
                     let ptr = first.get(&key).copied().unwrap_or(ptr);
@@ -1449,7 +1464,7 @@ impl Table {
     /// incremental export sends.
     pub(crate) fn changed_keys(&self, seq: u64) -> Result<Vec<u64>> {
         let mut first = HashMap::new();
-        self.changed_since(seq, &mut first)?;
+        self.changed_since(seq, &mut std::collections::BTreeMap::new(), &mut first);
         let mut keys: Vec<u64> = first.into_keys().collect();
         keys.sort_unstable();
         Ok(keys)

@@ -16,6 +16,9 @@ use std::time::Duration;
 
 use embank_core::{ErrorKind, Initializer, MediumKind, Optimizer, Placement, Store, StoreOptions, Table, TableOptions};
 
+mod common;
+use common::Rng;
+
 const DIM: usize = 4;
 const KEYS: u64 = 400;
 const CKPT_EVERY: u64 = 3;
@@ -35,16 +38,6 @@ fn create(store: &Store) {
     o.placement = Placement::Cache;
     o.optimizer = Optimizer::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 };
     store.create_table("blk", o).unwrap();
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
 }
 
 /// Batch `b` of the training loop: depends on `b` only.

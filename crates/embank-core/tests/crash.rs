@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 
 use embank_core::{MediumKind, Store, StoreOptions, TableOptions};
 
+mod common;
+use common::Rng;
+
 const DIM: usize = 8;
 /// Keys rewritten in every generation.
 const STEADY: u64 = 1500;
@@ -73,16 +76,6 @@ fn crash_child() {
             println!("FLUSHED {g}");
         }
         g += 1;
-    }
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
     }
 }
 

@@ -306,18 +306,8 @@ impl Store {
             )));
         };
         let dim = store.table(name).map_err(to_py_err)?.dim();
-        let (tx, rx) = sync_channel::<ExportChunk>(2);
         let (store, name) = (Arc::clone(store), name.to_owned());
-        std::thread::spawn(move || {
-            let send = |keys: &[u64], rows: &[f32]| {
-                tx.send(Ok((keys.to_vec(), rows.to_vec())))
-                    .map_err(|_| core::Error::new(ErrorKind::Closed, "export abandoned by its reader"))
-            };
-            if let Err(e) = store.export_checkpoint(&name, batch_id, chunk_keys, send) {
-                let _ = tx.send(Err(e));
-            }
-        });
-        Ok(Export { rx: Mutex::new(Some(rx)), dim })
+        Ok(Export::spawn(dim, move |send| store.export_checkpoint(&name, batch_id, chunk_keys, send)))
     }
 
     /// Keys written since a checkpoint with their rows, and keys deleted since.
@@ -510,19 +500,8 @@ impl Table {
 
     /// Starts a streaming export; chunks of at most `chunk_keys` keys come from the iterator.
     fn export(&self, chunk_keys: usize) -> Export {
-        let (tx, rx) = sync_channel::<ExportChunk>(2);
         let table = self.inner.clone();
-        std::thread::spawn(move || {
-            let send = |keys: &[u64], rows: &[f32]| {
-                tx.send(Ok((keys.to_vec(), rows.to_vec())))
-                    .map_err(|_| core::Error::new(ErrorKind::Closed, "export abandoned by its reader"))
-            };
-            let result = on_table!(&table, t => t.export(chunk_keys, send));
-            if let Err(e) = result {
-                let _ = tx.send(Err(e));
-            }
-        });
-        Export { rx: Mutex::new(Some(rx)), dim: self.dim() }
+        Export::spawn(self.dim(), move |send| on_table!(&table, t => t.export(chunk_keys, send)))
     }
 }
 
@@ -531,6 +510,29 @@ impl Table {
 struct Export {
     rx: Mutex<Option<Receiver<ExportChunk>>>,
     dim: usize,
+}
+
+impl Export {
+    /// Runs `export` on a helper thread; each chunk it hands to `send` reaches the
+    /// iterator through a bounded channel, and an error ends the iteration.
+    fn spawn<F>(dim: usize, export: F) -> Export
+    where
+        F: FnOnce(&mut dyn FnMut(&[u64], &[f32]) -> Result<(), core::Error>) -> Result<(), core::Error>
+            + Send
+            + 'static,
+    {
+        let (tx, rx) = sync_channel::<ExportChunk>(2);
+        std::thread::spawn(move || {
+            let mut send = |keys: &[u64], rows: &[f32]| {
+                tx.send(Ok((keys.to_vec(), rows.to_vec())))
+                    .map_err(|_| core::Error::new(ErrorKind::Closed, "export abandoned by its reader"))
+            };
+            if let Err(e) = export(&mut send) {
+                let _ = tx.send(Err(e));
+            }
+        });
+        Export { rx: Mutex::new(Some(rx)), dim }
+    }
 }
 
 #[pymethods]
