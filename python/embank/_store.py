@@ -65,6 +65,29 @@ def _rows(rows: Rows, n: int, dim: int, table: str) -> Rows:
     return rows
 
 
+def _lifecycle_json(
+    admit_after: int, ttl_steps: int | None, ttl_seconds: float | None, max_rows: int | None, evict: str
+) -> str | None:
+    from .errors import ConfigError
+
+    if evict not in ("lru", "lfu"):
+        raise ConfigError(f'evict must be "lru" or "lfu", got {evict!r}')
+    for name, v in (("admit_after", admit_after), ("ttl_steps", ttl_steps), ("max_rows", max_rows)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+            raise ConfigError(f"{name} must be a non-negative int, got {v!r}")
+    if admit_after <= 1 and ttl_steps is None and ttl_seconds is None and max_rows is None:
+        return None
+    return json.dumps(
+        {
+            "admit_after": int(admit_after),
+            "ttl_steps": None if ttl_steps is None else int(ttl_steps),
+            "ttl_seconds": None if ttl_seconds is None else float(ttl_seconds),
+            "max_rows": None if max_rows is None else int(max_rows),
+            "evict": evict,
+        }
+    )
+
+
 class Table:
     """One embedding table. Obtain it from :meth:`Store.create_table` or :meth:`Store.table`.
 
@@ -168,6 +191,11 @@ class Table:
     def __len__(self) -> int:
         return len(self._t)
 
+    def evict_expired(self) -> int:
+        """Evicts now every row past the table's TTL (``ttl_steps``/``ttl_seconds``);
+        returns how many. The store also does so about once a second."""
+        return self._t.evict_expired()
+
     def export(self, chunk_size: int = 65_536) -> Iterator[tuple[npt.NDArray[np.uint64], Rows]]:
         """Streams every ``(keys, rows)`` in chunks of at most ``chunk_size`` keys."""
         if chunk_size < 1:
@@ -262,6 +290,11 @@ class Store:
         optimizer: Optimizer | None = None,
         staleness_bound: int | None = None,
         lease_seconds: float = 60.0,
+        admit_after: int = 0,
+        ttl_steps: int | None = None,
+        ttl_seconds: float | None = None,
+        max_rows: int | None = None,
+        evict: str = "lru",
     ) -> Table:
         """Creates a table.
 
@@ -290,6 +323,24 @@ class Store:
                 (ASP, the default: nothing waits), ``0`` (BSP: per key strictly pull, push,
                 pull, push), ``k`` (SSP: at most k updates behind).
             lease_seconds: a worker silent this long loses its holds.
+            admit_after: admission by access count: a key's row is created by the pull that
+                sees it for the ``admit_after``-th time (0 or 1: at once; each pull counts
+                once per distinct key). Until then pulls return the initializer's row without
+                storing it and gradients pushed for the key are dropped. :meth:`Table.push`
+                always creates.
+            ttl_steps: evict rows not touched (pulled, looked up, pushed, updated) during
+                this many :meth:`Table.push_grad` calls of the table.
+            ttl_seconds: evict rows not touched for this many seconds. Expired rows are
+                evicted about once a second by the store, or at once by
+                :meth:`Table.evict_expired`.
+            max_rows: the most rows the table keeps: a batch that would create more first
+                evicts victims (``max_rows / 32`` more than needed), never rows of the batch.
+            evict: the victims of ``max_rows``: ``"lru"`` (least recently touched) or
+                ``"lfu"`` (fewest touches).
+
+        Admission counts and touch times live in DRAM (about 48 bytes per row of a table
+        with a TTL or ``max_rows``) and start over when the store is reopened. Evicted
+        rows are gone from every tier and counted in ``stats()["lifecycle"]``.
         """
         if staleness_bound is not None and staleness_bound < 0:
             from .errors import ConfigError
@@ -329,6 +380,7 @@ class Store:
             optimizer._json() if optimizer is not None else None,
             None if staleness_bound is None else int(staleness_bound),
             float(lease_seconds),
+            _lifecycle_json(admit_after, ttl_steps, ttl_seconds, max_rows, evict),
         )
         return Table(native)
 

@@ -89,6 +89,9 @@ pub struct TableMeta {
     pub staleness_bound: Option<u32>,
     #[serde(default = "default_lease")]
     pub lease_seconds: f64,
+    /// Admission and eviction (absent: none).
+    #[serde(default)]
+    pub lifecycle: crate::lifecycle::LifecycleOptions,
 }
 
 fn default_lease() -> f64 {

@@ -292,6 +292,7 @@ impl Store {
             optimizer: options.optimizer,
             staleness_bound: options.staleness_bound,
             lease_seconds: options.lease_seconds,
+            lifecycle: options.lifecycle.clone(),
         };
         let dir = table_dir(&inner.dir, id);
         let _ = std::fs::remove_dir_all(&dir);

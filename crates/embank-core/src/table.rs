@@ -24,6 +24,7 @@ use crate::index::{buckets_for, Index, RecoverReport, SLOTS_PER_BUCKET};
 use crate::init::Initializer;
 use crate::io::IoStats;
 use crate::journal::{self, Journal};
+use crate::lifecycle::{Lifecycle, LifecycleOptions, LifecycleStats};
 use crate::medium::{BlockMedium, Medium, MediumKind, MmapMedium, ReadItem};
 use crate::optim::{sum_duplicates, Optimizer};
 use crate::staleness::Holds;
@@ -42,6 +43,8 @@ const STRIPES: usize = 1024;
 const PREFETCH_KEYS_AHEAD: usize = 8;
 /// Load the index is sized for at creation and after each rebuild.
 const LOAD_FACTOR_TARGET: f64 = 0.7;
+/// A full table (`max_rows`) evicts `max_rows / EVICT_SLACK_DIVISOR` rows more than it must.
+const EVICT_SLACK_DIVISOR: u64 = 32;
 
 const _: () = assert!(STRIPES.is_power_of_two());
 const _: () = assert!(LOAD_FACTOR_TARGET < 0.95);
@@ -82,6 +85,8 @@ pub struct TableOptions {
     pub staleness_bound: Option<u32>,
     /// A worker silent this long loses its holds. Default 60 s.
     pub lease_seconds: f64,
+    /// Admission by access count, eviction by TTL and by capacity. Default none.
+    pub lifecycle: LifecycleOptions,
 }
 
 impl Default for TableOptions {
@@ -107,6 +112,7 @@ impl TableOptions {
             optimizer: Optimizer::None,
             staleness_bound: None,
             lease_seconds: 60.0,
+            lifecycle: LifecycleOptions::default(),
         }
     }
 
@@ -128,6 +134,7 @@ impl TableOptions {
         if !(self.lease_seconds.is_finite() && self.lease_seconds > 0.0) {
             return Err(Error::config(format!("lease_seconds must be positive, got {}", self.lease_seconds)));
         }
+        self.lifecycle.validate()?;
         if let MissingDefault::Value { value } = self.missing {
             if value.is_nan() {
                 return Err(Error::config("missing-row default value is NaN"));
@@ -198,6 +205,8 @@ pub struct TableStats {
     pub staleness_bound: Option<u32>,
     pub holds_outstanding: u64,
     pub holding_workers: u64,
+    /// Admission and eviction counters (tables with a lifecycle option).
+    pub lifecycle: Option<LifecycleStats>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -260,6 +269,8 @@ struct Shared {
     recovered: Option<RecoverStats>,
     /// Staleness holds of workers (`None`: ASP).
     holds: Option<Holds>,
+    /// Admission and eviction state (`None`: the table has neither).
+    lifecycle: Option<Lifecycle>,
 }
 
 /// A handle to one table; cheap to clone, usable from many threads.
@@ -576,6 +587,13 @@ impl Table {
     ) -> Table {
         let lease = std::time::Duration::from_secs_f64(meta.lease_seconds);
         let holds = meta.staleness_bound.map(|k| Holds::new(k, lease));
+        let lifecycle = meta.lifecycle.any().then(|| {
+            let mut keys = Vec::new();
+            if meta.lifecycle.evicts() {
+                state.index.for_each(0, u64::MAX, |k, _| keys.push(k));
+            }
+            Lifecycle::new(meta.lifecycle.clone(), keys)
+        });
         let table = Table {
             shared: Arc::new(Shared {
                 id: meta.id,
@@ -604,6 +622,7 @@ impl Table {
                 held: Mutex::new(held),
                 recovered,
                 holds,
+                lifecycle,
             }),
         };
         tier.register(&table);
@@ -758,6 +777,9 @@ impl Table {
     /// Rows of `keys` into `out` (`keys.len() * dim` elements); creates missing rows with the initializer.
     pub fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
         self.check_rows("pull", keys.len(), out.len())?;
+        if let Some(life) = &self.shared.lifecycle {
+            return self.pull_lifecycle(life, keys, out);
+        }
         if !self.has_state() {
             return self.pull_records(keys, out);
         }
@@ -765,6 +787,108 @@ impl Table {
         self.pull_records(keys, &mut records)?;
         self.copy_rows(&records, out);
         Ok(())
+    }
+
+    /// [`pull`](Self::pull) of a table with admission or eviction: existing rows are read,
+    /// missing ones admitted (or answered with the initializer's row, unstored), room made
+    /// for the admitted ones, then they are created.
+    fn pull_lifecycle(&self, life: &Lifecycle, keys: &[u64], out: &mut [f32]) -> Result<()> {
+        let _gate = self.shared.tier.gate.read_recursive();
+        let (w, d) = (self.shared.width, self.shared.row_dim);
+        let mut records = vec![0f32; keys.len() * w];
+        let mut found = vec![false; keys.len()];
+        self.lookup_records(keys, &mut records, &mut found)?;
+        let missing: Vec<usize> = (0..keys.len()).filter(|&i| !found[i]).collect();
+        if !missing.is_empty() {
+            let missing_keys: Vec<u64> = missing.iter().map(|&i| keys[i]).collect();
+            let admit = if life.opts.admits() { life.admit(&missing_keys) } else { vec![true; missing.len()] };
+            let (mut new_pos, mut new_keys) = (Vec::new(), Vec::new());
+            for (j, &i) in missing.iter().enumerate() {
+                if admit[j] {
+                    new_pos.push(i);
+                    new_keys.push(keys[i]);
+                } else {
+                    self.init_record(keys[i], &mut records[i * w..(i + 1) * w]);
+                }
+            }
+            if !new_keys.is_empty() {
+                self.make_room_for(life, &new_keys, keys)?;
+                let mut created = vec![0f32; new_keys.len() * w];
+                self.pull_records(&new_keys, &mut created)?;
+                for (j, &i) in new_pos.iter().enumerate() {
+                    records[i * w..(i + 1) * w].copy_from_slice(&created[j * w..(j + 1) * w]);
+                }
+                for &i in &new_pos {
+                    found[i] = true;
+                }
+            }
+        }
+        life.touch((0..keys.len()).filter(|&i| found[i]).map(|i| keys[i]));
+        if w == d {
+            out.copy_from_slice(&records);
+        } else {
+            self.copy_rows(&records, out);
+        }
+        Ok(())
+    }
+
+    /// Whole records of the keys that exist (never creates); `found[i]` tells which.
+    fn lookup_records(&self, keys: &[u64], records: &mut [f32], found: &mut [bool]) -> Result<()> {
+        if self.tiered() {
+            self.tier_lookup(keys, records, found)?;
+        } else {
+            let st = self.state()?;
+            let _pin = crossbeam_epoch::pin();
+            self.gather(st.as_ref().unwrap(), keys, records, Some(found))?;
+        }
+        Ok(())
+    }
+
+    /// Evicts rows until `new` keys (distinct or not, some possibly present by now) fit
+    /// under `max_rows`; never evicts a key of `batch`.
+    fn make_room_for(&self, life: &Lifecycle, new: &[u64], batch: &[u64]) -> Result<()> {
+        let Some(max) = life.opts.max_rows else { return Ok(()) };
+        let distinct: std::collections::HashSet<u64> = new.iter().copied().collect();
+        if distinct.len() as u64 > max {
+            return Err(Error::invalid(format!(
+                "table {:?}: a batch creates {} rows, more than max_rows ({max}); nothing was created",
+                self.shared.name,
+                distinct.len()
+            )));
+        }
+        let _one = life.evicting.lock();
+        let len = self.len()?;
+        if len + distinct.len() as u64 <= max {
+            return Ok(());
+        }
+        // Evict a little more than needed, so a full table does not evict on every batch.
+        let n = (len + distinct.len() as u64 - max + max / EVICT_SLACK_DIVISOR) as usize;
+        let spare: std::collections::HashSet<u64> = batch.iter().copied().collect();
+        let victims = life.victims(n, &spare);
+        let gone = self.delete(&victims)?;
+        life.count_evicted(false, gone);
+        Ok(())
+    }
+
+    /// Evicts every row of a table with a TTL that was not touched within it; returns how
+    /// many. The store's maintenance thread calls it about once a second; call it to
+    /// evict at a point of your choosing (after a batch, say).
+    pub fn evict_expired(&self) -> Result<u64> {
+        let Some(life) = &self.shared.lifecycle else { return Ok(0) };
+        let _gate = self.shared.tier.gate.read_recursive();
+        let _one = life.evicting.lock();
+        let victims = life.expired();
+        if victims.is_empty() {
+            return Ok(0);
+        }
+        let gone = self.delete(&victims)?;
+        life.count_evicted(true, gone);
+        Ok(gone)
+    }
+
+    /// Whether the maintenance thread should sweep this table for expired rows.
+    pub(crate) fn has_ttl(&self) -> bool {
+        self.shared.lifecycle.as_ref().is_some_and(|l| l.opts.ttl_steps.is_some() || l.opts.ttl_seconds.is_some())
     }
 
     /// Copies the row part of each record.
@@ -862,6 +986,9 @@ impl Table {
             self.copy_rows(&records, out);
         }
         self.fill_missing(keys, &missing, out);
+        if let Some(life) = &self.shared.lifecycle {
+            life.touch((0..keys.len()).filter(|&i| found[i]).map(|i| keys[i]));
+        }
         Ok(())
     }
 
@@ -888,6 +1015,27 @@ impl Table {
                 rows[i]
             )));
         }
+        if let Some(life) = &self.shared.lifecycle {
+            let _gate = self.shared.tier.gate.read_recursive();
+            life.written(keys);
+            if life.opts.max_rows.is_some() {
+                let mut records = vec![0f32; keys.len() * self.shared.width];
+                let mut found = vec![false; keys.len()];
+                self.lookup_records(keys, &mut records, &mut found)?;
+                let new: Vec<u64> = (0..keys.len()).filter(|&i| !found[i]).map(|i| keys[i]).collect();
+                if !new.is_empty() {
+                    self.make_room_for(life, &new, keys)?;
+                }
+            }
+            self.push_unchecked(keys, rows)?;
+            life.touch(keys.iter().copied());
+            return Ok(());
+        }
+        self.push_unchecked(keys, rows)
+    }
+
+    /// [`push`](Self::push) of checked rows.
+    fn push_unchecked(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
         if !self.has_state() {
             return self.push_records(keys, rows);
         }
@@ -961,11 +1109,51 @@ impl Table {
                 self.shared.name
             )));
         }
-        let (uniq, sums) = sum_duplicates(keys, grads, d);
+        let (mut uniq, mut sums) = sum_duplicates(keys, grads, d);
         let w = self.shared.width;
         let _one = self.shared.grad_lock.lock();
+        let life = self.shared.lifecycle.as_ref();
+        if let Some(life) = life.filter(|l| l.opts.admits() || l.opts.max_rows.is_some()) {
+            let mut records = vec![0f32; uniq.len() * w];
+            let mut found = vec![false; uniq.len()];
+            self.lookup_records(&uniq, &mut records, &mut found)?;
+            if life.opts.admits() {
+                // Rows not admitted (or evicted since their pull) take no update.
+                let dropped = found.iter().filter(|&&f| !f).count();
+                if dropped > 0 {
+                    life.dropped_grads(dropped as u64);
+                    let (mut k2, mut g2) = (Vec::with_capacity(uniq.len()), Vec::with_capacity(sums.len()));
+                    for (i, &k) in uniq.iter().enumerate() {
+                        if found[i] {
+                            k2.push(k);
+                            g2.extend_from_slice(&sums[i * d..(i + 1) * d]);
+                        }
+                    }
+                    (uniq, sums) = (k2, g2);
+                }
+            } else {
+                let new: Vec<u64> = (0..uniq.len()).filter(|&i| !found[i]).map(|i| uniq[i]).collect();
+                if !new.is_empty() {
+                    self.make_room_for(life, &new, &uniq)?;
+                }
+            }
+        }
+        let result = self.apply_grads(&uniq, &sums, opt);
+        if let Some(life) = life {
+            if result.is_ok() {
+                // A step ends: its rows are touched at the new step (TTL ages count from it).
+                life.step();
+                life.touch(uniq.iter().copied());
+            }
+        }
+        result
+    }
+
+    /// Reads, updates and writes back the records of distinct `uniq` keys.
+    fn apply_grads(&self, uniq: &[u64], sums: &[f32], opt: Optimizer) -> Result<()> {
+        let (w, d) = (self.shared.width, self.shared.row_dim);
         let mut records = vec![0f32; uniq.len() * w];
-        self.pull_records(&uniq, &mut records)?;
+        self.pull_records(uniq, &mut records)?;
         for (rec, g) in records.chunks_exact_mut(w).zip(sums.chunks_exact(d)) {
             opt.apply(rec, g);
         }
@@ -975,7 +1163,7 @@ impl Table {
                 uniq[i / w]
             )));
         }
-        self.push_records(&uniq, &records)
+        self.push_records(uniq, &records)
     }
 
     /// Writes whole records (row and optimizer state).
@@ -1061,6 +1249,9 @@ impl Table {
         }
         let n = (retired.len() + held.len()) as u64;
         self.settle(medium.alloc(), &guard, retired, held);
+        if let Some(life) = &self.shared.lifecycle {
+            life.forget(keys);
+        }
         Ok(n)
     }
 
@@ -1489,7 +1680,8 @@ impl Table {
         create: bool,
         f: impl FnOnce(&[&[u8]], &[bool]) -> R,
     ) -> Result<Option<R>> {
-        if self.tiered() {
+        // Tables with admission or eviction keep books of every access: the copying path.
+        if self.tiered() || self.shared.lifecycle.is_some() {
             return Ok(None);
         }
         let (w, d) = (self.shared.width, self.shared.row_dim);
@@ -1679,6 +1871,7 @@ impl Table {
             staleness_bound: self.staleness_bound(),
             holds_outstanding: self.shared.holds.as_ref().map_or(0, |h| h.outstanding().0),
             holding_workers: self.shared.holds.as_ref().map_or(0, |h| h.outstanding().1),
+            lifecycle: self.shared.lifecycle.as_ref().map(Lifecycle::stats),
         })
     }
 }

@@ -18,6 +18,8 @@ use crate::table::{Table, WeakTable};
 const LOOKAHEAD_QUEUE: usize = 256;
 /// How often the maintenance thread checks for dirty rows when idle.
 const TICK: Duration = Duration::from_millis(20);
+/// How often the maintenance thread evicts expired rows (tables with a TTL).
+const TTL_SWEEP: Duration = Duration::from_secs(1);
 /// Rows one write-back round takes per table.
 const WRITE_BACK_BATCH: usize = 4096;
 
@@ -119,6 +121,19 @@ impl Tier {
         }
     }
 
+    /// Evicts expired rows of the tables with a TTL.
+    fn ttl_round(&self) {
+        let tables: Vec<Table> =
+            self.tables.lock().iter().filter_map(|t| t.upgrade()).filter(|t| t.has_ttl()).collect();
+        for table in tables {
+            if let Err(e) = table.evict_expired() {
+                if e.kind() != crate::ErrorKind::Closed {
+                    tracing::warn!(table = table.name(), error = %e, "evicting expired rows failed");
+                }
+            }
+        }
+    }
+
     fn write_back_round(&self) {
         let Some(cache) = &self.cache else { return };
         if cache.dirty_bytes() <= cache.dirty_target() {
@@ -142,6 +157,7 @@ impl Drop for Tier {
 }
 
 fn maintenance(tier: std::sync::Weak<Tier>, rx: Receiver<Job>) {
+    let mut last_sweep = std::time::Instant::now();
     loop {
         match rx.recv_timeout(TICK) {
             Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => return,
@@ -162,5 +178,9 @@ fn maintenance(tier: std::sync::Weak<Tier>, rx: Receiver<Job>) {
         }
         let Some(tier) = tier.upgrade() else { return };
         tier.write_back_round();
+        if last_sweep.elapsed() >= TTL_SWEEP {
+            last_sweep = std::time::Instant::now();
+            tier.ttl_round();
+        }
     }
 }

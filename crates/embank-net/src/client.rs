@@ -665,6 +665,12 @@ impl RemoteTable {
         Ok(self.len()? == 0)
     }
 
+    /// Evicts rows past their TTL on every shard; returns how many.
+    pub fn evict_expired(&self) -> Result<u64> {
+        let replies = self.client.broadcast(Op::EvictExpired, &[], Some(&self.ids))?;
+        replies.iter().map(|(_, b)| u64_reply(b)).sum()
+    }
+
     /// Changes the optimizer's learning rate on every shard.
     pub fn set_lr(&self, lr: f32) -> Result<()> {
         self.client.broadcast(Op::SetLr, &lr.to_le_bytes(), Some(&self.ids)).map(|_| ())
@@ -736,7 +742,7 @@ fn u64_reply(body: &[u8]) -> Result<u64> {
 }
 
 /// Numeric statistics that are the same on every shard, not parts of a total.
-const KEEP_FIRST: [&str; 3] = ["dim", "io_align", "depth"];
+const KEEP_FIRST: [&str; 5] = ["dim", "io_align", "depth", "admit_after", "staleness_bound"];
 
 /// Sums statistics documents field by field: numbers add up, arrays of numbers add up
 /// element-wise, `tables` are merged by name, ratios are recomputed from their parts,

@@ -212,9 +212,12 @@ mod tests {
     fn sample_config_parses() {
         let c = ServeConfig::parse(SAMPLE).unwrap();
         let tables = c.table_options().unwrap();
-        assert_eq!(tables.len(), 2);
+        assert_eq!(tables.len(), 3);
         assert_eq!(tables[0].0, "user");
         assert_eq!(tables[0].1.dim, 64);
+        let life = &tables[2].1.lifecycle;
+        assert_eq!((life.admit_after, life.max_rows), (3, Some(50_000_000)));
+        assert_eq!(life.evict, embank_core::EvictPolicy::Lfu);
         assert_eq!(c.server_options().unwrap().keys_per_request_max, 65_536);
     }
 

@@ -77,6 +77,8 @@ pub enum Op {
     Checkpoints = 30,
     /// Body: batch id u64. Returns the store to that checkpoint; table ids stay valid.
     Restore = 31,
+    /// Reply body: u64 rows evicted. Evicts the table's rows past their TTL now.
+    EvictExpired = 32,
 }
 
 impl Op {
@@ -106,6 +108,7 @@ impl Op {
             29 => Checkpoint,
             30 => Checkpoints,
             31 => Restore,
+            32 => EvictExpired,
             _ => return None,
         })
     }
@@ -137,10 +140,11 @@ impl Op {
             Checkpoint => "checkpoint",
             Checkpoints => "checkpoints",
             Restore => "restore",
+            EvictExpired => "evict_expired",
         }
     }
 
-    pub const ALL: [Op; 23] = [
+    pub const ALL: [Op; 24] = [
         Op::Hello,
         Op::ListTables,
         Op::OpenTable,
@@ -164,6 +168,7 @@ impl Op {
         Op::Checkpoint,
         Op::Checkpoints,
         Op::Restore,
+        Op::EvictExpired,
     ];
 
     /// Whether the body carries `count` keys (after the prefix words).

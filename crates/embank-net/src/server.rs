@@ -633,6 +633,10 @@ impl<'a> Conn<'a> {
                 let queued = table.lookahead(&body[..n]).map_err(eng)?;
                 self.reply_bytes(h, 0, &(queued as u64).to_le_bytes()).map_err(Err)
             }
+            Op::EvictExpired => {
+                let gone = table.evict_expired().map_err(eng)?;
+                self.reply_bytes(h, 0, &gone.to_le_bytes()).map_err(Err)
+            }
             Op::Len => {
                 let len = table.len().map_err(eng)?;
                 self.reply_bytes(h, 0, &len.to_le_bytes()).map_err(Err)

@@ -71,7 +71,9 @@ enum Backend {
 }
 
 /// A table of either backend; every method has the same meaning on both.
+/// (One per Python table object: the remote variant's size does not matter.)
 #[derive(Clone)]
+#[allow(clippy::large_enum_variant)]
 enum TableBackend {
     Local(core::Table),
     Remote(net::RemoteTable),
@@ -171,7 +173,7 @@ impl Store {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (name, dim, init_kind, init_a, init_b, seed, capacity, growth, load_factor_max, missing_kind, missing_value, medium="mmap", placement="auto", optimizer_json=None, staleness_bound=None, lease_seconds=60.0))]
+    #[pyo3(signature = (name, dim, init_kind, init_a, init_b, seed, capacity, growth, load_factor_max, missing_kind, missing_value, medium="mmap", placement="auto", optimizer_json=None, staleness_bound=None, lease_seconds=60.0, lifecycle_json=None))]
     fn create_table(
         &self,
         py: Python<'_>,
@@ -191,6 +193,7 @@ impl Store {
         optimizer_json: Option<&str>,
         staleness_bound: Option<u32>,
         lease_seconds: f64,
+        lifecycle_json: Option<&str>,
     ) -> PyResult<Table> {
         let mut o = core::TableOptions::new(dim);
         o.init = match init_kind {
@@ -217,6 +220,10 @@ impl Store {
         if let Some(j) = optimizer_json {
             o.optimizer = serde_json::from_str(j)
                 .map_err(|e| PyValueError::new_err(format!("bad optimizer description {j:?}: {e}")))?;
+        }
+        if let Some(j) = lifecycle_json {
+            o.lifecycle = serde_json::from_str(j)
+                .map_err(|e| PyValueError::new_err(format!("bad admission/eviction options {j:?}: {e}")))?;
         }
         let inner = py
             .detach(|| match &self.inner {
@@ -484,6 +491,10 @@ impl Table {
     fn lookahead(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<bool> {
         let keys = slice(&keys, "keys")?;
         py.detach(|| on_table!(&self.inner, t => t.lookahead(keys))).map_err(to_py_err)
+    }
+
+    fn evict_expired(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| on_table!(&self.inner, t => t.evict_expired())).map_err(to_py_err)
     }
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
