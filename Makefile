@@ -24,8 +24,8 @@ test: develop lint test-rust test-python
 lint: $(VENV)/.installed
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
-	$(BIN)/ruff check python tests/python
-	$(BIN)/ruff format --check python tests/python
+	$(BIN)/ruff check python tests/python examples
+	$(BIN)/ruff format --check python tests/python examples
 	$(BIN)/mypy
 
 test-rust:

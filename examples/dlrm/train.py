@@ -1,0 +1,423 @@
+#!/usr/bin/env python3
+"""DLRM on Criteo-format click logs with its 26 embedding tables in embank.
+
+    python examples/dlrm/train.py --synthetic 200000 --work /tmp/dlrm
+    python examples/dlrm/train.py --train day_0.tsv --test day_1.tsv --hash-size 1000000 --work /data/dlrm
+
+Model: bottom MLP over the 13 integer features, one pooled embedding per categorical
+feature (an embank table each, Adagrad in the store), pairwise dot interaction, top MLP.
+Every ``--checkpoint-every`` batches the dense part is saved with ``torch.save`` and the
+tables with ``store.checkpoint`` under the same batch id; ``--resume`` (after a crash or
+a kill) restores both to the last such batch and continues with the next one.
+``--baseline`` trains the same model with ``torch.nn.EmbeddingBag(sparse=True)`` and
+``torch.optim.Adagrad`` in DRAM, starting from the same rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import embank
+import embank.datasets as ds
+import embank.torch as et
+import numpy as np
+import torch
+from torch import nn
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - the bar is optional
+    tqdm = None
+
+
+def mlp(sizes: list[int], last_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2 or last_relu:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    def __init__(self, bags: list[nn.Module], dim: int, bottom: list[int], top: list[int]) -> None:
+        super().__init__()
+        self.bags = nn.ModuleList(bags)
+        self.bottom = mlp([ds.NUM_DENSE, *bottom, dim], last_relu=True)
+        f = len(bags) + 1
+        self.top = mlp([dim + f * (f - 1) // 2, *top, 1], last_relu=False)
+        self.register_buffer("tri", torch.triu_indices(f, f, offset=1), persistent=False)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        n = sparse.shape[0]
+        offsets = torch.arange(n, dtype=torch.int64)
+        embs = [bag(sparse[:, j].contiguous(), offsets) for j, bag in enumerate(self.bags)]
+        z = torch.stack([x, *embs], dim=1)  # (n, f, dim)
+        inter = torch.bmm(z, z.transpose(1, 2))[:, self.tri[0], self.tri[1]]
+        return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
+
+
+def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Area under the ROC curve (Mann-Whitney U, ties counted half)."""
+    order = np.argsort(scores, kind="mergesort")
+    s, y = scores[order], labels[order]
+    ranks = np.empty(len(s), dtype=np.float64)
+    i = 0
+    while i < len(s):  # average ranks of ties
+        j = i
+        while j + 1 < len(s) and s[j + 1] == s[i]:
+            j += 1
+        ranks[i : j + 1] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    pos = y > 0.5
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def evaluate(model: DLRM, batches: Iterator[ds.Batch]) -> dict[str, float]:
+    model.eval()
+    labels, scores = [], []
+    with torch.no_grad():
+        for b in batches:
+            scores.append(torch.sigmoid(model(torch.from_numpy(b.dense), torch.from_numpy(b.sparse))).numpy())
+            labels.append(b.labels)
+    model.train()
+    y, p = np.concatenate(labels), np.concatenate(scores).astype(np.float64)
+    pc = np.clip(p, 1e-7, 1 - 1e-7)
+    return {
+        "auc": auc(y, p),
+        "logloss": float(-np.mean(y * np.log(pc) + (1 - y) * np.log(1 - pc))),
+        "examples": len(y),
+    }
+
+
+def init_rows(store: embank.Store, dim: int, keys: np.ndarray, args: argparse.Namespace) -> torch.Tensor:
+    """The rows embank's initializer gives ``keys`` (without storing them): the baseline
+    starts from the same embedding values as the embank run."""
+    scratch = store.create_table(
+        "init-scratch",
+        dim=dim,
+        init=embank.init.uniform(-args.init, args.init),
+        seed=args.seed,
+        missing="init",
+    )
+    rows, _ = scratch.lookup(keys.astype(np.uint64))
+    store.drop_table("init-scratch")
+    return torch.from_numpy(rows)
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def count_lines(files: list[Path]) -> int:
+    n = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                n += chunk.count(b"\n")
+    return n
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = p.add_argument_group("data")
+    data.add_argument("--train", nargs="*", default=[], help="Criteo-format TSV files to train on")
+    data.add_argument("--test", nargs="*", default=[], help="Criteo-format TSV files to evaluate on")
+    data.add_argument(
+        "--synthetic",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="generate ROWS training examples (and ROWS/5 test ones) into --work instead",
+    )
+    data.add_argument(
+        "--synthetic-scale",
+        type=int,
+        default=100_000,
+        help="distinct values of the largest synthetic feature",
+    )
+    data.add_argument(
+        "--hash-size",
+        type=int,
+        default=None,
+        help="categorical ids modulo this (needed by --baseline on real Criteo data)",
+    )
+    train = p.add_argument_group("training")
+    train.add_argument("--work", required=True, type=Path, help="directory for the store, checkpoints, data")
+    train.add_argument("--epochs", type=int, default=1)
+    train.add_argument("--batch-size", type=int, default=512)
+    train.add_argument("--dim", type=int, default=16)
+    train.add_argument("--bottom", default="64,32", help="bottom MLP hidden sizes")
+    train.add_argument("--top", default="128,64", help="top MLP hidden sizes")
+    train.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate (dense and tables)")
+    train.add_argument(
+        "--init", type=float, default=0.05, help="embedding rows start uniform in [-init, init)"
+    )
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    train.add_argument("--eval-every", type=int, default=0, help="also evaluate every N batches")
+    st = p.add_argument_group("tables")
+    st.add_argument(
+        "--baseline",
+        action="store_true",
+        help="torch.nn.EmbeddingBag(sparse=True) + torch.optim.Adagrad in DRAM instead of embank",
+    )
+    st.add_argument("--medium", choices=["mmap", "block"], default="mmap", help="embank medium of the tables")
+    st.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=None,
+        help="block medium: DRAM row cache as this fraction of the tables' rows (e.g. 0.1)",
+    )
+    st.add_argument(
+        "--staleness",
+        type=int,
+        default=None,
+        metavar="K",
+        help="SSP bound K: gradients reach the tables K steps late; pulls held by a worker",
+    )
+    st.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N batches (0: never)")
+    st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work")
+    st.add_argument("--metrics-out", type=Path, default=None, help="write the final metrics here as JSON")
+    st.add_argument("--quiet", action="store_true", help="no progress bar; print checkpoints on stdout")
+    args = p.parse_args(argv)
+    if not args.synthetic and not args.train:
+        p.error("give --train files or --synthetic ROWS")
+    if args.baseline and not args.synthetic and args.hash_size is None:
+        p.error("--baseline on Criteo files needs --hash-size (fixed-size torch tables)")
+    if args.baseline and (args.staleness is not None or args.medium != "mmap"):
+        p.error("--staleness and --medium apply to embank tables, not --baseline")
+    return args
+
+
+class Vocab:
+    """Synthetic values are 32-bit hashes of dense ids: the baseline's fixed-size tables
+    index them by the dense id (one more row for a missing value); embank takes the
+    hashed value itself as the key. Both start from the row embank's initializer gives
+    the hashed value, so the two runs are the same model."""
+
+    def __init__(self, cards: list[int], seed: int) -> None:
+        salt = np.uint64((seed * (1 << 40)) % (1 << 64))
+        self.keys: list[np.ndarray] = []
+        self.index: list[dict[int, int]] = []
+        for card in cards:
+            hashed = (ds._mix(np.arange(card, dtype=np.uint64) + salt) & np.uint64(0xFFFFFFFF)).astype(
+                np.int64
+            )
+            self.keys.append(np.append(hashed, ds.MISSING_ID))
+            self.index.append({int(h): i for i, h in enumerate(hashed.tolist())})
+
+    def apply(self, sparse: np.ndarray) -> None:
+        for j, m in enumerate(self.index):
+            miss = len(self.keys[j]) - 1  # the last row: a missing value
+            sparse[:, j] = [m.get(int(x), miss) for x in sparse[:, j].tolist()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    args.work.mkdir(parents=True, exist_ok=True)
+    train_files, test_files = [Path(x) for x in args.train], [Path(x) for x in args.test]
+    cards: list[int] = []
+    if args.synthetic:
+        tag = f"synthetic-{args.synthetic}-{args.synthetic_scale}-{args.seed}"
+        train_files, test_files = [args.work / f"{tag}-train.tsv"], [args.work / f"{tag}-test.tsv"]
+        for f, rows, part in (
+            (train_files[0], args.synthetic, 0),
+            (test_files[0], max(args.synthetic // 5, 1), 1),
+        ):
+            if not f.exists():
+                print(f"writing {rows} synthetic examples to {f}", file=sys.stderr)
+                ds.write_synthetic(f, rows, seed=args.seed, part=part, scale=args.synthetic_scale)
+        cards = ds.synthetic_cardinalities(args.synthetic_scale)
+    hash_size = None if args.synthetic else args.hash_size
+    per_epoch = -(-count_lines(train_files) // args.batch_size)
+
+    # --- the store, back at the checkpoint the dense part was saved with ---
+    store_dir = args.work / ("baseline-scratch" if args.baseline else "store")
+    ckpt_file = args.work / "dense.pt"
+    state = torch.load(ckpt_file, weights_only=False) if args.resume and ckpt_file.exists() else None
+    if args.resume and state is None:
+        print("no checkpoint to resume from: starting afresh", file=sys.stderr)
+    if state is None:
+        import shutil
+
+        shutil.rmtree(store_dir, ignore_errors=True)
+        ckpt_file.unlink(missing_ok=True)
+    vocab_rows = sum(cards) if cards else ds.NUM_SPARSE * (hash_size or 10_000_000)
+    opts: dict[str, Any] = {}
+    if args.medium == "block" and args.cache_fraction is not None:
+        opts["cache_bytes"] = max(1 << 20, int(vocab_rows * args.dim * 4 * args.cache_fraction))
+    store = embank.open(store_dir, **opts)
+    start_batch = 0
+    if state is not None:
+        start_batch = int(state["batch"])
+        if not args.baseline:
+            # The tables reopen at their last checkpoint; a kill between the tables' and the
+            # dense part's checkpoint leaves them one ahead: go back to the dense part's.
+            kept = store.checkpoints()
+            if kept and kept[-1] != start_batch:
+                store.restore(start_batch)
+        print(f"resuming after batch {start_batch}", file=sys.stderr, flush=True)
+
+    # --- the model ---
+    bags: list[nn.Module] = []
+    tables: list[embank.Table] = []
+    vocab = Vocab(cards, args.seed) if args.baseline and cards else None
+    for j in range(ds.NUM_SPARSE):
+        if args.baseline:
+            keys = vocab.keys[j] if vocab else np.arange(hash_size, dtype=np.int64)  # type: ignore[arg-type]
+            bag = nn.EmbeddingBag(len(keys), args.dim, mode="sum", sparse=True)
+            with torch.no_grad():
+                bag.weight.copy_(init_rows(store, args.dim, keys, args))
+            bags.append(bag)
+            continue
+        name = f"c{j + 1}"
+        if name in store.tables():
+            t = store.table(name)
+        else:
+            t = store.create_table(
+                name,
+                dim=args.dim,
+                init=embank.init.uniform(-args.init, args.init),
+                seed=args.seed,
+                optimizer=embank.optim.Adagrad(lr=args.lr, eps=1e-10),
+                medium=args.medium,
+                staleness_bound=args.staleness,
+                capacity=max(cards[j] if cards else (hash_size or 1 << 20), 1024),
+            )
+        tables.append(t)
+        bags.append(et.EmbeddingBag(t.worker(timeout=60) if args.staleness is not None else t, mode="sum"))
+    torch.manual_seed(args.seed)  # the dense layers start alike whichever tables were built
+    model = DLRM(
+        bags, args.dim, [int(x) for x in args.bottom.split(",")], [int(x) for x in args.top.split(",")]
+    )
+    dense_opt = torch.optim.Adagrad(
+        [q for n, q in model.named_parameters() if not n.startswith("bags.")], lr=args.lr
+    )
+    sparse_opt: Any
+    if args.baseline:
+        sparse_opt = torch.optim.Adagrad([b.weight for b in bags], lr=args.lr, eps=1e-10)  # type: ignore[union-attr]
+    else:
+        sparse_opt = et.SparseOptimizer(model, delay=args.staleness or 0)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        dense_opt.load_state_dict(state["dense_opt"])
+        torch.set_rng_state(state["rng"])
+        if args.baseline:
+            sparse_opt.load_state_dict(state["sparse_opt"])
+
+    def flush() -> None:
+        if not args.baseline:
+            sparse_opt.flush()
+
+    def checkpoint(batch: int) -> None:
+        flush()
+        if not args.baseline:
+            store.checkpoint(batch)  # the tables first: a kill before the next line resumes from here - 1
+        extra = {"sparse_opt": sparse_opt.state_dict()} if args.baseline else {}
+        atomic_save(
+            {
+                "model": model.state_dict(),
+                "dense_opt": dense_opt.state_dict(),
+                "batch": batch,
+                "rng": torch.get_rng_state(),
+                **extra,
+            },
+            ckpt_file,
+        )
+
+    def batches(files: list[Path], skip: int = 0) -> Iterator[ds.Batch]:
+        for b in ds.read_criteo(files, args.batch_size, hash_size=hash_size, skip_batches=skip):
+            if vocab is not None:
+                vocab.apply(b.sparse)
+            yield b
+
+    loss_fn = nn.BCEWithLogitsLoss()
+    history: list[dict[str, Any]] = []
+    batch_no, examples = start_batch, 0
+    t_start = time.perf_counter()
+    for epoch in range(start_batch // per_epoch, args.epochs):
+        skip = start_batch - epoch * per_epoch if epoch == start_batch // per_epoch else 0
+        it: Iterator[ds.Batch] = batches(train_files, skip)
+        if tables:
+            it = et.lookahead(it, lambda b: {t: b.sparse[:, j] for j, t in enumerate(tables)})
+        bar = None
+        if tqdm is not None and not args.quiet:
+            bar = tqdm(
+                it,
+                desc=f"epoch {epoch + 1}/{args.epochs}",
+                unit="batch",
+                initial=skip,
+                total=per_epoch,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            it = iter(bar)
+        for b in it:
+            logits = model(torch.from_numpy(b.dense), torch.from_numpy(b.sparse))
+            loss = loss_fn(logits, torch.from_numpy(b.labels))
+            dense_opt.zero_grad()
+            sparse_opt.zero_grad()
+            loss.backward()
+            dense_opt.step()
+            sparse_opt.step()
+            batch_no += 1
+            examples += len(b)
+            if bar is not None:
+                rate = examples / max(time.perf_counter() - t_start, 1e-9)
+                bar.set_postfix(loss=f"{loss.item():.4f}", ex_per_s=f"{rate:,.0f}", refresh=False)
+            if args.checkpoint_every and batch_no % args.checkpoint_every == 0:
+                checkpoint(batch_no)
+                if args.quiet:
+                    print(f"checkpoint {batch_no}", flush=True)
+            if args.eval_every and batch_no % args.eval_every == 0 and test_files:
+                flush()
+                m = evaluate(model, batches(test_files))
+                history.append({"batch": batch_no, **m})
+                print(f"batch {batch_no}: auc {m['auc']:.4f} logloss {m['logloss']:.4f}", file=sys.stderr)
+        if bar is not None:
+            bar.close()
+    flush()
+    elapsed = time.perf_counter() - t_start
+    result: dict[str, Any] = {
+        "mode": "baseline" if args.baseline else f"embank-{args.medium}",
+        "staleness": args.staleness,
+        "batches": batch_no,
+        "examples_trained": examples,
+        "seconds": elapsed,
+        "examples_per_s": examples / elapsed if elapsed > 0 else 0.0,
+        "history": history,
+    }
+    if test_files:
+        result.update(evaluate(model, batches(test_files)))
+        print(
+            f"test: auc {result['auc']:.4f} logloss {result['logloss']:.4f} "
+            f"({result['examples_per_s']:,.0f} examples/s)",
+            file=sys.stderr,
+        )
+    if args.metrics_out:
+        args.metrics_out.write_text(json.dumps(result, indent=1))
+    store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
