@@ -38,6 +38,7 @@ dependency, imported when this module is.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Callable, Protocol, TypeVar, Union
 
@@ -73,7 +74,7 @@ class _Pending:
     """Gradients gathered for one source since the last step."""
 
     def __init__(self, source: Source) -> None:
-        self.source = source
+        self._source = weakref.ref(source)
         self.keys: list[npt.NDArray[np.uint64]] = []
         self.grads: list[npt.NDArray[np.float32]] = []
         self.lock = threading.Lock()
@@ -97,19 +98,26 @@ class _Pending:
         with self.lock:
             self.keys, self.grads = [], []
 
+    @property
+    def source(self) -> Source:
+        s = self._source()
+        if s is None:
+            raise InvalidInputError("the table of this lookup was dropped")
+        return s
+
 
 # One pending list per source object: modules sharing a Table (or Worker) object share it,
-# so a step pushes the sum of all their lookups once.
-_pending_by_source: dict[int, _Pending] = {}
+# so a step pushes the sum of all their lookups once. Weak: a dropped table takes its list.
+_pending_by_source: weakref.WeakKeyDictionary[Source, _Pending] = weakref.WeakKeyDictionary()
 _pending_lock = threading.Lock()
 
 
 def _pending_for(source: Source) -> _Pending:
     with _pending_lock:
-        p = _pending_by_source.get(id(source))
-        if p is None or p.source is not source:
+        p = _pending_by_source.get(source)
+        if p is None:
             p = _Pending(source)
-            _pending_by_source[id(source)] = p
+            _pending_by_source[source] = p
         return p
 
 
@@ -142,11 +150,13 @@ class _Lookup(torch.nn.Module):
         flat = ids.reshape(-1)
         uniq, inverse = torch.unique(flat.to("cpu"), sorted=True, return_inverse=True)
         keys = _to_keys(uniq, "ids")
-        rows = torch.from_numpy(self.source.pull(keys))
+        training = torch.is_grad_enabled() and self.training
+        # A worker's pull holds keys until their gradient is pushed: only when training.
+        rows = torch.from_numpy((self.source if training else self.table).pull(keys))
         if device.type != "cpu":
             rows = rows.to(device, non_blocking=True)
             inverse = inverse.to(device)
-        if torch.is_grad_enabled() and self.training:
+        if training:
             rows.requires_grad_(True)
             rows.register_hook(self._hook(keys))  # type: ignore[no-untyped-call]
         return rows, inverse

@@ -216,6 +216,22 @@ def test_delayed_pushes_under_a_staleness_bound(store: embank.Store) -> None:
     np.testing.assert_array_equal(t.pull([7]), [[6.0]])
 
 
+def test_evaluating_through_a_worker_takes_no_holds(store: embank.Store) -> None:
+    # BSP: a held key cannot be pulled again before its push. Evaluation pushes nothing,
+    # so its pulls must not hold (they would wait forever on the second batch).
+    t = store.create_table("t", dim=2, optimizer=embank.optim.SGD(lr=1.0), staleness_bound=0)
+    with t.worker(timeout=1) as w:
+        emb = et.Embedding(w)
+        emb.eval()
+        for _ in range(3):
+            emb(torch.tensor([1, 2]))
+        emb.train()
+        with torch.no_grad():
+            emb(torch.tensor([1, 2]))
+            emb(torch.tensor([1, 2]))
+        assert t.stats()["holds_outstanding"] == 0
+
+
 def test_lookahead_yields_every_batch_in_order(store: embank.Store) -> None:
     t = store.create_table("t", dim=2)
     t.push(np.arange(100, dtype=np.uint64), np.ones((100, 2), np.float32))
