@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab_rows = sum(cards) if cards else ds.NUM_SPARSE * (hash_size or 10_000_000)
     opts: dict[str, Any] = {}
     if args.medium == "block" and args.cache_fraction is not None:
-        opts["cache_bytes"] = max(1 << 20, int(vocab_rows * args.dim * 4 * args.cache_fraction))
+        # A table's bytes: each row and its Adagrad state (dim floats each).
+        opts["cache_bytes"] = max(1 << 20, int(vocab_rows * args.dim * 8 * args.cache_fraction))
     store = embank.open(store_dir, **opts)
     start_batch = 0
     if state is not None:
@@ -406,6 +407,13 @@ def main(argv: list[str] | None = None) -> int:
         "examples_per_s": examples / elapsed if elapsed > 0 else 0.0,
         "history": history,
     }
+    if not args.baseline:
+        st = store.stats()
+        hits = sum(t["cache_hits"] for t in st["tables"])
+        misses = sum(t["cache_misses"] for t in st["tables"])
+        result["rows"] = st["rows"]
+        result["cache_budget_bytes"] = st["cache"]["budget_bytes"] if args.medium == "block" else 0
+        result["cache_hit_rate"] = hits / (hits + misses) if hits + misses else None
     if test_files:
         result.update(evaluate(model, batches(test_files)))
         print(
