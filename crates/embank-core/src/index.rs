@@ -54,7 +54,10 @@ pub struct Bucket {
     fps: [AtomicU64; 2],
     /// `(key, row pointer)` per slot.
     slots: [[AtomicU64; 2]; SLOTS_PER_BUCKET],
-    _reserved: u64,
+    /// Checkpoint marks: a 50-bit interval tag and one bit per slot whose key has been
+    /// journaled in that interval ([`Index::journaled`]). Meaningful only to the process
+    /// that wrote them (tags are per open), so garbage after a restart is harmless.
+    marks: AtomicU64,
 }
 
 /// Where a key sits: bucket, slot and its row pointer.
@@ -72,6 +75,11 @@ pub struct RecoverReport {
     pub slots_dropped: u64,
     pub keys: u64,
 }
+
+/// Low bits of a bucket's `marks` word: one per slot.
+const MARK_SLOT_BITS: u32 = SLOTS_PER_BUCKET as u32;
+/// The interval tag in the rest of the word.
+pub const MARK_TAG_MASK: u64 = (1 << (64 - MARK_SLOT_BITS)) - 1;
 
 const LOW_BYTES: u64 = 0x0101_0101_0101_0101;
 const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
@@ -371,6 +379,28 @@ impl Index {
 
     /// Lock-free lookup, returning where the key sits.
     #[inline]
+    /// Whether the key at `(bucket, slot)` is marked journaled in the interval `tag`
+    /// (50 bits). Callers hold the key's writer lock, so its slot does not change.
+    pub fn journaled(&self, bucket: u64, slot: usize, tag: u64) -> bool {
+        let m = self.bucket(bucket).marks.load(Ordering::Acquire);
+        m >> MARK_SLOT_BITS == tag & MARK_TAG_MASK && m & (1 << slot) != 0
+    }
+
+    /// Marks the key at `(bucket, slot)` journaled in the interval `tag`; marks of an
+    /// older tag in the bucket are dropped. Other slots' marks are kept (CAS loop).
+    pub fn mark_journaled(&self, bucket: u64, slot: usize, tag: u64) {
+        let word = &self.bucket(bucket).marks;
+        let tag = tag & MARK_TAG_MASK;
+        let mut cur = word.load(Ordering::Acquire);
+        loop {
+            let new = if cur >> MARK_SLOT_BITS == tag { cur | 1 << slot } else { tag << MARK_SLOT_BITS | 1 << slot };
+            match word.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(x) => cur = x,
+            }
+        }
+    }
+
     pub fn find(&self, key: u64, hash: u64) -> Option<Found> {
         let fp = fingerprint(hash);
         let step = probe_step(hash, self.bucket_mask);

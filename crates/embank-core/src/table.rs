@@ -41,6 +41,8 @@ pub const NAME_BYTES_MAX: usize = 128;
 const STRIPES: usize = 1024;
 /// How far ahead of the key being resolved its home bucket is prefetched.
 const PREFETCH_KEYS_AHEAD: usize = 8;
+/// Distinguishes the tables opened by one process (see `Shared::mark_nonce`).
+static MARK_NONCE: AtomicU64 = AtomicU64::new(0);
 /// Load the index is sized for at creation and after each rebuild.
 const LOAD_FACTOR_TARGET: f64 = 0.7;
 /// A full table (`max_rows`) evicts `max_rows / EVICT_SLACK_DIVISOR` rows more than it must.
@@ -259,6 +261,8 @@ struct Shared {
     /// `None` once the table is closed or dropped.
     state: RwLock<Option<State>>,
     stripes: Box<[Mutex<StripeLog>]>,
+    /// Mixed into the index's checkpoint-mark tags: marks left by an earlier open never match.
+    mark_nonce: u64,
     /// Undo journal of the latest checkpoint's interval (`None` before any checkpoint).
     journal: RwLock<Option<Arc<Journal>>>,
     /// An empty journal ready to become the next checkpoint's.
@@ -310,11 +314,8 @@ fn f32_bytes(v: &[f32]) -> &[u8] {
 
 /// Keys of one stripe journaled since the latest checkpoint (`seq`), guarded by the
 /// stripe's lock, so a key's first change after a checkpoint is journaled exactly once.
-#[derive(Default)]
-pub(crate) struct StripeLog {
-    seq: u64,
-    keys: std::collections::HashSet<u64>,
-}
+/// A writer stripe's lock (no state of its own).
+pub(crate) struct StripeLog;
 
 /// What a table needs to know about the store's checkpoints when it opens.
 #[derive(Clone, Copy, Debug, Default)]
@@ -559,12 +560,13 @@ impl Table {
         let table = Self::new(dir, meta, State { index, medium }, catalog, recovered, tier, placement, journal, held);
         // Keys already journaled in the current interval are not journaled again.
         if let Some(j) = table.shared.journal.read().as_ref() {
-            let index_hash = |k: u64| table.state().map(|st| st.as_ref().unwrap().index.hash(k));
+            let st = table.state()?;
+            let index = &st.as_ref().unwrap().index;
+            let tag = crate::hash::splitmix64(table.shared.mark_nonce ^ j.seq());
             for e in j.entries() {
-                let h = index_hash(e.key)?;
-                let mut w = table.stripe(h).lock();
-                w.seq = j.seq();
-                w.keys.insert(e.key);
+                if let Some(f) = index.find(e.key, index.hash(e.key)) {
+                    index.mark_journaled(f.bucket, f.slot, tag);
+                }
             }
         }
         if placement == Placement::Pin {
@@ -616,7 +618,14 @@ impl Table {
                 dir: dir.to_owned(),
                 catalog,
                 state: RwLock::new(Some(state)),
-                stripes: (0..STRIPES).map(|_| Mutex::new(StripeLog::default())).collect(),
+                stripes: (0..STRIPES).map(|_| Mutex::new(StripeLog)).collect(),
+                mark_nonce: crate::hash::splitmix64(
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_nanos() as u64)
+                        ^ (std::process::id() as u64) << 32
+                        ^ MARK_NONCE.fetch_add(1, Ordering::Relaxed),
+                ),
                 journal: RwLock::new(journal),
                 spare: Mutex::new(None),
                 held: Mutex::new(held),
@@ -1262,7 +1271,7 @@ impl Table {
     fn journal(
         &self,
         jw: &mut Option<journal::Writer>,
-        w: &mut StripeLog,
+        _w: &mut StripeLog,
         index: &Index,
         key: u64,
         h: u64,
@@ -1271,14 +1280,18 @@ impl Table {
         if seq == 0 {
             return Ok(None);
         }
-        if w.seq != seq {
-            w.seq = seq;
-            w.keys.clear();
+        // A key present in the index is journaled once per interval: a mark in its bucket
+        // (a line the lookup just read) says so. An absent key is always journaled (as
+        // absent); it can only enter a slot that way, so a marked slot's key was journaled.
+        // Duplicate entries (a key deleted and created again) are harmless: every reader
+        // of a journal takes a key's first entry.
+        let found = index.find(key, h);
+        let tag = crate::hash::splitmix64(self.shared.mark_nonce ^ seq);
+        if let Some(f) = found {
+            if index.journaled(f.bucket, f.slot, tag) {
+                return Ok(None);
+            }
         }
-        if w.keys.contains(&key) {
-            return Ok(None);
-        }
-        let cur = index.get(key, h);
         if jw.as_ref().is_none_or(|j| j.seq() != seq) {
             match self.shared.journal.read().as_ref() {
                 Some(j) if j.seq() == seq => *jw = Some(journal::Writer::new(Arc::clone(j))),
@@ -1290,9 +1303,11 @@ impl Table {
                 }
             }
         }
-        jw.as_mut().expect("set above").append(key, cur.unwrap_or(0))?;
-        w.keys.insert(key);
-        Ok(cur)
+        jw.as_mut().expect("set above").append(key, found.map_or(0, |f| f.ptr))?;
+        if let Some(f) = found {
+            index.mark_journaled(f.bucket, f.slot, tag);
+        }
+        Ok(found.map(|f| f.ptr))
     }
 
     /// Retires replaced records, except those a retained checkpoint needs (`held`).
@@ -1344,7 +1359,7 @@ impl Table {
         if !freed.is_empty() {
             let st = self.state()?;
             let guard = crossbeam_epoch::pin();
-            st.as_ref().unwrap().medium.alloc().retire(&guard, freed);
+            st.as_ref().unwrap().medium.alloc().retire_cold(&guard, freed);
         }
         Ok(())
     }

@@ -181,7 +181,19 @@ impl RecordAlloc {
     }
 
     /// Frees records that readers may still see, once every reader pinned now has moved on.
+    /// They are reused first (the free list is a stack: just-replaced records are likely
+    /// still in the CPU cache).
     pub fn retire(&self, guard: &Guard, ptrs: Vec<u64>) {
+        self.retire_at(guard, ptrs, false)
+    }
+
+    /// Like [`retire`](Self::retire), but the records are reused last: records a checkpoint
+    /// held for a long time are cold, and writing into them first would evict hot rows.
+    pub fn retire_cold(&self, guard: &Guard, ptrs: Vec<u64>) {
+        self.retire_at(guard, ptrs, true)
+    }
+
+    fn retire_at(&self, guard: &Guard, ptrs: Vec<u64>, cold: bool) {
         if ptrs.is_empty() {
             return;
         }
@@ -190,7 +202,13 @@ impl RecordAlloc {
         free.pending.fetch_add(records.len() as u64, Ordering::AcqRel);
         guard.defer(move || {
             let n = records.len() as u64;
-            free.records.lock().extend(records);
+            let mut list = free.records.lock();
+            if cold {
+                list.splice(0..0, records);
+            } else {
+                list.extend(records);
+            }
+            drop(list);
             free.pending.fetch_sub(n, Ordering::AcqRel);
         });
     }
