@@ -47,11 +47,22 @@ def mlp(sizes: list[int], last_relu: bool) -> nn.Sequential:
 
 
 class DLRM(nn.Module):
-    def __init__(self, bags: list[nn.Module], dim: int, bottom: list[int], top: list[int]) -> None:
+    """``bags``: one module per feature called with ``(ids, offsets)``, or ``collection``:
+    one module taking the ``(n, 26)`` ids and returning a list of pooled ``(n, dim)``."""
+
+    def __init__(
+        self,
+        bags: list[nn.Module],
+        dim: int,
+        bottom: list[int],
+        top: list[int],
+        collection: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.bags = nn.ModuleList(bags)
+        self.collection = collection
         self.bottom = mlp([ds.NUM_DENSE, *bottom, dim], last_relu=True)
-        f = len(bags) + 1
+        f = ds.NUM_SPARSE + 1
         self.top = mlp([dim + f * (f - 1) // 2, *top, 1], last_relu=False)
         self.register_buffer("tri", torch.triu_indices(f, f, offset=1), persistent=False)
 
@@ -59,10 +70,68 @@ class DLRM(nn.Module):
         x = self.bottom(dense)
         n = sparse.shape[0]
         offsets = torch.arange(n, dtype=torch.int64)
-        embs = [bag(sparse[:, j].contiguous(), offsets) for j, bag in enumerate(self.bags)]
+        if self.collection is not None:
+            embs = self.collection(sparse)
+        else:
+            embs = [bag(sparse[:, j].contiguous(), offsets) for j, bag in enumerate(self.bags)]
         z = torch.stack([x, *embs], dim=1)  # (n, f, dim)
         inter = torch.bmm(z, z.transpose(1, 2))[:, self.tri[0], self.tri[1]]
         return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
+
+
+class TorchRecTables(nn.Module):
+    """TorchRec's FusedEmbeddingBagCollection (fbgemm's CPU kernels, Adagrad fused into
+    backward) over the same 26 features, for the --torchrec comparison."""
+
+    def __init__(self, sizes: list[int], dim: int, lr: float, init: list[torch.Tensor]) -> None:
+        super().__init__()
+        from torchrec import EmbeddingBagConfig
+        from torchrec.modules.embedding_configs import PoolingType
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+
+        self.names = [f"c{j + 1}" for j in range(len(sizes))]
+        tables = [
+            EmbeddingBagConfig(
+                name=f"t_{n}",
+                embedding_dim=dim,
+                num_embeddings=size,
+                feature_names=[n],
+                pooling=PoolingType.SUM,
+            )
+            for n, size in zip(self.names, sizes)
+        ]
+        self.ebc = FusedEmbeddingBagCollection(
+            tables,
+            optimizer_type=torch.optim.Adagrad,
+            optimizer_kwargs={"lr": lr, "eps": 1e-10},
+            device=torch.device("cpu"),
+        )
+        with torch.no_grad():
+            for (_, p), rows in zip(self.ebc.named_parameters(), init):
+                p.copy_(rows)
+
+    def forward(self, sparse: torch.Tensor) -> list[torch.Tensor]:
+        from torchrec import KeyedJaggedTensor
+
+        n = sparse.shape[0]
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=self.names,
+            values=sparse.t().reshape(-1),
+            lengths=torch.ones(n * len(self.names), dtype=torch.int32),
+        )
+        pooled = self.ebc(kjt).to_dict()
+        return [pooled[k] for k in self.names]
+
+
+class NoSparseStep:
+    """The sparse optimizer of --torchrec: fused into backward, nothing to do."""
+
+    def step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -177,6 +246,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="torch.nn.EmbeddingBag(sparse=True) + torch.optim.Adagrad in DRAM instead of embank",
     )
+    st.add_argument(
+        "--torchrec",
+        action="store_true",
+        help="TorchRec FusedEmbeddingBagCollection (fbgemm-gpu-cpu) in DRAM instead of embank (comparison)",
+    )
     st.add_argument("--medium", choices=["mmap", "block"], default="mmap", help="embank medium of the tables")
     st.add_argument(
         "--cache-fraction",
@@ -196,6 +270,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     st.add_argument("--metrics-out", type=Path, default=None, help="write the final metrics here as JSON")
     st.add_argument("--quiet", action="store_true", help="no progress bar; print checkpoints on stdout")
     args = p.parse_args(argv)
+    if args.torchrec:
+        if args.checkpoint_every or args.resume:
+            p.error("--torchrec is for comparison runs: no --checkpoint-every or --resume")
+        args.baseline = True  # DRAM tables indexed by dense ids, like --baseline
     if not args.synthetic and not args.train:
         p.error("give --train files or --synthetic ROWS")
     if args.baseline and not args.synthetic and args.hash_size is None:
@@ -282,7 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     bags: list[nn.Module] = []
     tables: list[embank.Table] = []
     vocab = Vocab(cards, args.seed) if args.baseline and cards else None
-    for j in range(ds.NUM_SPARSE):
+    collection: nn.Module | None = None
+    if args.torchrec:
+        keyss = [
+            vocab.keys[j] if vocab else np.arange(hash_size or 0, dtype=np.int64)
+            for j in range(ds.NUM_SPARSE)
+        ]
+        collection = TorchRecTables(
+            [len(k) for k in keyss], args.dim, args.lr, [init_rows(store, args.dim, k, args) for k in keyss]
+        )
+    for j in range(ds.NUM_SPARSE if collection is None else 0):
         if args.baseline:
             keys = vocab.keys[j] if vocab else np.arange(hash_size, dtype=np.int64)  # type: ignore[arg-type]
             bag = nn.EmbeddingBag(len(keys), args.dim, mode="sum", sparse=True)
@@ -308,13 +395,19 @@ def main(argv: list[str] | None = None) -> int:
         bags.append(et.EmbeddingBag(t.worker(timeout=60) if args.staleness is not None else t, mode="sum"))
     torch.manual_seed(args.seed)  # the dense layers start alike whichever tables were built
     model = DLRM(
-        bags, args.dim, [int(x) for x in args.bottom.split(",")], [int(x) for x in args.top.split(",")]
+        bags,
+        args.dim,
+        [int(x) for x in args.bottom.split(",")],
+        [int(x) for x in args.top.split(",")],
+        collection,
     )
     dense_opt = torch.optim.Adagrad(
-        [q for n, q in model.named_parameters() if not n.startswith("bags.")], lr=args.lr
+        [q for n, q in model.named_parameters() if not n.startswith(("bags.", "collection."))], lr=args.lr
     )
     sparse_opt: Any
-    if args.baseline:
+    if args.torchrec:
+        sparse_opt = NoSparseStep()
+    elif args.baseline:
         sparse_opt = torch.optim.Adagrad([b.weight for b in bags], lr=args.lr, eps=1e-10)  # type: ignore[union-attr]
     else:
         sparse_opt = et.SparseOptimizer(model, delay=args.staleness or 0)
@@ -399,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     flush()
     elapsed = time.perf_counter() - t_start
     result: dict[str, Any] = {
-        "mode": "baseline" if args.baseline else f"embank-{args.medium}",
+        "mode": "torchrec" if args.torchrec else "baseline" if args.baseline else f"embank-{args.medium}",
         "staleness": args.staleness,
         "batches": batch_no,
         "examples_trained": examples,
