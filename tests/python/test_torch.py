@@ -247,3 +247,22 @@ def test_module_docs_run() -> None:
     for mod in (et, embank.datasets):
         failed, tried = doctest.testmod(mod)
         assert tried > 0 and failed == 0, mod.__name__
+
+
+def test_collection_takes_torchrec_keyed_jagged_tensors(store: embank.Store) -> None:
+    torchrec = pytest.importorskip("torchrec")  # optional: installed for the comparison runs only
+    a, _ = make(store, "a", embank_opt("sgd"))
+    b, _ = make(store, "b", embank_opt("sgd"))
+    ebc = et.EmbeddingBagCollection({"f1": a, "f2": b})
+    kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(
+        keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4, 5]), lengths=torch.tensor([2, 1, 0, 2])
+    )
+    out = ebc(kjt)
+    ref = ebc(
+        {
+            "f1": (torch.tensor([1, 2, 3]), torch.tensor([0, 2])),
+            "f2": (torch.tensor([4, 5]), torch.tensor([0, 0])),
+        }
+    )
+    for k in ("f1", "f2"):
+        torch.testing.assert_close(out[k], ref[k])
