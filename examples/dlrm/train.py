@@ -193,15 +193,6 @@ def atomic_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def count_lines(files: list[Path]) -> int:
-    n = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 24):
-                n += chunk.count(b"\n")
-    return n
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data")
@@ -295,13 +286,10 @@ class Vocab:
     the hashed value, so the two runs are the same model."""
 
     def __init__(self, cards: list[int], seed: int) -> None:
-        salt = np.uint64((seed * (1 << 40)) % (1 << 64))
         self.keys: list[np.ndarray] = []
         self.index: list[dict[int, int]] = []
         for card in cards:
-            hashed = (ds._mix(np.arange(card, dtype=np.uint64) + salt) & np.uint64(0xFFFFFFFF)).astype(
-                np.int64
-            )
+            hashed = ds.synthetic_values(np.arange(card, dtype=np.int64), seed)
             self.keys.append(np.append(hashed, ds.MISSING_ID))
             self.index.append({int(h): i for i, h in enumerate(hashed.tolist())})
 
@@ -331,7 +319,6 @@ def main(argv: list[str] | None = None) -> int:
                 ds.write_synthetic(f, rows, seed=args.seed, part=part, scale=args.synthetic_scale)
         cards = ds.synthetic_cardinalities(args.synthetic_scale)
     hash_size = None if args.synthetic else args.hash_size
-    per_epoch = -(-count_lines(train_files) // args.batch_size)
 
     # --- the store, back at the checkpoint the dense part was saved with ---
     store_dir = args.work / ("baseline-scratch" if args.baseline else "store")
@@ -350,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         # A table's bytes: each row and its Adagrad state (dim floats each).
         opts["cache_bytes"] = max(1 << 20, int(vocab_rows * args.dim * 8 * args.cache_fraction))
     store = embank.open(store_dir, **opts)
-    start_batch = 0
+    start_batch, start_epoch, start_skip = 0, 0, 0
     if state is not None:
         start_batch = int(state["batch"])
+        start_epoch, start_skip = int(state["epoch"]), int(state["in_epoch"])
         if not args.baseline:
             # The tables reopen at their last checkpoint; a kill between the tables' and the
             # dense part's checkpoint leaves them one ahead: go back to the dense part's.
@@ -427,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.baseline:
             sparse_opt.flush()
 
-    def checkpoint(batch: int) -> None:
+    def checkpoint(batch: int, epoch: int, in_epoch: int) -> None:
         flush()
         if not args.baseline:
             store.checkpoint(batch)  # the tables first: a kill before the next line resumes from here - 1
@@ -437,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                 "model": model.state_dict(),
                 "dense_opt": dense_opt.state_dict(),
                 "batch": batch,
+                "epoch": epoch,
+                "in_epoch": in_epoch,
                 "rng": torch.get_rng_state(),
                 **extra,
             },
@@ -460,8 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     history: list[dict[str, Any]] = []
     batch_no, examples = start_batch, 0
     t_start = time.perf_counter()
-    for epoch in range(start_batch // per_epoch, args.epochs):
-        skip = start_batch - epoch * per_epoch if epoch == start_batch // per_epoch else 0
+    per_epoch: int | None = None  # known once an epoch has been read through
+    for epoch in range(start_epoch, args.epochs):
+        skip = start_skip if epoch == start_epoch else 0
+        in_epoch = skip
         it: Iterator[ds.Batch] = batches(train_files, skip)
         if tables:
             it = et.lookahead(it, lambda b: {t: b.sparse[:, j] for j, t in enumerate(tables)})
@@ -486,12 +478,13 @@ def main(argv: list[str] | None = None) -> int:
             dense_opt.step()
             sparse_opt.step()
             batch_no += 1
+            in_epoch += 1
             examples += len(b)
             if bar is not None:
                 rate = examples / max(time.perf_counter() - t_start, 1e-9)
                 bar.set_postfix(loss=f"{loss.item():.4f}", ex_per_s=f"{rate:,.0f}", refresh=False)
             if args.checkpoint_every and batch_no % args.checkpoint_every == 0:
-                checkpoint(batch_no)
+                checkpoint(batch_no, epoch, in_epoch)
                 if args.quiet:
                     print(f"checkpoint {batch_no}", flush=True)
             if args.eval_every and batch_no % args.eval_every == 0 and test_files:
@@ -501,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"batch {batch_no}: auc {m['auc']:.4f} logloss {m['logloss']:.4f}", file=sys.stderr)
         if bar is not None:
             bar.close()
+        per_epoch = in_epoch
     flush()
     elapsed = time.perf_counter() - t_start
     result: dict[str, Any] = {

@@ -34,6 +34,7 @@ __all__ = [
     "Batch",
     "read_criteo",
     "synthetic_cardinalities",
+    "synthetic_values",
     "write_synthetic",
 ]
 
@@ -142,6 +143,13 @@ def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         return x ^ (x >> np.uint64(31))
 
 
+def synthetic_values(ids: npt.NDArray[np.int64], seed: int) -> npt.NDArray[np.int64]:
+    """The 32-bit values :func:`write_synthetic` writes (as 8 hex digits) for dense ids
+    ``0..card-1`` of a feature, under ``seed``: what a reader sees for each id."""
+    salt = np.uint64((seed * (1 << 40)) % (1 << 64))
+    return (_mix(ids.astype(np.uint64) + salt) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+
+
 def _hidden_weight(feature: int, ids: npt.NDArray[np.int64], seed: int) -> npt.NDArray[np.float64]:
     h = _mix(ids.astype(np.uint64) ^ np.uint64((seed * 1_000_003 + feature) * 0x100000001B3 % (1 << 64)))
     u = (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
@@ -193,8 +201,7 @@ def write_synthetic(
             logit += 0.35 * (np.log1p(dense[:, 0]) - 1.2) - 0.25 * (np.log1p(dense[:, 3]) - 1.2)
             labels = (stream.random(n) < 1.0 / (1.0 + np.exp(-logit))).astype(np.int64)
             # Written as 8 hex digits of a hash of (seed, id), as Criteo's values are hashed.
-            salt = np.uint64((seed * (1 << 40)) % (1 << 64))
-            hashed = (_mix(ids.astype(np.uint64) + salt) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+            hashed = synthetic_values(ids, seed)
             miss_d = stream.random((n, NUM_DENSE)) < missing
             miss_s = stream.random((n, NUM_SPARSE)) < missing
             out = io.StringIO()

@@ -207,6 +207,14 @@ fn options(o: &LifecycleOptions, medium: MediumKind) -> TableOptions {
     t
 }
 
+/// A new store holding table "t" with lifecycle options `o` (the directory lives as long as the guard).
+fn fresh(o: LifecycleOptions, medium: MediumKind) -> (tempfile::TempDir, Store, Table) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    let t = store.create_table("t", options(&o, medium)).unwrap();
+    (dir, store, t)
+}
+
 fn export(t: &Table) -> BTreeMap<u64, [f32; DIM]> {
     let mut out = BTreeMap::new();
     t.export(7, |keys, rows| {
@@ -335,10 +343,7 @@ fn policies_match_the_model_on_block_under_the_cache() {
 
 #[test]
 fn evicted_rows_are_gone_from_the_cache_and_the_medium() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
-    let o = LifecycleOptions { max_rows: Some(100), ..Default::default() };
-    let t = store.create_table("t", options(&o, MediumKind::Block)).unwrap();
+    let (_dir, store, t) = fresh(LifecycleOptions { max_rows: Some(100), ..Default::default() }, MediumKind::Block);
     let keys: Vec<u64> = (0..100).collect();
     let rows: Vec<f32> = keys.iter().flat_map(|&k| [k as f32; DIM]).collect();
     t.push(&keys, &rows).unwrap();
@@ -362,10 +367,7 @@ fn evicted_rows_are_gone_from_the_cache_and_the_medium() {
 
 #[test]
 fn a_batch_larger_than_max_rows_is_refused_with_nothing_created() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
-    let o = LifecycleOptions { max_rows: Some(4), ..Default::default() };
-    let t = store.create_table("t", options(&o, MediumKind::Mmap)).unwrap();
+    let (_dir, _store, t) = fresh(LifecycleOptions { max_rows: Some(4), ..Default::default() }, MediumKind::Mmap);
     t.pull(&[1, 2], &mut [0f32; 2 * DIM]).unwrap();
     let e = t.pull(&[10, 11, 12, 13, 14], &mut [0f32; 5 * DIM]).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
@@ -375,10 +377,7 @@ fn a_batch_larger_than_max_rows_is_refused_with_nothing_created() {
 
 #[test]
 fn ttl_in_seconds_is_swept_by_the_maintenance_thread() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
-    let o = LifecycleOptions { ttl_seconds: Some(0.5), ..Default::default() };
-    let t = store.create_table("t", options(&o, MediumKind::Mmap)).unwrap();
+    let (_dir, _store, t) = fresh(LifecycleOptions { ttl_seconds: Some(0.5), ..Default::default() }, MediumKind::Mmap);
     t.pull(&[1, 2, 3], &mut [0f32; 3 * DIM]).unwrap();
     // Key 1 stays in use; 2 and 3 are left alone. Within ~1 s sweep + 0.5 s TTL they go.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
