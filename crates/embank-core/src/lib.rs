@@ -28,8 +28,8 @@ compile_error!("embank stores rows little-endian and reads them in place: little
 
 #[macro_use]
 pub mod assert;
-pub mod cache;
 pub mod catalog;
+pub mod checkpoint;
 pub mod error;
 pub mod format;
 mod fsutil;
@@ -38,22 +38,26 @@ pub mod index;
 pub mod init;
 pub mod io;
 pub mod journal;
+pub mod layout;
 pub mod lifecycle;
 pub mod medium;
 pub mod optim;
 mod prefetch;
+mod runtime;
 pub mod staleness;
 pub mod store;
 pub mod table;
-mod tier;
+pub mod tier;
 
 pub use catalog::{MissingDefault, Placement};
+pub use checkpoint::CheckpointInfo;
 pub use error::{Error, ErrorKind, Result};
 pub use format::DType;
 pub use init::Initializer;
 pub use io::IoChoice;
+pub use layout::RecordLayout;
 pub use lifecycle::{EvictPolicy, LifecycleOptions};
 pub use medium::MediumKind;
 pub use optim::Optimizer;
-pub use store::{CheckpointInfo, Store, StoreOptions, StoreStats};
+pub use store::{Store, StoreOptions, StoreStats};
 pub use table::{ExportCursor, Table, TableOptions, TableStats, DIM_MAX};

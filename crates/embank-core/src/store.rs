@@ -17,12 +17,15 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use serde::Serialize;
 
-use crate::cache::{CacheStats, RowCache};
 use crate::catalog::{Catalog, TableMeta, CATALOG_FILE};
+use crate::checkpoint::{CheckpointFile, CHECKPOINT_META_BYTES_MAX};
 use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::io::{FaultPlan, FaultyEngine, IoChoice, IoStats};
+use crate::runtime::Runtime;
 use crate::table::{validate_name, Table, TableOptions, TableStats};
-use crate::tier::Tier;
+use crate::tier::{CacheStats, RowCache, Tier};
+
+pub use crate::checkpoint::CheckpointInfo;
 
 /// Default budget of the DRAM row cache.
 pub const CACHE_BYTES_DEFAULT: u64 = 256 << 20;
@@ -90,66 +93,13 @@ pub struct StoreStats {
     pub lookahead_dropped: u64,
 }
 
-/// One retained checkpoint.
-#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
-pub struct CheckpointInfo {
-    /// The caller's batch id.
-    pub batch_id: u64,
-    /// The store's sequence number of the checkpoint (names its undo journals).
-    pub seq: u64,
-    pub unix_seconds: f64,
-}
-
-/// The `CHECKPOINTS` file.
-#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
-struct CheckpointFile {
-    next_seq: u64,
-    checkpoints: Vec<CheckpointInfo>,
-    /// Set while a restore to this seq has not finished: the next open completes it.
-    #[serde(default)]
-    restore_to: Option<u64>,
-}
-
-const CHECKPOINTS_FILE: &str = "CHECKPOINTS";
-
-impl CheckpointFile {
-    fn load(dir: &Path) -> Result<CheckpointFile> {
-        let path = dir.join(CHECKPOINTS_FILE);
-        match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| Error::new(ErrorKind::Recover, format!("{}: {e}", path.display()))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Ok(CheckpointFile { next_seq: 1, ..Default::default() })
-            }
-            Err(e) => Err(io_at("cannot read", &path, e)),
-        }
-    }
-
-    /// Replaces the file (write and rename; no fsync: a SIGKILL keeps it, `flush` syncs).
-    fn save(&self, dir: &Path) -> Result<()> {
-        let path = dir.join(CHECKPOINTS_FILE);
-        let tmp = dir.join("CHECKPOINTS.tmp");
-        std::fs::write(&tmp, serde_json::to_vec(self).expect("checkpoints serialize"))
-            .map_err(|e| io_at("cannot write", &tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| io_at("cannot replace", &path, e))
-    }
-
-    fn state(&self, restore_to: Option<u64>) -> crate::table::CheckpointState {
-        crate::table::CheckpointState {
-            latest: self.checkpoints.last().map_or(0, |c| c.seq),
-            oldest: self.checkpoints.first().map_or(0, |c| c.seq),
-            restore_to,
-        }
-    }
-}
-
 struct Inner {
     ckpts: parking_lot::Mutex<CheckpointFile>,
     keep_checkpoints: usize,
     dir: PathBuf,
     catalog: Arc<Catalog>,
     tables: BTreeMap<String, Table>,
-    tier: Arc<Tier>,
+    runtime: Arc<Runtime>,
     _lock: File,
 }
 
@@ -206,7 +156,7 @@ impl Store {
             io = Arc::new(FaultyEngine { inner: io, plan: Arc::clone(plan) });
         }
         let cache = (options.cache_bytes > 0).then(|| Arc::new(RowCache::new(options.cache_bytes)));
-        let tier = Tier::new(cache, io, options.mmap_random_access);
+        let runtime = Runtime::new(cache, io, options.mmap_random_access);
         let catalog = Arc::new(if exists { Catalog::open(&dir)? } else { Catalog::create(&dir)? });
         let data = catalog.snapshot();
         // Directories of tables the catalog does not know are left-overs of an
@@ -225,7 +175,7 @@ impl Store {
         }
         let mut ckpts = CheckpointFile::load(&dir)?;
         let state = ckpts.state(ckpts.restore_to);
-        tier.interval.store(state.latest, std::sync::atomic::Ordering::Release);
+        runtime.gate.interval.store(state.latest, std::sync::atomic::Ordering::Release);
         let mut tables = BTreeMap::new();
         for meta in data.tables {
             let name = meta.name.clone();
@@ -234,7 +184,7 @@ impl Store {
                 meta,
                 Arc::clone(&catalog),
                 options.verify,
-                Arc::clone(&tier),
+                Arc::clone(&runtime),
                 state,
             )
             .map_err(|e| e.context(format!("table {name:?}")))?;
@@ -250,7 +200,7 @@ impl Store {
                 dir: dir.clone(),
                 catalog,
                 tables,
-                tier,
+                runtime,
                 _lock: lock,
             })),
             path: dir,
@@ -298,7 +248,7 @@ impl Store {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| io_at("cannot create table directory", &dir, e))?;
         let table =
-            Table::create(&dir, meta.clone(), options.capacity, Arc::clone(&inner.catalog), Arc::clone(&inner.tier))
+            Table::create(&dir, meta.clone(), options.capacity, Arc::clone(&inner.catalog), Arc::clone(&inner.runtime))
                 .inspect_err(|_| {
                     let _ = std::fs::remove_dir_all(&dir);
                 })?;
@@ -356,9 +306,22 @@ impl Store {
     /// copy of any table. `batch_id`s must increase. The checkpoint survives a process
     /// crash at once and a power loss after the next [`flush`](Self::flush).
     pub fn checkpoint(&self, batch_id: u64) -> Result<()> {
+        self.checkpoint_with_meta(batch_id, &[])
+    }
+
+    /// [`checkpoint`](Self::checkpoint) that keeps a small opaque blob with the checkpoint
+    /// (at most 64 KiB: stream offsets, a trainer's position), returned by
+    /// [`checkpoints`](Self::checkpoints), also after a reopen.
+    pub fn checkpoint_with_meta(&self, batch_id: u64, meta: &[u8]) -> Result<()> {
+        if meta.len() > CHECKPOINT_META_BYTES_MAX {
+            return Err(Error::invalid(format!(
+                "checkpoint metadata of {} bytes is over the limit of {CHECKPOINT_META_BYTES_MAX}",
+                meta.len()
+            )));
+        }
         let guard = self.inner.read();
         let inner = guard.as_ref().ok_or_else(|| self.closed())?;
-        let _gate = inner.tier.gate.write();
+        let _gate = inner.runtime.gate.lock.write();
         let mut file = inner.ckpts.lock();
         if let Some(last) = file.checkpoints.last() {
             if batch_id <= last.batch_id {
@@ -378,21 +341,21 @@ impl Store {
         }
         let unix_seconds =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-        file.checkpoints.push(CheckpointInfo { batch_id, seq, unix_seconds });
+        file.checkpoints.push(CheckpointInfo { batch_id, seq, unix_seconds, meta: meta.to_vec() });
         file.next_seq = seq + 1;
         let mut dropped = Vec::new();
         while file.checkpoints.len() > inner.keep_checkpoints {
             dropped.push(file.checkpoints.remove(0).seq);
         }
         file.save(&inner.dir)?;
-        inner.tier.interval.store(seq, std::sync::atomic::Ordering::Release);
+        inner.runtime.gate.interval.store(seq, std::sync::atomic::Ordering::Release);
         for &old in &dropped {
             for t in inner.tables.values() {
                 t.drop_interval(old)?;
             }
         }
         for (t, old) in inner.tables.values().zip(replaced) {
-            inner.tier.housekeep(t, dropped.clone(), old);
+            t.housekeep_later(dropped.clone(), old);
         }
         Ok(())
     }
@@ -430,7 +393,7 @@ impl Store {
         for t in inner.tables.values() {
             t.close()?;
         }
-        inner.tier.interval.store(state.latest, std::sync::atomic::Ordering::Release);
+        inner.runtime.gate.interval.store(state.latest, std::sync::atomic::Ordering::Release);
         let mut tables = BTreeMap::new();
         for (name, old) in std::mem::take(&mut inner.tables) {
             let meta = old.meta();
@@ -439,7 +402,7 @@ impl Store {
                 meta,
                 Arc::clone(&inner.catalog),
                 false,
-                Arc::clone(&inner.tier),
+                Arc::clone(&inner.runtime),
                 state,
             )
             .map_err(|e| e.context(format!("restoring table {name:?}")))?;
@@ -452,11 +415,7 @@ impl Store {
     }
 
     fn checkpoint_seq(&self, inner: &Inner, batch_id: u64) -> Result<u64> {
-        let file = inner.ckpts.lock();
-        file.checkpoints.iter().find(|c| c.batch_id == batch_id).map(|c| c.seq).ok_or_else(|| {
-            let kept: Vec<u64> = file.checkpoints.iter().map(|c| c.batch_id).collect();
-            Error::new(ErrorKind::NotFound, format!("no retained checkpoint of batch {batch_id} (retained: {kept:?})"))
-        })
+        inner.ckpts.lock().seq_of(batch_id)
     }
 
     /// Streams every `(key, row)` of table `name` as it was at checkpoint `batch_id`,
@@ -526,7 +485,7 @@ impl Store {
                 first_error.get_or_insert(e);
             }
         }
-        inner.tier.stop();
+        inner.runtime.stop();
         drop(inner);
         first_error.map_or(Ok(()), Err)
     }
@@ -543,17 +502,17 @@ impl Store {
             tables.push(t.stats()?);
         }
         let bytes_on_disk = dir_bytes(&inner.dir);
-        let tier = &inner.tier;
+        let runtime = &inner.runtime;
         Ok(StoreStats {
             path: inner.dir.display().to_string(),
             rows: tables.iter().map(|t| t.rows).sum(),
             bytes_mapped: tables.iter().map(|t| t.bytes_mapped).sum(),
             bytes_on_disk,
             tables,
-            cache: tier.cache.as_ref().map(|c| c.stats()),
-            io: tier.io.stats(),
-            lookahead_requests: tier.lookahead_requests.load(std::sync::atomic::Ordering::Relaxed),
-            lookahead_dropped: tier.lookahead_dropped.load(std::sync::atomic::Ordering::Relaxed),
+            cache: runtime.cache.as_ref().map(|c| Tier::stats(c.as_ref())),
+            io: runtime.io.stats(),
+            lookahead_requests: runtime.lookahead_requests.load(std::sync::atomic::Ordering::Relaxed),
+            lookahead_dropped: runtime.lookahead_dropped.load(std::sync::atomic::Ordering::Relaxed),
         })
     }
 }

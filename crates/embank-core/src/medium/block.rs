@@ -23,9 +23,12 @@ use std::sync::Arc;
 use memmap2::{MmapOptions, MmapRaw};
 
 use super::alloc::RecordAlloc;
+use super::codec::RecordCodec;
+use super::ReadItem;
 use crate::error::{io_at, Error, ErrorKind, Result};
-use crate::format::{self, block_stride, DType, RowsHeader, BLOCK_ROWS_MAGIC, ROWS_HEADER_BYTES, ROW_HEADER_BYTES};
-use crate::io::{direct_io_alignment, AlignedBuf, Dir, IoEngine, IoReq};
+use crate::format::{self, block_stride, RowsHeader, BLOCK_ROWS_MAGIC, ROWS_HEADER_BYTES};
+use crate::io::{direct_io_alignment, AlignedBuf, Dir, IoEngine, IoReq, IoStats};
+use crate::layout::RecordLayout;
 
 /// Largest block rows file (same bound as the mmap medium's reservation).
 pub const BLOCK_FILE_BYTES_MAX: u64 = 1 << 40;
@@ -55,21 +58,12 @@ thread_local! {
     static IO_BUF: RefCell<AlignedBuf> = RefCell::new(AlignedBuf::new(1 << 16));
 }
 
-/// One row to read: its record and where its elements go.
-#[derive(Clone, Copy, Debug)]
-pub struct ReadItem {
-    pub key: u64,
-    pub ptr: u64,
-    /// Row position in the output buffer.
-    pub pos: usize,
-}
-
 pub struct BlockMedium {
     // `alloc` points into `header_map`: declared first so it is dropped first.
     alloc: RecordAlloc,
     header_map: MmapRaw,
     file: File,
-    header: RowsHeader,
+    codec: RecordCodec,
     direct: bool,
     align: u32,
     io: Arc<dyn IoEngine>,
@@ -95,7 +89,7 @@ fn open_data(path: &Path, create: bool) -> Result<(File, bool)> {
 }
 
 impl BlockMedium {
-    pub fn create(path: &Path, dim: u32, dtype: DType, io: Arc<dyn IoEngine>) -> Result<BlockMedium> {
+    pub fn create(path: &Path, layout: RecordLayout, io: Arc<dyn IoEngine>) -> Result<BlockMedium> {
         let (file, direct) = open_data(path, true)?;
         let align = if direct { direct_io_alignment(file.as_raw_fd()).unwrap_or(ALIGN_FALLBACK) } else { 512 };
         let align = align.max(512);
@@ -105,16 +99,18 @@ impl BlockMedium {
                 format!("direct I/O alignment {align} is larger than the {ROWS_HEADER_BYTES}-byte header"),
             ));
         }
-        let header = RowsHeader { dim, dtype, stride: block_stride(dim, dtype, align) };
+        let elems = layout.elems() as u32;
+        let header = RowsHeader { dim: elems, dtype: layout.dtype, stride: block_stride(elems, layout.dtype, align) };
         file.set_len(ROWS_HEADER_BYTES as u64).map_err(|e| io_at("cannot size block rows file", path, e))?;
         let mut buf = AlignedBuf::new(ROWS_HEADER_BYTES);
         header.write_as(buf.as_mut_slice(), &BLOCK_ROWS_MAGIC);
         let req = IoReq { offset: 0, buf: buf.as_mut_ptr(), len: ROWS_HEADER_BYTES };
         io.submit(file.as_raw_fd(), Dir::Write, &[req]).map_err(|e| e.context(path.display().to_string()))?;
-        Self::finish_open(path, file, header, direct, align, io)
+        Self::finish_open(path, file, header, layout, direct, align, io)
     }
 
-    pub fn open(path: &Path, io: Arc<dyn IoEngine>) -> Result<BlockMedium> {
+    /// Opens a block rows file; its header must describe records of `layout`.
+    pub fn open(path: &Path, layout: RecordLayout, io: Arc<dyn IoEngine>) -> Result<BlockMedium> {
         let (file, direct) = open_data(path, false)?;
         let len = file.metadata().map_err(|e| io_at("cannot stat block rows file", path, e))?.len();
         if len < ROWS_HEADER_BYTES as u64 {
@@ -125,6 +121,7 @@ impl BlockMedium {
         let req = IoReq { offset: 0, buf: buf.as_mut_ptr(), len: ROWS_HEADER_BYTES };
         io.submit(file.as_raw_fd(), Dir::Read, &[req]).map_err(|e| e.context(path.display().to_string()))?;
         let header = RowsHeader::read_block(buf.as_slice()).map_err(|e| e.context(path.display().to_string()))?;
+        super::check_header(path, &header, &layout)?;
         let mut align = if direct { direct_io_alignment(file.as_raw_fd()).unwrap_or(ALIGN_FALLBACK) } else { 512 };
         let (file, direct) = if direct && !header.stride.is_multiple_of(align) {
             tracing::warn!(
@@ -139,13 +136,14 @@ impl BlockMedium {
         } else {
             (file, direct)
         };
-        Self::finish_open(path, file, header, direct, align.max(512), io)
+        Self::finish_open(path, file, header, layout, direct, align.max(512), io)
     }
 
     fn finish_open(
         path: &Path,
         file: File,
         header: RowsHeader,
+        layout: RecordLayout,
         direct: bool,
         align: u32,
         io: Arc<dyn IoEngine>,
@@ -160,11 +158,11 @@ impl BlockMedium {
             let next = header_map.as_ptr().add(format::ROWS_NEXT_RECORD_OFFSET) as *const AtomicU64;
             RecordAlloc::new(path, grow, header.stride as u64, BLOCK_FILE_BYTES_MAX, next)?
         };
-        Ok(BlockMedium { alloc, header_map, file, header, direct, align, io })
+        Ok(BlockMedium { alloc, header_map, file, codec: RecordCodec::new(layout), direct, align, io })
     }
 
-    pub fn dim(&self) -> usize {
-        self.header.dim as usize
+    pub fn layout(&self) -> &RecordLayout {
+        self.codec.layout()
     }
 
     pub fn stride(&self) -> u64 {
@@ -188,13 +186,17 @@ impl BlockMedium {
         &self.io
     }
 
-    /// Reads rows: each item's record into `out[pos * dim..]`, checking that the
-    /// record holds the item's key and matches its checksum.
+    pub fn io_stats(&self) -> IoStats {
+        self.io.stats()
+    }
+
+    /// Reads records: each item's record decoded into `out[pos * elems..]`, checking
+    /// that the record holds the item's key and matches its checksum.
     pub fn read(&self, items: &[ReadItem], out: &mut [f32]) -> Result<()> {
         if items.is_empty() {
             return Ok(());
         }
-        let dim = self.dim();
+        let w = self.layout().elems();
         let stride = self.stride() as usize;
         // Read in file order so records adjacent on disk become one request.
         let mut order: Vec<u32> = (0..items.len() as u32).collect();
@@ -208,28 +210,9 @@ impl BlockMedium {
             let bytes = buf.as_slice();
             for (i, &o) in order.iter().enumerate() {
                 let it = &items[o as usize];
-                let rec = &bytes[i * stride..i * stride + ROW_HEADER_BYTES + dim * 4];
-                let key = u64::from_le_bytes(rec[0..8].try_into().unwrap());
-                if key != it.key {
-                    return Err(Error::corrupt(format!(
-                        "{}: record at offset {} holds key {key}, the index says {}",
-                        self.where_(),
-                        it.ptr,
-                        it.key
-                    )));
-                }
-                let stored = u32::from_le_bytes(rec[8..12].try_into().unwrap());
-                let crc = crc32c::crc32c_append(crc32c::crc32c(&rec[0..8]), &rec[ROW_HEADER_BYTES..]);
-                if crc != stored {
-                    return Err(Error::new(
-                        ErrorKind::ChecksumMismatch,
-                        format!("{}: row of key {key} at offset {} fails its checksum", self.where_(), it.ptr),
-                    ));
-                }
-                let dst = &mut out[it.pos * dim..(it.pos + 1) * dim];
-                for (d, s) in dst.iter_mut().zip(rec[ROW_HEADER_BYTES..].chunks_exact(4)) {
-                    *d = f32::from_le_bytes(s.try_into().unwrap());
-                }
+                let rec = &bytes[i * stride..(i + 1) * stride];
+                self.codec.verify(rec, it.key, it.ptr, true, &|| self.where_())?;
+                self.codec.decode(rec, &mut out[it.pos * w..(it.pos + 1) * w]);
             }
             Ok(())
         })
@@ -237,7 +220,7 @@ impl BlockMedium {
 
     /// Reads one record and says whether it holds `key` and matches its checksum.
     pub fn check(&self, ptr: u64, key: u64) -> Result<bool> {
-        let mut row = vec![0f32; self.dim()];
+        let mut row = vec![0f32; self.layout().elems()];
         match self.read(&[ReadItem { key, ptr, pos: 0 }], &mut row) {
             Ok(()) => Ok(true),
             Err(e) if matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::ChecksumMismatch) => Ok(false),
@@ -259,9 +242,10 @@ impl BlockMedium {
             buf.reserve(items.len() * stride);
             let bytes = buf.as_mut_slice();
             for (i, &o) in order.iter().enumerate() {
-                let (key, _, row) = items[o as usize];
-                debug_assert_eq!(row.len(), self.dim());
-                encode_record(&mut bytes[i * stride..(i + 1) * stride], key, row);
+                let (key, _, record) = items[o as usize];
+                let rec = &mut bytes[i * stride..(i + 1) * stride];
+                self.codec.encode(rec, key, record);
+                rec[self.codec.record_bytes()..].fill(0);
             }
             let ptrs: Vec<u64> = order.iter().map(|&i| items[i as usize].1).collect();
             let reqs = merged_requests(&ptrs, stride, buf.as_mut_ptr());
@@ -280,19 +264,6 @@ impl BlockMedium {
     }
 }
 
-/// Encodes one record into `out` (the stride), zero padding included.
-pub fn encode_record(out: &mut [u8], key: u64, row: &[f32]) {
-    let n = row.len() * 4;
-    out[0..8].copy_from_slice(&key.to_le_bytes());
-    for (d, x) in out[ROW_HEADER_BYTES..ROW_HEADER_BYTES + n].chunks_exact_mut(4).zip(row) {
-        d.copy_from_slice(&x.to_le_bytes());
-    }
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[0..8]), &out[ROW_HEADER_BYTES..ROW_HEADER_BYTES + n]);
-    out[8..12].copy_from_slice(&crc.to_le_bytes());
-    out[12..16].fill(0);
-    out[ROW_HEADER_BYTES + n..].fill(0);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,7 +277,8 @@ mod tests {
         let n = 300;
         let rows: Vec<Vec<f32>> = (0..n).map(|i| (0..dim).map(|j| (i * 1000 + j) as f32).collect()).collect();
         let ptrs = {
-            let m = BlockMedium::create(&path, dim as u32, DType::F32, Arc::clone(&io)).unwrap();
+            let m = BlockMedium::create(&path, RecordLayout::new(dim, 0, crate::format::DType::F32), Arc::clone(&io))
+                .unwrap();
             assert_eq!(m.stride() % 512, 0);
             assert_eq!(m.stride(), 1024, "528-byte records of dim 128 take two 512-byte blocks");
             let mut ptrs = Vec::new();
@@ -317,7 +289,7 @@ mod tests {
             m.flush().unwrap();
             ptrs
         };
-        let m = BlockMedium::open(&path, io).unwrap();
+        let m = BlockMedium::open(&path, RecordLayout::new(dim, 0, crate::format::DType::F32), io).unwrap();
         assert_eq!(m.alloc().next_record(), n as u64);
         let items: Vec<ReadItem> = ptrs
             .iter()

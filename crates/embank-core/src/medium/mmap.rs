@@ -19,8 +19,11 @@ use std::sync::atomic::AtomicU64;
 use memmap2::{MmapOptions, MmapRaw};
 
 use super::alloc::RecordAlloc;
+use super::codec::RecordCodec;
+use super::ReadItem;
 use crate::error::{io_at, Error, ErrorKind, Result};
-use crate::format::{self, record_stride, DType, RowsHeader, ROWS_HEADER_BYTES, ROW_HEADER_BYTES};
+use crate::format::{self, record_stride, RowsHeader, ROWS_HEADER_BYTES};
+use crate::layout::RecordLayout;
 
 /// Address space reserved per rows file (1 TiB); a table's rows cannot outgrow it.
 pub const RESERVE_BYTES: u64 = 1 << 40;
@@ -29,7 +32,7 @@ pub struct MmapMedium {
     // `alloc` points into `map`: declared first so it is dropped first.
     alloc: RecordAlloc,
     map: MmapRaw,
-    header: RowsHeader,
+    codec: RecordCodec,
 }
 
 // SAFETY: the mapping is shared memory; records are written only by the
@@ -38,21 +41,23 @@ unsafe impl Send for MmapMedium {}
 unsafe impl Sync for MmapMedium {}
 
 impl MmapMedium {
-    pub fn create(path: &Path, dim: u32, dtype: DType) -> Result<MmapMedium> {
+    pub fn create(path: &Path, layout: RecordLayout) -> Result<MmapMedium> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .open(path)
             .map_err(|e| io_at("cannot create rows file", path, e))?;
-        let header = RowsHeader { dim, dtype, stride: record_stride(dim, dtype) };
+        let elems = layout.elems() as u32;
+        let header = RowsHeader { dim: elems, dtype: layout.dtype, stride: record_stride(elems, layout.dtype) };
         let mut first = vec![0u8; ROWS_HEADER_BYTES];
         header.write(&mut first);
         (&file).write_all(&first).map_err(|e| io_at("cannot write rows header", path, e))?;
-        Self::map(path, file, header)
+        Self::map(path, file, header, layout)
     }
 
-    pub fn open(path: &Path) -> Result<MmapMedium> {
+    /// Opens a rows file; its header must describe records of `layout`.
+    pub fn open(path: &Path, layout: RecordLayout) -> Result<MmapMedium> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -66,10 +71,11 @@ impl MmapMedium {
                 .context(path.display().to_string())
         })?;
         let header = RowsHeader::read(&first).map_err(|e| e.context(path.display().to_string()))?;
-        Self::map(path, file, header)
+        super::check_header(path, &header, &layout)?;
+        Self::map(path, file, header, layout)
     }
 
-    fn map(path: &Path, file: File, header: RowsHeader) -> Result<MmapMedium> {
+    fn map(path: &Path, file: File, header: RowsHeader, layout: RecordLayout) -> Result<MmapMedium> {
         let len = file.metadata().map_err(|e| io_at("cannot stat rows file", path, e))?.len();
         if len > RESERVE_BYTES {
             return Err(Error::new(
@@ -87,11 +93,12 @@ impl MmapMedium {
             let next = map.as_ptr().add(format::ROWS_NEXT_RECORD_OFFSET) as *const AtomicU64;
             RecordAlloc::new(path, file, header.stride as u64, RESERVE_BYTES, next)?
         };
-        Ok(MmapMedium { alloc, map, header })
+        Ok(MmapMedium { alloc, map, codec: RecordCodec::new(layout) })
     }
 
-    pub fn dim(&self) -> usize {
-        self.header.dim as usize
+    #[inline(always)]
+    pub fn layout(&self) -> &RecordLayout {
+        self.codec.layout()
     }
 
     pub fn stride(&self) -> u64 {
@@ -120,21 +127,20 @@ impl MmapMedium {
         unsafe { self.map.as_mut_ptr().add(ptr as usize) }
     }
 
-    /// Writes a record. `ptr` must come from [`allocate`](Self::allocate) and not be published yet.
+    /// The bytes of a handed-out record (header and payload).
+    #[inline(always)]
+    fn record(&self, ptr: u64) -> &[u8] {
+        // SAFETY: a handed-out record inside the file; a published one is immutable until
+        // reclaimed, and the caller's epoch guard keeps it from being reclaimed.
+        unsafe { std::slice::from_raw_parts(self.record_ptr(ptr), self.codec.record_bytes()) }
+    }
+
+    /// Writes a record. `ptr` must come from the allocator and not be published yet.
     #[inline]
-    pub fn write_row(&self, ptr: u64, key: u64, row: &[f32]) {
-        debug_assert_eq!(row.len(), self.dim());
-        let p = self.record_ptr(ptr);
-        // SAFETY: the record is ours alone until published; it holds the header and dim elements.
-        unsafe {
-            let data = std::slice::from_raw_parts(row.as_ptr() as *const u8, std::mem::size_of_val(row));
-            let mut crc = crc32c::crc32c(&key.to_le_bytes());
-            crc = crc32c::crc32c_append(crc, data);
-            (p as *mut u64).write(key.to_le());
-            (p.add(8) as *mut u32).write(crc.to_le());
-            (p.add(12) as *mut u32).write(0);
-            std::ptr::copy_nonoverlapping(data.as_ptr(), p.add(ROW_HEADER_BYTES), data.len());
-        }
+    pub fn write_row(&self, ptr: u64, key: u64, record: &[f32]) {
+        // SAFETY: the record is ours alone until published; it holds header and payload.
+        let out = unsafe { std::slice::from_raw_parts_mut(self.record_ptr(ptr), self.codec.record_bytes()) };
+        self.codec.encode(out, key, record);
     }
 
     /// Key stored in a record.
@@ -144,12 +150,16 @@ impl MmapMedium {
         unsafe { u64::from_le((self.record_ptr(ptr) as *const u64).read()) }
     }
 
-    /// Elements of a published record.
+    /// Decodes a published record (row and optimizer state) into `out`.
     #[inline(always)]
-    pub fn row_at(&self, ptr: u64) -> &[f32] {
-        // SAFETY: a published record is immutable until reclaimed, and the caller's
-        // epoch guard keeps it from being reclaimed.
-        unsafe { std::slice::from_raw_parts(self.record_ptr(ptr).add(ROW_HEADER_BYTES) as *const f32, self.dim()) }
+    pub fn read_into(&self, ptr: u64, out: &mut [f32]) {
+        self.codec.decode(self.record(ptr), out)
+    }
+
+    /// The stored bytes of a published record's row (for zero-copy serving of `f32` rows).
+    #[inline(always)]
+    pub fn row_bytes(&self, ptr: u64) -> &[u8] {
+        &self.codec.payload(self.record(ptr))[..self.layout().row_bytes()]
     }
 
     /// Hints the CPU to load a record.
@@ -164,16 +174,32 @@ impl MmapMedium {
         }
     }
 
-    /// True when the record's checksum matches its key and elements.
+    /// True when the record's checksum matches its key and payload.
     pub fn checksum_ok(&self, ptr: u64) -> bool {
-        let p = self.record_ptr(ptr);
-        // SAFETY: a handed-out record.
-        unsafe {
-            let stored = u32::from_le((p.add(8) as *const u32).read());
-            let mut crc = crc32c::crc32c(std::slice::from_raw_parts(p, 8));
-            crc = crc32c::crc32c_append(crc, std::slice::from_raw_parts(p.add(ROW_HEADER_BYTES), self.dim() * 4));
-            crc == stored
+        self.codec.checksum_ok(self.record(ptr))
+    }
+
+    /// Checks that the record at `ptr` holds `key` (and, with `checksum`, its checksum).
+    pub fn verify(&self, ptr: u64, key: u64, checksum: bool) -> Result<()> {
+        self.codec.verify(self.record(ptr), key, ptr, checksum, &|| self.alloc.path().display().to_string())
+    }
+
+    /// Copies records into `out` (`pos * elems` each), checking each record's key.
+    pub fn read(&self, items: &[ReadItem], out: &mut [f32]) -> Result<()> {
+        let w = self.layout().elems();
+        for it in items {
+            self.verify(it.ptr, it.key, false)?;
+            self.read_into(it.ptr, &mut out[it.pos * w..(it.pos + 1) * w]);
         }
+        Ok(())
+    }
+
+    /// Writes unpublished records `(key, ptr, record)`.
+    pub fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
+        for &(key, ptr, record) in items {
+            self.write_row(ptr, key, record);
+        }
+        Ok(())
     }
 
     /// Writes every record handed out so far and the header to the file (msync).
@@ -186,11 +212,22 @@ impl MmapMedium {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::{DType, ROW_HEADER_BYTES};
+
+    fn f32s(dim: usize) -> RecordLayout {
+        RecordLayout::new(dim, 0, DType::F32)
+    }
+
+    fn row_at(m: &MmapMedium, ptr: u64) -> Vec<f32> {
+        let mut v = vec![0f32; m.layout().elems()];
+        m.read_into(ptr, &mut v);
+        v
+    }
 
     #[test]
     fn allocate_write_read_reuse() {
         let dir = tempfile::tempdir().unwrap();
-        let m = MmapMedium::create(&dir.path().join("rows.ebr"), 5, DType::F32).unwrap();
+        let m = MmapMedium::create(&dir.path().join("rows.ebr"), f32s(5)).unwrap();
         let mut ptrs = Vec::new();
         m.alloc().allocate(3, &mut ptrs).unwrap();
         assert_eq!(ptrs.len(), 3);
@@ -199,7 +236,7 @@ mod tests {
         }
         for (i, &p) in ptrs.iter().enumerate() {
             assert_eq!(m.key_at(p), i as u64 * 10);
-            assert_eq!(m.row_at(p), &[i as f32; 5]);
+            assert_eq!(row_at(&m, p), &[i as f32; 5]);
             assert!(m.checksum_ok(p));
             assert!(m.alloc().is_valid_ptr(p));
         }
@@ -215,7 +252,7 @@ mod tests {
     #[test]
     fn checksum_catches_a_flipped_bit() {
         let dir = tempfile::tempdir().unwrap();
-        let m = MmapMedium::create(&dir.path().join("rows.ebr"), 8, DType::F32).unwrap();
+        let m = MmapMedium::create(&dir.path().join("rows.ebr"), f32s(8)).unwrap();
         let mut ptrs = Vec::new();
         m.alloc().allocate(1, &mut ptrs).unwrap();
         m.write_row(ptrs[0], 7, &[1.5; 8]);
@@ -229,7 +266,7 @@ mod tests {
         let path = dir.path().join("rows.ebr");
         let n = (super::super::alloc::GROW_BYTES_MIN / record_stride(64, DType::F32) as u64) as usize + 10;
         {
-            let m = MmapMedium::create(&path, 64, DType::F32).unwrap();
+            let m = MmapMedium::create(&path, f32s(64)).unwrap();
             let mut ptrs = Vec::new();
             m.alloc().allocate(n, &mut ptrs).unwrap();
             for (i, &p) in ptrs.iter().enumerate() {
@@ -237,7 +274,7 @@ mod tests {
             }
             m.flush().unwrap();
         }
-        let m = MmapMedium::open(&path).unwrap();
+        let m = MmapMedium::open(&path, f32s(64)).unwrap();
         assert_eq!(m.alloc().next_record(), n as u64);
         let last = ROWS_HEADER_BYTES as u64 + (n as u64 - 1) * m.stride();
         assert_eq!(m.key_at(last), n as u64 - 1);

@@ -8,15 +8,224 @@
 
 pub mod alloc;
 pub mod block;
+pub mod codec;
 pub mod mmap;
 
 pub use alloc::RecordAlloc;
-pub use block::{BlockMedium, ReadItem};
+pub use block::BlockMedium;
+pub use codec::RecordCodec;
 pub use mmap::MmapMedium;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::RowsHeader;
+use crate::io::{IoEngine, IoStats};
+use crate::layout::RecordLayout;
+
+/// One record to read: its key, where it is, and where its elements go.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadItem {
+    pub key: u64,
+    pub ptr: u64,
+    /// Record position in the output buffer (`pos * elems` elements in).
+    pub pos: usize,
+}
+
+/// What a medium tells about itself in a table's stats.
+#[derive(Clone, Debug, Default)]
+pub struct MediumInfo {
+    /// Address space mapped for the rows (the mmap medium reserves more, unbacked).
+    pub bytes_mapped: u64,
+    /// Block medium: whether the file is read with O_DIRECT, its alignment, the I/O engine's counters.
+    pub direct_io: Option<bool>,
+    pub io_align: Option<u32>,
+    pub io: Option<IoStats>,
+}
+
+/// A persistent medium of row records (tier T2). Every call carries a batch; records
+/// are copy-on-write (written only between allocation and publication).
+pub trait Medium: Send + Sync {
+    fn kind(&self) -> MediumKind;
+    /// The layout its records were created with.
+    fn layout(&self) -> &RecordLayout;
+    /// Allocation, free list and reclamation of records.
+    fn alloc(&self) -> &RecordAlloc;
+    /// Decodes the records at `items` into `out` (`items[i].pos * elems` each), checking
+    /// each record's key (and checksum where a read could be torn: the block medium).
+    fn read(&self, items: &[ReadItem], out: &mut [f32]) -> Result<()>;
+    /// Writes unpublished records `(key, ptr, record)` (ptrs from [`alloc`](Self::alloc)).
+    fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()>;
+    /// True when the record at `ptr` holds `key` (and, with `checksum`, matches it).
+    fn check(&self, ptr: u64, key: u64, checksum: bool) -> Result<bool>;
+    /// Makes written records durable.
+    fn flush(&self) -> Result<()>;
+    /// Byte-addressable records in memory, for the lock-free fast path and zero-copy
+    /// serving; `None` on media read through I/O.
+    fn as_mapped(&self) -> Option<&MmapMedium> {
+        None
+    }
+    /// `MADV_RANDOM` where the medium is mapped.
+    fn advise_random(&self) {}
+    fn info(&self) -> MediumInfo;
+}
+
+impl Medium for MmapMedium {
+    fn kind(&self) -> MediumKind {
+        MediumKind::Mmap
+    }
+    fn layout(&self) -> &RecordLayout {
+        MmapMedium::layout(self)
+    }
+    fn alloc(&self) -> &RecordAlloc {
+        MmapMedium::alloc(self)
+    }
+    fn read(&self, items: &[ReadItem], out: &mut [f32]) -> Result<()> {
+        MmapMedium::read(self, items, out)
+    }
+    fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
+        MmapMedium::write(self, items)
+    }
+    fn check(&self, ptr: u64, key: u64, checksum: bool) -> Result<bool> {
+        Ok(self.key_at(ptr) == key && (!checksum || self.checksum_ok(ptr)))
+    }
+    fn flush(&self) -> Result<()> {
+        MmapMedium::flush(self)
+    }
+    fn as_mapped(&self) -> Option<&MmapMedium> {
+        Some(self)
+    }
+    fn advise_random(&self) {
+        MmapMedium::advise_random(self)
+    }
+    fn info(&self) -> MediumInfo {
+        MediumInfo { bytes_mapped: self.alloc().file_bytes(), ..Default::default() }
+    }
+}
+
+impl Medium for BlockMedium {
+    fn kind(&self) -> MediumKind {
+        MediumKind::Block
+    }
+    fn layout(&self) -> &RecordLayout {
+        BlockMedium::layout(self)
+    }
+    fn alloc(&self) -> &RecordAlloc {
+        BlockMedium::alloc(self)
+    }
+    fn read(&self, items: &[ReadItem], out: &mut [f32]) -> Result<()> {
+        BlockMedium::read(self, items, out)
+    }
+    fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
+        BlockMedium::write(self, items)
+    }
+    fn check(&self, ptr: u64, key: u64, _checksum: bool) -> Result<bool> {
+        BlockMedium::check(self, ptr, key)
+    }
+    fn flush(&self) -> Result<()> {
+        BlockMedium::flush(self)
+    }
+    fn info(&self) -> MediumInfo {
+        MediumInfo {
+            bytes_mapped: crate::format::ROWS_HEADER_BYTES as u64,
+            direct_io: Some(self.direct()),
+            io_align: Some(self.align()),
+            io: Some(self.io_stats()),
+        }
+    }
+}
+
+/// A table's medium: static dispatch over the implementations (the hot path matches
+/// once per batch call; callers use the [`Medium`] trait and never the variants).
+pub enum AnyMedium {
+    Mmap(MmapMedium),
+    Block(BlockMedium),
+}
+
+/// Delegates a [`Medium`] method to the variant.
+macro_rules! delegate {
+    ($self:ident, $m:ident => $e:expr) => {
+        match $self {
+            AnyMedium::Mmap($m) => $e,
+            AnyMedium::Block($m) => $e,
+        }
+    };
+}
+
+impl AnyMedium {
+    /// The rows file of a medium kind in a table directory.
+    pub fn path(dir: &Path, kind: MediumKind) -> PathBuf {
+        match kind {
+            MediumKind::Mmap => dir.join("rows.ebr"),
+            MediumKind::Block => dir.join("rows.ebb"),
+        }
+    }
+
+    /// Creates the rows file of a new table.
+    pub fn create(dir: &Path, kind: MediumKind, layout: RecordLayout, io: &Arc<dyn IoEngine>) -> Result<AnyMedium> {
+        let path = Self::path(dir, kind);
+        Ok(match kind {
+            MediumKind::Mmap => AnyMedium::Mmap(MmapMedium::create(&path, layout)?),
+            MediumKind::Block => AnyMedium::Block(BlockMedium::create(&path, layout, Arc::clone(io))?),
+        })
+    }
+
+    /// Opens the rows file of a table, which must hold records of `layout`.
+    pub fn open(dir: &Path, kind: MediumKind, layout: RecordLayout, io: &Arc<dyn IoEngine>) -> Result<AnyMedium> {
+        let path = Self::path(dir, kind);
+        Ok(match kind {
+            MediumKind::Mmap => AnyMedium::Mmap(MmapMedium::open(&path, layout)?),
+            MediumKind::Block => AnyMedium::Block(BlockMedium::open(&path, layout, Arc::clone(io))?),
+        })
+    }
+}
+
+impl Medium for AnyMedium {
+    fn kind(&self) -> MediumKind {
+        delegate!(self, m => m.kind())
+    }
+    fn layout(&self) -> &RecordLayout {
+        delegate!(self, m => Medium::layout(m))
+    }
+    #[inline(always)]
+    fn alloc(&self) -> &RecordAlloc {
+        delegate!(self, m => Medium::alloc(m))
+    }
+    fn read(&self, items: &[ReadItem], out: &mut [f32]) -> Result<()> {
+        delegate!(self, m => Medium::read(m, items, out))
+    }
+    fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
+        delegate!(self, m => Medium::write(m, items))
+    }
+    fn check(&self, ptr: u64, key: u64, checksum: bool) -> Result<bool> {
+        delegate!(self, m => Medium::check(m, ptr, key, checksum))
+    }
+    fn flush(&self) -> Result<()> {
+        delegate!(self, m => Medium::flush(m))
+    }
+    #[inline(always)]
+    fn as_mapped(&self) -> Option<&MmapMedium> {
+        delegate!(self, m => Medium::as_mapped(m))
+    }
+    fn advise_random(&self) {
+        delegate!(self, m => Medium::advise_random(m))
+    }
+    fn info(&self) -> MediumInfo {
+        delegate!(self, m => Medium::info(m))
+    }
+}
+
+/// Checks that a rows file's header describes records of `layout`.
+fn check_header(path: &Path, header: &RowsHeader, layout: &RecordLayout) -> Result<()> {
+    if header.dim as usize != layout.elems() || header.dtype != layout.dtype {
+        return Err(Error::new(ErrorKind::Recover, "rows file dim does not match the catalog")
+            .context(path.display().to_string()));
+    }
+    Ok(())
+}
 
 /// Which medium a table's rows live on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,85 +251,6 @@ impl MediumKind {
         match self {
             MediumKind::Mmap => "mmap",
             MediumKind::Block => "block",
-        }
-    }
-}
-
-/// A table's medium.
-pub enum Medium {
-    Mmap(MmapMedium),
-    Block(BlockMedium),
-}
-
-impl Medium {
-    pub fn alloc(&self) -> &RecordAlloc {
-        match self {
-            Medium::Mmap(m) => m.alloc(),
-            Medium::Block(m) => m.alloc(),
-        }
-    }
-
-    pub fn dim(&self) -> usize {
-        match self {
-            Medium::Mmap(m) => m.dim(),
-            Medium::Block(m) => m.dim(),
-        }
-    }
-
-    /// Reads rows into `out` (see [`BlockMedium::read`]); on the mmap medium a copy.
-    pub fn read(&self, items: &[ReadItem], out: &mut [f32]) -> Result<()> {
-        match self {
-            Medium::Block(m) => m.read(items, out),
-            Medium::Mmap(m) => {
-                let dim = m.dim();
-                for it in items {
-                    if m.key_at(it.ptr) != it.key {
-                        return Err(Error::corrupt(format!(
-                            "record at offset {} holds key {}, the index says {}",
-                            it.ptr,
-                            m.key_at(it.ptr),
-                            it.key
-                        )));
-                    }
-                    out[it.pos * dim..(it.pos + 1) * dim].copy_from_slice(m.row_at(it.ptr));
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// Writes unpublished records `(key, ptr, row)`.
-    pub fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
-        match self {
-            Medium::Block(m) => m.write(items),
-            Medium::Mmap(m) => {
-                for &(key, ptr, row) in items {
-                    m.write_row(ptr, key, row);
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// True when the record at `ptr` holds `key` (and, with `checksum`, matches its checksum).
-    pub fn check(&self, ptr: u64, key: u64, checksum: bool) -> Result<bool> {
-        match self {
-            Medium::Mmap(m) => Ok(m.key_at(ptr) == key && (!checksum || m.checksum_ok(ptr))),
-            Medium::Block(m) => m.check(ptr, key),
-        }
-    }
-
-    pub fn flush(&self) -> Result<()> {
-        match self {
-            Medium::Mmap(m) => m.flush(),
-            Medium::Block(m) => m.flush(),
-        }
-    }
-
-    pub fn kind(&self) -> MediumKind {
-        match self {
-            Medium::Mmap(_) => MediumKind::Mmap,
-            Medium::Block(_) => MediumKind::Block,
         }
     }
 }

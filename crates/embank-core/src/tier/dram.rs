@@ -231,8 +231,8 @@ impl RowCache {
     }
 
     /// Puts rows whose write-back failed back on the dirty queues.
-    pub fn requeue(&self, table: u32, keys: impl Iterator<Item = u64>) {
-        for key in keys {
+    pub fn requeue(&self, table: u32, keys: &[u64]) {
+        for &key in keys {
             let mut l = self.lock(self.hash(table, key));
             l.queue_if_dirty(table, key);
         }
@@ -263,6 +263,70 @@ impl RowCache {
             evictions: c.evictions.load(Ordering::Relaxed),
             rows_written_back: c.written_back.load(Ordering::Relaxed),
         }
+    }
+}
+
+impl super::Tier for RowCache {
+    fn get_batch(
+        &self,
+        table: u32,
+        keys: &[u64],
+        positions: &[usize],
+        width: usize,
+        out: &mut [f32],
+        miss: &mut Vec<usize>,
+    ) {
+        for &i in positions {
+            let key = keys[i];
+            if !self.get(table, key, self.hash(table, key), &mut out[i * width..(i + 1) * width]) {
+                miss.push(i);
+            }
+        }
+    }
+
+    fn admit_batch(
+        &self,
+        table: u32,
+        items: &[crate::medium::ReadItem],
+        width: usize,
+        out: &mut [f32],
+        pinned: bool,
+        current: &mut dyn FnMut(&crate::medium::ReadItem) -> bool,
+    ) {
+        for it in items {
+            let mut l = self.lock(self.hash(table, it.key));
+            let row = &mut out[it.pos * width..(it.pos + 1) * width];
+            if let Some(e) = l.get(table, it.key) {
+                // Cached meanwhile (a push, or another reader): that copy is at least as new.
+                row.copy_from_slice(&e.row);
+            } else if current(it) {
+                l.insert(table, it.key, row, false, pinned);
+            }
+        }
+    }
+
+    fn absent(&self, table: u32, keys: &[u64]) -> Vec<u64> {
+        keys.iter().copied().filter(|&k| !self.contains(table, k, self.hash(table, k))).collect()
+    }
+
+    fn take_dirty(&self, table: u32, max: usize) -> Vec<DirtyRow> {
+        RowCache::take_dirty(self, table, max)
+    }
+
+    fn requeue(&self, table: u32, keys: &[u64]) {
+        RowCache::requeue(self, table, keys)
+    }
+
+    fn dirty_over_high(&self) -> bool {
+        self.dirty_bytes() > self.dirty_high()
+    }
+
+    fn drop_table(&self, table: u32) {
+        self.remove_table(table)
+    }
+
+    fn stats(&self) -> CacheStats {
+        RowCache::stats(self)
     }
 }
 
@@ -470,7 +534,7 @@ mod tests {
         cache.lock(cache.hash(4, 1)).insert(4, 1, &row, true, false);
         assert!(cache.take_dirty(3, 10).is_empty());
         assert_eq!(cache.take_dirty(4, 10).len(), 1);
-        cache.requeue(4, [1].into_iter());
+        cache.requeue(4, &[1]);
         assert_eq!(cache.take_dirty(4, 10).len(), 1);
         cache.remove_table(4);
         assert_eq!(cache.stats().rows_cached, 1);

@@ -1,18 +1,24 @@
-//! What a store's tables share across tiers: the DRAM row cache, the I/O
-//! engine of block media, and the maintenance thread that writes dirty rows
-//! back and serves `lookahead` requests off the caller's path.
+//! The store's shared runtime: what its tables share (the DRAM row cache, the
+//! I/O engine of block media, the checkpoint gate) and the maintenance thread
+//! that writes dirty rows back, serves `lookahead` requests, sweeps expired rows
+//! and does post-checkpoint file work off the caller's path.
+//!
+//! The thread works on tables through the [`Maintained`] trait, which the table
+//! implements: this module does not import the table.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::cache::RowCache;
+use crate::checkpoint::Gate;
+use crate::error::{ErrorKind, Result};
 use crate::io::IoEngine;
-use crate::table::{Table, WeakTable};
+use crate::journal::Journal;
+use crate::tier::RowCache;
 
 /// Lookahead requests queued at most; more are dropped (and counted), never waited for.
 const LOOKAHEAD_QUEUE: usize = 256;
@@ -23,15 +29,32 @@ const TTL_SWEEP: Duration = Duration::from_secs(1);
 /// Rows one write-back round takes per table.
 const WRITE_BACK_BATCH: usize = 4096;
 
+/// The background work of one table, as the maintenance thread sees it.
+pub(crate) trait Maintained: Send + Sync {
+    fn name(&self) -> String;
+    /// Writes back up to `max` dirty cached rows; returns how many were taken.
+    fn write_back(self: Arc<Self>, max: usize) -> Result<usize>;
+    /// Whether rows expire (a TTL), so the sweep should visit the table.
+    fn has_ttl(&self) -> bool;
+    /// Evicts the rows past their TTL.
+    fn evict_expired(self: Arc<Self>) -> Result<u64>;
+    /// Loads rows into the row cache (the work behind `lookahead`).
+    fn warm(self: Arc<Self>, keys: &[u64]) -> Result<()>;
+    /// After a checkpoint: deletes the journals of dropped checkpoints, prepares a spare.
+    fn housekeep(self: Arc<Self>, dropped: &[u64]);
+}
+
+type WeakTable = Weak<dyn Maintained>;
+
 enum Job {
     Lookahead(WeakTable, Vec<u64>),
     /// After a checkpoint: prepare the table's next journal, delete dropped ones, unmap
     /// the replaced one — file work kept off the checkpointing thread.
-    Housekeep(WeakTable, Vec<u64>, Option<Arc<crate::journal::Journal>>),
+    Housekeep(WeakTable, Vec<u64>, Option<Arc<Journal>>),
     Stop,
 }
 
-pub struct Tier {
+pub(crate) struct Runtime {
     pub cache: Option<Arc<RowCache>>,
     pub io: Arc<dyn IoEngine>,
     /// Map mmap-medium files with `MADV_RANDOM`.
@@ -41,17 +64,14 @@ pub struct Tier {
     thread: Mutex<Option<JoinHandle<()>>>,
     pub lookahead_dropped: AtomicU64,
     pub lookahead_requests: AtomicU64,
-    /// Batches that change rows hold this shared; a checkpoint holds it exclusively, so
-    /// it falls between batches. Taken before any table lock (`read_recursive`: batches nest).
-    pub gate: parking_lot::RwLock<()>,
-    /// Seq of the latest checkpoint (0: none yet, nothing is journaled).
-    pub interval: AtomicU64,
+    /// The store's checkpoint gate and current interval.
+    pub gate: Gate,
 }
 
-impl Tier {
-    pub fn new(cache: Option<Arc<RowCache>>, io: Arc<dyn IoEngine>, mmap_random: bool) -> Arc<Tier> {
+impl Runtime {
+    pub fn new(cache: Option<Arc<RowCache>>, io: Arc<dyn IoEngine>, mmap_random: bool) -> Arc<Runtime> {
         let (tx, rx) = sync_channel(LOOKAHEAD_QUEUE);
-        let tier = Arc::new(Tier {
+        let tier = Arc::new(Runtime {
             cache,
             io,
             mmap_random,
@@ -60,8 +80,7 @@ impl Tier {
             thread: Mutex::new(None),
             lookahead_dropped: AtomicU64::new(0),
             lookahead_requests: AtomicU64::new(0),
-            gate: parking_lot::RwLock::new(()),
-            interval: AtomicU64::new(0),
+            gate: Gate::default(),
         });
         let weak = Arc::downgrade(&tier);
         let handle = std::thread::Builder::new()
@@ -72,16 +91,16 @@ impl Tier {
         tier
     }
 
-    pub fn register(&self, table: &Table) {
+    pub fn register(&self, table: WeakTable) {
         let mut tables = self.tables.lock();
         tables.retain(|t| t.upgrade().is_some());
-        tables.push(table.downgrade());
+        tables.push(table);
     }
 
     /// Hands post-checkpoint file work to the maintenance thread; does it here if the
     /// queue is full.
-    pub fn housekeep(&self, table: &Table, dropped: Vec<u64>, old: Option<Arc<crate::journal::Journal>>) {
-        let job = Job::Housekeep(table.downgrade(), dropped, old);
+    pub fn housekeep(&self, table: Arc<dyn Maintained>, dropped: Vec<u64>, old: Option<Arc<Journal>>) {
+        let job = Job::Housekeep(Arc::downgrade(&table), dropped, old);
         let left = match self.jobs.lock().as_ref() {
             Some(tx) => match tx.try_send(job) {
                 Ok(()) => None,
@@ -96,11 +115,11 @@ impl Tier {
     }
 
     /// Queues a lookahead; returns false if the queue was full and the hint was dropped.
-    pub fn lookahead(&self, table: &Table, keys: Vec<u64>) -> bool {
+    pub fn lookahead(&self, table: WeakTable, keys: Vec<u64>) -> bool {
         self.lookahead_requests.fetch_add(1, Ordering::Relaxed);
         let jobs = self.jobs.lock();
         let Some(tx) = jobs.as_ref() else { return false };
-        match tx.try_send(Job::Lookahead(table.downgrade(), keys)) {
+        match tx.try_send(Job::Lookahead(table, keys)) {
             Ok(()) => true,
             Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
                 self.lookahead_dropped.fetch_add(1, Ordering::Relaxed);
@@ -123,12 +142,13 @@ impl Tier {
 
     /// Evicts expired rows of the tables with a TTL.
     fn ttl_round(&self) {
-        let tables: Vec<Table> =
+        let tables: Vec<Arc<dyn Maintained>> =
             self.tables.lock().iter().filter_map(|t| t.upgrade()).filter(|t| t.has_ttl()).collect();
         for table in tables {
+            let name = table.name();
             if let Err(e) = table.evict_expired() {
-                if e.kind() != crate::ErrorKind::Closed {
-                    tracing::warn!(table = table.name(), error = %e, "evicting expired rows failed");
+                if e.kind() != ErrorKind::Closed {
+                    tracing::warn!(table = name, error = %e, "evicting expired rows failed");
                 }
             }
         }
@@ -139,24 +159,25 @@ impl Tier {
         if cache.dirty_bytes() <= cache.dirty_target() {
             return;
         }
-        let tables: Vec<Table> = self.tables.lock().iter().filter_map(|t| t.upgrade()).collect();
+        let tables: Vec<Arc<dyn Maintained>> = self.tables.lock().iter().filter_map(|t| t.upgrade()).collect();
         for table in tables {
+            let name = table.name();
             if let Err(e) = table.write_back(WRITE_BACK_BATCH) {
-                if e.kind() != crate::ErrorKind::Closed {
-                    tracing::warn!(table = table.name(), error = %e, "background write-back failed; rows stay dirty");
+                if e.kind() != ErrorKind::Closed {
+                    tracing::warn!(table = name, error = %e, "background write-back failed; rows stay dirty");
                 }
             }
         }
     }
 }
 
-impl Drop for Tier {
+impl Drop for Runtime {
     fn drop(&mut self) {
         self.stop();
     }
 }
 
-fn maintenance(tier: std::sync::Weak<Tier>, rx: Receiver<Job>) {
+fn maintenance(tier: Weak<Runtime>, rx: Receiver<Job>) {
     let mut last_sweep = std::time::Instant::now();
     loop {
         match rx.recv_timeout(TICK) {
@@ -169,8 +190,9 @@ fn maintenance(tier: std::sync::Weak<Tier>, rx: Receiver<Job>) {
             }
             Ok(Job::Lookahead(table, keys)) => {
                 if let Some(table) = table.upgrade() {
+                    let name = table.name();
                     if let Err(e) = table.warm(&keys) {
-                        tracing::debug!(table = table.name(), error = %e, "lookahead failed");
+                        tracing::debug!(table = name, error = %e, "lookahead failed");
                     }
                 }
             }

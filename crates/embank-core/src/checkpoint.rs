@@ -1,0 +1,410 @@
+//! Batch-aware checkpoints, in one place: the store's gate and interval, the
+//! `CHECKPOINTS` file (with each checkpoint's metadata blob), and per table the
+//! undo journal of the current interval, the spare for the next, the records
+//! held for retained checkpoints, the interval marks, and the rollback that
+//! returns a table to a checkpoint after a crash or on `restore`.
+//!
+//! A checkpoint copies nothing. Batches that change rows hold the gate shared;
+//! `checkpoint(batch)` holds it exclusively for a moment, so it falls between
+//! batches, and starts a new interval: from then on the *first* change of each
+//! key appends `(key, record at the checkpoint)` to the table's undo journal
+//! before the key's index slot changes (see `table/write.rs`), and that record
+//! is held from reuse while a checkpoint that can reach it is retained.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{io_at, Error, ErrorKind, Result};
+use crate::index::Index;
+use crate::journal::{self, Journal};
+
+/// Largest metadata blob a checkpoint keeps (stream offsets, a trainer's position).
+pub const CHECKPOINT_META_BYTES_MAX: usize = 64 << 10;
+const CHECKPOINTS_FILE: &str = "CHECKPOINTS";
+
+/// The store's checkpoint gate and the seq of the current interval.
+#[derive(Default)]
+pub(crate) struct Gate {
+    /// Batches that change rows hold this shared; a checkpoint holds it exclusively, so
+    /// it falls between batches. Taken before any table lock (`read_recursive`: batches nest).
+    pub lock: RwLock<()>,
+    /// Seq of the latest checkpoint (0: none yet, nothing is journaled).
+    pub interval: AtomicU64,
+}
+
+impl Gate {
+    /// Held by every batch that may change rows.
+    #[inline]
+    pub fn batch(&self) -> parking_lot::RwLockReadGuard<'_, ()> {
+        self.lock.read_recursive()
+    }
+
+    #[inline]
+    pub fn interval(&self) -> u64 {
+        self.interval.load(Ordering::Acquire)
+    }
+}
+
+/// One retained checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointInfo {
+    /// The caller's batch id.
+    pub batch_id: u64,
+    /// The store's sequence number of the checkpoint (names its undo journals).
+    pub seq: u64,
+    pub unix_seconds: f64,
+    /// The caller's metadata blob (empty if none), e.g. the stream offsets it covers.
+    #[serde(default, with = "hex_bytes", skip_serializing_if = "Vec::is_empty")]
+    pub meta: Vec<u8>,
+}
+
+/// Metadata blobs are kept as hex strings in the JSON of `CHECKPOINTS`.
+mod hex_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&v.iter().map(|b| format!("{b:02x}")).collect::<String>())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let s = String::deserialize(d)?;
+        if !s.len().is_multiple_of(2) {
+            return Err(serde::de::Error::custom("odd length of a hex blob"));
+        }
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(serde::de::Error::custom))
+            .collect()
+    }
+}
+
+/// What a table needs to know about the store's checkpoints when it opens.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct CheckpointState {
+    /// Seq of the latest checkpoint (0: none).
+    pub latest: u64,
+    /// Seq of the oldest retained checkpoint.
+    pub oldest: u64,
+    /// Roll back to this checkpoint whatever state the table was left in (a restore).
+    pub restore_to: Option<u64>,
+}
+
+/// The `CHECKPOINTS` file.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct CheckpointFile {
+    pub next_seq: u64,
+    pub checkpoints: Vec<CheckpointInfo>,
+    /// Set while a restore to this seq has not finished: the next open completes it.
+    #[serde(default)]
+    pub restore_to: Option<u64>,
+}
+
+impl CheckpointFile {
+    pub fn load(dir: &Path) -> Result<CheckpointFile> {
+        let path = dir.join(CHECKPOINTS_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| Error::new(ErrorKind::Recover, format!("{}: {e}", path.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Ok(CheckpointFile { next_seq: 1, ..Default::default() })
+            }
+            Err(e) => Err(io_at("cannot read", &path, e)),
+        }
+    }
+
+    /// Replaces the file (write and rename; no fsync: a SIGKILL keeps it, `flush` syncs).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        let path = dir.join(CHECKPOINTS_FILE);
+        let tmp = dir.join("CHECKPOINTS.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(self).expect("checkpoints serialize"))
+            .map_err(|e| io_at("cannot write", &tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| io_at("cannot replace", &path, e))
+    }
+
+    pub fn state(&self, restore_to: Option<u64>) -> CheckpointState {
+        CheckpointState {
+            latest: self.checkpoints.last().map_or(0, |c| c.seq),
+            oldest: self.checkpoints.first().map_or(0, |c| c.seq),
+            restore_to,
+        }
+    }
+
+    /// The seq of the retained checkpoint of `batch_id`.
+    pub fn seq_of(&self, batch_id: u64) -> Result<u64> {
+        self.checkpoints.iter().find(|c| c.batch_id == batch_id).map(|c| c.seq).ok_or_else(|| {
+            let kept: Vec<u64> = self.checkpoints.iter().map(|c| c.batch_id).collect();
+            Error::new(ErrorKind::NotFound, format!("no retained checkpoint of batch {batch_id} (retained: {kept:?})"))
+        })
+    }
+}
+
+/// Distinguishes the tables opened by one process (see [`TableCheckpoints::mark_nonce`]).
+static MARK_NONCE: AtomicU64 = AtomicU64::new(0);
+
+/// A table's share of the checkpoints.
+pub(crate) struct TableCheckpoints {
+    dir: PathBuf,
+    /// Mixed into the index's checkpoint-mark tags: marks left by an earlier open never match.
+    mark_nonce: u64,
+    /// Undo journal of the latest checkpoint's interval (`None` before any checkpoint).
+    journal: RwLock<Option<Arc<Journal>>>,
+    /// An empty journal ready to become the next checkpoint's.
+    spare: Mutex<Option<Journal>>,
+    /// Records live at a retained checkpoint and since replaced, by the checkpoint's seq:
+    /// kept from reuse until that checkpoint is dropped.
+    held: Mutex<BTreeMap<u64, Vec<u64>>>,
+}
+
+impl TableCheckpoints {
+    /// A new table's: journals from the current interval on.
+    pub fn create(dir: &Path, interval: u64) -> Result<TableCheckpoints> {
+        let journal = if interval > 0 { Some(Arc::new(Journal::create(dir, interval)?)) } else { None };
+        Ok(Self::new(dir, journal, BTreeMap::new()))
+    }
+
+    /// An opened table's (after any rollback): left-over journals removed, the current
+    /// one opened, held records listed, and its keys marked in `index` so they are not
+    /// journaled again this interval.
+    pub fn open(dir: &Path, ckpt: CheckpointState, index: &Index) -> Result<TableCheckpoints> {
+        // Journals of dropped checkpoints, or of one whose creation was cut short, are left-overs.
+        for seq in journal::list(dir) {
+            if seq < ckpt.oldest || seq > ckpt.latest {
+                let _ = std::fs::remove_file(journal::path_of(dir, seq));
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.ends_with(".ebj.tmp") || name == "undo.spare.ebj" {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        let held = held_records(dir, ckpt)?;
+        let journal = match ckpt.latest {
+            0 => None,
+            seq if journal::path_of(dir, seq).exists() => Some(Arc::new(Journal::open(dir, seq)?)),
+            seq => Some(Arc::new(Journal::create(dir, seq)?)),
+        };
+        let c = Self::new(dir, journal, held);
+        if let Some(j) = c.journal.read().as_ref() {
+            let tag = c.tag(j.seq());
+            for e in j.entries() {
+                if let Some(f) = index.find(e.key, index.hash(e.key)) {
+                    index.mark_journaled(f.bucket, f.slot, tag);
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    fn new(dir: &Path, journal: Option<Arc<Journal>>, held: BTreeMap<u64, Vec<u64>>) -> TableCheckpoints {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        TableCheckpoints {
+            dir: dir.to_owned(),
+            mark_nonce: crate::hash::splitmix64(
+                now ^ (std::process::id() as u64) << 32 ^ MARK_NONCE.fetch_add(1, Ordering::Relaxed),
+            ),
+            journal: RwLock::new(journal),
+            spare: Mutex::new(None),
+            held: Mutex::new(held),
+        }
+    }
+
+    /// The mark tag of interval `seq` in this open of the table.
+    #[inline]
+    fn tag(&self, seq: u64) -> u64 {
+        crate::hash::splitmix64(self.mark_nonce ^ seq)
+    }
+
+    /// Under the key's stripe lock, before its index slot changes (with the store's gate
+    /// held): journals the key's current record if this is its first change since the
+    /// latest checkpoint, and returns that record, which the caller must hold (not
+    /// retire) since the checkpoint still needs it.
+    pub fn journal_first_change(
+        &self,
+        interval: u64,
+        jw: &mut Option<journal::Writer>,
+        index: &Index,
+        key: u64,
+        h: u64,
+    ) -> Result<Option<u64>> {
+        if interval == 0 {
+            return Ok(None);
+        }
+        // A key present in the index is journaled once per interval: a mark in its bucket
+        // (a line the lookup just read) says so. An absent key is always journaled (as
+        // absent); it can only enter a slot that way, so a marked slot's key was journaled.
+        // Duplicate entries (a key deleted and created again) are harmless: every reader
+        // of a journal takes a key's first entry.
+        let found = index.find(key, h);
+        let tag = self.tag(interval);
+        if let Some(f) = found {
+            if index.journaled(f.bucket, f.slot, tag) {
+                return Ok(None);
+            }
+        }
+        if jw.as_ref().is_none_or(|j| j.seq() != interval) {
+            match self.journal.read().as_ref() {
+                Some(j) if j.seq() == interval => *jw = Some(journal::Writer::new(Arc::clone(j))),
+                _ => return Err(Error::corrupt(format!("no undo journal for checkpoint {interval}"))),
+            }
+        }
+        jw.as_mut().expect("set above").append(key, found.map_or(0, |f| f.ptr))?;
+        if let Some(f) = found {
+            index.mark_journaled(f.bucket, f.slot, tag);
+        }
+        Ok(found.map(|f| f.ptr))
+    }
+
+    /// Keeps replaced records that checkpoint `interval` still needs.
+    pub fn hold(&self, interval: u64, records: Vec<u64>) {
+        if !records.is_empty() {
+            self.held.lock().entry(interval).or_default().extend(records);
+        }
+    }
+
+    /// Starts the interval of checkpoint `seq` (the gate is held exclusively): a new,
+    /// empty undo journal — the spare prepared after the last checkpoint, renamed — and
+    /// returns the one it replaces.
+    pub fn start_interval(&self, seq: u64) -> Result<Option<Arc<Journal>>> {
+        let spare = self.spare.lock().take();
+        let j = match spare {
+            Some(sp) => sp.adopt(&self.dir, seq)?,
+            None => Journal::create(&self.dir, seq)?,
+        };
+        Ok(self.journal.write().replace(Arc::new(j)))
+    }
+
+    /// After a checkpoint, off the caller's thread: deletes the journals of dropped
+    /// checkpoints and, while the table is open, prepares the next spare journal.
+    pub fn housekeep(&self, dropped: &[u64], open: bool, table: &str) {
+        for &seq in dropped {
+            let _ = std::fs::remove_file(journal::path_of(&self.dir, seq));
+        }
+        let mut spare = self.spare.lock();
+        if spare.is_none() && open {
+            match Journal::create_spare(&self.dir) {
+                Ok(j) => *spare = Some(j),
+                Err(e) => tracing::warn!(table, error = %e, "cannot prepare a spare undo journal"),
+            }
+        }
+    }
+
+    /// Checkpoint `seq` is no longer retained: the records held for it, to be freed.
+    pub fn drop_interval(&self, seq: u64) -> Vec<u64> {
+        self.held.lock().remove(&seq).unwrap_or_default()
+    }
+
+    /// Records held for retained checkpoints.
+    pub fn held_count(&self) -> u64 {
+        self.held.lock().values().map(|v| v.len() as u64).sum()
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        match self.journal.read().as_ref() {
+            Some(j) => j.flush(),
+            None => Ok(()),
+        }
+    }
+
+    /// The first undo entry of each key in the journals of checkpoints `seq` and later:
+    /// each key's record at checkpoint `seq` (0: absent), for keys changed since.
+    /// `open` keeps the journals mapped between calls: only journals of checkpoints taken
+    /// since the last call are opened; the entries of every one are read again (the
+    /// current one grows).
+    pub fn changed_since(&self, seq: u64, open: &mut BTreeMap<u64, Journal>, first: &mut HashMap<u64, u64>) {
+        for j in journal::list(&self.dir).into_iter().filter(|&s| s >= seq) {
+            if let std::collections::btree_map::Entry::Vacant(v) = open.entry(j) {
+                // A journal deleted meanwhile belongs to a dropped checkpoint: the caller checks.
+                if let Ok(journal) = Journal::open(&self.dir, j) {
+                    v.insert(journal);
+                }
+            }
+        }
+        for journal in open.values() {
+            for e in journal.entries() {
+                first.entry(e.key).or_insert(e.old);
+            }
+        }
+    }
+}
+
+/// Applies the undo journals of checkpoints `to` and later, newest first and each in
+/// reverse (so every key's earliest entry wins): the index then maps every key to its
+/// record at checkpoint `to`. Journal `to` is emptied (new changes start from there), the
+/// later ones deleted. Each journal is deleted only once applied, so a crash in between
+/// applies it again (applying is idempotent).
+pub(crate) fn rollback(dir: &Path, index: &Index, to: u64) -> Result<()> {
+    let seqs: Vec<u64> = journal::list(dir).into_iter().filter(|&s| s >= to).collect();
+    for &seq in seqs.iter().rev() {
+        let j = Journal::open(dir, seq)?;
+        let entries = j.entries();
+        for e in entries.iter().rev() {
+            let h = index.hash(e.key);
+            if e.old == 0 {
+                index.remove(e.key, h);
+            } else if index.replace(e.key, h, e.old).is_none() && !index.insert_new(e.key, h, e.old) {
+                return Err(Error::new(
+                    ErrorKind::Recover,
+                    format!("no index slot to return key {} to checkpoint {to}", e.key),
+                ));
+            }
+        }
+        index.flush()?;
+        tracing::info!(seq, entries = entries.len(), to, "undo journal applied");
+        if seq == to {
+            j.clear()?;
+        } else {
+            j.remove();
+        }
+    }
+    Ok(())
+}
+
+/// Records kept for the retained checkpoints: those the journals name.
+pub(crate) fn held_records(dir: &Path, ckpt: CheckpointState) -> Result<BTreeMap<u64, Vec<u64>>> {
+    let mut held = BTreeMap::new();
+    for seq in journal::list(dir) {
+        if seq < ckpt.oldest || seq > ckpt.latest {
+            continue;
+        }
+        let v: Vec<u64> = Journal::open(dir, seq)?.entries().iter().filter(|e| e.old != 0).map(|e| e.old).collect();
+        if !v.is_empty() {
+            held.insert(seq, v);
+        }
+    }
+    Ok(held)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_blobs_roundtrip_through_the_file_and_old_files_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut f = CheckpointFile { next_seq: 3, ..Default::default() };
+        f.checkpoints.push(CheckpointInfo { batch_id: 1, seq: 1, unix_seconds: 1.5, meta: vec![] });
+        f.checkpoints.push(CheckpointInfo { batch_id: 2, seq: 2, unix_seconds: 2.5, meta: vec![0, 0xff, 7] });
+        f.save(dir.path()).unwrap();
+        let text = std::fs::read_to_string(dir.path().join(CHECKPOINTS_FILE)).unwrap();
+        assert!(text.contains("\"meta\":\"00ff07\""), "{text}");
+        let back = CheckpointFile::load(dir.path()).unwrap();
+        assert_eq!(back.checkpoints, f.checkpoints);
+        // A file written before checkpoints had metadata.
+        std::fs::write(
+            dir.path().join(CHECKPOINTS_FILE),
+            r#"{"next_seq":2,"checkpoints":[{"batch_id":5,"seq":1,"unix_seconds":1.0}]}"#,
+        )
+        .unwrap();
+        assert!(CheckpointFile::load(dir.path()).unwrap().checkpoints[0].meta.is_empty());
+        assert_eq!(back.seq_of(2).unwrap(), 2);
+        assert_eq!(back.seq_of(9).unwrap_err().kind(), ErrorKind::NotFound);
+    }
+}

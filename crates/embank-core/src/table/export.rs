@@ -1,0 +1,200 @@
+//! Exports: the whole table in pages (a remote client pages through it by cursor),
+//! a table as it was at a retained checkpoint while training goes on, and the keys
+//! changed since a checkpoint (the incremental export).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use super::{State, Table};
+use crate::error::{Error, ErrorKind, Result};
+use crate::index::SLOTS_PER_BUCKET;
+use crate::medium::{Medium, ReadItem};
+
+/// Where an export continues: the index generation it started on and a bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportCursor {
+    pub generation: u64,
+    pub bucket: u64,
+}
+
+impl ExportCursor {
+    /// The start of a table.
+    pub const START: ExportCursor = ExportCursor { generation: u64::MAX, bucket: 0 };
+}
+
+impl Table {
+    fn grew_during_export(&self) -> Error {
+        Error::new(
+            ErrorKind::Unsupported,
+            format!("table {:?} grew during the export; run the export again", self.shared.name),
+        )
+    }
+
+    /// Streams every `(key, row)` in chunks of at most `chunk_keys` keys. The table stays
+    /// readable and writable meanwhile (its lock is held per chunk, not across `f`); a row
+    /// written during the export may appear in its old or new form. If the index is rebuilt
+    /// (the table grew) between two chunks the export stops with an error, since bucket
+    /// positions changed. Checks each row's checksum.
+    pub fn export(&self, chunk_keys: usize, mut f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
+        let mut keys = Vec::new();
+        let mut rows = Vec::new();
+        let mut cursor = ExportCursor::START;
+        loop {
+            let next = self.export_page(cursor, chunk_keys, &mut keys, &mut rows)?;
+            if !keys.is_empty() {
+                f(&keys, &rows)?;
+            }
+            match next {
+                Some(c) => cursor = c,
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// One page of an export: clears `keys` and `rows`, fills them with at most
+    /// `chunk_keys` rows (at least one bucket's worth) from `cursor` on, and returns
+    /// where the next page starts (`None` when the table is done). Pages of one export
+    /// may be fetched by different calls (a remote client pages through a table this
+    /// way); a page from a cursor of an older index generation fails with
+    /// `Unsupported` (the table grew; start again).
+    pub fn export_page(
+        &self,
+        cursor: ExportCursor,
+        chunk_keys: usize,
+        keys: &mut Vec<u64>,
+        rows: &mut Vec<f32>,
+    ) -> Result<Option<ExportCursor>> {
+        let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
+        keys.clear();
+        rows.clear();
+        if cursor.bucket == 0 {
+            // Dirty cached rows are newer than the medium: write them back first.
+            self.write_back_all()?;
+        }
+        let mut bucket = cursor.bucket;
+        let st = self.state()?;
+        let st = st.as_ref().unwrap();
+        let current = self.shared.meta.lock().index_generation;
+        let generation = if cursor == ExportCursor::START { current } else { cursor.generation };
+        if generation != current {
+            return Err(self.grew_during_export());
+        }
+        let _pin = crossbeam_epoch::pin();
+        let mut items = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
+        while bucket < st.index.bucket_count() && items.len() + SLOTS_PER_BUCKET <= chunk_keys {
+            st.index.for_each(bucket, bucket + 1, |key, ptr| items.push((key, ptr)));
+            bucket += 1;
+        }
+        self.read_records(st, &items, rows)?;
+        keys.extend(items.iter().map(|&(k, _)| k));
+        Ok((bucket < st.index.bucket_count()).then_some(ExportCursor { generation, bucket }))
+    }
+
+    /// Reads the records at `items` (key, record) into rows of the user's dim, checking
+    /// that each record holds its key and its checksum.
+    fn read_records(&self, st: &State, items: &[(u64, u64)], rows: &mut Vec<f32>) -> Result<()> {
+        let w = self.shared.layout.elems();
+        let mut records = vec![0f32; items.len() * w];
+        match st.medium.as_mapped() {
+            Some(m) => {
+                for (i, &(key, ptr)) in items.iter().enumerate() {
+                    if m.key_at(ptr) != key || !m.checksum_ok(ptr) {
+                        return Err(Error::new(
+                            ErrorKind::ChecksumMismatch,
+                            format!("table {:?}: row of key {key} fails its checksum", self.shared.name),
+                        ));
+                    }
+                    m.read_into(ptr, &mut records[i * w..(i + 1) * w]);
+                }
+            }
+            None => {
+                let reads: Vec<ReadItem> =
+                    items.iter().enumerate().map(|(pos, &(key, ptr))| ReadItem { key, ptr, pos }).collect();
+                st.medium.read(&reads, &mut records)?;
+            }
+        }
+        rows.clear();
+        if self.shared.layout.has_state() {
+            rows.resize(items.len() * self.dim(), 0.0);
+            self.copy_rows(&records, rows);
+        } else {
+            *rows = records;
+        }
+        Ok(())
+    }
+
+    /// Streams every `(key, row)` as of checkpoint `seq` (rows and their values then),
+    /// while the table keeps changing: the current index gives each key's record unless
+    /// the key changed since the checkpoint, in which case its undo entry gives the record
+    /// it had (kept from reuse while the checkpoint is retained). Keys deleted since come
+    /// from their entries. Memory: the keys changed since the checkpoint and the keys
+    /// emitted.
+    pub(crate) fn export_at(
+        &self,
+        seq: u64,
+        chunk_keys: usize,
+        mut f: impl FnMut(&[u64], &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
+        let mut first = HashMap::new();
+        let mut journals = BTreeMap::new();
+        let mut emitted = HashSet::new();
+        let mut bucket = 0u64;
+        let generation = self.shared.meta.lock().index_generation;
+        let mut rows = Vec::new();
+        loop {
+            let mut pairs = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
+            let (keys, done) = {
+                let st = self.state()?;
+                let st = st.as_ref().unwrap();
+                if self.shared.meta.lock().index_generation != generation {
+                    return Err(self.grew_during_export());
+                }
+                let _pin = crossbeam_epoch::pin();
+                while bucket < st.index.bucket_count() && pairs.len() + SLOTS_PER_BUCKET <= chunk_keys {
+                    st.index.for_each(bucket, bucket + 1, |key, ptr| pairs.push((key, ptr)));
+                    bucket += 1;
+                }
+                // Read the journals after the index: an index change is journaled before it
+                // happens, so every changed key the page saw has its entry by now.
+                self.shared.checkpoints.changed_since(seq, &mut journals, &mut first);
+                let mut items = Vec::with_capacity(pairs.len());
+                for (key, ptr) in pairs {
+                    let ptr = first.get(&key).copied().unwrap_or(ptr);
+                    if ptr != 0 && emitted.insert(key) {
+                        items.push((key, ptr));
+                    }
+                }
+                self.read_records(st, &items, &mut rows)?;
+                (items.into_iter().map(|(k, _)| k).collect::<Vec<u64>>(), bucket >= st.index.bucket_count())
+            };
+            if !keys.is_empty() {
+                f(&keys, &rows)?;
+            }
+            if done {
+                break;
+            }
+        }
+        // Keys deleted (or moved past the cursor) since the checkpoint.
+        let rest: Vec<(u64, u64)> =
+            first.iter().filter(|(k, &old)| old != 0 && !emitted.contains(*k)).map(|(&k, &p)| (k, p)).collect();
+        for chunk in rest.chunks(chunk_keys) {
+            let st = self.state()?;
+            let _pin = crossbeam_epoch::pin();
+            self.read_records(st.as_ref().unwrap(), chunk, &mut rows)?;
+            let keys: Vec<u64> = chunk.iter().map(|&(k, _)| k).collect();
+            drop(st);
+            f(&keys, &rows)?;
+        }
+        Ok(())
+    }
+
+    /// Keys changed since checkpoint `seq` (written, created or deleted): what an
+    /// incremental export sends.
+    pub(crate) fn changed_keys(&self, seq: u64) -> Result<Vec<u64>> {
+        let mut first = HashMap::new();
+        self.shared.checkpoints.changed_since(seq, &mut BTreeMap::new(), &mut first);
+        let mut keys: Vec<u64> = first.into_keys().collect();
+        keys.sort_unstable();
+        Ok(keys)
+    }
+}

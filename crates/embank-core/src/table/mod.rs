@@ -1,0 +1,445 @@
+//! A table: the index and the medium of one embedding table under its tiers, and
+//! its batch operations. This file holds the handle and the public batch calls;
+//! the work behind them lives beside it, one job per file:
+//!
+//! | file | job |
+//! | --- | --- |
+//! | `write.rs` | the write protocol: every change of a key's index slot |
+//! | `read.rs` | reads: the lock-free mmap fast path and the tiered path (tiers → index → medium) |
+//! | `tiered.rs` | writes through the tiers: dirty rows, write-through, write-back, lookahead, pinned loads |
+//! | `grow.rs` | room in the index: the load check, the rebuild into a larger index, the retry loop |
+//! | `open.rs` | create, open with recovery and rollback, clean close, the maintenance hooks |
+//! | `export.rs` | full, paged and checkpoint exports, the keys changed since a checkpoint |
+//! | `serve.rs` | zero-copy reads for the server |
+//! | `evict.rs` | admission and eviction around the batch calls |
+//! | `stats.rs` | the numbers |
+//!
+//! Reads take no lock: they pin an epoch, resolve keys in the index (prefetching
+//! the home buckets a few keys ahead) and copy rows out. Writes are
+//! copy-on-write: new records are written, then published key by key through
+//! `write.rs`; old records are retired to the epoch collector.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+
+use crate::catalog::{Catalog, MissingDefault, Placement, TableMeta};
+use crate::checkpoint::TableCheckpoints;
+use crate::error::{Error, ErrorKind, Result};
+use crate::index::Index;
+use crate::init::Initializer;
+use crate::layout::RecordLayout;
+use crate::lifecycle::Lifecycle;
+use crate::medium::{AnyMedium, Medium, MediumKind};
+use crate::optim::{sum_duplicates, Optimizer};
+use crate::runtime::Runtime;
+use crate::staleness::Holds;
+use crate::tier::TierStack;
+
+mod evict;
+mod export;
+mod grow;
+mod open;
+mod options;
+mod read;
+mod serve;
+mod stats;
+mod tiered;
+mod write;
+
+pub use export::ExportCursor;
+pub use options::{validate_name, RecoverStats, TableOptions, TableStats, DIM_MAX, NAME_BYTES_MAX};
+
+/// Writer stripes per table: writers of keys in different stripes never wait on each other.
+const STRIPES: usize = 1024;
+const _: () = assert!(STRIPES.is_power_of_two());
+
+/// The files of an open table.
+struct State {
+    index: Index,
+    medium: AnyMedium,
+}
+
+/// Row counts by where reads found them.
+#[derive(Default)]
+struct ReadCounters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    rows_read: AtomicU64,
+    lookahead_rows: AtomicU64,
+}
+
+struct Shared {
+    id: u32,
+    name: String,
+    /// Row dim, optimizer state, element type: what a record holds.
+    layout: RecordLayout,
+    dir: PathBuf,
+    catalog: Arc<Catalog>,
+    runtime: Arc<Runtime>,
+    meta: Mutex<TableMeta>,
+    optimizer: Mutex<Optimizer>,
+    init: Initializer,
+    seed: u64,
+    missing: MissingDefault,
+    growth: bool,
+    load_factor_max: f64,
+    medium_kind: MediumKind,
+    /// Resolved: never `Auto`.
+    placement: Placement,
+    /// `None` once the table is closed or dropped.
+    state: RwLock<Option<State>>,
+    stripes: Box<[Mutex<()>]>,
+    /// One `push_grad` at a time per table (read, update, write of each row).
+    grad_lock: Mutex<()>,
+    /// One write-back at a time per table, so `flush` waits for one in flight elsewhere.
+    write_back_lock: Mutex<()>,
+    counters: ReadCounters,
+    checkpoints: TableCheckpoints,
+    recovered: Option<RecoverStats>,
+    /// Staleness holds of workers (`None`: ASP).
+    holds: Option<Holds>,
+    /// Admission and eviction state (`None`: the table has neither).
+    lifecycle: Option<Lifecycle>,
+}
+
+/// A handle to one table; cheap to clone, usable from many threads.
+#[derive(Clone)]
+pub struct Table {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Table {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Table").field("name", &self.shared.name).field("dim", &self.shared.layout.dim).finish()
+    }
+}
+
+impl Table {
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    pub fn dim(&self) -> usize {
+        self.shared.layout.dim
+    }
+
+    /// What a record holds: the row's dim and element type, the optimizer state.
+    pub fn layout(&self) -> RecordLayout {
+        self.shared.layout
+    }
+
+    /// The table's optimizer (with its current learning rate).
+    pub fn optimizer(&self) -> Optimizer {
+        *self.shared.optimizer.lock()
+    }
+
+    /// Changes the optimizer's learning rate; durable at once (the catalog is rewritten).
+    pub fn set_lr(&self, lr: f32) -> Result<()> {
+        let new = self.optimizer().with_lr(lr)?;
+        let id = self.shared.id;
+        let meta = self.shared.catalog.update(|c| {
+            let m = c
+                .tables
+                .iter_mut()
+                .find(|m| m.id == id)
+                .ok_or_else(|| Error::new(ErrorKind::Closed, "table was dropped"))?;
+            m.optimizer = new;
+            Ok(m.clone())
+        })?;
+        *self.shared.meta.lock() = meta;
+        *self.shared.optimizer.lock() = new;
+        Ok(())
+    }
+
+    pub fn meta(&self) -> TableMeta {
+        self.shared.meta.lock().clone()
+    }
+
+    /// Live rows.
+    pub fn len(&self) -> Result<u64> {
+        Ok(self.state()?.as_ref().unwrap().index.len())
+    }
+
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// Rows of `keys` into `out` (`keys.len() * dim` elements); creates missing rows with the initializer.
+    pub fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
+        self.check_rows("pull", keys.len(), out.len())?;
+        if let Some(life) = &self.shared.lifecycle {
+            return self.pull_lifecycle(life, keys, out);
+        }
+        if !self.shared.layout.has_state() {
+            return self.pull_records(keys, out);
+        }
+        let mut records = vec![0f32; keys.len() * self.shared.layout.elems()];
+        self.pull_records(keys, &mut records)?;
+        self.copy_rows(&records, out);
+        Ok(())
+    }
+
+    /// Like [`pull`](Self::pull) but never creates rows: missing keys get the table's
+    /// missing-row default and `found[i] = false`.
+    pub fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        self.check_rows("lookup", keys.len(), out.len())?;
+        if found.len() != keys.len() {
+            return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
+        }
+        let layout = self.shared.layout;
+        let missing = if layout.has_state() {
+            let mut records = vec![0f32; keys.len() * layout.elems()];
+            let missing = self.lookup_records(keys, &mut records, found)?;
+            self.copy_rows(&records, out);
+            missing
+        } else {
+            self.lookup_records(keys, out, found)?
+        };
+        self.fill_missing(keys, &missing, out);
+        if let Some(life) = &self.shared.lifecycle {
+            life.touch((0..keys.len()).filter(|&i| found[i]).map(|i| keys[i]));
+        }
+        Ok(())
+    }
+
+    /// Writes rows (insert or replace). With duplicate keys the last row wins.
+    pub fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
+        self.check_rows("push", keys.len(), rows.len())?;
+        if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
+            return Err(Error::invalid(format!(
+                "push: row of key {} holds a non-finite value ({}); nothing was written",
+                keys[i / self.dim()],
+                rows[i]
+            )));
+        }
+        match &self.shared.lifecycle {
+            Some(life) => self.push_lifecycle(life, keys, rows),
+            None => self.push_unchecked(keys, rows),
+        }
+    }
+
+    /// [`push`](Self::push) of checked rows: a pushed row starts its optimizer state afresh.
+    fn push_unchecked(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
+        let layout = self.shared.layout;
+        if !layout.has_state() {
+            return self.push_records(keys, rows);
+        }
+        let (w, d) = (layout.elems(), layout.dim);
+        let mut records = vec![0f32; keys.len() * w];
+        let opt = self.optimizer();
+        for (rec, row) in records.chunks_exact_mut(w).zip(rows.chunks_exact(d)) {
+            rec[..d].copy_from_slice(row);
+            opt.init_state(&mut rec[d..]);
+        }
+        self.push_records(keys, &records)
+    }
+
+    /// Deletes keys; returns how many were present.
+    pub fn delete(&self, keys: &[u64]) -> Result<u64> {
+        let _gate = self.shared.runtime.gate.batch();
+        let st = self.state()?;
+        let mut p = write::Publisher::new(self, st.as_ref().unwrap());
+        for &key in keys {
+            p.publish(key, write::Change::Remove, |_| false, |_| {})?;
+        }
+        let n = p.finish();
+        if let Some(life) = &self.shared.lifecycle {
+            life.forget(keys);
+        }
+        Ok(n)
+    }
+
+    /// Applies the table's optimizer to the rows of `keys` with gradients `grads`
+    /// (`keys.len() * dim` elements). Gradients of duplicate keys are summed first, so
+    /// each row gets one update per call. Missing rows are created with the
+    /// initializer, then updated. Non-finite gradients are refused with nothing written.
+    pub fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        // Read, update and write as one step for checkpoints.
+        let _gate = self.shared.runtime.gate.batch();
+        self.check_rows("push_grad", keys.len(), grads.len())?;
+        let d = self.dim();
+        if let Some(i) = grads.iter().position(|x| !x.is_finite()) {
+            return Err(Error::invalid(format!(
+                "push_grad: gradient of key {} holds a non-finite value ({}); nothing was written",
+                keys[i / d],
+                grads[i]
+            )));
+        }
+        let opt = self.optimizer();
+        if opt == Optimizer::None {
+            return Err(Error::config(format!(
+                "push_grad: table {:?} has no optimizer; create it with one (e.g. optimizer=Adagrad)",
+                self.shared.name
+            )));
+        }
+        let (uniq, sums) = sum_duplicates(keys, grads, d);
+        let _one = self.shared.grad_lock.lock();
+        let Some(life) = &self.shared.lifecycle else { return self.apply_grads(&uniq, &sums, opt) };
+        let (uniq, sums) = self.grads_lifecycle(life, uniq, sums)?;
+        self.apply_grads(&uniq, &sums, opt)?;
+        // A step ends: its rows are touched at the new step (TTL ages count from it).
+        life.step();
+        life.touch(uniq.iter().copied());
+        Ok(())
+    }
+
+    /// Reads, updates and writes back the records of distinct `uniq` keys.
+    fn apply_grads(&self, uniq: &[u64], sums: &[f32], opt: Optimizer) -> Result<()> {
+        let (w, d) = (self.shared.layout.elems(), self.dim());
+        let mut records = vec![0f32; uniq.len() * w];
+        self.pull_records(uniq, &mut records)?;
+        for (rec, g) in records.chunks_exact_mut(w).zip(sums.chunks_exact(d)) {
+            opt.apply(rec, g);
+        }
+        if let Some(i) = records.iter().position(|x| !x.is_finite()) {
+            return Err(Error::invalid(format!(
+                "push_grad: the update of key {} is not finite (learning rate too large?); nothing was written",
+                uniq[i / w]
+            )));
+        }
+        self.push_records(uniq, &records)
+    }
+
+    /// [`pull`](Self::pull) by a training worker under the table's staleness bound: each
+    /// distinct key gets a hold for `worker` until its [`push_grad_held`](Self::push_grad_held);
+    /// a key whose holds already exceed the bound waits for a push (at most `timeout`, then
+    /// `Timeout` naming the key). Without a bound (ASP) it is a plain pull.
+    pub fn pull_held(&self, worker: u64, keys: &[u64], out: &mut [f32], timeout: std::time::Duration) -> Result<()> {
+        self.check_rows("pull", keys.len(), out.len())?;
+        let Some(holds) = &self.shared.holds else { return self.pull(keys, out) };
+        holds.acquire(worker, keys, timeout, &self.shared.name)?;
+        self.pull(keys, out).inspect_err(|_| holds.give_back(worker, keys))
+    }
+
+    /// [`push_grad`](Self::push_grad) by a training worker: once applied, gives back the
+    /// worker's hold of each distinct key (if it has one). If the update fails the holds
+    /// stay, so the worker can retry.
+    pub fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
+        self.push_grad(keys, grads)?;
+        if let Some(holds) = &self.shared.holds {
+            let mut uniq = keys.to_vec();
+            uniq.sort_unstable();
+            uniq.dedup();
+            holds.give_back(worker, &uniq);
+        }
+        Ok(())
+    }
+
+    /// Gives back every hold of `worker` (a worker that stops, or dies and is noticed).
+    /// Returns how many holds it had.
+    pub fn release(&self, worker: u64) -> u64 {
+        self.shared.holds.as_ref().map_or(0, |h| h.release(worker))
+    }
+
+    /// The staleness bound (`None`: ASP).
+    pub fn staleness_bound(&self) -> Option<u32> {
+        self.shared.holds.as_ref().map(Holds::bound)
+    }
+
+    /// Asks the maintenance thread to load these rows into the row cache (or, on an
+    /// uncached mmap table, into the page cache), so a later pull of them hits. Returns
+    /// at once; false if the request queue was full and the hint was dropped.
+    pub fn lookahead(&self, keys: &[u64]) -> Result<bool> {
+        drop(self.state()?);
+        if keys.is_empty() {
+            return Ok(true);
+        }
+        Ok(self.shared.runtime.lookahead(self.maintained(), keys.to_vec()))
+    }
+
+    /// Makes every write before this call durable: rows first, then the index.
+    pub fn flush(&self) -> Result<()> {
+        self.write_back_all()?;
+        self.shared.checkpoints.flush()?;
+        let st = self.state()?;
+        let State { index, medium } = st.as_ref().unwrap();
+        medium.flush()?;
+        index.flush()
+    }
+
+    /// Records held for retained checkpoints.
+    pub fn held_records(&self) -> u64 {
+        self.shared.checkpoints.held_count()
+    }
+
+    // Helpers shared by the files of this module.
+
+    fn state(&self) -> Result<RwLockReadGuard<'_, Option<State>>> {
+        let guard = self.shared.state.read();
+        if guard.is_none() {
+            return Err(Error::new(ErrorKind::Closed, format!("table {:?} is closed", self.shared.name)));
+        }
+        Ok(guard)
+    }
+
+    /// True when reads and writes take the tiered path (row cache and/or block medium)
+    /// instead of the mmap fast path.
+    #[inline]
+    fn tiered(&self) -> bool {
+        self.shared.medium_kind != MediumKind::Mmap || self.shared.placement != Placement::Bypass
+    }
+
+    /// The tiers this table reads and writes through.
+    #[inline]
+    fn tiers(&self) -> TierStack<'_> {
+        let dram = match self.shared.placement {
+            Placement::Cache | Placement::Pin => self.shared.runtime.cache.as_deref(),
+            Placement::Auto | Placement::Bypass => None,
+        };
+        TierStack::new(dram, self.shared.id, self.shared.placement == Placement::Pin)
+    }
+
+    #[inline(always)]
+    fn stripe(&self, hash: u64) -> &Mutex<()> {
+        // The stripe comes from bits the home bucket does not use first.
+        &self.shared.stripes[((hash >> 40) as usize) & (STRIPES - 1)]
+    }
+
+    fn check_rows(&self, what: &str, keys: usize, rows: usize) -> Result<()> {
+        let dim = self.dim();
+        if rows != keys * dim {
+            return Err(Error::invalid(format!(
+                "{what}: table {:?} has dim {dim}, so {keys} keys need {} row elements, got {rows}{}",
+                self.shared.name,
+                keys * dim,
+                if keys > 0 && rows.is_multiple_of(keys) {
+                    format!(" (rows of dim {})", rows / keys)
+                } else {
+                    String::new()
+                }
+            )));
+        }
+        Ok(())
+    }
+
+    /// Fills a new record: the initializer's row, then the optimizer's initial state.
+    fn init_record(&self, key: u64, record: &mut [f32]) {
+        let (row, state) = record.split_at_mut(self.dim());
+        self.shared.init.fill(self.shared.seed, key, row);
+        self.optimizer().init_state(state);
+    }
+
+    /// Copies the row part of each record.
+    fn copy_rows(&self, records: &[f32], out: &mut [f32]) {
+        let (w, d) = (self.shared.layout.elems(), self.dim());
+        for (rec, row) in records.chunks_exact(w).zip(out.chunks_exact_mut(d)) {
+            row.copy_from_slice(&rec[..d]);
+        }
+    }
+
+    /// Fills the rows at `positions` with the table's missing-row default.
+    fn fill_missing(&self, keys: &[u64], positions: &[usize], out: &mut [f32]) {
+        let dim = self.dim();
+        for &i in positions {
+            let row = &mut out[i * dim..(i + 1) * dim];
+            match self.shared.missing {
+                MissingDefault::Zeros => row.fill(0.0),
+                MissingDefault::Value { value } => row.fill(value),
+                MissingDefault::Init => self.shared.init.fill(self.shared.seed, keys[i], row),
+            }
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! A table's life: creation of its files, opening (with recovery after a crash and
+//! rollback to a checkpoint), the clean close, and the hooks the store's
+//! maintenance thread calls (`Maintained`).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::{Mutex, RwLock};
+
+use super::options::{RecoverStats, LOAD_FACTOR_TARGET};
+use super::{ReadCounters, Shared, State, Table, STRIPES};
+use crate::catalog::{Catalog, Placement, TableMeta};
+use crate::checkpoint::{self, CheckpointState, TableCheckpoints};
+use crate::error::{Error, Result};
+use crate::index::{buckets_for, Index, RecoverReport};
+use crate::layout::RecordLayout;
+use crate::lifecycle::Lifecycle;
+use crate::medium::{AnyMedium, Medium, MediumKind};
+use crate::runtime::{Maintained, Runtime};
+use crate::staleness::Holds;
+
+pub(super) fn index_path(dir: &Path, generation: u64) -> PathBuf {
+    dir.join(format!("index.{generation}.ebi"))
+}
+
+/// Resolves `Auto` and checks that a cached placement has a cache to use.
+fn resolve_placement(meta: &TableMeta, runtime: &Runtime, creating: bool) -> Result<Placement> {
+    let has_cache = runtime.cache.is_some();
+    Ok(match (meta.placement, meta.medium) {
+        (Placement::Auto, MediumKind::Block) if has_cache => Placement::Cache,
+        (Placement::Auto, _) => Placement::Bypass,
+        (p @ (Placement::Cache | Placement::Pin), _) if !has_cache => {
+            if creating {
+                return Err(Error::config(format!(
+                    "table {:?}: placement {} needs the store's row cache; open the store with cache_bytes > 0",
+                    meta.name,
+                    p.name()
+                )));
+            }
+            tracing::warn!(table = %meta.name, placement = p.name(), "store has no row cache; table reads bypass it");
+            Placement::Bypass
+        }
+        (p, _) => p,
+    })
+}
+
+/// `MADV_RANDOM` on a table's mappings when the store asks for it.
+fn advise(runtime: &Runtime, st: &State) {
+    if runtime.mmap_random {
+        st.index.advise_random();
+        st.medium.advise_random();
+    }
+}
+
+/// Index files of other generations are left-overs of an interrupted rebuild.
+fn remove_other_indexes(dir: &Path, generation: u64) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let current = index_path(dir, generation);
+    for entry in entries.flatten() {
+        let p = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("index.") && name.ends_with(".ebi") && p != current {
+            tracing::info!(path = %p.display(), "removing index left by an interrupted rebuild");
+            let _ = std::fs::remove_file(&p);
+        }
+    }
+}
+
+/// After a crash (or with `verify`, or for a rollback): repairs the index, rolls back to
+/// a checkpoint if asked, rebuilds the free list from the index and the held records.
+fn recover(
+    dir: &Path,
+    name: &str,
+    st: &State,
+    verify_all: bool,
+    rollback_to: Option<u64>,
+    ckpt: CheckpointState,
+) -> Result<RecoverStats> {
+    let t0 = Instant::now();
+    let State { index, medium } = st;
+    let alloc = medium.alloc();
+    tracing::info!(table = %name, "table was not closed cleanly; repairing index and free list");
+    // On a mapped medium every slot's record key is checked (a memory read); elsewhere
+    // that would be one read per row, so only interrupted buckets' records are read
+    // (and every record with `verify`).
+    let mapped = medium.as_mapped().is_some();
+    let mut io_error = None;
+    let report = index.recover(|key, ptr, interrupted| {
+        if !alloc.is_valid_ptr(ptr) {
+            return false;
+        }
+        if !mapped && !(interrupted || verify_all) {
+            return true;
+        }
+        match medium.check(ptr, key, interrupted || verify_all) {
+            Ok(ok) => ok,
+            Err(e) => {
+                io_error.get_or_insert(e);
+                true
+            }
+        }
+    });
+    if let Some(e) = io_error {
+        return Err(e.context(format!("recovering table {name:?}")));
+    }
+    if let Some(to) = rollback_to {
+        checkpoint::rollback(dir, index, to).map_err(|e| e.context(format!("table {name:?}")))?;
+    }
+    let mut live = alloc.new_bitmap();
+    index.for_each(0, index.bucket_count(), |_, ptr| alloc.mark(&mut live, ptr));
+    for ptrs in checkpoint::held_records(dir, ckpt)?.values() {
+        for &p in ptrs {
+            alloc.mark(&mut live, p);
+        }
+    }
+    alloc.rebuild_free_list(&live);
+    let RecoverReport { buckets_interrupted, slots_dropped, .. } = report;
+    let stats = RecoverStats {
+        buckets_interrupted,
+        slots_dropped,
+        records_freed: alloc.free_records(),
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    tracing::info!(table = %name, ?stats, "repair done");
+    Ok(stats)
+}
+
+impl Table {
+    /// Creates the files of a new table in `dir` (which must exist and be empty).
+    pub(crate) fn create(
+        dir: &Path,
+        meta: TableMeta,
+        capacity: u64,
+        catalog: Arc<Catalog>,
+        runtime: Arc<Runtime>,
+    ) -> Result<Table> {
+        let placement = resolve_placement(&meta, &runtime, true)?;
+        let index = Index::create(
+            &index_path(dir, meta.index_generation),
+            buckets_for(capacity, LOAD_FACTOR_TARGET),
+            meta.seed,
+        )?;
+        let medium = AnyMedium::create(dir, meta.medium, RecordLayout::of(&meta), &runtime.io)?;
+        index.flush()?;
+        medium.flush()?;
+        let checkpoints = TableCheckpoints::create(dir, runtime.gate.interval())?;
+        crate::fsutil::sync_dir(dir)?;
+        let st = State { index, medium };
+        advise(&runtime, &st);
+        Ok(Self::new(dir, meta, st, catalog, None, runtime, placement, checkpoints))
+    }
+
+    /// Opens the files of a table; repairs them first if the last user did not close cleanly.
+    pub(crate) fn open(
+        dir: &Path,
+        meta: TableMeta,
+        catalog: Arc<Catalog>,
+        verify_all: bool,
+        runtime: Arc<Runtime>,
+        ckpt: CheckpointState,
+    ) -> Result<Table> {
+        let placement = resolve_placement(&meta, &runtime, false)?;
+        remove_other_indexes(dir, meta.index_generation);
+        let index = Index::open(&index_path(dir, meta.index_generation))?;
+        let medium = AnyMedium::open(dir, meta.medium, RecordLayout::of(&meta), &runtime.io)
+            .map_err(|e| e.context(dir.display().to_string()))?;
+        let st = State { index, medium };
+        let clean = st.index.was_closed_cleanly() && st.medium.alloc().load_free_list(st.index.free_list_generation());
+        // After a crash the table returns to its latest checkpoint; a restore to the one asked.
+        let rollback_to = ckpt.restore_to.or((!clean && ckpt.latest > 0).then_some(ckpt.latest));
+        let recovered = if !clean || verify_all || rollback_to.is_some() {
+            Some(recover(dir, &meta.name, &st, verify_all, rollback_to, ckpt)?)
+        } else {
+            None
+        };
+        let checkpoints = TableCheckpoints::open(dir, ckpt, &st.index)?;
+        st.index.mark_open()?;
+        advise(&runtime, &st);
+        let table = Self::new(dir, meta, st, catalog, recovered, runtime, placement, checkpoints);
+        if placement == Placement::Pin {
+            table.load_pinned()?;
+        }
+        Ok(table)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        dir: &Path,
+        meta: TableMeta,
+        state: State,
+        catalog: Arc<Catalog>,
+        recovered: Option<RecoverStats>,
+        runtime: Arc<Runtime>,
+        placement: Placement,
+        checkpoints: TableCheckpoints,
+    ) -> Table {
+        let lease = std::time::Duration::from_secs_f64(meta.lease_seconds);
+        let holds = meta.staleness_bound.map(|k| Holds::new(k, lease));
+        let lifecycle = meta.lifecycle.any().then(|| {
+            let mut keys = Vec::new();
+            if meta.lifecycle.evicts() {
+                state.index.for_each(0, u64::MAX, |k, _| keys.push(k));
+            }
+            Lifecycle::new(meta.lifecycle.clone(), keys)
+        });
+        let table = Table {
+            shared: Arc::new(Shared {
+                id: meta.id,
+                name: meta.name.clone(),
+                layout: RecordLayout::of(&meta),
+                dir: dir.to_owned(),
+                catalog,
+                runtime: Arc::clone(&runtime),
+                optimizer: Mutex::new(meta.optimizer),
+                init: meta.init,
+                seed: meta.seed,
+                missing: meta.missing,
+                growth: meta.growth,
+                load_factor_max: meta.load_factor_max,
+                medium_kind: meta.medium,
+                placement,
+                meta: Mutex::new(meta),
+                state: RwLock::new(Some(state)),
+                stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+                grad_lock: Mutex::new(()),
+                write_back_lock: Mutex::new(()),
+                counters: ReadCounters::default(),
+                checkpoints,
+                recovered,
+                holds,
+                lifecycle,
+            }),
+        };
+        runtime.register(table.maintained());
+        table
+    }
+
+    /// The maintenance thread's handle (does not keep the table alive).
+    pub(super) fn maintained(&self) -> std::sync::Weak<dyn Maintained> {
+        let weak: std::sync::Weak<Shared> = Arc::downgrade(&self.shared);
+        weak
+    }
+
+    /// Flushes, saves the free list and marks the files closed cleanly. Further calls
+    /// on any handle of this table fail with `Closed`.
+    pub(crate) fn close(&self) -> Result<()> {
+        if self.shared.state.read().is_none() {
+            return Ok(());
+        }
+        self.write_back_all()?;
+        let mut guard = self.shared.state.write();
+        let Some(st) = guard.take() else { return Ok(()) };
+        self.tiers().drop_table();
+        st.medium.flush()?;
+        let generation = st.index.free_list_generation() + 1;
+        st.medium.alloc().save_free_list(generation)?;
+        st.medium.flush()?;
+        st.index.mark_closed(generation)?;
+        Ok(())
+    }
+
+    /// Closes without saving anything (the table is being dropped).
+    pub(crate) fn detach(&self) {
+        self.shared.state.write().take();
+        self.tiers().drop_table();
+    }
+
+    /// Starts the interval of checkpoint `seq` (the store's gate is held exclusively):
+    /// returns the journal it replaces.
+    pub(crate) fn start_interval(&self, seq: u64) -> Result<Option<Arc<crate::journal::Journal>>> {
+        self.shared.checkpoints.start_interval(seq)
+    }
+
+    /// Checkpoint `seq` is no longer retained: records held for it return to the
+    /// allocator, coldest last (its journal is deleted by the housekeeping job).
+    pub(crate) fn drop_interval(&self, seq: u64) -> Result<()> {
+        let freed = self.shared.checkpoints.drop_interval(seq);
+        if !freed.is_empty() {
+            let st = self.state()?;
+            let guard = crossbeam_epoch::pin();
+            st.as_ref().unwrap().medium.alloc().retire_cold(&guard, freed);
+        }
+        Ok(())
+    }
+
+    /// Hands post-checkpoint file work to the maintenance thread.
+    pub(crate) fn housekeep_later(&self, dropped: Vec<u64>, old: Option<Arc<crate::journal::Journal>>) {
+        let me: Arc<dyn Maintained> = Arc::clone(&self.shared) as Arc<dyn Maintained>;
+        self.shared.runtime.housekeep(me, dropped, old);
+    }
+}
+
+/// The table as the maintenance thread sees it (`runtime.rs` does not import the table).
+impl Maintained for Shared {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn write_back(self: Arc<Self>, max: usize) -> Result<usize> {
+        Table { shared: self }.write_back(max)
+    }
+
+    fn has_ttl(&self) -> bool {
+        self.lifecycle.as_ref().is_some_and(|l| l.opts.ttl_steps.is_some() || l.opts.ttl_seconds.is_some())
+    }
+
+    fn evict_expired(self: Arc<Self>) -> Result<u64> {
+        Table { shared: self }.evict_expired()
+    }
+
+    fn warm(self: Arc<Self>, keys: &[u64]) -> Result<()> {
+        Table { shared: self }.warm(keys)
+    }
+
+    fn housekeep(self: Arc<Self>, dropped: &[u64]) {
+        let open = self.state.read().is_some();
+        self.checkpoints.housekeep(dropped, open, &self.name);
+    }
+}

@@ -1,0 +1,190 @@
+//! A table's options (what `create_table` takes and the catalog keeps), its name
+//! rules and the numbers it reports.
+
+use serde::Serialize;
+
+use crate::catalog::{MissingDefault, Placement};
+use crate::error::{Error, Result};
+use crate::format::DType;
+use crate::init::Initializer;
+use crate::io::IoStats;
+use crate::lifecycle::{LifecycleOptions, LifecycleStats};
+use crate::medium::MediumKind;
+use crate::optim::Optimizer;
+
+/// Largest `dim` a table may have.
+pub const DIM_MAX: u32 = 4096;
+/// Longest table name.
+pub const NAME_BYTES_MAX: usize = 128;
+/// Load the index is sized for at creation and after each rebuild.
+pub(crate) const LOAD_FACTOR_TARGET: f64 = 0.7;
+
+const _: () = assert!(LOAD_FACTOR_TARGET < 0.95);
+
+/// Options of a new table. Every field has a default (see [`TableOptions::new`]).
+///
+/// Deserializable (a server's config file, a remote `create_table`): absent fields take
+/// their defaults, unknown fields are refused, `dim` is required (0 fails validation).
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TableOptions {
+    /// Elements per row, 1 to 4096. Required.
+    pub dim: u32,
+    /// Element type. Default `f32` (the only one so far).
+    pub dtype: DType,
+    /// Value of never-written rows. Default zeros.
+    pub init: Initializer,
+    /// Seeds the initializer and the index hash. Default 0.
+    pub seed: u64,
+    /// Rows the index is sized for at creation. Default 1 Mi.
+    pub capacity: u64,
+    /// Grow the index when it fills. Default true; turn off for serving, where a
+    /// full table then answers `TableFull`.
+    pub growth: bool,
+    /// Fill of the index's slots that triggers growth (or `TableFull`). Default 0.9.
+    pub load_factor_max: f64,
+    /// What `lookup` returns for missing keys. Default zeros.
+    pub missing: MissingDefault,
+    /// Where rows live: `mmap` (default) or `block` (O_DIRECT + io_uring under the row cache).
+    pub medium: MediumKind,
+    /// Whether rows go through the store's DRAM row cache. Default `auto`: cached on
+    /// the block medium, straight from the mapping on the mmap medium.
+    pub placement: Placement,
+    /// Server-side optimizer applied by `push_grad`. Default none.
+    pub optimizer: Optimizer,
+    /// Bounded staleness of workers' pulls ([`Table::pull_held`]): `None` = ASP
+    /// (default: nothing waits), `Some(0)` = BSP, `Some(k)` = SSP with bound k.
+    pub staleness_bound: Option<u32>,
+    /// A worker silent this long loses its holds. Default 60 s.
+    pub lease_seconds: f64,
+    /// Admission by access count, eviction by TTL and by capacity. Default none.
+    pub lifecycle: LifecycleOptions,
+}
+
+impl Default for TableOptions {
+    /// The defaults with `dim` 0, which [`validate`](Self::validate) refuses: set it.
+    fn default() -> Self {
+        TableOptions::new(0)
+    }
+}
+
+impl TableOptions {
+    pub fn new(dim: u32) -> Self {
+        TableOptions {
+            dim,
+            dtype: DType::F32,
+            init: Initializer::Zeros,
+            seed: 0,
+            capacity: 1 << 20,
+            growth: true,
+            load_factor_max: 0.9,
+            missing: MissingDefault::Zeros,
+            medium: MediumKind::Mmap,
+            placement: Placement::Auto,
+            optimizer: Optimizer::None,
+            staleness_bound: None,
+            lease_seconds: 60.0,
+            lifecycle: LifecycleOptions::default(),
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.dim == 0 || self.dim > DIM_MAX {
+            return Err(Error::config(format!("dim must be between 1 and {DIM_MAX}, got {}", self.dim)));
+        }
+        if self.capacity == 0 {
+            return Err(Error::config("capacity must be at least 1"));
+        }
+        if !(self.load_factor_max > LOAD_FACTOR_TARGET && self.load_factor_max <= 0.98) {
+            return Err(Error::config(format!(
+                "load_factor_max must be in ({LOAD_FACTOR_TARGET}, 0.98], got {}",
+                self.load_factor_max
+            )));
+        }
+        self.init.validate()?;
+        self.optimizer.validate()?;
+        if !(self.lease_seconds.is_finite() && self.lease_seconds > 0.0) {
+            return Err(Error::config(format!("lease_seconds must be positive, got {}", self.lease_seconds)));
+        }
+        self.lifecycle.validate()?;
+        if let MissingDefault::Value { value } = self.missing {
+            if value.is_nan() {
+                return Err(Error::config("missing-row default value is NaN"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks a table name: 1 to 128 bytes of letters, digits, `_`, `-`, `.`, not starting with `.`.
+pub fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= NAME_BYTES_MAX
+        && !name.starts_with('.')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "bad table name {name:?}: use 1 to {NAME_BYTES_MAX} letters, digits, '_', '-' or '.', not starting with '.'"
+        )))
+    }
+}
+
+/// Numbers about one table.
+#[derive(Clone, Debug, Serialize)]
+pub struct TableStats {
+    pub name: String,
+    pub dim: u32,
+    pub dtype: &'static str,
+    pub rows: u64,
+    /// Rows the table holds before it grows (or reports `TableFull`).
+    pub capacity: u64,
+    pub slots: u64,
+    pub buckets: u64,
+    pub load_factor: f64,
+    pub growth: bool,
+    pub grow_count: u64,
+    pub index_bytes: u64,
+    pub rows_file_bytes: u64,
+    /// Address space mapped for the files (the rows file reserves more, unbacked).
+    pub bytes_mapped: u64,
+    pub records_used: u64,
+    pub records_free: u64,
+    pub records_pending: u64,
+    /// Keys living 0, 1, ..., 7+ buckets past their home bucket.
+    pub probe_histogram: Vec<u64>,
+    /// What recovery repaired when the table was opened after a crash.
+    pub recovered: Option<RecoverStats>,
+    /// `mmap` or `block`.
+    pub medium: &'static str,
+    /// Placement in effect (`auto` resolved): `cache`, `pin` or `bypass`.
+    pub placement: &'static str,
+    /// Block medium: whether the file is read with O_DIRECT, and its alignment.
+    pub direct_io: Option<bool>,
+    pub io_align: Option<u32>,
+    /// Block medium: the store's I/O engine and its counters (shared by all block tables).
+    pub io: Option<IoStats>,
+    /// Row-cache hits and misses of this table's reads (cached placements).
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub cache_hit_rate: Option<f64>,
+    pub optimizer: Optimizer,
+    /// Rows read from the medium by pulls, lookups and lookaheads.
+    pub medium_rows_read: u64,
+    pub lookahead_rows: u64,
+    /// Staleness bound (`None`: ASP), holds outstanding and workers holding any.
+    pub staleness_bound: Option<u32>,
+    pub holds_outstanding: u64,
+    pub holding_workers: u64,
+    /// Admission and eviction counters (tables with a lifecycle option).
+    pub lifecycle: Option<LifecycleStats>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RecoverStats {
+    pub buckets_interrupted: u64,
+    pub slots_dropped: u64,
+    pub records_freed: u64,
+    pub seconds: f64,
+}

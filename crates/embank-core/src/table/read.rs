@@ -1,0 +1,224 @@
+//! Reads: the lock-free fast path of mmap tables that bypass the tiers, and the
+//! tiered path (tiers → index → one batch of medium reads for every miss, rows
+//! read admitted into the tiers); both feed `pull`, `lookup` and `push_grad`.
+
+use std::sync::atomic::Ordering;
+
+use super::write::{Change, Outcome, Publisher};
+use super::{State, Table};
+use crate::error::{Error, Result};
+use crate::medium::{Medium, MmapMedium, ReadItem};
+
+/// How far ahead of the key being resolved its home bucket is prefetched.
+pub(super) const PREFETCH_KEYS_AHEAD: usize = 8;
+
+impl Table {
+    /// The mapped medium of a table on the fast path (only mmap tables bypassing the tiers).
+    #[inline(always)]
+    pub(super) fn mapped<'s>(&self, st: &'s State) -> &'s MmapMedium {
+        st.medium.as_mapped().expect("tables without a mapped medium take the tiered path")
+    }
+
+    /// Fast path: resolves every key (lock-free, prefetching), copying found records into
+    /// `out`. Returns the positions of keys that were not found; fills `found` if given.
+    fn gather(&self, st: &State, keys: &[u64], out: &mut [f32], found: Option<&mut [bool]>) -> Result<Vec<usize>> {
+        let w = self.shared.layout.elems();
+        let (index, medium) = (&st.index, self.mapped(st));
+        let n = keys.len();
+        let mut hashes = Vec::with_capacity(n);
+        hashes.extend(keys.iter().map(|&k| index.hash(k)));
+        let mut ptrs = vec![0u64; n];
+        let mut missing = Vec::new();
+        for i in 0..n {
+            if i + PREFETCH_KEYS_AHEAD < n {
+                index.prefetch(hashes[i + PREFETCH_KEYS_AHEAD]);
+            }
+            match index.get(keys[i], hashes[i]) {
+                Some(ptr) => {
+                    medium.prefetch(ptr);
+                    ptrs[i] = ptr;
+                }
+                None => missing.push(i),
+            }
+        }
+        let mut corrupt = None;
+        for i in 0..n {
+            let ptr = ptrs[i];
+            if ptr == 0 {
+                continue;
+            }
+            if medium.key_at(ptr) != keys[i] {
+                corrupt = Some(i);
+                continue;
+            }
+            medium.read_into(ptr, &mut out[i * w..(i + 1) * w]);
+        }
+        if let Some(found) = found {
+            for (i, &p) in ptrs.iter().enumerate() {
+                found[i] = p != 0;
+            }
+        }
+        if let Some(i) = corrupt {
+            return Err(Error::corrupt(format!(
+                "table {:?}: the index points key {} at a record of another key",
+                self.shared.name, keys[i]
+            )));
+        }
+        Ok(missing)
+    }
+
+    /// Tiered path: tiers, index, medium. Returns positions found nowhere; fills `found`
+    /// if given; counts hits and misses with `count`.
+    pub(super) fn tier_read(
+        &self,
+        st: &State,
+        keys: &[u64],
+        out: &mut [f32],
+        found: Option<&mut [bool]>,
+        count: bool,
+    ) -> Result<Vec<usize>> {
+        let w = self.shared.layout.elems();
+        let tiers = self.tiers();
+        let miss = tiers.get(keys, w, out);
+        let index = &st.index;
+        let hashes: Vec<u64> = miss.iter().map(|&i| index.hash(keys[i])).collect();
+        let mut items = Vec::with_capacity(miss.len());
+        let mut absent = Vec::new();
+        for (j, &i) in miss.iter().enumerate() {
+            if j + PREFETCH_KEYS_AHEAD < miss.len() {
+                index.prefetch(hashes[j + PREFETCH_KEYS_AHEAD]);
+            }
+            match index.get(keys[i], hashes[j]) {
+                Some(ptr) => items.push(ReadItem { key: keys[i], ptr, pos: i }),
+                None => absent.push(i),
+            }
+        }
+        st.medium.read(&items, out)?;
+        // A read admitted only if the index still points at the record read: a stale
+        // read never lands in a tier.
+        tiers.admit(&items, w, out, &mut |it| index.get(it.key, index.hash(it.key)) == Some(it.ptr));
+        if let Some(found) = found {
+            found.fill(true);
+            for &i in &absent {
+                found[i] = false;
+            }
+        }
+        let counters = &self.shared.counters;
+        counters.rows_read.fetch_add(items.len() as u64, Ordering::Relaxed);
+        if count && !tiers.is_empty() {
+            counters.hits.fetch_add((keys.len() - miss.len()) as u64, Ordering::Relaxed);
+            counters.misses.fetch_add(miss.len() as u64, Ordering::Relaxed);
+        }
+        Ok(absent)
+    }
+
+    /// Whole records of the keys that exist (never creates); `found[i]` tells which.
+    /// Returns the positions of the missing keys.
+    pub(super) fn lookup_records(&self, keys: &[u64], records: &mut [f32], found: &mut [bool]) -> Result<Vec<usize>> {
+        let st = self.state()?;
+        let _pin = crossbeam_epoch::pin();
+        if self.tiered() {
+            self.tier_read(st.as_ref().unwrap(), keys, records, Some(found), true)
+        } else {
+            self.gather(st.as_ref().unwrap(), keys, records, Some(found))
+        }
+    }
+
+    /// Records (row and optimizer state) of `keys`, created if missing.
+    pub(super) fn pull_records(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
+        // Pulls may create rows: a checkpoint sees all of a batch or none of it.
+        let _gate = self.shared.runtime.gate.batch();
+        let missing = {
+            let st = self.state()?;
+            let _pin = crossbeam_epoch::pin();
+            if self.tiered() {
+                self.tier_read(st.as_ref().unwrap(), keys, out, None, true)?
+            } else {
+                self.gather(st.as_ref().unwrap(), keys, out, None)?
+            }
+        };
+        if missing.is_empty() {
+            return Ok(());
+        }
+        self.create_missing(keys, &missing, out)
+    }
+
+    /// Creates the rows at `positions` with the initializer (written through to the
+    /// medium, entering the tiers); a key another writer created first is read instead.
+    fn create_missing(&self, keys: &[u64], positions: &[usize], out: &mut [f32]) -> Result<()> {
+        let w = self.shared.layout.elems();
+        for &i in positions {
+            self.init_record(keys[i], &mut out[i * w..(i + 1) * w]);
+        }
+        let mut reread = Vec::new();
+        self.with_room(|st, from| {
+            let todo = &positions[from..];
+            let ptrs = self.write_records(st, todo.iter().map(|&i| (keys[i], &out[i * w..(i + 1) * w])))?;
+            let mut p = Publisher::new(self, st);
+            for (j, &i) in todo.iter().enumerate() {
+                // A tier that has the row by now (another writer created it): its copy is the row.
+                let mut cached: Option<Vec<f32>> = None;
+                let outcome = p.publish(
+                    keys[i],
+                    Change::Create(ptrs[j]),
+                    |locks| {
+                        cached = locks.cached().map(<[f32]>::to_vec);
+                        cached.is_some()
+                    },
+                    |locks| locks.created(&out[i * w..(i + 1) * w]),
+                )?;
+                match outcome {
+                    Outcome::Present(ptr) => match st.medium.as_mapped() {
+                        // The epoch guard of the pass keeps the record readable.
+                        Some(m) if self.tiers().is_empty() => m.read_into(ptr, &mut out[i * w..(i + 1) * w]),
+                        _ => reread.push(i),
+                    },
+                    Outcome::NoRoom => {
+                        p.unused(&ptrs[j + 1..]);
+                        p.finish();
+                        return Ok(Some(j));
+                    }
+                    Outcome::Skipped => {
+                        out[i * w..(i + 1) * w].copy_from_slice(&cached.expect("vetoed for a cached row"))
+                    }
+                    Outcome::Published | Outcome::Absent => {}
+                }
+            }
+            p.finish();
+            Ok(None)
+        })?;
+        if !reread.is_empty() {
+            // Created by another writer between our read and our create: read theirs.
+            let sub: Vec<u64> = reread.iter().map(|&i| keys[i]).collect();
+            let mut rows = vec![0f32; sub.len() * w];
+            {
+                let st = self.state()?;
+                let _pin = crossbeam_epoch::pin();
+                self.tier_read(st.as_ref().unwrap(), &sub, &mut rows, None, false)?;
+            }
+            for (j, &i) in reread.iter().enumerate() {
+                out[i * w..(i + 1) * w].copy_from_slice(&rows[j * w..(j + 1) * w]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates records and writes `(key, record)`s to them in one batch; nothing is
+    /// published.
+    pub(super) fn write_records<'a>(
+        &self,
+        st: &State,
+        records: impl Iterator<Item = (u64, &'a [f32])>,
+    ) -> Result<Vec<u64>> {
+        let records: Vec<(u64, &[f32])> = records.collect();
+        let alloc = st.medium.alloc();
+        let mut ptrs = Vec::new();
+        alloc.allocate(records.len(), &mut ptrs)?;
+        let items: Vec<(u64, u64, &[f32])> = records.iter().zip(&ptrs).map(|(&(k, r), &p)| (k, p, r)).collect();
+        if let Err(e) = st.medium.write(&items) {
+            alloc.release(ptrs);
+            return Err(e);
+        }
+        Ok(ptrs)
+    }
+}

@@ -1,0 +1,184 @@
+//! The write protocol: the one place where a key's index slot changes.
+//!
+//! Every writer — create (fast and tiered paths), push, write-through,
+//! write-back, delete, eviction — hands its keys to a [`Publisher`], one key at a
+//! time, under the store's checkpoint gate (taken by the caller, once per
+//! batch). For each key, [`Publisher::publish`] runs the sequence:
+//!
+//! 1. take the key's stripe lock, then its lock in every tier (that order, always);
+//! 2. let the writer veto under those locks (a write-back whose row was pushed
+//!    again, a create whose row a tier already has);
+//! 3. a create of a key that exists answers `Present`; a new key when the index
+//!    is at its load limit answers `NoRoom` (the caller grows the index and
+//!    retries from that key: [`Table::with_room`]);
+//! 4. journal the key's record at the latest checkpoint if this is its first
+//!    change since (`checkpoint.rs`);
+//! 5. swap the slot (insert, replace or remove);
+//! 6. let the writer update the tiers under the same locks;
+//!
+//! and [`Publisher::finish`] settles the batch: replaced records a retained
+//! checkpoint needs are held, the others retired to the epoch collector, records
+//! allocated but not published go back to the allocator.
+//!
+//! Invariants asserted here (`strict_assert!`, on in tests and debug builds): a
+//! record published on a mapped medium holds its key; the record the journal
+//! step recorded is the one the swap replaced.
+
+use crossbeam_epoch::Guard;
+
+use super::{State, Table};
+use crate::error::Result;
+use crate::journal;
+use crate::medium::Medium;
+use crate::tier::{KeyLocks, TierStack};
+
+/// What a writer asks of a key's slot.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Change {
+    /// Point a key the index does not have at a new record (`Present` if it has it).
+    Create(u64),
+    /// Point the key at a new record, whether or not the index has it.
+    Upsert(u64),
+    /// Take the key out of the index.
+    Remove,
+}
+
+/// What became of one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Outcome {
+    Published,
+    /// A `Create` found the key in the index: its record.
+    Present(u64),
+    /// The index is at its load limit: grow it and retry from this key.
+    NoRoom,
+    /// The writer vetoed the change under the key's locks.
+    Skipped,
+    /// A `Remove` of a key the index does not have.
+    Absent,
+}
+
+/// Publishes the keys of one pass of one batch (see the module docs).
+pub(super) struct Publisher<'a> {
+    table: &'a Table,
+    st: &'a State,
+    tiers: TierStack<'a>,
+    interval: u64,
+    jw: Option<journal::Writer>,
+    guard: Guard,
+    retired: Vec<u64>,
+    held: Vec<u64>,
+    unused: Vec<u64>,
+}
+
+impl<'a> Publisher<'a> {
+    /// The caller holds the store's checkpoint gate (shared) for the whole batch.
+    pub fn new(table: &'a Table, st: &'a State) -> Publisher<'a> {
+        Publisher {
+            table,
+            st,
+            tiers: table.tiers(),
+            interval: table.shared.runtime.gate.interval(),
+            jw: None,
+            guard: crossbeam_epoch::pin(),
+            retired: Vec::new(),
+            held: Vec::new(),
+            unused: Vec::new(),
+        }
+    }
+
+    /// Records allocated for this pass that will not be published (returned in `finish`).
+    pub fn unused(&mut self, ptrs: &[u64]) {
+        self.unused.extend_from_slice(ptrs);
+    }
+
+    /// Runs the publish sequence for `key`. `veto` sees the tiers' state under the key's
+    /// locks and may skip the change; `after` updates the tiers once the slot changed.
+    /// A record of `change` that is not published (skipped, present, no room) is
+    /// returned to the allocator by [`finish`](Self::finish).
+    #[inline]
+    pub fn publish(
+        &mut self,
+        key: u64,
+        change: Change,
+        veto: impl FnOnce(&KeyLocks) -> bool,
+        after: impl FnOnce(&mut KeyLocks),
+    ) -> Result<Outcome> {
+        let index = &self.st.index;
+        let h = index.hash(key);
+        let _stripe = self.table.stripe(h).lock();
+        let mut locks = self.tiers.lock(key);
+        let new = match change {
+            Change::Create(p) | Change::Upsert(p) => Some(p),
+            Change::Remove => None,
+        };
+        if veto(&locks) {
+            self.unused.extend(new);
+            return Ok(Outcome::Skipped);
+        }
+        if let Change::Create(ptr) = change {
+            if let Some(current) = index.get(key, h) {
+                self.unused.push(ptr);
+                return Ok(Outcome::Present(current));
+            }
+            if !self.table.has_room(index) {
+                self.unused.push(ptr);
+                return Ok(Outcome::NoRoom);
+            }
+        }
+        if let (Some(ptr), Some(m)) = (new, self.st.medium.as_mapped()) {
+            strict_assert_eq!(m.key_at(ptr), key, "a record is published under its own key");
+        }
+        let checkpoints = &self.table.shared.checkpoints;
+        let keep = checkpoints
+            .journal_first_change(self.interval, &mut self.jw, index, key, h)
+            .map_err(|e| e.context(format!("table {:?}", self.table.shared.name)))?;
+        let old = match change {
+            Change::Create(ptr) => {
+                if !index.insert_new(key, h, ptr) {
+                    self.unused.push(ptr);
+                    return Ok(Outcome::NoRoom);
+                }
+                None
+            }
+            Change::Upsert(ptr) => match index.replace(key, h, ptr) {
+                Some(old) => Some(old),
+                None if self.table.has_room(index) && index.insert_new(key, h, ptr) => None,
+                None => {
+                    self.unused.push(ptr);
+                    return Ok(Outcome::NoRoom);
+                }
+            },
+            Change::Remove => {
+                locks.remove();
+                match index.remove(key, h) {
+                    Some(old) => Some(old),
+                    None => return Ok(Outcome::Absent),
+                }
+            }
+        };
+        // Paired with the journal step: what it recorded is exactly what the swap replaced
+        // (the stripe lock kept the slot still in between).
+        strict_assert!(keep.is_none() || keep == old, "journaled record {keep:?} but replaced {old:?} of key {key}");
+        if let Some(old) = old {
+            if keep == Some(old) {
+                self.held.push(old);
+            } else {
+                self.retired.push(old);
+            }
+        }
+        after(&mut locks);
+        Ok(Outcome::Published)
+    }
+
+    /// Ends the pass: holds what the latest checkpoint needs, retires the other replaced
+    /// records, returns unpublished ones to the allocator. Returns the records replaced
+    /// or removed.
+    pub fn finish(self) -> u64 {
+        let alloc = self.st.medium.alloc();
+        let replaced = (self.retired.len() + self.held.len()) as u64;
+        alloc.release(self.unused);
+        alloc.retire(&self.guard, self.retired);
+        self.table.shared.checkpoints.hold(self.interval, self.held);
+        replaced
+    }
+}
