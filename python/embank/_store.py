@@ -363,25 +363,25 @@ class Store:
             missing_kind, missing_value = ("zeros", 0.0) if missing == 0 else ("value", float(missing))
         else:
             raise InvalidInputError(f'missing must be a number or "init", got {missing!r}')
-        native = self._s.create_table(
-            name,
-            int(dim),
-            init.kind,
-            init.a,
-            init.b,
-            int(seed),
-            int(capacity),
-            bool(growth),
-            float(load_factor_max),
-            missing_kind,
-            missing_value,
-            medium,
-            placement,
-            optimizer._json() if optimizer is not None else None,
-            None if staleness_bound is None else int(staleness_bound),
-            float(lease_seconds),
-            _lifecycle_json(admit_after, ttl_steps, ttl_seconds, max_rows, evict),
-        )
+        options: dict[str, Any] = {
+            "dim": int(dim),
+            "init": init._options(),
+            "seed": int(seed),
+            "capacity": int(capacity),
+            "growth": bool(growth),
+            "load_factor_max": float(load_factor_max),
+            "missing": {"kind": missing_kind, "value": missing_value} if missing_kind == "value" else {"kind": missing_kind},
+            "medium": medium,
+            "placement": placement,
+            "staleness_bound": None if staleness_bound is None else int(staleness_bound),
+            "lease_seconds": float(lease_seconds),
+        }
+        if optimizer is not None:
+            options["optimizer"] = json.loads(optimizer._json())
+        lifecycle = _lifecycle_json(admit_after, ttl_steps, ttl_seconds, max_rows, evict)
+        if lifecycle is not None:
+            options["lifecycle"] = json.loads(lifecycle)
+        native = self._s.create_table(name, json.dumps(options))
         return Table(native)
 
     def table(self, name: str) -> Table:
@@ -406,7 +406,7 @@ class Store:
         """Makes every write before this call durable."""
         self._s.flush()
 
-    def checkpoint(self, batch_id: int) -> None:
+    def checkpoint(self, batch_id: int, meta: bytes = b"") -> None:
         """Marks a batch boundary of training.
 
         After a crash, opening the store returns every table — rows and optimizer
@@ -416,15 +416,36 @@ class Store:
         after it). Waits for batches in flight on other threads; tables behind the row
         cache first write back their dirty rows. ``batch_id`` must increase. On a remote
         store every shard checkpoints (call it between batches).
+
+        ``meta`` is a small opaque blob (at most 64 KiB) kept with the checkpoint — the
+        stream offsets it covers, a trainer's position — and returned by
+        :meth:`checkpoint_info`, also after a reopen.
         """
         if batch_id < 0:
             raise InvalidInputError(f"batch_id must be >= 0, got {batch_id}")
-        self._s.checkpoint(int(batch_id))
+        if not isinstance(meta, (bytes, bytearray, memoryview)):
+            raise TypeError(f"meta must be bytes, got {type(meta).__name__}")
+        self._s.checkpoint(int(batch_id), bytes(meta))
 
     def checkpoints(self) -> list[int]:
         """Batch ids of the retained checkpoints, oldest first (``keep_checkpoints`` of
         :func:`open` says how many are kept)."""
         return [int(c["batch_id"]) for c in json.loads(self._s.checkpoints_json())]
+
+    def checkpoint_info(self) -> list[dict[str, Any]]:
+        """The retained checkpoints, oldest first: ``batch_id``, ``seq``, ``unix_seconds``
+        and the ``meta`` bytes given to :meth:`checkpoint`."""
+        out = []
+        for c in json.loads(self._s.checkpoints_json()):
+            out.append(
+                {
+                    "batch_id": int(c["batch_id"]),
+                    "seq": int(c["seq"]),
+                    "unix_seconds": float(c["unix_seconds"]),
+                    "meta": bytes.fromhex(c.get("meta", "")),
+                }
+            )
+        return out
 
     def export_checkpoint(
         self, table: str, batch_id: int, chunk_size: int = 65_536

@@ -16,6 +16,12 @@ class Initializer:
     a: float = 0.0
     b: float = 0.0
 
+    def _options(self) -> dict[str, object]:
+        """The initializer as the engine's table options spell it."""
+        fields = {"zeros": (), "constant": ("value",), "uniform": ("low", "high"), "normal": ("mean", "std")}
+        names = fields[self.kind]
+        return {"kind": self.kind, **dict(zip(names, (self.a, self.b)))}
+
 
 def zeros() -> Initializer:
     """All zeros (the default)."""

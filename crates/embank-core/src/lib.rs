@@ -28,6 +28,7 @@ compile_error!("embank stores rows little-endian and reads them in place: little
 
 #[macro_use]
 pub mod assert;
+pub mod api;
 pub mod catalog;
 pub mod checkpoint;
 pub mod error;
@@ -49,6 +50,7 @@ pub mod store;
 pub mod table;
 pub mod tier;
 
+pub use api::{StoreApi, TableApi};
 pub use catalog::{MissingDefault, Placement};
 pub use checkpoint::CheckpointInfo;
 pub use error::{Error, ErrorKind, Result};

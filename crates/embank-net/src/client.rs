@@ -335,7 +335,14 @@ impl Client {
 
     /// A checkpoint of every shard at this batch boundary (call it between batches).
     pub fn checkpoint(&self, batch_id: u64) -> Result<()> {
-        self.broadcast(Op::Checkpoint, &batch_id.to_le_bytes(), None).map(|_| ())
+        self.checkpoint_with_meta(batch_id, &[])
+    }
+
+    /// A checkpoint of every shard at `batch_id` that keeps `meta` (at most 64 KiB) with it.
+    pub fn checkpoint_with_meta(&self, batch_id: u64, meta: &[u8]) -> Result<()> {
+        let mut body = batch_id.to_le_bytes().to_vec();
+        body.extend_from_slice(meta);
+        self.broadcast(Op::Checkpoint, &body, None).map(|_| ())
     }
 
     /// The checkpoints every shard retains, oldest first.
@@ -814,6 +821,107 @@ fn merge_tables(parts: &[serde_json::Value]) -> serde_json::Value {
         }
     }
     serde_json::Value::Array(by_name.iter().map(|(_, docs)| merge_stats(docs)).collect())
+}
+
+impl embank_core::TableApi for RemoteTable {
+    fn name(&self) -> &str {
+        RemoteTable::name(self)
+    }
+    fn dim(&self) -> usize {
+        RemoteTable::dim(self)
+    }
+    fn meta(&self) -> TableMeta {
+        RemoteTable::meta(self)
+    }
+    fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
+        RemoteTable::pull(self, keys, out)
+    }
+    fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        RemoteTable::lookup(self, keys, out, found)
+    }
+    fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
+        RemoteTable::push(self, keys, rows)
+    }
+    fn delete(&self, keys: &[u64]) -> Result<u64> {
+        RemoteTable::delete(self, keys)
+    }
+    fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        RemoteTable::push_grad(self, keys, grads)
+    }
+    fn pull_held(&self, worker: u64, keys: &[u64], out: &mut [f32], timeout: Duration) -> Result<()> {
+        RemoteTable::pull_held(self, worker, keys, out, timeout)
+    }
+    fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
+        RemoteTable::push_grad_held(self, worker, keys, grads)
+    }
+    fn release(&self, worker: u64) -> Result<u64> {
+        RemoteTable::release(self, worker)
+    }
+    fn set_lr(&self, lr: f32) -> Result<()> {
+        RemoteTable::set_lr(self, lr)
+    }
+    fn lookahead(&self, keys: &[u64]) -> Result<bool> {
+        RemoteTable::lookahead(self, keys)
+    }
+    fn evict_expired(&self) -> Result<u64> {
+        RemoteTable::evict_expired(self)
+    }
+    fn len(&self) -> Result<u64> {
+        RemoteTable::len(self)
+    }
+    fn stats_json(&self) -> Result<serde_json::Value> {
+        RemoteTable::stats(self)
+    }
+    fn export(&self, chunk_keys: usize, f: embank_core::api::ChunkSink<'_>) -> Result<()> {
+        RemoteTable::export(self, chunk_keys, f)
+    }
+}
+
+impl embank_core::StoreApi for Client {
+    fn location(&self) -> String {
+        self.url()
+    }
+    fn is_remote(&self) -> bool {
+        true
+    }
+    fn is_closed(&self) -> bool {
+        Client::is_closed(self)
+    }
+    fn create_table(&self, name: &str, options: TableOptions) -> Result<std::sync::Arc<dyn embank_core::TableApi>> {
+        Ok(std::sync::Arc::new(Client::create_table(self, name, options)?))
+    }
+    fn table(&self, name: &str) -> Result<std::sync::Arc<dyn embank_core::TableApi>> {
+        Ok(std::sync::Arc::new(Client::table(self, name)?))
+    }
+    fn tables(&self) -> Result<Vec<String>> {
+        Client::tables(self)
+    }
+    fn drop_table(&self, name: &str) -> Result<()> {
+        Client::drop_table(self, name)
+    }
+    fn flush(&self) -> Result<()> {
+        Client::flush(self)
+    }
+    fn close(&self) -> Result<()> {
+        if Client::is_closed(self) {
+            return Ok(());
+        }
+        let flushed = Client::flush(self);
+        Client::close(self);
+        flushed
+    }
+    fn checkpoint(&self, batch_id: u64, meta: &[u8]) -> Result<()> {
+        self.checkpoint_with_meta(batch_id, meta)
+    }
+    fn checkpoints(&self) -> Result<Vec<embank_core::CheckpointInfo>> {
+        Client::checkpoints(self)
+    }
+    fn restore(&self, batch_id: u64) -> Result<()> {
+        Client::restore(self, batch_id)
+    }
+    fn stats_json(&self) -> Result<serde_json::Value> {
+        Client::stats(self)
+    }
 }
 
 #[cfg(test)]

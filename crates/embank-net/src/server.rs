@@ -488,14 +488,16 @@ impl<'a> Conn<'a> {
                 self.reply_bytes(h, 0, &[]).map_err(Err)
             }
             Op::Checkpoint | Op::Restore => {
-                if h.body_len != 8 {
+                // CHECKPOINT: the batch id, then the checkpoint's metadata blob (any length).
+                if h.body_len < 8 || (op == Op::Restore && h.body_len != 8) {
                     return Err(Ok(Refusal::frame(
                         status::BAD_FRAME,
                         format!("{} takes an 8-byte batch id", op.name()),
                     )));
                 }
                 if op == Op::Checkpoint {
-                    self.ctx.store.checkpoint(body[0]).map_err(|e| Ok(e.into()))?;
+                    let meta = &as_bytes(body)[8..h.body_len as usize];
+                    self.ctx.store.checkpoint_with_meta(body[0], meta).map_err(|e| Ok(e.into()))?;
                 } else {
                     self.ctx.store.restore(body[0]).map_err(|e| Ok(e.into()))?;
                     // Every table handle was reopened: forget the old ones (ids stay the same).

@@ -9,7 +9,7 @@ use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
 
 use embank_core as core;
-use embank_core::{ErrorKind, Initializer, MissingDefault};
+use embank_core::{ErrorKind, StoreApi, TableApi};
 use embank_net as net;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use parking_lot::Mutex;
@@ -59,34 +59,16 @@ fn slice<'a, T: numpy::Element>(a: &'a PyReadonlyArray1<'_, T>, what: &str) -> P
     a.as_slice().map_err(|_| PyValueError::new_err(format!("{what} must be a C-contiguous array")))
 }
 
-/// An open store: embedded (a directory in this process) or remote (shards over TCP).
+/// An open store: embedded (a directory in this process) or remote (shards over TCP),
+/// behind the one store interface of the core.
 #[pyclass(module = "embank._native", frozen)]
 struct Store {
-    inner: Backend,
+    inner: Arc<dyn StoreApi>,
 }
 
-enum Backend {
-    Local(Arc<core::Store>),
-    Remote(net::Client),
-}
-
-/// A table of either backend; every method has the same meaning on both.
-/// (One per Python table object: the remote variant's size does not matter.)
-#[derive(Clone)]
-#[allow(clippy::large_enum_variant)]
-enum TableBackend {
-    Local(core::Table),
-    Remote(net::RemoteTable),
-}
-
-/// Calls the same method on whichever backend holds the table.
-macro_rules! on_table {
-    ($t:expr, $x:ident => $e:expr) => {
-        match $t {
-            TableBackend::Local($x) => $e,
-            TableBackend::Remote($x) => $e,
-        }
-    };
+/// Runs a call on the store interface with the GIL released, mapping its error.
+fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, core::Error> + Send) -> PyResult<T> {
+    py.detach(f).map_err(to_py_err)
 }
 
 #[pymethods]
@@ -116,8 +98,8 @@ impl Store {
             keep_checkpoints,
             ..Default::default()
         };
-        let store = py.detach(|| core::Store::open(&path, options)).map_err(to_py_err)?;
-        Ok(Store { inner: Backend::Local(Arc::new(store)) })
+        let store = detached(py, || core::Store::open(&path, options))?;
+        Ok(Store { inner: Arc::new(store) })
     }
 
     /// Connects to the shards of a remote store (`embank serve` processes).
@@ -146,174 +128,71 @@ impl Store {
             connect_timeout: secs("connect_timeout", connect_timeout)?,
             in_flight_per_shard,
         };
-        let client = py.detach(|| net::Client::connect(&addrs, options)).map_err(to_py_err)?;
-        Ok(Store { inner: Backend::Remote(client) })
+        let client = detached(py, || net::Client::connect(&addrs, options))?;
+        Ok(Store { inner: Arc::new(client) })
     }
 
     /// The store's directory, or `tcp://host:port,...` for a remote store.
     #[getter]
     fn path(&self) -> String {
-        match &self.inner {
-            Backend::Local(s) => s.path().display().to_string(),
-            Backend::Remote(c) => c.url(),
-        }
+        self.inner.location()
     }
 
     #[getter]
     fn remote(&self) -> bool {
-        matches!(self.inner, Backend::Remote(_))
+        self.inner.is_remote()
     }
 
     #[getter]
     fn closed(&self) -> bool {
-        match &self.inner {
-            Backend::Local(s) => s.is_closed(),
-            Backend::Remote(c) => c.is_closed(),
-        }
+        self.inner.is_closed()
     }
 
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (name, dim, init_kind, init_a, init_b, seed, capacity, growth, load_factor_max, missing_kind, missing_value, medium="mmap", placement="auto", optimizer_json=None, staleness_bound=None, lease_seconds=60.0, lifecycle_json=None))]
-    fn create_table(
-        &self,
-        py: Python<'_>,
-        name: &str,
-        dim: u32,
-        init_kind: &str,
-        init_a: f32,
-        init_b: f32,
-        seed: u64,
-        capacity: u64,
-        growth: bool,
-        load_factor_max: f64,
-        missing_kind: &str,
-        missing_value: f32,
-        medium: &str,
-        placement: &str,
-        optimizer_json: Option<&str>,
-        staleness_bound: Option<u32>,
-        lease_seconds: f64,
-        lifecycle_json: Option<&str>,
-    ) -> PyResult<Table> {
-        let mut o = core::TableOptions::new(dim);
-        o.init = match init_kind {
-            "zeros" => Initializer::Zeros,
-            "uniform" => Initializer::Uniform { low: init_a, high: init_b },
-            "normal" => Initializer::Normal { mean: init_a, std: init_b },
-            "constant" => Initializer::Constant { value: init_a },
-            other => return Err(PyValueError::new_err(format!("unknown initializer {other:?}"))),
-        };
-        o.missing = match missing_kind {
-            "zeros" => MissingDefault::Zeros,
-            "value" => MissingDefault::Value { value: missing_value },
-            "init" => MissingDefault::Init,
-            other => return Err(PyValueError::new_err(format!("unknown missing-row default {other:?}"))),
-        };
-        o.seed = seed;
-        o.capacity = capacity;
-        o.growth = growth;
-        o.load_factor_max = load_factor_max;
-        o.medium = core::MediumKind::parse(medium).map_err(to_py_err)?;
-        o.placement = core::Placement::parse(placement).map_err(to_py_err)?;
-        o.staleness_bound = staleness_bound;
-        o.lease_seconds = lease_seconds;
-        if let Some(j) = optimizer_json {
-            o.optimizer = serde_json::from_str(j)
-                .map_err(|e| PyValueError::new_err(format!("bad optimizer description {j:?}: {e}")))?;
-        }
-        if let Some(j) = lifecycle_json {
-            o.lifecycle = serde_json::from_str(j)
-                .map_err(|e| PyValueError::new_err(format!("bad admission/eviction options {j:?}: {e}")))?;
-        }
-        let inner = py
-            .detach(|| match &self.inner {
-                Backend::Local(s) => s.create_table(name, o).map(TableBackend::Local),
-                Backend::Remote(c) => c.create_table(name, o).map(TableBackend::Remote),
-            })
-            .map_err(to_py_err)?;
-        Ok(Table { inner })
+    /// Creates a table from its options as one JSON object (the fields of
+    /// `embank_core::TableOptions`; absent ones take their defaults).
+    fn create_table(&self, py: Python<'_>, name: &str, options_json: &str) -> PyResult<Table> {
+        let options = core::TableOptions::from_json(options_json).map_err(to_py_err)?;
+        Ok(Table { inner: detached(py, || self.inner.create_table(name, options))? })
     }
 
     fn table(&self, py: Python<'_>, name: &str) -> PyResult<Table> {
-        let inner = py
-            .detach(|| match &self.inner {
-                Backend::Local(s) => s.table(name).map(TableBackend::Local),
-                Backend::Remote(c) => c.table(name).map(TableBackend::Remote),
-            })
-            .map_err(to_py_err)?;
-        Ok(Table { inner })
+        Ok(Table { inner: detached(py, || self.inner.table(name))? })
     }
 
     fn tables(&self, py: Python<'_>) -> PyResult<Vec<String>> {
-        py.detach(|| match &self.inner {
-            Backend::Local(s) => s.tables(),
-            Backend::Remote(c) => c.tables(),
-        })
-        .map_err(to_py_err)
+        detached(py, || self.inner.tables())
     }
 
     fn drop_table(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        py.detach(|| match &self.inner {
-            Backend::Local(s) => s.drop_table(name),
-            Backend::Remote(c) => c.drop_table(name),
-        })
-        .map_err(to_py_err)
+        detached(py, || self.inner.drop_table(name))
     }
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| match &self.inner {
-            Backend::Local(s) => s.flush(),
-            Backend::Remote(c) => c.flush(),
-        })
-        .map_err(to_py_err)
+        detached(py, || self.inner.flush())
     }
 
     /// Embedded: flushes and closes every table. Remote: flushes the shards, then
     /// closes this client's connections (the servers keep running).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| match &self.inner {
-            Backend::Local(s) => s.close(),
-            Backend::Remote(c) => {
-                if c.is_closed() {
-                    return Ok(());
-                }
-                let flushed = c.flush();
-                c.close();
-                flushed
-            }
-        })
-        .map_err(to_py_err)
+        detached(py, || self.inner.close())
     }
 
-    fn checkpoint(&self, py: Python<'_>, batch_id: u64) -> PyResult<()> {
-        py.detach(|| match &self.inner {
-            Backend::Local(s) => s.checkpoint(batch_id),
-            Backend::Remote(c) => c.checkpoint(batch_id),
-        })
-        .map_err(to_py_err)
+    #[pyo3(signature = (batch_id, meta=None))]
+    fn checkpoint(&self, py: Python<'_>, batch_id: u64, meta: Option<Vec<u8>>) -> PyResult<()> {
+        let meta = meta.unwrap_or_default();
+        detached(py, || self.inner.checkpoint(batch_id, &meta))
     }
 
-    /// The retained checkpoints as a JSON list.
+    /// The retained checkpoints as a JSON list (metadata as hex strings).
     fn checkpoints_json(&self, py: Python<'_>) -> PyResult<String> {
-        let list = py
-            .detach(|| match &self.inner {
-                Backend::Local(s) => s.checkpoints(),
-                Backend::Remote(c) => c.checkpoints(),
-            })
-            .map_err(to_py_err)?;
+        let list = detached(py, || self.inner.checkpoints())?;
         Ok(serde_json::to_string(&list).expect("checkpoints serialize"))
     }
 
     /// Streams a table as it was at a checkpoint (embedded stores).
     fn export_checkpoint(&self, name: &str, batch_id: u64, chunk_keys: usize) -> PyResult<Export> {
-        let Backend::Local(store) = &self.inner else {
-            return Err(to_py_err(core::Error::new(
-                ErrorKind::Unsupported,
-                "exporting a checkpoint runs where the store is (embank export --checkpoint on the shard)",
-            )));
-        };
-        let dim = store.table(name).map_err(to_py_err)?.dim();
-        let (store, name) = (Arc::clone(store), name.to_owned());
+        let dim = self.inner.table(name).map_err(to_py_err)?.dim();
+        let (store, name) = (Arc::clone(&self.inner), name.to_owned());
         Ok(Export::spawn(dim, move |send| store.export_checkpoint(&name, batch_id, chunk_keys, send)))
     }
 
@@ -325,14 +204,8 @@ impl Store {
         name: &str,
         batch_id: u64,
     ) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<u64>>)> {
-        let Backend::Local(store) = &self.inner else {
-            return Err(to_py_err(core::Error::new(
-                ErrorKind::Unsupported,
-                "incremental exports run where the store is",
-            )));
-        };
-        let dim = store.table(name).map_err(to_py_err)?.dim();
-        let (keys, rows, deleted) = py.detach(|| store.export_changes(name, batch_id)).map_err(to_py_err)?;
+        let (keys, rows, deleted) = detached(py, || self.inner.export_changes(name, batch_id))?;
+        let dim = self.inner.table(name).map_err(to_py_err)?.dim();
         let n = keys.len();
         Ok((
             PyArray1::from_vec(py, keys),
@@ -342,44 +215,36 @@ impl Store {
     }
 
     fn restore(&self, py: Python<'_>, batch_id: u64) -> PyResult<()> {
-        py.detach(|| match &self.inner {
-            Backend::Local(s) => s.restore(batch_id),
-            Backend::Remote(c) => c.restore(batch_id),
-        })
-        .map_err(to_py_err)
+        detached(py, || self.inner.restore(batch_id))
     }
 
     /// Statistics as a JSON document.
     fn stats_json(&self, py: Python<'_>) -> PyResult<String> {
-        py.detach(|| match &self.inner {
-            Backend::Local(s) => s.stats().map(|st| serde_json::to_string(&st).expect("stats serialize")),
-            Backend::Remote(c) => c.stats().map(|v| v.to_string()),
-        })
-        .map_err(to_py_err)
+        detached(py, || self.inner.stats_json().map(|v| v.to_string()))
     }
 }
 
-/// One table of a store.
+/// One table of a store, behind the one table interface of the core.
 #[pyclass(module = "embank._native", frozen)]
 struct Table {
-    inner: TableBackend,
+    inner: Arc<dyn TableApi>,
 }
 
 #[pymethods]
 impl Table {
     #[getter]
     fn name(&self) -> String {
-        on_table!(&self.inner, t => t.name().to_owned())
+        self.inner.name().to_owned()
     }
 
     #[getter]
     fn dim(&self) -> usize {
-        on_table!(&self.inner, t => t.dim())
+        self.inner.dim()
     }
 
     /// Creation options as a JSON document.
     fn meta_json(&self) -> String {
-        on_table!(&self.inner, t => serde_json::to_string(&t.meta()).expect("meta serializes"))
+        serde_json::to_string(&self.inner.meta()).expect("meta serializes")
     }
 
     fn pull<'py>(&self, py: Python<'py>, keys: PyReadonlyArray1<'py, u64>) -> PyResult<Bound<'py, PyArray2<f32>>> {
@@ -388,7 +253,7 @@ impl Table {
         {
             let mut rw = out.readwrite();
             let rows = rw.as_slice_mut().expect("new array is contiguous");
-            py.detach(|| on_table!(&self.inner, t => t.pull(keys, rows))).map_err(to_py_err)?;
+            detached(py, || self.inner.pull(keys, rows))?;
         }
         Ok(out)
     }
@@ -402,7 +267,7 @@ impl Table {
             let mut fw = found.readwrite();
             let rows = rw.as_slice_mut().expect("new array is contiguous");
             let mask = fw.as_slice_mut().expect("new array is contiguous");
-            py.detach(|| on_table!(&self.inner, t => t.lookup(keys, rows, mask))).map_err(to_py_err)?;
+            detached(py, || self.inner.lookup(keys, rows, mask))?;
         }
         Ok((out, found))
     }
@@ -422,12 +287,12 @@ impl Table {
             ))));
         }
         let rows = rows.as_slice().map_err(|_| PyValueError::new_err("rows must be a C-contiguous array"))?;
-        py.detach(|| on_table!(&self.inner, t => t.push(keys, rows))).map_err(to_py_err)
+        detached(py, || self.inner.push(keys, rows))
     }
 
     fn delete(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<u64> {
         let keys = slice(&keys, "keys")?;
-        py.detach(|| on_table!(&self.inner, t => t.delete(keys))).map_err(to_py_err)
+        detached(py, || self.inner.delete(keys))
     }
 
     fn push_grad(
@@ -438,7 +303,7 @@ impl Table {
     ) -> PyResult<()> {
         let keys = slice(&keys, "keys")?;
         let grads = grads.as_slice().map_err(|_| PyValueError::new_err("grads must be a C-contiguous array"))?;
-        py.detach(|| on_table!(&self.inner, t => t.push_grad(keys, grads))).map_err(to_py_err)
+        detached(py, || self.inner.push_grad(keys, grads))
     }
 
     /// A worker's pull under the table's staleness bound (holds until its push_grad_held).
@@ -458,7 +323,7 @@ impl Table {
         {
             let mut rw = out.readwrite();
             let rows = rw.as_slice_mut().expect("new array is contiguous");
-            py.detach(|| on_table!(&self.inner, t => t.pull_held(worker, keys, rows, timeout))).map_err(to_py_err)?;
+            detached(py, || self.inner.pull_held(worker, keys, rows, timeout))?;
         }
         Ok(out)
     }
@@ -472,47 +337,39 @@ impl Table {
     ) -> PyResult<()> {
         let keys = slice(&keys, "keys")?;
         let grads = grads.as_slice().map_err(|_| PyValueError::new_err("grads must be a C-contiguous array"))?;
-        py.detach(|| on_table!(&self.inner, t => t.push_grad_held(worker, keys, grads))).map_err(to_py_err)
+        detached(py, || self.inner.push_grad_held(worker, keys, grads))
     }
 
     fn release(&self, py: Python<'_>, worker: u64) -> PyResult<u64> {
-        py.detach(|| match &self.inner {
-            TableBackend::Local(t) => Ok(t.release(worker)),
-            TableBackend::Remote(t) => t.release(worker),
-        })
-        .map_err(to_py_err)
+        detached(py, || self.inner.release(worker))
     }
 
     fn set_lr(&self, py: Python<'_>, lr: f32) -> PyResult<()> {
-        py.detach(|| on_table!(&self.inner, t => t.set_lr(lr))).map_err(to_py_err)
+        detached(py, || self.inner.set_lr(lr))
     }
 
     /// Queues a background load of these rows into the row cache; returns at once.
     fn lookahead(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<bool> {
         let keys = slice(&keys, "keys")?;
-        py.detach(|| on_table!(&self.inner, t => t.lookahead(keys))).map_err(to_py_err)
+        detached(py, || self.inner.lookahead(keys))
     }
 
     fn evict_expired(&self, py: Python<'_>) -> PyResult<u64> {
-        py.detach(|| on_table!(&self.inner, t => t.evict_expired())).map_err(to_py_err)
+        detached(py, || self.inner.evict_expired())
     }
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(py.detach(|| on_table!(&self.inner, t => t.len())).map_err(to_py_err)? as usize)
+        Ok(detached(py, || self.inner.len())? as usize)
     }
 
     fn stats_json(&self, py: Python<'_>) -> PyResult<String> {
-        py.detach(|| match &self.inner {
-            TableBackend::Local(t) => t.stats().map(|s| serde_json::to_string(&s).expect("stats serialize")),
-            TableBackend::Remote(t) => t.stats().map(|v| v.to_string()),
-        })
-        .map_err(to_py_err)
+        detached(py, || self.inner.stats_json().map(|v| v.to_string()))
     }
 
     /// Starts a streaming export; chunks of at most `chunk_keys` keys come from the iterator.
     fn export(&self, chunk_keys: usize) -> Export {
-        let table = self.inner.clone();
-        Export::spawn(self.dim(), move |send| on_table!(&table, t => t.export(chunk_keys, send)))
+        let table = Arc::clone(&self.inner);
+        Export::spawn(self.dim(), move |send| table.export(chunk_keys, send))
     }
 }
 

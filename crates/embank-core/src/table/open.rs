@@ -90,7 +90,7 @@ fn recover(
         if !alloc.is_valid_ptr(ptr) {
             return false;
         }
-        if !mapped && !(interrupted || verify_all) {
+        if !(mapped || interrupted || verify_all) {
             return true;
         }
         match medium.check(ptr, key, interrupted || verify_all) {

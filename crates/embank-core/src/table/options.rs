@@ -88,6 +88,21 @@ impl TableOptions {
         }
     }
 
+    /// Options from a JSON object of the fields above (absent ones take their defaults),
+    /// as the Python package and remote clients send them; errors name the field.
+    pub fn from_json(json: &str) -> Result<TableOptions> {
+        let value: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| Error::config(format!("bad table options {json:?}: {e}")))?;
+        // The named parsers give the clearest errors for the names users type.
+        if let Some(m) = value.get("medium").and_then(|v| v.as_str()) {
+            MediumKind::parse(m)?;
+        }
+        if let Some(p) = value.get("placement").and_then(|v| v.as_str()) {
+            Placement::parse(p)?;
+        }
+        serde_json::from_value(value).map_err(|e| Error::config(format!("bad table options: {e}")))
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.dim == 0 || self.dim > DIM_MAX {
             return Err(Error::config(format!("dim must be between 1 and {DIM_MAX}, got {}", self.dim)));

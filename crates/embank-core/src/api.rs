@@ -1,0 +1,176 @@
+//! One interface above the core for a store and its tables wherever they live: the
+//! embedded [`Store`]/[`Table`] implement it here, `embank-net`'s client and
+//! remote table implement it over the wire, and the Python bindings hold a
+//! `dyn` of each instead of matching a backend in every method. Every method
+//! carries a batch (or is a rare administrative call): one virtual call per
+//! batch, never per row.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::catalog::TableMeta;
+use crate::checkpoint::CheckpointInfo;
+use crate::error::{Error, ErrorKind, Result};
+use crate::store::Store;
+use crate::table::{Table, TableOptions};
+
+/// A chunk consumer of an export.
+pub type ChunkSink<'a> = &'a mut dyn FnMut(&[u64], &[f32]) -> Result<()>;
+
+/// The batch operations of one table (see [`Table`] for their meaning).
+pub trait TableApi: Send + Sync {
+    fn name(&self) -> &str;
+    fn dim(&self) -> usize;
+    fn meta(&self) -> TableMeta;
+    fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()>;
+    fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()>;
+    fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()>;
+    fn delete(&self, keys: &[u64]) -> Result<u64>;
+    fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()>;
+    fn pull_held(&self, worker: u64, keys: &[u64], out: &mut [f32], timeout: Duration) -> Result<()>;
+    fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()>;
+    fn release(&self, worker: u64) -> Result<u64>;
+    fn set_lr(&self, lr: f32) -> Result<()>;
+    fn lookahead(&self, keys: &[u64]) -> Result<bool>;
+    fn evict_expired(&self) -> Result<u64>;
+    fn len(&self) -> Result<u64>;
+    fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+    /// Statistics as JSON (the embedded table's fields; remote tables add per-shard ones).
+    fn stats_json(&self) -> Result<serde_json::Value>;
+    fn export(&self, chunk_keys: usize, f: ChunkSink<'_>) -> Result<()>;
+}
+
+/// The operations of one store (see [`Store`] for their meaning).
+pub trait StoreApi: Send + Sync {
+    /// The directory, or `tcp://host:port,...` for a remote store.
+    fn location(&self) -> String;
+    fn is_remote(&self) -> bool;
+    fn is_closed(&self) -> bool;
+    fn create_table(&self, name: &str, options: TableOptions) -> Result<Arc<dyn TableApi>>;
+    fn table(&self, name: &str) -> Result<Arc<dyn TableApi>>;
+    fn tables(&self) -> Result<Vec<String>>;
+    fn drop_table(&self, name: &str) -> Result<()>;
+    fn flush(&self) -> Result<()>;
+    /// Embedded: flushes and closes every table. Remote: flushes the shards, then closes
+    /// the client's connections (the servers keep running).
+    fn close(&self) -> Result<()>;
+    fn checkpoint(&self, batch_id: u64, meta: &[u8]) -> Result<()>;
+    fn checkpoints(&self) -> Result<Vec<CheckpointInfo>>;
+    fn restore(&self, batch_id: u64) -> Result<()>;
+    fn stats_json(&self) -> Result<serde_json::Value>;
+    /// Streams a table as it was at a checkpoint (runs where the store is).
+    fn export_checkpoint(&self, _name: &str, _batch_id: u64, _chunk_keys: usize, _f: ChunkSink<'_>) -> Result<()> {
+        Err(Error::new(
+            ErrorKind::Unsupported,
+            "exporting a checkpoint runs where the store is (embank export --checkpoint on the shard)",
+        ))
+    }
+    /// Rows written since a checkpoint and keys deleted since (runs where the store is).
+    fn export_changes(&self, _name: &str, _batch_id: u64) -> Result<(Vec<u64>, Vec<f32>, Vec<u64>)> {
+        Err(Error::new(ErrorKind::Unsupported, "incremental exports run where the store is"))
+    }
+}
+
+impl TableApi for Table {
+    fn name(&self) -> &str {
+        Table::name(self)
+    }
+    fn dim(&self) -> usize {
+        Table::dim(self)
+    }
+    fn meta(&self) -> TableMeta {
+        Table::meta(self)
+    }
+    fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
+        Table::pull(self, keys, out)
+    }
+    fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        Table::lookup(self, keys, out, found)
+    }
+    fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
+        Table::push(self, keys, rows)
+    }
+    fn delete(&self, keys: &[u64]) -> Result<u64> {
+        Table::delete(self, keys)
+    }
+    fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        Table::push_grad(self, keys, grads)
+    }
+    fn pull_held(&self, worker: u64, keys: &[u64], out: &mut [f32], timeout: Duration) -> Result<()> {
+        Table::pull_held(self, worker, keys, out, timeout)
+    }
+    fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
+        Table::push_grad_held(self, worker, keys, grads)
+    }
+    fn release(&self, worker: u64) -> Result<u64> {
+        Ok(Table::release(self, worker))
+    }
+    fn set_lr(&self, lr: f32) -> Result<()> {
+        Table::set_lr(self, lr)
+    }
+    fn lookahead(&self, keys: &[u64]) -> Result<bool> {
+        Table::lookahead(self, keys)
+    }
+    fn evict_expired(&self) -> Result<u64> {
+        Table::evict_expired(self)
+    }
+    fn len(&self) -> Result<u64> {
+        Table::len(self)
+    }
+    fn stats_json(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::to_value(Table::stats(self)?).expect("stats serialize"))
+    }
+    fn export(&self, chunk_keys: usize, f: ChunkSink<'_>) -> Result<()> {
+        Table::export(self, chunk_keys, f)
+    }
+}
+
+impl StoreApi for Store {
+    fn location(&self) -> String {
+        self.path().display().to_string()
+    }
+    fn is_remote(&self) -> bool {
+        false
+    }
+    fn is_closed(&self) -> bool {
+        Store::is_closed(self)
+    }
+    fn create_table(&self, name: &str, options: TableOptions) -> Result<Arc<dyn TableApi>> {
+        Ok(Arc::new(Store::create_table(self, name, options)?))
+    }
+    fn table(&self, name: &str) -> Result<Arc<dyn TableApi>> {
+        Ok(Arc::new(Store::table(self, name)?))
+    }
+    fn tables(&self) -> Result<Vec<String>> {
+        Store::tables(self)
+    }
+    fn drop_table(&self, name: &str) -> Result<()> {
+        Store::drop_table(self, name)
+    }
+    fn flush(&self) -> Result<()> {
+        Store::flush(self)
+    }
+    fn close(&self) -> Result<()> {
+        Store::close(self)
+    }
+    fn checkpoint(&self, batch_id: u64, meta: &[u8]) -> Result<()> {
+        Store::checkpoint_with_meta(self, batch_id, meta)
+    }
+    fn checkpoints(&self) -> Result<Vec<CheckpointInfo>> {
+        Store::checkpoints(self)
+    }
+    fn restore(&self, batch_id: u64) -> Result<()> {
+        Store::restore(self, batch_id)
+    }
+    fn stats_json(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::to_value(Store::stats(self)?).expect("stats serialize"))
+    }
+    fn export_checkpoint(&self, name: &str, batch_id: u64, chunk_keys: usize, f: ChunkSink<'_>) -> Result<()> {
+        Store::export_checkpoint(self, name, batch_id, chunk_keys, f)
+    }
+    fn export_changes(&self, name: &str, batch_id: u64) -> Result<(Vec<u64>, Vec<f32>, Vec<u64>)> {
+        Store::export_changes(self, name, batch_id)
+    }
+}
