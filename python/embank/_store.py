@@ -370,7 +370,10 @@ class Store:
             "capacity": int(capacity),
             "growth": bool(growth),
             "load_factor_max": float(load_factor_max),
-            "missing": {"kind": missing_kind, "value": missing_value} if missing_kind == "value" else {"kind": missing_kind},
+            "missing": {
+                "kind": missing_kind,
+                **({"value": missing_value} if missing_kind == "value" else {}),
+            },
             "medium": medium,
             "placement": placement,
             "staleness_bound": None if staleness_bound is None else int(staleness_bound),

@@ -131,3 +131,24 @@ def test_export_checkpoint_and_changes(store_path: Path, tmp_path: Path) -> None
     keys = np.load(tmp_path / "x" / "emb.keys.npy")
     rows = np.load(tmp_path / "x" / "emb.rows.npy")
     assert {int(k): r.tolist() for k, r in zip(keys, rows)} == at5
+
+
+def test_checkpoint_metadata(store: embank.Store) -> None:
+    # The remote shards outlive a test: their checkpoints of earlier tests are retained.
+    base = max(store.checkpoints(), default=0)
+    t = store.create_table("emb", dim=4, optimizer=embank.optim.SGD(lr=0.1))
+    step(t, 1)
+    store.checkpoint(base + 1, meta=b"topic=emb partition=0 offset=42")
+    step(t, 2)
+    store.checkpoint(base + 2)
+    info = [c for c in store.checkpoint_info() if c["batch_id"] > base]
+    assert [(c["batch_id"], c["meta"]) for c in info] == [
+        (base + 1, b"topic=emb partition=0 offset=42"),
+        (base + 2, b""),
+    ]
+    assert all(c["seq"] > 0 and c["unix_seconds"] > 0 for c in info)
+    with pytest.raises(errors.InvalidInputError, match="metadata"):
+        store.checkpoint(base + 3, meta=b"x" * (64 * 1024 + 1))
+    with pytest.raises(TypeError, match="bytes"):
+        store.checkpoint(base + 3, meta="text")  # type: ignore[arg-type]
+    assert store.checkpoints()[-2:] == [base + 1, base + 2]

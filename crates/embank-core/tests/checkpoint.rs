@@ -359,3 +359,31 @@ fn export_at_a_checkpoint_while_training_goes_on() {
     }
     assert_eq!(store.export_changes("emb", 19).unwrap_err().kind(), ErrorKind::NotFound);
 }
+
+#[test]
+fn checkpoint_metadata_survives_reopen_and_is_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    {
+        let store = Store::open(&path, options()).unwrap();
+        create(&store);
+        batch(&store, 1);
+        store.checkpoint_with_meta(1, b"offsets: p0=17 p1=4").unwrap();
+        batch(&store, 2);
+        store.checkpoint(2).unwrap();
+        let too_big = vec![7u8; embank_core::checkpoint::CHECKPOINT_META_BYTES_MAX + 1];
+        let e = store.checkpoint_with_meta(3, &too_big).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+        assert_eq!(store.checkpoints().unwrap().len(), 2, "a refused checkpoint is not recorded");
+        store.checkpoint_with_meta(4, &[0, 255, 1]).unwrap();
+        drop(store);
+    }
+    let store = reopen(&path, &options());
+    let list = store.checkpoints().unwrap();
+    let metas: Vec<(u64, Vec<u8>)> = list.iter().map(|c| (c.batch_id, c.meta.clone())).collect();
+    assert_eq!(
+        metas,
+        vec![(2, vec![]), (4, vec![0, 255, 1])],
+        "keep_checkpoints=2 keeps the two latest with their blobs"
+    );
+}
