@@ -26,6 +26,10 @@ class Store:
         connect_timeout: float = 5.0,
         keys_per_request_max: int = 500,
         in_flight_per_shard: int = 8,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_server_name: str | None = None,
     ) -> Store: ...
     @property
     def path(self) -> str: ...

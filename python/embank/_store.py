@@ -558,6 +558,10 @@ def connect(
     connect_timeout: float = 5.0,
     keys_per_request_max: int = 500,
     in_flight_per_shard: int = 8,
+    tls_ca_file: str | os.PathLike[str] | None = None,
+    tls_cert_file: str | os.PathLike[str] | None = None,
+    tls_key_file: str | os.PathLike[str] | None = None,
+    tls_server_name: str | None = None,
 ) -> Store:
     """Connects to a networked store: the ``embank serve`` processes at ``addrs``
     (``"host:port"`` each; one shard per address, in the same order in every client).
@@ -572,6 +576,12 @@ def connect(
         connect_timeout: seconds to wait for a connection.
         keys_per_request_max: keys per request (the servers' own limit is higher).
         in_flight_per_shard: most requests of one call in flight to one shard.
+        tls_ca_file: connect over TLS, verifying each server against these CA
+            certificates (PEM; ``embank cert`` writes a development CA).
+        tls_cert_file, tls_key_file: this client's certificate and key (PEM), for
+            servers that require one (``client_ca_file`` in their ``[tls]``).
+        tls_server_name: the name the servers' certificates must carry (default: the
+            host part of each address).
 
     Raises:
         ShardUnavailableError: a shard cannot be reached (the message names it).
@@ -588,6 +598,14 @@ def connect(
         from .errors import ConfigError
 
         raise ConfigError("keys_per_request_max and in_flight_per_shard must be at least 1")
+    if tls_ca_file is None and (tls_cert_file is not None or tls_key_file is not None or tls_server_name is not None):
+        from .errors import ConfigError
+
+        raise ConfigError("tls_cert_file, tls_key_file and tls_server_name need tls_ca_file")
+
+    def path(p: str | os.PathLike[str] | None) -> str | None:
+        return None if p is None else os.fspath(p)
+
     return Store(
         _native.Store.connect(
             [str(a) for a in addrs],
@@ -596,5 +614,9 @@ def connect(
             float(connect_timeout),
             int(keys_per_request_max),
             int(in_flight_per_shard),
+            path(tls_ca_file),
+            path(tls_cert_file),
+            path(tls_key_file),
+            tls_server_name,
         )
     )

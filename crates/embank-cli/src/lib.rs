@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 pub mod bench;
+pub mod cert;
 pub mod demo;
 pub mod npy;
 pub mod serve;
@@ -49,6 +50,8 @@ enum Command {
     Export(tools::ExportArgs),
     /// Load keys and rows from .npy files into a table (created if missing; existing keys are replaced).
     Import(tools::ImportArgs),
+    /// Write a development CA and server and client certificates (PEM) for `embank serve`'s [tls].
+    Cert(cert::CertArgs),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -78,6 +81,7 @@ where
         Command::Inspect { path, json } => tools::inspect(&path, json),
         Command::Export(args) => tools::export(args),
         Command::Import(args) => tools::import(args),
+        Command::Cert(args) => cert::run(args),
     };
     match result {
         Ok(()) => 0,

@@ -84,7 +84,7 @@ fn serve(config: ServeConfig) -> Result<(), Error> {
             }
         }
     }
-    let server = Server::bind(&config.listen, Arc::clone(&store), config.server_options()?)?;
+    let server = Server::bind(&config.listen, Arc::clone(&store), config.server_options_loaded()?)?;
     let mut admin_line = String::new();
     let admin = match &config.admin {
         Some(addr) => {
@@ -103,8 +103,13 @@ fn serve(config: ServeConfig) -> Result<(), Error> {
         None => None,
     };
     let tables = store.tables()?;
+    let security = match &config.tls {
+        Some(t) if t.client_ca_file.is_some() => ", TLS with client certificates",
+        Some(_) => ", TLS",
+        None => "",
+    };
     println!(
-        "embank serve: listening on {}{admin_line}, store {}, {} tables ({} created)",
+        "embank serve: listening on {}{admin_line}{security}, store {}, {} tables ({} created)",
         server.local_addr(),
         config.store.display(),
         tables.len(),

@@ -519,3 +519,109 @@ fn bad_config_is_named_and_sigterm_shuts_down_cleanly() {
     t.pull(&[5], &mut out).unwrap();
     assert_eq!(out, vec![2.0; 4]);
 }
+
+#[test]
+fn idle_sockets_cannot_lock_out_a_client_with_the_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = "token = \"s3cret\"\n[limits]\nmax_connections = 16\npending_max = 8\nauth_timeout_seconds = 2\n";
+    let shard = Shard::start(dir.path(), "a", config);
+    // Twice max_connections sockets that never send a byte (no token, nothing).
+    let idle: Vec<TcpStream> = (0..32).map(|_| TcpStream::connect(&shard.addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    let options = ClientOptions { token: Some("s3cret".into()), ..Default::default() };
+    let client = Client::connect(std::slice::from_ref(&shard.addr), options).unwrap();
+    let t = client.create_table("t", TableOptions::new(4)).unwrap();
+    let mut out = vec![0f32; 4];
+    t.pull(&[1], &mut out).unwrap();
+    let waited = t0.elapsed();
+    assert!(waited < Duration::from_secs(1), "a client with the token was served after {waited:?}");
+    // Every idle socket is closed: evicted to make room, or at its authentication deadline.
+    for (i, mut s) in idle.into_iter().enumerate() {
+        s.set_read_timeout(Some(Duration::from_secs(6))).unwrap();
+        let mut b = [0u8; 1];
+        match s.read(&mut b) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("idle socket {i} was not closed by the server: {other:?}"),
+        }
+    }
+    // The authenticated client outlived the deadline that closed the idle ones.
+    t.pull(&[2], &mut out).unwrap();
+    let metrics = http_get(&shard.admin, "/metrics");
+    assert!(metrics.contains("embank_connections_evicted_total"), "{metrics}");
+}
+
+fn tls_config(files: &embank_cli::cert::CertFiles, mutual: bool) -> String {
+    let mut c = format!(
+        "token = \"s3cret\"\n[tls]\ncert_file = {:?}\nkey_file = {:?}\n",
+        files.server_cert.display().to_string(),
+        files.server_key.display().to_string()
+    );
+    if mutual {
+        c += &format!("client_ca_file = {:?}\n", files.ca.display().to_string());
+    }
+    c
+}
+
+fn tls_client(addr: &str, ca: &Path, cert: Option<(&Path, &Path)>) -> embank_core::Result<Client> {
+    let tls = embank_net::ClientTls::load(&embank_net::ClientTlsFiles {
+        ca_file: ca.to_owned(),
+        cert_file: cert.map(|c| c.0.to_owned()),
+        key_file: cert.map(|c| c.1.to_owned()),
+        server_name: None,
+    })?;
+    let options = ClientOptions { token: Some("s3cret".into()), tls: Some(tls), ..Default::default() };
+    Client::connect(&[addr], options)
+}
+
+#[test]
+fn tls_serves_and_refuses_a_wrong_ca_and_plaintext() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = embank_cli::cert::write(&dir.path().join("tls"), &[], false).unwrap();
+    let other = embank_cli::cert::write(&dir.path().join("other"), &[], false).unwrap();
+    let shard = Shard::start(dir.path(), "a", &tls_config(&files, false));
+    let c = tls_client(&shard.addr, &files.ca, None).unwrap();
+    let t = c.create_table("t", TableOptions::new(300)).unwrap();
+    let keys: Vec<u64> = (0..2000).collect();
+    let rows: Vec<f32> = (0..2000 * 300).map(|i| i as f32).collect();
+    t.push(&keys, &rows).unwrap();
+    let mut out = vec![0f32; rows.len()];
+    t.pull(&keys, &mut out).unwrap();
+    assert_eq!(out, rows, "rows over TLS (1200-byte rows: the vectored reply path)");
+    let e = tls_client(&shard.addr, &other.ca, None).err().expect("refused");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.to_string().contains("TLS handshake failed") && e.to_string().contains("certificate"), "{e}");
+    let plain =
+        Client::connect(&[shard.addr.as_str()], ClientOptions { token: Some("s3cret".into()), ..Default::default() });
+    let e = plain.err().expect("a plaintext client is refused");
+    assert!(e.to_string().contains("requires TLS"), "{e}");
+}
+
+#[test]
+fn mutual_tls_needs_a_client_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = embank_cli::cert::write(&dir.path().join("tls"), &[], false).unwrap();
+    let other = embank_cli::cert::write(&dir.path().join("other"), &[], false).unwrap();
+    let shard = Shard::start(dir.path(), "a", &tls_config(&files, true));
+    let e = tls_client(&shard.addr, &files.ca, None).err().expect("refused");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.to_string().to_lowercase().contains("certificate"), "missing client certificate: {e}");
+    let e = tls_client(&shard.addr, &files.ca, Some((&other.client_cert, &other.client_key))).err().expect("refused");
+    assert!(e.to_string().to_lowercase().contains("certificate") || e.to_string().contains("alert"), "{e}");
+    let c = tls_client(&shard.addr, &files.ca, Some((&files.client_cert, &files.client_key))).unwrap();
+    let t = c.create_table("t", TableOptions::new(4)).unwrap();
+    let mut out = vec![0f32; 4];
+    t.pull(&[9], &mut out).unwrap();
+}
+
+#[test]
+fn a_non_loopback_listener_needs_tls_or_insecure() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = std::sync::Arc::new(embank_core::Store::open(dir.path().join("s"), Default::default()).unwrap());
+    let opts = embank_net::ServerOptions { token: Some("t".into()), ..Default::default() };
+    let e = embank_net::Server::bind("0.0.0.0:0", std::sync::Arc::clone(&store), opts.clone()).err().unwrap();
+    assert!(e.to_string().contains("requires TLS"), "{e}");
+    let insecure = embank_net::ServerOptions { insecure: true, ..opts };
+    embank_net::Server::bind("0.0.0.0:0", store, insecure).expect("insecure = true is allowed, loudly");
+}

@@ -54,3 +54,46 @@ pub fn lock_exclusive(path: &Path) -> Result<File> {
     let _ = (&file).write_all(std::process::id().to_string().as_bytes());
     Ok(file)
 }
+
+/// Backs bytes `[from, to)` of a file with blocks of its file system and extends the
+/// file to at least `to` (`fallocate`), so stores through a mapping of that range never
+/// meet an unbacked page: on a full disk that would be SIGBUS, here it is an `Io` error
+/// naming the file and saying "no space left on device", returned to the call that
+/// needed the space. File systems without `fallocate` get a plain `ftruncate` (sparse;
+/// the old behaviour) and a warning.
+pub fn allocate(file: &File, path: &Path, from: u64, to: u64) -> Result<()> {
+    if to <= from {
+        return Ok(());
+    }
+    loop {
+        // SAFETY: fallocate on a descriptor we own; mode 0 allocates and extends.
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, from as libc::off_t, (to - from) as libc::off_t) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EOPNOTSUPP) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        path = %path.display(),
+                        "file system cannot fallocate: mapped files are sparse, and a full disk may kill the process"
+                    )
+                });
+                if file.metadata().map(|m| m.len() < to).unwrap_or(true) {
+                    file.set_len(to).map_err(|e| io_at("cannot grow", path, e))?;
+                }
+                return Ok(());
+            }
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => {
+                return Err(Error::io(
+                    format!("no space left on device for {} (growing it to {to} bytes)", path.display()),
+                    e,
+                ))
+            }
+            _ => return Err(io_at("cannot allocate space for", path, e)),
+        }
+    }
+}

@@ -224,7 +224,9 @@ impl Index {
             .open(path)
             .map_err(|e| io_at("cannot create index file", path, e))?;
         let bytes = INDEX_HEADER_BYTES as u64 + bucket_count * BUCKET_BYTES as u64;
-        file.set_len(bytes).map_err(|e| io_at("cannot size index file", path, e))?;
+        crate::fsutil::allocate(&file, path, 0, bytes).inspect_err(|_| {
+            let _ = std::fs::remove_file(path);
+        })?;
         let mut map =
             unsafe { MmapOptions::new().map_mut(&file) }.map_err(|e| io_at("cannot map index file", path, e))?;
         let header = IndexHeader::new(bucket_count, seed);

@@ -132,7 +132,9 @@ impl Journal {
             .truncate(true)
             .open(&tmp)
             .map_err(|e| io_at("cannot create undo journal", &tmp, e))?;
-        file.set_len(GROW).map_err(|e| io_at("cannot size undo journal", &tmp, e))?;
+        crate::fsutil::allocate(&file, &tmp, 0, GROW).inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })?;
         let j = Self::map(path.clone(), seq, file, GROW)?;
         // SAFETY: the header lies in the mapping.
         unsafe {
@@ -229,7 +231,7 @@ impl Journal {
                     return Err(Error::new(ErrorKind::Unsupported, "undo journal is full: take a checkpoint"));
                 }
                 let new = (end + GROW).min(RESERVE);
-                self.file.set_len(new).map_err(|e| io_at("cannot grow undo journal", &self.path, e))?;
+                crate::fsutil::allocate(&self.file, &self.path, len, new)?;
                 self.len.store(new, Ordering::Release);
             }
         }
@@ -278,7 +280,7 @@ impl Journal {
         let _g = self.grow.lock();
         self.next().store(0, Ordering::Release);
         self.file.set_len(HEADER).map_err(|e| io_at("cannot truncate undo journal", &self.path, e))?;
-        self.file.set_len(GROW).map_err(|e| io_at("cannot size undo journal", &self.path, e))?;
+        crate::fsutil::allocate(&self.file, &self.path, HEADER, GROW)?;
         self.len.store(GROW, Ordering::Release);
         Ok(())
     }

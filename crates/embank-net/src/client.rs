@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 
 use crate::proto::{self, as_bytes, mask_bytes, Header, Op, HEADER_BYTES, REPLY_BIT};
 use crate::server::write_all_vectored;
+use crate::tls::{ClientTls, Stream};
 
 /// How a client talks to its shards.
 #[derive(Clone, Debug)]
@@ -39,6 +40,9 @@ pub struct ClientOptions {
     pub connect_timeout: Duration,
     /// Most requests of one call in flight to one shard. Default 8.
     pub in_flight_per_shard: usize,
+    /// TLS to the shards (the CA to verify them, optionally a client certificate).
+    /// Default none: plain TCP.
+    pub tls: Option<ClientTls>,
 }
 
 impl Default for ClientOptions {
@@ -49,6 +53,7 @@ impl Default for ClientOptions {
             timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             in_flight_per_shard: 8,
+            tls: None,
         }
     }
 }
@@ -56,7 +61,7 @@ impl Default for ClientOptions {
 struct Shard {
     index: usize,
     addr: String,
-    pool: Mutex<Vec<TcpStream>>,
+    pool: Mutex<Vec<Stream>>,
 }
 
 struct Inner {
@@ -97,12 +102,16 @@ impl Shard {
 }
 
 /// Whether a pooled connection still has its server (no EOF, reset, or stray bytes waiting).
-fn alive(s: &TcpStream) -> bool {
-    if s.set_nonblocking(true).is_err() {
+fn alive(s: &mut Stream) -> bool {
+    if s.buffered() {
         return false;
     }
-    let ok = matches!(s.peek(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
-    ok && s.set_nonblocking(false).is_ok()
+    let tcp = s.tcp();
+    if tcp.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let ok = matches!(tcp.peek(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+    ok && tcp.set_nonblocking(false).is_ok()
 }
 
 impl Client {
@@ -145,7 +154,7 @@ impl Client {
         &self.inner.opts
     }
 
-    fn open_conn(&self, shard: &Shard) -> Result<TcpStream> {
+    fn open_conn(&self, shard: &Shard) -> Result<Stream> {
         let opts = &self.inner.opts;
         let addrs: Vec<SocketAddr> = shard
             .addr
@@ -163,7 +172,7 @@ impl Client {
                 Err(e) => last = Some(e),
             }
         }
-        let mut s = match stream {
+        let tcp = match stream {
             Some(s) => s,
             None => {
                 let e = last.unwrap_or_else(|| io::Error::other("no address"));
@@ -175,26 +184,47 @@ impl Client {
             s.set_read_timeout(Some(opts.timeout))?;
             s.set_write_timeout(Some(opts.timeout))
         };
-        setup(&s).map_err(|e| shard.unavailable("socket setup failed", &e))?;
+        setup(&tcp).map_err(|e| shard.unavailable("socket setup failed", &e))?;
+        let mut s = match &opts.tls {
+            Some(tls) => tls.connect(tcp, &shard.addr).map_err(|e| {
+                let hint = if e.to_string().contains("corrupt message") { " (does the server speak TLS?)" } else { "" };
+                shard.unavailable(&format!("TLS handshake failed{hint}"), &e)
+            })?,
+            None => Stream::Plain(tcp),
+        };
         let token = opts.token.clone().unwrap_or_default();
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let h = Header::request(Op::Hello, id, 0, 0, token.len() as u32);
         write_all_vectored(&mut s, &mut [IoSlice::new(&h.encode()), IoSlice::new(token.as_bytes())])
             .map_err(|e| shard.unavailable("refused the hello", &e))?;
+        if !s.is_tls() {
+            // A TLS server answers clear text with an alert record (content type 21).
+            let mut first = [0u8; 1];
+            if matches!(s.tcp().peek(&mut first), Ok(1)) && first[0] == 0x15 {
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    format!("{} requires TLS: connect with its CA file (tls_ca_file)", shard.name()),
+                ));
+            }
+        }
         let (rh, body) = read_reply(&mut s).map_err(|e| shard.unavailable("did not answer the hello", &e))?;
         check_reply(shard, &h, &rh, body)?;
         Ok(s)
     }
 
-    fn take_conn(&self, shard: &Shard) -> Result<TcpStream> {
+    fn take_conn(&self, shard: &Shard) -> Result<Stream> {
         if self.inner.closed.load(Ordering::Relaxed) {
             return Err(Error::new(ErrorKind::Closed, "the remote store is closed"));
         }
         loop {
             let pooled = shard.pool.lock().pop();
             match pooled {
-                Some(s) if alive(&s) => return Ok(s),
-                Some(_) => tracing::debug!(shard = %shard.name(), "dropping a dead pooled connection"),
+                Some(mut s) => {
+                    if alive(&mut s) {
+                        return Ok(s);
+                    }
+                    tracing::debug!(shard = %shard.name(), "dropping a dead pooled connection");
+                }
                 None => return self.open_conn(shard),
             }
         }
@@ -208,8 +238,8 @@ impl Client {
         for (i, r) in reqs.iter().enumerate() {
             queues[r.shard].push_back(i);
         }
-        let mut in_flight: VecDeque<(TcpStream, usize, Header)> = VecDeque::new();
-        let mut pooled: Vec<(usize, TcpStream)> = Vec::new();
+        let mut in_flight: VecDeque<(Stream, usize, Header)> = VecDeque::new();
+        let mut pooled: Vec<(usize, Stream)> = Vec::new();
         let result = (|| {
             for (s, q) in queues.iter_mut().enumerate() {
                 for _ in 0..q.len().min(self.inner.opts.in_flight_per_shard) {
@@ -238,7 +268,7 @@ impl Client {
         result
     }
 
-    fn send(&self, mut conn: TcpStream, i: usize, r: &Req) -> Result<(TcpStream, usize, Header)> {
+    fn send(&self, mut conn: Stream, i: usize, r: &Req) -> Result<(Stream, usize, Header)> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let h = Header::request(r.op, id, r.table_id, r.count, r.body.len() as u32);
         write_all_vectored(&mut conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(&r.body)])
@@ -383,7 +413,7 @@ impl Client {
 }
 
 /// Reads one reply frame.
-fn read_reply(conn: &mut TcpStream) -> io::Result<(Header, Vec<u8>)> {
+fn read_reply(conn: &mut Stream) -> io::Result<(Header, Vec<u8>)> {
     let mut hdr = [0u8; HEADER_BYTES];
     conn.read_exact(&mut hdr)?;
     let h = Header::decode(&hdr).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
@@ -485,7 +515,7 @@ impl RemoteTable {
         let mut plan = Plan { reqs: Vec::new(), positions: Vec::new() };
         for (shard, positions) in by_shard.into_iter().enumerate() {
             for chunk in positions.chunks(max) {
-                let rows_len = rows.map_or(0, |_| chunk.len() * d * 4);
+                let rows_len = rows.map_or(0, |_| chunk.len() * proto::row_bytes(d));
                 let mut body = Vec::with_capacity(prefix.len() * 8 + chunk.len() * 8 + rows_len);
                 for w in prefix {
                     body.extend_from_slice(&w.to_le_bytes());
@@ -507,7 +537,7 @@ impl RemoteTable {
 
     /// Copies reply rows (`body[at..]`, one per position) into `out`.
     fn scatter(&self, body: &[u8], at: usize, positions: &[usize], out: &mut [f32]) -> Result<()> {
-        let row_bytes = self.dim * 4;
+        let row_bytes = proto::row_bytes(self.dim);
         if body.len() != at + positions.len() * row_bytes {
             return Err(Error::corrupt(format!(
                 "reply of {} bytes for {} rows of dim {}",
@@ -716,7 +746,7 @@ impl RemoteTable {
                     Ok(())
                 })?;
                 let (n, b) = page.expect("one reply");
-                if b.len() != 24 + n * 8 + n * d * 4 {
+                if b.len() != 24 + n * 8 + n * proto::row_bytes(d) {
                     return Err(Error::corrupt("export page of the wrong length"));
                 }
                 let word = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());

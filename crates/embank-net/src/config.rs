@@ -7,6 +7,7 @@ use embank_core::{Error, IoChoice, Result, StoreOptions, TableOptions};
 use serde::Deserialize;
 
 use crate::server::ServerOptions;
+use crate::tls::{ServerTls, ServerTlsFiles};
 
 /// The whole file.
 #[derive(Debug, Deserialize)]
@@ -26,6 +27,13 @@ pub struct ServeConfig {
     /// File holding the token (first line), instead of `token`.
     #[serde(default)]
     pub token_file: Option<PathBuf>,
+    /// TLS: the server's certificate and key, optionally a client CA (mutual TLS).
+    /// Required to listen beyond loopback unless `insecure`.
+    #[serde(default)]
+    pub tls: Option<ServerTlsFiles>,
+    /// Listen beyond loopback without TLS (clear text; logged loudly). Default false.
+    #[serde(default)]
+    pub insecure: bool,
     /// How long a shutdown waits for requests in flight. Default 30 s.
     #[serde(default = "default_drain")]
     pub drain_seconds: f64,
@@ -67,6 +75,9 @@ pub struct Limits {
     pub max_frame_bytes: u32,
     pub keys_per_request_max: u32,
     pub max_connections: usize,
+    pub auth_timeout_seconds: f64,
+    pub pending_max: usize,
+    pub pending_per_peer_max: usize,
     pub idle_timeout_seconds: f64,
     pub frame_timeout_seconds: f64,
     pub zero_copy: bool,
@@ -80,6 +91,9 @@ impl Default for Limits {
             max_frame_bytes: d.max_frame_bytes,
             keys_per_request_max: d.keys_per_request_max,
             max_connections: d.max_connections,
+            auth_timeout_seconds: d.auth_timeout.as_secs_f64(),
+            pending_max: d.pending_max,
+            pending_per_peer_max: d.pending_per_peer_max,
             idle_timeout_seconds: d.idle_timeout.as_secs_f64(),
             frame_timeout_seconds: d.frame_timeout.as_secs_f64(),
             zero_copy: d.zero_copy,
@@ -114,6 +128,15 @@ impl ServeConfig {
         if c.store.is_relative() {
             c.store = base.join(&c.store);
         }
+        if let Some(tls) = &mut c.tls {
+            for p in
+                [Some(&mut tls.cert_file), Some(&mut tls.key_file), tls.client_ca_file.as_mut()].into_iter().flatten()
+            {
+                if p.is_relative() {
+                    *p = base.join(&*p);
+                }
+            }
+        }
         if let Some(t) = &c.token_file {
             let p = if t.is_relative() { base.join(t) } else { t.clone() };
             let token = std::fs::read_to_string(&p)
@@ -140,21 +163,41 @@ impl ServeConfig {
 
     pub fn server_options(&self) -> Result<ServerOptions> {
         let l = &self.limits;
-        if l.keys_per_request_max == 0 || l.max_connections == 0 || l.max_frame_bytes < 64 {
+        if l.keys_per_request_max == 0
+            || l.max_connections == 0
+            || l.pending_max == 0
+            || l.pending_per_peer_max == 0
+            || l.max_frame_bytes < 64
+        {
             return Err(Error::config(
-                "limits: keys_per_request_max and max_connections must be at least 1, max_frame_bytes at least 64",
+                "limits: keys_per_request_max, max_connections, pending_max and pending_per_peer_max must be at least 1, max_frame_bytes at least 64",
             ));
         }
         Ok(ServerOptions {
             token: self.token.clone(),
+            tls: None,
+            insecure: self.insecure,
             max_frame_bytes: l.max_frame_bytes,
             keys_per_request_max: l.keys_per_request_max,
             max_connections: l.max_connections,
+            auth_timeout: seconds("limits.auth_timeout_seconds", l.auth_timeout_seconds)?,
+            pending_max: l.pending_max,
+            pending_per_peer_max: l.pending_per_peer_max,
             idle_timeout: seconds("limits.idle_timeout_seconds", l.idle_timeout_seconds)?,
             frame_timeout: seconds("limits.frame_timeout_seconds", l.frame_timeout_seconds)?,
             zero_copy: l.zero_copy,
             zero_copy_min_row_bytes: l.zero_copy_min_row_bytes,
         })
+    }
+
+    /// [`server_options`](Self::server_options) with the TLS files loaded.
+    pub fn server_options_loaded(&self) -> Result<ServerOptions> {
+        let mut o = self.server_options()?;
+        o.tls = match &self.tls {
+            Some(files) => Some(ServerTls::load(files)?),
+            None => None,
+        };
+        Ok(o)
     }
 
     pub fn drain(&self) -> Result<Duration> {

@@ -8,6 +8,7 @@
 //!   into requests sent in parallel over pooled connections and reassembled in order.
 //! - [`config`]: the `embank serve` TOML config.
 //! - [`metrics`]: counters, Prometheus text, the admin HTTP endpoint.
+//! - [`tls`]: rustls for both ends (server certificate, optional client certificates).
 //!
 //! The server is a thin layer: every decision about rows is the core's.
 
@@ -16,6 +17,8 @@ pub mod config;
 pub mod metrics;
 pub mod proto;
 pub mod server;
+pub mod tls;
 
 pub use client::{Client, ClientOptions, RemoteTable};
 pub use server::{Server, ServerOptions};
+pub use tls::{ClientTls, ClientTlsFiles, ServerTls, ServerTlsFiles};

@@ -36,6 +36,8 @@ pub struct Metrics {
     pub connections_open: AtomicU64,
     pub connections_total: AtomicU64,
     pub connections_refused: AtomicU64,
+    /// Connections closed before they authenticated to make room (pending bounds).
+    pub connections_evicted: AtomicU64,
     /// Pull/lookup replies sent straight from the mapped file, and those copied first.
     pub replies_zero_copy: AtomicU64,
     pub replies_copied: AtomicU64,
@@ -51,6 +53,7 @@ impl Default for Metrics {
             connections_open: AtomicU64::new(0),
             connections_total: AtomicU64::new(0),
             connections_refused: AtomicU64::new(0),
+            connections_evicted: AtomicU64::new(0),
             replies_zero_copy: AtomicU64::new(0),
             replies_copied: AtomicU64::new(0),
         }
@@ -157,6 +160,12 @@ impl Metrics {
                 "embank_connections_refused_total",
                 "Connections refused at the connection limit.",
                 ld(&self.connections_refused),
+                "counter",
+            ),
+            (
+                "embank_connections_evicted_total",
+                "Connections closed before authenticating, to make room for new ones.",
+                ld(&self.connections_evicted),
                 "counter",
             ),
             (

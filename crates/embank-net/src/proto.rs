@@ -344,11 +344,21 @@ impl Header {
     }
 }
 
+/// Bytes of one row element on the wire: rows travel as little-endian `f32` whatever
+/// type the table stores (the API is `f32`; the table's layout encodes and decodes).
+pub const ROW_ELEMENT_BYTES: usize = 4;
+
+/// Bytes of one row of `dim` elements on the wire.
+#[inline]
+pub fn row_bytes(dim: usize) -> usize {
+    dim * ROW_ELEMENT_BYTES
+}
+
 /// Body length a keyed request of `count` keys must have for a table of `dim`.
 pub fn keyed_body_len(op: Op, count: u32, dim: usize) -> u64 {
     let keys = op.prefix_words() as u64 * 8 + count as u64 * 8;
     if op.has_rows() {
-        keys + count as u64 * dim as u64 * 4
+        keys + count as u64 * row_bytes(dim) as u64
     } else {
         keys
     }

@@ -28,6 +28,7 @@ use serde::Deserialize;
 
 use crate::metrics::Metrics;
 use crate::proto::{self, as_bytes, as_bytes_mut, mask_bytes, status, Header, Op, HEADER_BYTES};
+use crate::tls::{ServerTls, Stream};
 
 /// Limits and behaviour of a server.
 #[derive(Clone, Debug)]
@@ -35,12 +36,29 @@ pub struct ServerOptions {
     /// Shared secret every connection must present (HELLO) before anything else.
     /// Required when listening on anything but loopback.
     pub token: Option<String>,
+    /// TLS for every connection (with a client CA: mutual TLS). Required when listening
+    /// on anything but loopback, unless `insecure`.
+    pub tls: Option<ServerTls>,
+    /// Allow a non-loopback listener without TLS (the token and every row then cross
+    /// the network in clear text; logged loudly). Default false.
+    pub insecure: bool,
     /// Largest request body accepted. Default 64 MiB.
     pub max_frame_bytes: u32,
     /// Most keys in one request. Default 65 536.
     pub keys_per_request_max: u32,
-    /// Most client connections at once. Default 1024.
+    /// Most established client connections at once (authenticated, or past their
+    /// first frame on a server without a token). Default 1024.
     pub max_connections: usize,
+    /// A new connection must authenticate (or, without a token, send its first whole
+    /// frame) within this, or it is closed. Default 5 s.
+    pub auth_timeout: Duration,
+    /// Most connections not yet established at once; a new one past it evicts the
+    /// oldest such connection, so sockets that never speak cannot lock out a client
+    /// with the token. Default 64.
+    pub pending_max: usize,
+    /// The same bound per peer address (a peer past it loses its own oldest pending
+    /// connection first). Default 16.
+    pub pending_per_peer_max: usize,
     /// A connection silent this long is closed. Default 10 minutes.
     pub idle_timeout: Duration,
     /// A frame must arrive whole within this once its first byte has. Default 30 s.
@@ -58,9 +76,14 @@ impl Default for ServerOptions {
     fn default() -> Self {
         ServerOptions {
             token: None,
+            tls: None,
+            insecure: false,
             max_frame_bytes: 64 << 20,
             keys_per_request_max: 65_536,
             max_connections: 1024,
+            auth_timeout: Duration::from_secs(5),
+            pending_max: 64,
+            pending_per_peer_max: 16,
             idle_timeout: Duration::from_secs(600),
             frame_timeout: Duration::from_secs(30),
             zero_copy: true,
@@ -83,7 +106,45 @@ struct Ctx {
     tables: RwLock<HashMap<u32, Table>>,
     /// Connection threads still running.
     live: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// Established connections.
     open: AtomicU64,
+    /// Connections not yet established, oldest first (a handle to shut each down).
+    pending: Mutex<std::collections::VecDeque<Pending>>,
+    next_conn_id: AtomicU64,
+}
+
+/// A connection that has not authenticated (or sent its first frame) yet.
+struct Pending {
+    id: u64,
+    peer: std::net::IpAddr,
+    stream: TcpStream,
+}
+
+impl Ctx {
+    /// Registers a new connection as pending, evicting the oldest pending connections
+    /// of its peer, then of anyone, past the bounds.
+    fn admit_pending(&self, id: u64, peer: SocketAddr, stream: &TcpStream) {
+        let mut pending = self.pending.lock();
+        let evict = |p: Pending, why: &str| {
+            tracing::info!(peer = %p.peer, why, "closing a connection that has not authenticated");
+            self.metrics.connections_evicted.fetch_add(1, Ordering::Relaxed);
+            let _ = p.stream.shutdown(std::net::Shutdown::Both);
+        };
+        while pending.iter().filter(|p| p.peer == peer.ip()).count() >= self.opts.pending_per_peer_max {
+            let i = pending.iter().position(|p| p.peer == peer.ip()).expect("counted above");
+            evict(pending.remove(i).expect("in range"), "pending_per_peer_max");
+        }
+        while pending.len() >= self.opts.pending_max {
+            evict(pending.pop_front().expect("not empty"), "pending_max");
+        }
+        if let Ok(handle) = stream.try_clone() {
+            pending.push_back(Pending { id, peer: peer.ip(), stream: handle });
+        }
+    }
+
+    fn forget_pending(&self, id: u64) {
+        self.pending.lock().retain(|p| p.id != id);
+    }
 }
 
 impl Server {
@@ -103,6 +164,20 @@ impl Server {
         if opts.token.as_deref() == Some("") {
             return Err(Error::config("the auth token is empty"));
         }
+        if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
+            match (&opts.tls, opts.insecure) {
+                (Some(_), _) => {}
+                (None, true) => tracing::warn!(
+                    listen = %a,
+                    "INSECURE: listening on a non-loopback address without TLS; the token and every row cross the network in clear text"
+                ),
+                (None, false) => {
+                    return Err(Error::config(format!(
+                        "listening on {a} (not loopback) requires TLS: set [tls] cert_file and key_file in the config (or insecure = true to accept clear text)"
+                    )))
+                }
+            }
+        }
         let listener = TcpListener::bind(&addrs[..]).map_err(|e| Error::io(format!("cannot listen on {addr}"), e))?;
         Ok(Server {
             listener,
@@ -113,6 +188,8 @@ impl Server {
                 tables: RwLock::new(HashMap::new()),
                 live: Mutex::new(Vec::new()),
                 open: AtomicU64::new(0),
+                pending: Mutex::new(std::collections::VecDeque::new()),
+                next_conn_id: AtomicU64::new(1),
             }),
         })
     }
@@ -176,46 +253,46 @@ impl Server {
     fn spawn(&self, stream: TcpStream, peer: SocketAddr, shutdown: &Arc<AtomicBool>) {
         let ctx = Arc::clone(&self.ctx);
         ctx.metrics.connections_total.fetch_add(1, Ordering::Relaxed);
-        if ctx.open.load(Ordering::Relaxed) as usize >= ctx.opts.max_connections {
-            ctx.metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%peer, limit = ctx.opts.max_connections, "connection refused: at the connection limit");
-            let msg = format!("server is at its limit of {} connections", ctx.opts.max_connections);
-            let h = Header { opcode: REPLY_HELLO, request_id: 0, table_id: 0, count: 0, body_len: 0, status: 0 };
-            let mut s = stream;
-            let _ = s.set_nonblocking(false);
-            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-            let _ = write_all_vectored(
-                &mut s,
-                &mut [IoSlice::new(&h.reply(0, msg.len(), status::BUSY).encode()), IoSlice::new(msg.as_bytes())],
-            );
-            return;
-        }
-        ctx.open.fetch_add(1, Ordering::Relaxed);
-        ctx.metrics.connections_open.fetch_add(1, Ordering::Relaxed);
+        // Every connection starts pending; the limit of established connections is
+        // checked when it authenticates (`Conn::establish`).
+        let id = ctx.next_conn_id.fetch_add(1, Ordering::Relaxed);
+        ctx.admit_pending(id, peer, &stream);
         let shutdown = Arc::clone(shutdown);
         let spawned = std::thread::Builder::new().name("embank-conn".into()).spawn({
             let ctx = Arc::clone(&ctx);
             move || {
-                let mut conn = Conn::new(&ctx, stream, peer);
+                let stream = match &ctx.opts.tls {
+                    Some(tls) => match tls.accept(stream) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::warn!(%peer, error = %e, "cannot start a TLS session");
+                            ctx.forget_pending(id);
+                            return;
+                        }
+                    },
+                    None => Stream::Plain(stream),
+                };
+                let mut conn = Conn::new(&ctx, stream, peer, id);
                 if let Err(e) = conn.serve(&shutdown) {
                     tracing::debug!(%peer, error = %e, "connection ended");
                 }
-                ctx.open.fetch_sub(1, Ordering::Relaxed);
-                ctx.metrics.connections_open.fetch_sub(1, Ordering::Relaxed);
+                if conn.established {
+                    ctx.open.fetch_sub(1, Ordering::Relaxed);
+                    ctx.metrics.connections_open.fetch_sub(1, Ordering::Relaxed);
+                } else {
+                    ctx.forget_pending(id);
+                }
             }
         });
         match spawned {
             Ok(h) => ctx.live.lock().push(h),
             Err(e) => {
                 tracing::error!(error = %e, "cannot start a connection thread");
-                ctx.open.fetch_sub(1, Ordering::Relaxed);
-                ctx.metrics.connections_open.fetch_sub(1, Ordering::Relaxed);
+                ctx.forget_pending(id);
             }
         }
     }
 }
-
-const REPLY_HELLO: u16 = Op::Hello as u16;
 
 /// What ended a frame read.
 enum ReadEnd {
@@ -255,24 +332,64 @@ struct CreateBody {
 
 struct Conn<'a> {
     ctx: &'a Ctx,
-    stream: TcpStream,
+    stream: Stream,
     peer: SocketAddr,
+    id: u64,
+    accepted: Instant,
     authed: bool,
+    /// Counted against `max_connections` (and no longer pending).
+    established: bool,
     body: Vec<u64>,
     rows: Vec<f32>,
 }
 
 impl<'a> Conn<'a> {
-    fn new(ctx: &'a Ctx, stream: TcpStream, peer: SocketAddr) -> Conn<'a> {
-        Conn { ctx, stream, peer, authed: ctx.opts.token.is_none(), body: Vec::new(), rows: Vec::new() }
+    fn new(ctx: &'a Ctx, stream: Stream, peer: SocketAddr, id: u64) -> Conn<'a> {
+        Conn {
+            ctx,
+            stream,
+            peer,
+            id,
+            accepted: Instant::now(),
+            authed: ctx.opts.token.is_none(),
+            established: false,
+            body: Vec::new(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// The connection authenticated (or, without a token, sent a whole frame): it leaves
+    /// the pending set and counts against `max_connections`, or is refused if at it.
+    fn establish(&mut self) -> std::result::Result<(), Refusal> {
+        self.ctx.forget_pending(self.id);
+        let limit = self.ctx.opts.max_connections as u64;
+        let claimed = self.ctx.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1));
+        if claimed.is_err() {
+            self.ctx.metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(peer = %self.peer, limit, "connection refused: at the connection limit");
+            return Err(Refusal {
+                status: status::BUSY,
+                message: format!("server is at its limit of {limit} connections"),
+                close: true,
+            });
+        }
+        self.established = true;
+        self.ctx.metrics.connections_open.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// True when a connection that is still pending has used up its time to authenticate.
+    fn auth_expired(&self) -> bool {
+        !self.established && self.accepted.elapsed() > self.ctx.opts.auth_timeout
     }
 
     fn serve(&mut self, shutdown: &AtomicBool) -> io::Result<()> {
-        self.stream.set_nonblocking(false)?;
-        self.stream.set_nodelay(true)?;
+        let tcp = self.stream.tcp();
+        tcp.set_nonblocking(false)?;
+        tcp.set_nodelay(true)?;
         // Short read timeouts let an idle connection notice a shutdown.
-        self.stream.set_read_timeout(Some(Duration::from_millis(100)))?;
-        self.stream.set_write_timeout(Some(self.ctx.opts.frame_timeout))?;
+        tcp.set_read_timeout(Some(Duration::from_millis(100)))?;
+        tcp.set_write_timeout(Some(self.ctx.opts.frame_timeout))?;
         tracing::debug!(peer = %self.peer, "connection opened");
         let mut hdr = [0u8; HEADER_BYTES];
         loop {
@@ -361,6 +478,12 @@ impl<'a> Conn<'a> {
                             tracing::debug!(peer = %self.peer, "closing idle connection");
                             return Ok(ReadEnd::Closed);
                         }
+                        if self.auth_expired() {
+                            tracing::info!(peer = %self.peer, "closing a connection that did not authenticate in time");
+                            return Ok(ReadEnd::Closed);
+                        }
+                    } else if self.auth_expired() {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, "no authentication within auth_timeout"));
                     } else if started.elapsed() > self.ctx.opts.frame_timeout {
                         return Err(io::Error::new(
                             io::ErrorKind::TimedOut,
@@ -435,6 +558,9 @@ impl<'a> Conn<'a> {
                 return Err(Ok(Refusal { status: status::UNAUTHORIZED, message: "wrong token".into(), close: true }));
             }
             self.authed = true;
+        }
+        if !self.established {
+            self.establish().map_err(Ok)?;
         }
         match op {
             Op::Hello => {
@@ -553,13 +679,13 @@ impl<'a> Conn<'a> {
             Op::Pull | Op::Lookup => {
                 let keys = &body[..n];
                 let create = op == Op::Pull;
-                if self.ctx.opts.zero_copy && dim * 4 >= self.ctx.opts.zero_copy_min_row_bytes {
+                if self.ctx.opts.zero_copy && proto::row_bytes(dim) >= self.ctx.opts.zero_copy_min_row_bytes {
                     let metrics = Arc::clone(&self.ctx.metrics);
                     let stream = &mut self.stream;
                     let sent = table
                         .with_rows(keys, create, |rows, found| {
                             let mask = if create { Vec::new() } else { found_mask(found) };
-                            let body_len = mask.len() + rows.len() * dim * 4;
+                            let body_len = mask.len() + rows.len() * proto::row_bytes(dim);
                             let head = h.reply(h.count, body_len, status::OK).encode();
                             let mut parts = Vec::with_capacity(rows.len() + 2);
                             parts.push(IoSlice::new(&head));
@@ -588,7 +714,7 @@ impl<'a> Conn<'a> {
                     table.lookup(keys, &mut rows, &mut found).map_err(eng)?;
                     found_mask(&found)
                 };
-                let head = h.reply(h.count, mask.len() + rows.len() * 4, status::OK).encode();
+                let head = h.reply(h.count, mask.len() + rows.len() * proto::ROW_ELEMENT_BYTES, status::OK).encode();
                 let r = self.send(&mut [IoSlice::new(&head), IoSlice::new(&mask), IoSlice::new(as_bytes(&rows))]);
                 self.rows = rows;
                 r.map_err(Err)
@@ -607,7 +733,7 @@ impl<'a> Conn<'a> {
                 let r = table.pull_held(worker, &body[..n], &mut rows, timeout);
                 let sent = match r {
                     Ok(()) => {
-                        let head = h.reply(h.count, rows.len() * 4, status::OK).encode();
+                        let head = h.reply(h.count, rows.len() * proto::ROW_ELEMENT_BYTES, status::OK).encode();
                         self.send(&mut [IoSlice::new(&head), IoSlice::new(as_bytes(&rows))]).map_err(Err)
                     }
                     Err(e) => Err(eng(e)),
@@ -672,7 +798,7 @@ impl<'a> Conn<'a> {
                 cur[..8].copy_from_slice(&g.to_le_bytes());
                 cur[8..16].copy_from_slice(&b.to_le_bytes());
                 cur[16..].copy_from_slice(&done.to_le_bytes());
-                let body_len = 24 + keys.len() * 8 + rows.len() * 4;
+                let body_len = 24 + keys.len() * 8 + rows.len() * proto::ROW_ELEMENT_BYTES;
                 let head = h.reply(keys.len() as u32, body_len, status::OK).encode();
                 let r = self.send(&mut [
                     IoSlice::new(&head),

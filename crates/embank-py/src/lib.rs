@@ -104,7 +104,8 @@ impl Store {
 
     /// Connects to the shards of a remote store (`embank serve` processes).
     #[staticmethod]
-    #[pyo3(signature = (addrs, token=None, timeout=30.0, connect_timeout=5.0, keys_per_request_max=500, in_flight_per_shard=8))]
+    #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.connect
+    #[pyo3(signature = (addrs, token=None, timeout=30.0, connect_timeout=5.0, keys_per_request_max=500, in_flight_per_shard=8, tls_ca_file=None, tls_cert_file=None, tls_key_file=None, tls_server_name=None))]
     fn connect(
         py: Python<'_>,
         addrs: Vec<String>,
@@ -113,7 +114,23 @@ impl Store {
         connect_timeout: f64,
         keys_per_request_max: usize,
         in_flight_per_shard: usize,
+        tls_ca_file: Option<PathBuf>,
+        tls_cert_file: Option<PathBuf>,
+        tls_key_file: Option<PathBuf>,
+        tls_server_name: Option<String>,
     ) -> PyResult<Store> {
+        let tls = match tls_ca_file {
+            Some(ca_file) => Some(
+                net::ClientTls::load(&net::ClientTlsFiles {
+                    ca_file,
+                    cert_file: tls_cert_file,
+                    key_file: tls_key_file,
+                    server_name: tls_server_name,
+                })
+                .map_err(to_py_err)?,
+            ),
+            None => None,
+        };
         let secs = |what: &str, s: f64| {
             if s.is_finite() && s > 0.0 {
                 Ok(std::time::Duration::from_secs_f64(s))
@@ -127,6 +144,7 @@ impl Store {
             timeout: secs("timeout", timeout)?,
             connect_timeout: secs("connect_timeout", connect_timeout)?,
             in_flight_per_shard,
+            tls,
         };
         let client = detached(py, || net::Client::connect(&addrs, options))?;
         Ok(Store { inner: Arc::new(client) })

@@ -136,12 +136,20 @@ impl RecordAlloc {
         }
         let rest = (n - out.len()) as u64;
         if rest > 0 {
-            let first = self.next_word().fetch_add(rest, Ordering::AcqRel);
-            if let Err(e) = self.ensure_records(first + rest) {
-                // Hand back what was taken from the free list; the bumped range stays leaked
-                // until the next recovery scan (the file could not grow anyway).
-                self.release(std::mem::take(out));
-                return Err(e);
+            // The file is grown to hold the records before the bump pointer moves past them,
+            // so the pointer never names records the file lacks (a full disk fails the grow
+            // and leaves the pointer where it was).
+            let mut first = self.next_word().load(Ordering::Acquire);
+            loop {
+                if let Err(e) = self.ensure_records(first + rest) {
+                    // Hand back what was taken from the free list.
+                    self.release(std::mem::take(out));
+                    return Err(e);
+                }
+                match self.next_word().compare_exchange_weak(first, first + rest, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => break,
+                    Err(now) => first = now,
+                }
             }
             out.extend((first..first + rest).map(|r| self.ptr_of(r)));
         }
@@ -166,7 +174,8 @@ impl RecordAlloc {
                 format!("rows file {} reached its limit of {} bytes", self.path.display(), self.limit_bytes),
             ));
         }
-        self.file.set_len(bytes).map_err(|e| io_at("cannot grow rows file", &self.path, e))?;
+        let had = ROWS_HEADER_BYTES as u64 + have * self.stride;
+        crate::fsutil::allocate(&self.file, &self.path, had, bytes)?;
         self.file_records.store(want, Ordering::Release);
         Ok(())
     }

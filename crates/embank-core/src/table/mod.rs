@@ -239,13 +239,7 @@ impl Table {
 
     /// Deletes keys; returns how many were present.
     pub fn delete(&self, keys: &[u64]) -> Result<u64> {
-        let _gate = self.shared.runtime.gate.batch();
-        let st = self.state()?;
-        let mut p = write::Publisher::new(self, st.as_ref().unwrap());
-        for &key in keys {
-            p.publish(key, write::Change::Remove, |_| false, |_| {})?;
-        }
-        let n = p.finish();
+        let n = self.remove(keys)?;
         if let Some(life) = &self.shared.lifecycle {
             life.forget(keys);
         }

@@ -57,6 +57,19 @@ pub(super) enum Outcome {
     Absent,
 }
 
+impl Table {
+    /// Takes keys out of the index (and the tiers); returns how many were present.
+    pub(super) fn remove(&self, keys: &[u64]) -> Result<u64> {
+        let _gate = self.shared.runtime.gate.batch();
+        let st = self.state()?;
+        let mut p = Publisher::new(self, st.as_ref().unwrap());
+        for &key in keys {
+            p.publish(key, Change::Remove, |_| false, |_| {})?;
+        }
+        Ok(p.finish())
+    }
+}
+
 /// Publishes the keys of one pass of one batch (see the module docs).
 pub(super) struct Publisher<'a> {
     table: &'a Table,

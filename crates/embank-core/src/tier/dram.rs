@@ -272,13 +272,13 @@ impl super::Tier for RowCache {
         table: u32,
         keys: &[u64],
         positions: &[usize],
-        width: usize,
+        elems: usize,
         out: &mut [f32],
         miss: &mut Vec<usize>,
     ) {
         for &i in positions {
             let key = keys[i];
-            if !self.get(table, key, self.hash(table, key), &mut out[i * width..(i + 1) * width]) {
+            if !self.get(table, key, self.hash(table, key), &mut out[i * elems..(i + 1) * elems]) {
                 miss.push(i);
             }
         }
@@ -288,14 +288,14 @@ impl super::Tier for RowCache {
         &self,
         table: u32,
         items: &[crate::medium::ReadItem],
-        width: usize,
+        elems: usize,
         out: &mut [f32],
         pinned: bool,
         current: &mut dyn FnMut(&crate::medium::ReadItem) -> bool,
     ) {
         for it in items {
             let mut l = self.lock(self.hash(table, it.key));
-            let row = &mut out[it.pos * width..(it.pos + 1) * width];
+            let row = &mut out[it.pos * elems..(it.pos + 1) * elems];
             if let Some(e) = l.get(table, it.key) {
                 // Cached meanwhile (a push, or another reader): that copy is at least as new.
                 row.copy_from_slice(&e.row);

@@ -20,13 +20,13 @@ use crate::medium::ReadItem;
 /// A tier of decoded records above the medium. Every call carries a batch.
 pub trait Tier: Send + Sync {
     /// Copies the records held for `keys[pos]`, `pos` in `positions`, into
-    /// `out[pos * width..]`; appends the positions not held to `miss`.
+    /// `out[pos * elems..]` (`elems`: f32s of a decoded record); appends the positions not held to `miss`.
     fn get_batch(
         &self,
         table: u32,
         keys: &[u64],
         positions: &[usize],
-        width: usize,
+        elems: usize,
         out: &mut [f32],
         miss: &mut Vec<usize>,
     );
@@ -38,7 +38,7 @@ pub trait Tier: Send + Sync {
         &self,
         table: u32,
         items: &[ReadItem],
-        width: usize,
+        elems: usize,
         out: &mut [f32],
         pinned: bool,
         current: &mut dyn FnMut(&ReadItem) -> bool,
@@ -90,12 +90,12 @@ impl<'a> TierStack<'a> {
     }
 
     /// Rows of the tiers into `out`; returns the positions no tier holds.
-    pub fn get(&self, keys: &[u64], width: usize, out: &mut [f32]) -> Vec<usize> {
+    pub fn get(&self, keys: &[u64], elems: usize, out: &mut [f32]) -> Vec<usize> {
         let mut miss = Vec::new();
         match self.dram {
             Some(c) => {
                 let all: Vec<usize> = (0..keys.len()).collect();
-                c.get_batch(self.table, keys, &all, width, out, &mut miss);
+                c.get_batch(self.table, keys, &all, elems, out, &mut miss);
             }
             None => miss.extend(0..keys.len()),
         }
@@ -103,9 +103,9 @@ impl<'a> TierStack<'a> {
     }
 
     /// Admits rows read from the medium (see [`Tier::admit_batch`]).
-    pub fn admit(&self, items: &[ReadItem], width: usize, out: &mut [f32], current: &mut dyn FnMut(&ReadItem) -> bool) {
+    pub fn admit(&self, items: &[ReadItem], elems: usize, out: &mut [f32], current: &mut dyn FnMut(&ReadItem) -> bool) {
         if let Some(c) = self.dram {
-            c.admit_batch(self.table, items, width, out, self.pinned, current);
+            c.admit_batch(self.table, items, elems, out, self.pinned, current);
         }
     }
 

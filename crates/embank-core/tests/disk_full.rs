@@ -1,0 +1,167 @@
+//! A full disk is an error, never a signal.
+//!
+//! Each test mounts a small tmpfs (root only: elsewhere the test says so and passes
+//! without running), puts a ballast file and a store on it, and writes new rows until
+//! the file system is full: under the mmap medium, the block medium behind the row
+//! cache, and the undo journals of checkpoints. Each must end in an `Io` error that
+//! says "no space left", with the process alive (SIGBUS would kill the test binary),
+//! every row flushed before intact, reads working, and `close` + reopen working while
+//! the disk is still full; once the ballast is deleted, writes succeed again.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use embank_core::{ErrorKind, MediumKind, Optimizer, Placement, Store, StoreOptions, TableOptions};
+
+const DIM: usize = 256;
+const BATCH: u64 = 256;
+
+/// A tmpfs of `mib` MiB mounted on a fresh directory; unmounted on drop.
+struct Mount {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl Mount {
+    fn new(mib: u64) -> Option<Mount> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fs");
+        std::fs::create_dir(&path).unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(&path)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("disk_full: cannot mount a tmpfs here (needs root); test not run");
+            return None;
+        }
+        Some(Mount { _dir: dir, path })
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.path).status();
+    }
+}
+
+fn row(key: u64, version: u64) -> Vec<f32> {
+    (0..DIM).map(|j| (key * 7 + j as u64 + version * 1000) as f32).collect()
+}
+
+fn rows(keys: &[u64], version: u64) -> Vec<f32> {
+    keys.iter().flat_map(|&k| row(k, version)).collect()
+}
+
+fn options() -> StoreOptions {
+    StoreOptions { cache_bytes: 2 << 20, ..Default::default() }
+}
+
+fn check_rows(store: &Store, keys: &[u64], version: u64, ctx: &str) {
+    let t = store.table("t").unwrap();
+    for chunk in keys.chunks(1024) {
+        let mut out = vec![0f32; chunk.len() * DIM];
+        let mut found = vec![false; chunk.len()];
+        t.lookup(chunk, &mut out, &mut found).unwrap();
+        for (i, &k) in chunk.iter().enumerate() {
+            assert!(found[i], "{ctx}: flushed key {k} is gone");
+            assert_eq!(&out[i * DIM..(i + 1) * DIM], &row(k, version)[..], "{ctx}: flushed row of key {k} differs");
+        }
+    }
+}
+
+fn is_disk_full(e: &embank_core::Error) -> bool {
+    e.kind() == ErrorKind::Io && e.to_string().contains("no space left")
+}
+
+/// Fills the disk with new rows of table `t` (created with `table`); `checkpoints`
+/// takes a checkpoint every few batches and rewrites old rows (journal entries).
+fn fill_and_recover(mount: &Mount, table: TableOptions, checkpoints: bool) {
+    let ballast = mount.path.join("ballast");
+    std::fs::write(&ballast, vec![1u8; 8 << 20]).unwrap();
+    let path = mount.path.join("store");
+    let store = Store::open(&path, options()).unwrap();
+    let t = store.create_table("t", table).unwrap();
+    let mut flushed: Vec<u64> = Vec::new();
+    let mut next = 0u64;
+    let mut error = None;
+    for b in 0..10_000u64 {
+        let keys: Vec<u64> = (next..next + BATCH).collect();
+        let r = t.push(&keys, &rows(&keys, 0)).and_then(|()| {
+            if checkpoints && b % 4 == 3 {
+                // Rewrite every flushed row with the same bytes: each is journaled once per interval.
+                for chunk in flushed.chunks(4096) {
+                    t.push(chunk, &rows(chunk, 0))?;
+                }
+                store.checkpoint(b)?;
+            }
+            store.flush()
+        });
+        match r {
+            Ok(()) => {
+                flushed.extend(&keys);
+                next += BATCH;
+            }
+            Err(e) => {
+                error = Some(e);
+                break;
+            }
+        }
+    }
+    let e = error.expect("the file system never filled up");
+    assert!(is_disk_full(&e), "expected a disk-full Io error, got {:?}: {e}", e.kind());
+    assert!(!flushed.is_empty(), "the disk filled before the first batch");
+    // Reads work on the full disk, and a write of new rows fails again the same way.
+    check_rows(&store, &flushed, 0, "after the error");
+    let keys: Vec<u64> = (next..next + 4 * BATCH).collect();
+    let e = t.push(&keys, &rows(&keys, 0)).err();
+    if let Some(e) = e {
+        assert!(is_disk_full(&e), "second write: {e}");
+    }
+    // Close keeps what it can (an error is allowed); reopening on the full disk works.
+    drop(t);
+    let _ = store.close();
+    drop(store);
+    let store = Store::open(&path, options()).expect("reopen on a full disk");
+    check_rows(&store, &flushed, 0, "after reopening on the full disk");
+    drop(store);
+    // With space again, writes succeed.
+    std::fs::remove_file(&ballast).unwrap();
+    let store = Store::open(&path, options()).unwrap();
+    let t = store.table("t").unwrap();
+    let keys: Vec<u64> = (1 << 40..(1 << 40) + BATCH).collect();
+    t.push(&keys, &rows(&keys, 3)).expect("a write after space was freed");
+    store.flush().unwrap();
+    check_rows(&store, &keys, 3, "after space was freed");
+    check_rows(&store, &flushed, 0, "old rows after space was freed");
+    store.close().unwrap();
+}
+
+fn table(medium: MediumKind, placement: Placement) -> TableOptions {
+    let mut o = TableOptions::new(DIM as u32);
+    o.medium = medium;
+    o.placement = placement;
+    o.capacity = 1000; // the index grows on the way, too
+    o
+}
+
+#[test]
+fn mmap_medium_full_disk_is_an_error() {
+    let Some(m) = Mount::new(40) else { return };
+    fill_and_recover(&m, table(MediumKind::Mmap, Placement::Auto), false);
+}
+
+#[test]
+fn block_medium_full_disk_is_an_error() {
+    let Some(m) = Mount::new(40) else { return };
+    fill_and_recover(&m, table(MediumKind::Block, Placement::Cache), false);
+}
+
+#[test]
+fn journals_on_a_full_disk_are_an_error() {
+    let Some(m) = Mount::new(40) else { return };
+    let mut o = table(MediumKind::Mmap, Placement::Auto);
+    o.optimizer = Optimizer::Sgd { lr: 0.1 };
+    fill_and_recover(&m, o, true);
+}
