@@ -583,6 +583,9 @@ def connect(
         tls_server_name: the name the servers' certificates must carry (default: the
             host part of each address).
 
+    The TLS files default to the environment variables ``EMBANK_TLS_CA_FILE``,
+    ``EMBANK_TLS_CERT_FILE`` and ``EMBANK_TLS_KEY_FILE`` when not given.
+
     Raises:
         ShardUnavailableError: a shard cannot be reached (the message names it).
         UnauthorizedError: a shard refused the token.
@@ -598,7 +601,13 @@ def connect(
         from .errors import ConfigError
 
         raise ConfigError("keys_per_request_max and in_flight_per_shard must be at least 1")
-    if tls_ca_file is None and (tls_cert_file is not None or tls_key_file is not None or tls_server_name is not None):
+    env = os.environ
+    tls_ca_file = tls_ca_file if tls_ca_file is not None else env.get("EMBANK_TLS_CA_FILE")
+    tls_cert_file = tls_cert_file if tls_cert_file is not None else env.get("EMBANK_TLS_CERT_FILE")
+    tls_key_file = tls_key_file if tls_key_file is not None else env.get("EMBANK_TLS_KEY_FILE")
+    if tls_ca_file is None and (
+        tls_cert_file is not None or tls_key_file is not None or tls_server_name is not None
+    ):
         from .errors import ConfigError
 
         raise ConfigError("tls_cert_file, tls_key_file and tls_server_name need tls_ca_file")

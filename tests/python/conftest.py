@@ -16,9 +16,29 @@ def store_path(tmp_path: Path) -> Path:
     return tmp_path / "store"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tls_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A development CA and certificates (`embank cert`). Every `embank serve` the tests
+    start speaks TLS, and `embank.connect` finds the CA through EMBANK_TLS_CA_FILE, so
+    every remote test runs over TLS."""
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run([sys.executable, "-m", "embank", "cert", "--out", str(d)], check=True, capture_output=True)
+    os.environ["EMBANK_TLS_CA_FILE"] = str(d / "ca.pem")
+    yield d
+    os.environ.pop("EMBANK_TLS_CA_FILE", None)
+
+
+def tls_section(tls_dir: Path, client_ca: bool = False) -> str:
+    """The [tls] table of a test server's config."""
+    text = f'[tls]\ncert_file = "{tls_dir / "server.pem"}"\nkey_file = "{tls_dir / "server.key"}"\n'
+    if client_ca:
+        text += f'client_ca_file = "{tls_dir / "ca.pem"}"\n'
+    return text
+
+
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """Two real `embank serve` processes (shards) on free loopback ports."""
+def cluster(tmp_path_factory: pytest.TempPathFactory, tls_dir: Path) -> Iterator[list[str]]:
+    """Two real `embank serve` processes (shards) on free loopback ports, over TLS."""
     procs: list[subprocess.Popen[str]] = []
     addrs: list[str] = []
     for i in range(2):
@@ -26,7 +46,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
         # Shard 0 sends every pull/lookup reply zero-copy; shard 1 copies small rows (the default).
         config = d / "serve.toml"
         min_bytes = 0 if i == 0 else 1024
-        config.write_text(f'store = "{d / "store"}"\n[limits]\nzero_copy_min_row_bytes = {min_bytes}\n')
+        config.write_text(
+            f'store = "{d / "store"}"\n[limits]\nzero_copy_min_row_bytes = {min_bytes}\n'
+            + tls_section(tls_dir)
+        )
         p = subprocess.Popen(
             [sys.executable, "-m", "embank", "serve", "--config", str(config), "--listen", "127.0.0.1:0"],
             stdout=subprocess.PIPE,

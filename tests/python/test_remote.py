@@ -13,6 +13,7 @@ from pathlib import Path
 import embank
 import numpy as np
 import pytest
+from conftest import tls_section
 from embank import errors
 from test_store import run_model_ops
 
@@ -49,17 +50,24 @@ def test_optimizer_over_the_wire_matches_embedded(cluster: list[str], store_path
         remote.drop_table("emb")
 
 
-@pytest.fixture
-def lone_shard(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
-    config = tmp_path / "shard.toml"
-    config.write_text(f'store = "{tmp_path / "s"}"\nlisten = "127.0.0.1:0"\ntoken = "s3cret"\n')
+def start_shard(config: Path) -> tuple[subprocess.Popen[str], str]:
     p = subprocess.Popen(
         [sys.executable, "-m", "embank", "serve", "--config", str(config)], stdout=subprocess.PIPE, text=True
     )
     assert p.stdout is not None
     line = p.stdout.readline()
     assert "listening on" in line, line
-    yield p, line.split("listening on ")[1].split()[0].rstrip(","), config
+    return p, line.split("listening on ")[1].split()[0].rstrip(",")
+
+
+@pytest.fixture
+def lone_shard(tmp_path: Path, tls_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
+    config = tmp_path / "shard.toml"
+    config.write_text(
+        f'store = "{tmp_path / "s"}"\nlisten = "127.0.0.1:0"\ntoken = "s3cret"\n' + tls_section(tls_dir)
+    )
+    p, addr = start_shard(config)
+    yield p, addr, config
     if p.poll() is None:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=60)
@@ -97,3 +105,27 @@ def test_connect_argument_errors() -> None:
         embank.connect(["127.0.0.1:1"], timeout=0)
     with pytest.raises(errors.ShardUnavailableError):
         embank.connect(["127.0.0.1:1"], connect_timeout=0.5)
+
+
+def test_mutual_tls(tmp_path: Path, tls_dir: Path) -> None:
+    config = tmp_path / "mtls.toml"
+    config.write_text(
+        f'store = "{tmp_path / "s"}"\nlisten = "127.0.0.1:0"\n' + tls_section(tls_dir, client_ca=True)
+    )
+    p, addr = start_shard(config)
+    try:
+        with pytest.raises(errors.ShardUnavailableError, match=r"(?i)certificate"):
+            embank.connect([addr])
+        with pytest.raises(errors.ConfigError, match="both"):
+            embank.connect([addr], tls_cert_file=tls_dir / "client.pem")
+        with embank.connect(
+            [addr], tls_cert_file=tls_dir / "client.pem", tls_key_file=tls_dir / "client.key"
+        ) as s:
+            t = s.create_table("t", dim=2)
+            t.push([7], np.ones((1, 2), dtype=np.float32))
+            np.testing.assert_array_equal(t.pull([7]), np.ones((1, 2), dtype=np.float32))
+        with pytest.raises(errors.ShardUnavailableError, match="TLS handshake failed"):
+            embank.connect([addr], tls_ca_file=tls_dir / "server.pem")  # not the CA
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
