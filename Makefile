@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export CARGO_TERM_PROGRESS_WHEN = never
 
-.PHONY: demo test test-rust test-python lint develop test-long bench clean
+.PHONY: demo test test-rust test-python lint develop test-long bench clean fuzz fuzz-smoke fuzz-tools
 
 $(VENV)/.installed: requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -18,8 +18,9 @@ develop: $(VENV)/.installed
 demo: develop
 	$(BIN)/embank demo
 
-# Every check: formatting, lints with warnings denied, Rust tests, Python lint, types, tests.
-test: develop lint test-rust test-python
+# Every check: formatting, lints with warnings denied, Rust tests, Python lint, types, tests,
+# and a short run of every fuzz target.
+test: develop lint test-rust test-python fuzz-smoke
 
 lint: $(VENV)/.installed
 	cargo fmt --all --check
@@ -35,9 +36,31 @@ test-rust:
 test-python: develop
 	$(BIN)/pytest -q
 
-# The crash test with thousands of SIGKILLs (a few minutes).
+# The SIGKILL crash tests at 1,000 kills each (store on both media, training checkpoints).
 test-long:
-	EMBANK_CRASH_KILLS=3000 cargo test -p embank-core --release --locked --test crash -- --nocapture
+	EMBANK_CRASH_KILLS=1000 cargo test -p embank-core --release --locked --test crash -- --nocapture
+	EMBANK_CKPT_KILLS=1000 cargo test -p embank-core --release --locked --test checkpoint sigkill -- --nocapture
+
+# Coverage-guided fuzzing (libFuzzer through cargo fuzz, on the nightly toolchain beside
+# stable): every target for FUZZ_SECONDS; corpora that find new coverage grow in
+# fuzz/corpus/<target> (commit them), crashes land in fuzz/artifacts/<target>.
+FUZZ_TARGETS := frame server config catalog checkpoints journal index rows
+FUZZ_SECONDS ?= 300
+CARGO_FUZZ_VERSION := 0.12.0
+
+fuzz-tools:
+	@cargo +nightly fuzz --version >/dev/null 2>&1 || cargo +nightly install cargo-fuzz --version $(CARGO_FUZZ_VERSION) --locked
+
+fuzz: fuzz-tools
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  mkdir -p fuzz/corpus/$$t; \
+	  cargo +nightly fuzz run $$t fuzz/corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 2>&1 \
+	    | tee fuzz/last-$$t.log | grep -E "stat::number_of_executed_units|Done|ERROR|panicked" ; \
+	done
+
+# The short run `make test` does: each target for a few seconds from its committed corpus.
+fuzz-smoke:
+	$(MAKE) fuzz FUZZ_SECONDS=8
 
 # The bench with every baseline engine; pass arguments with ARGS="--workload ycsb-b ...".
 bench:

@@ -83,6 +83,12 @@ mod hex_bytes {
     }
 }
 
+/// The retained checkpoints a store directory's `CHECKPOINTS` file lists, oldest first
+/// (tools, and the fuzz target of the file's parser).
+pub fn load_checkpoints(dir: &Path) -> Result<Vec<CheckpointInfo>> {
+    Ok(CheckpointFile::load(dir)?.checkpoints)
+}
+
 /// What a table needs to know about the store's checkpoints when it opens.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct CheckpointState {

@@ -224,6 +224,14 @@ fn check_header(path: &Path, header: &RowsHeader, layout: &RecordLayout) -> Resu
         return Err(Error::new(ErrorKind::Recover, "rows file dim does not match the catalog")
             .context(path.display().to_string()));
     }
+    let needed = crate::format::ROW_HEADER_BYTES + layout.payload_bytes();
+    if (header.stride as usize) < needed {
+        return Err(Error::new(
+            ErrorKind::Recover,
+            format!("rows file stride {} is shorter than a record ({needed} bytes)", header.stride),
+        )
+        .context(path.display().to_string()));
+    }
     Ok(())
 }
 

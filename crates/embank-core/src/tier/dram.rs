@@ -267,18 +267,9 @@ impl RowCache {
 }
 
 impl super::Tier for RowCache {
-    fn get_batch(
-        &self,
-        table: u32,
-        keys: &[u64],
-        positions: &[usize],
-        elems: usize,
-        out: &mut [f32],
-        miss: &mut Vec<usize>,
-    ) {
-        for &i in positions {
-            let key = keys[i];
-            if !self.get(table, key, self.hash(table, key), &mut out[i * elems..(i + 1) * elems]) {
+    fn get_batch(&self, table: u32, keys: &[u64], elems: usize, out: &mut [f32], miss: &mut Vec<usize>) {
+        for (i, (&key, row)) in keys.iter().zip(out.chunks_exact_mut(elems)).enumerate() {
+            if !self.get(table, key, self.hash(table, key), row) {
                 miss.push(i);
             }
         }

@@ -19,17 +19,9 @@ use crate::medium::ReadItem;
 
 /// A tier of decoded records above the medium. Every call carries a batch.
 pub trait Tier: Send + Sync {
-    /// Copies the records held for `keys[pos]`, `pos` in `positions`, into
-    /// `out[pos * elems..]` (`elems`: f32s of a decoded record); appends the positions not held to `miss`.
-    fn get_batch(
-        &self,
-        table: u32,
-        keys: &[u64],
-        positions: &[usize],
-        elems: usize,
-        out: &mut [f32],
-        miss: &mut Vec<usize>,
-    );
+    /// Copies the record held for each of `keys` into `out[i * elems..]`; appends the
+    /// positions of keys not held to `miss`.
+    fn get_batch(&self, table: u32, keys: &[u64], elems: usize, out: &mut [f32], miss: &mut Vec<usize>);
     /// Admits records just read from below (`items`, rows in `out`), each under its key's
     /// lock: a key the tier got meanwhile keeps the tier's copy (copied into `out`, it is
     /// at least as new), and a record `current` calls stale (the index moved on) is not
@@ -93,10 +85,8 @@ impl<'a> TierStack<'a> {
     pub fn get(&self, keys: &[u64], elems: usize, out: &mut [f32]) -> Vec<usize> {
         let mut miss = Vec::new();
         match self.dram {
-            Some(c) => {
-                let all: Vec<usize> = (0..keys.len()).collect();
-                c.get_batch(self.table, keys, &all, elems, out, &mut miss);
-            }
+            // A second tier would be asked for the keys at `miss` next.
+            Some(c) => c.get_batch(self.table, keys, elems, out, &mut miss),
             None => miss.extend(0..keys.len()),
         }
         miss
