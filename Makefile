@@ -48,8 +48,9 @@ FUZZ_TARGETS := frame server config catalog checkpoints journal index rows
 FUZZ_SECONDS ?= 300
 CARGO_FUZZ_VERSION := 0.12.0
 
+# cargo-fuzz itself builds on stable (its locked dependencies predate today's nightly).
 fuzz-tools:
-	@cargo +nightly fuzz --version >/dev/null 2>&1 || cargo +nightly install cargo-fuzz --version $(CARGO_FUZZ_VERSION) --locked
+	@cargo +nightly fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --version $(CARGO_FUZZ_VERSION) --locked
 
 fuzz: fuzz-tools
 	@set -e; for t in $(FUZZ_TARGETS); do \
