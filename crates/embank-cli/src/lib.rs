@@ -11,6 +11,7 @@ pub mod cert;
 pub mod demo;
 pub mod npy;
 pub mod serve;
+pub mod soak;
 pub mod tools;
 pub mod workload;
 
@@ -52,6 +53,9 @@ enum Command {
     Import(tools::ImportArgs),
     /// Write a development CA and server and client certificates (PEM) for `embank serve`'s [tls].
     Cert(cert::CertArgs),
+    /// Run a server under mixed load (pulls, pushes, push_grad, checkpoints, clients that come
+    /// and go) for a set time, sampling RSS, descriptors, disk and p99 into a CSV and a PNG.
+    Soak(soak::SoakArgs),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -82,6 +86,7 @@ where
         Command::Export(args) => tools::export(args),
         Command::Import(args) => tools::import(args),
         Command::Cert(args) => cert::run(args),
+        Command::Soak(args) => soak::run(args),
     };
     match result {
         Ok(()) => 0,
