@@ -89,16 +89,11 @@ impl Table {
         }
         index.flush()?;
         crate::fsutil::sync_dir(&self.shared.dir)?;
-        let id = self.shared.id;
-        let meta = self.shared.catalog.update(|c| {
-            let m = c
-                .tables
-                .iter_mut()
-                .find(|m| m.id == id)
-                .ok_or_else(|| Error::corrupt("table vanished from the catalog"))?;
+        // The catalog names the new index first: a crash from here on opens it. (The state's
+        // write lock is held, so nobody sees the new generation before the new index.)
+        self.update_meta(|m| {
             m.index_generation = generation;
             m.grow_count += 1;
-            Ok(m.clone())
         })?;
         let old_path = st.index.path().to_owned();
         if self.shared.runtime.mmap_random {
@@ -106,7 +101,6 @@ impl Table {
         }
         st.index = index;
         let _ = std::fs::remove_file(&old_path);
-        *self.shared.meta.lock() = meta;
         tracing::info!(
             table = %self.shared.name,
             rows,

@@ -139,18 +139,24 @@ impl Table {
     /// Changes the optimizer's learning rate; durable at once (the catalog is rewritten).
     pub fn set_lr(&self, lr: f32) -> Result<()> {
         let new = self.optimizer().with_lr(lr)?;
+        self.update_meta(|m| m.optimizer = new)?;
+        *self.shared.optimizer.lock() = new;
+        Ok(())
+    }
+
+    /// Changes this table's catalog entry, durably (the catalog is rewritten), and the
+    /// copy in memory.
+    fn update_meta(&self, change: impl FnOnce(&mut TableMeta)) -> Result<()> {
         let id = self.shared.id;
         let meta = self.shared.catalog.update(|c| {
-            let m = c
-                .tables
-                .iter_mut()
-                .find(|m| m.id == id)
-                .ok_or_else(|| Error::new(ErrorKind::Closed, "table was dropped"))?;
-            m.optimizer = new;
+            let m =
+                c.tables.iter_mut().find(|m| m.id == id).ok_or_else(|| {
+                    Error::new(ErrorKind::Closed, format!("table {:?} was dropped", self.shared.name))
+                })?;
+            change(m);
             Ok(m.clone())
         })?;
         *self.shared.meta.lock() = meta;
-        *self.shared.optimizer.lock() = new;
         Ok(())
     }
 
