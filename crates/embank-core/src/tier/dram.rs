@@ -334,16 +334,8 @@ impl Locked<'_> {
 
     /// Replaces the row of a cached entry and marks it dirty; false if not cached.
     pub fn update_dirty(&mut self, table: u32, key: u64, row: &[f32]) -> bool {
-        let Some(&slot) = self.shard.map.get(&(table, key)) else { return false };
-        let version = self.cache.next_version();
-        let bytes = entry_bytes(row.len());
-        let e = &mut self.shard.slots[slot as usize];
-        e.row.copy_from_slice(row);
-        e.version = version;
-        e.referenced.store(true, Ordering::Relaxed);
-        if !e.dirty {
-            e.dirty = true;
-            self.cache.counters.dirty_bytes.fetch_add(bytes, Ordering::Relaxed);
+        if !self.replace(table, key, row, true) {
+            return false;
         }
         self.queue_if_dirty(table, key);
         true
@@ -351,15 +343,29 @@ impl Locked<'_> {
 
     /// Replaces the row of a cached entry with what was just written to the medium (clean).
     pub fn update_clean(&mut self, table: u32, key: u64, row: &[f32]) -> bool {
+        self.replace(table, key, row, false)
+    }
+
+    /// Replaces a cached entry's row under a new version, dirty or clean (a dirty
+    /// replacement also sets the reference bit); false if not cached.
+    fn replace(&mut self, table: u32, key: u64, row: &[f32], dirty: bool) -> bool {
         let Some(&slot) = self.shard.map.get(&(table, key)) else { return false };
         let version = self.cache.next_version();
         let bytes = entry_bytes(row.len());
         let e = &mut self.shard.slots[slot as usize];
         e.row.copy_from_slice(row);
         e.version = version;
-        if e.dirty {
-            e.dirty = false;
-            self.cache.counters.dirty_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        if dirty {
+            e.referenced.store(true, Ordering::Relaxed);
+        }
+        if e.dirty != dirty {
+            e.dirty = dirty;
+            let counter = &self.cache.counters.dirty_bytes;
+            if dirty {
+                counter.fetch_add(bytes, Ordering::Relaxed);
+            } else {
+                counter.fetch_sub(bytes, Ordering::Relaxed);
+            }
         }
         true
     }
