@@ -45,6 +45,8 @@ pub struct SoakArgs {
 struct Sample {
     seconds: f64,
     rss_bytes: u64,
+    /// Anonymous memory (the heap): RSS less the pages of mapped files.
+    anon_bytes: u64,
     fds: u64,
     disk_bytes: u64,
     batches: u64,
@@ -52,10 +54,11 @@ struct Sample {
     p99_us: f64,
 }
 
-fn proc_rss(pid: u32) -> u64 {
+/// A `kB` line of `/proc/<pid>/status`, in bytes.
+fn proc_status(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(|l| l.to_string()))
+        .and_then(|s| s.lines().find(|l| l.starts_with(field)).map(|l| l.to_string()))
         .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
         .map_or(0, |kib| kib * 1024)
 }
@@ -84,6 +87,18 @@ fn percentile(sorted: &[u64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize] as f64
 }
 
+/// A command that runs this program: the `embank` binary itself, or, when the CLI runs
+/// inside Python (the `embank` entry point of the wheel), `python -m embank`.
+fn self_command() -> Result<Command, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
+    let in_python = exe.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("python"));
+    let mut cmd = Command::new(&exe);
+    if in_python {
+        cmd.args(["-m", "embank"]);
+    }
+    Ok(cmd)
+}
+
 struct Server {
     child: Child,
     addr: String,
@@ -97,8 +112,7 @@ impl Server {
             format!("store = {:?}\nlisten = \"127.0.0.1:0\"\n", out.join("store").display().to_string()),
         )
         .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
-        let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
-        let mut child = Command::new(exe)
+        let mut child = self_command()?
             .args(["serve", "--config"])
             .arg(&config)
             .stdout(Stdio::piped())
@@ -209,7 +223,7 @@ pub fn run(args: SoakArgs) -> Result<(), String> {
 
     let csv_path = args.out.join("soak.csv");
     let mut csv = std::fs::File::create(&csv_path).map_err(|e| format!("cannot create {}: {e}", csv_path.display()))?;
-    writeln!(csv, "seconds,rss_bytes,fds,disk_bytes,batches,p50_us,p99_us").map_err(|e| e.to_string())?;
+    writeln!(csv, "seconds,rss_bytes,anon_bytes,fds,disk_bytes,batches,p50_us,p99_us").map_err(|e| e.to_string())?;
     let t0 = Instant::now();
     let mut samples = Vec::new();
     let store_dir = args.out.join("store");
@@ -219,7 +233,8 @@ pub fn run(args: SoakArgs) -> Result<(), String> {
         lat.sort_unstable();
         let s = Sample {
             seconds: t0.elapsed().as_secs_f64(),
-            rss_bytes: proc_rss(pid),
+            rss_bytes: proc_status(pid, "VmRSS:"),
+            anon_bytes: proc_status(pid, "RssAnon:"),
             fds: proc_fds(pid),
             disk_bytes: disk_bytes(&store_dir),
             batches: lat.len() as u64,
@@ -228,14 +243,15 @@ pub fn run(args: SoakArgs) -> Result<(), String> {
         };
         writeln!(
             csv,
-            "{:.1},{},{},{},{},{:.0},{:.0}",
-            s.seconds, s.rss_bytes, s.fds, s.disk_bytes, s.batches, s.p50_us, s.p99_us
+            "{:.1},{},{},{},{},{},{:.0},{:.0}",
+            s.seconds, s.rss_bytes, s.anon_bytes, s.fds, s.disk_bytes, s.batches, s.p50_us, s.p99_us
         )
         .map_err(|e| e.to_string())?;
         println!(
-            "{:>7.0} s  rss {:>8.1} MiB  fds {:>4}  disk {:>8.1} MiB  {:>6} batches  p50 {:>6.0} us  p99 {:>7.0} us",
+            "{:>7.0} s  rss {:>8.1} MiB (heap {:>7.1})  fds {:>4}  disk {:>8.1} MiB  {:>6} batches  p50 {:>6.0} us  p99 {:>7.0} us",
             s.seconds,
             s.rss_bytes as f64 / (1 << 20) as f64,
+            s.anon_bytes as f64 / (1 << 20) as f64,
             s.fds,
             s.disk_bytes as f64 / (1 << 20) as f64,
             s.batches,
@@ -255,11 +271,12 @@ pub fn run(args: SoakArgs) -> Result<(), String> {
     let (first, last) = (&samples[warm], samples.last().expect("at least one sample"));
     let drift = |a: u64, b: u64| if a == 0 { 0.0 } else { (b as f64 - a as f64) / a as f64 * 100.0 };
     println!(
-        "soak: {} samples in {:.0} s; after warm-up (sample {}): RSS {:+.1} %, descriptors {:+.1} % (goal: within 5 %); {} errors{}; wrote {} and {}",
+        "soak: {} samples in {:.0} s; after warm-up (sample {}): RSS {:+.1} % (heap {:+.1} %), descriptors {:+.1} % (goal: within 5 %); {} errors{}; wrote {} and {}",
         samples.len(),
         last.seconds,
         warm + 1,
         drift(first.rss_bytes, last.rss_bytes),
+        drift(first.anon_bytes, last.anon_bytes),
         drift(first.fds, last.fds),
         errors.len(),
         errors.first().map_or(String::new(), |e| format!(" (first: {e})")),
@@ -279,15 +296,17 @@ type Panel = (&'static str, fn(&Sample) -> f64);
 fn draw(samples: &[Sample], path: &Path) -> Result<(), String> {
     crate::bench::plot::register_font()?;
     let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
-    let root = BitMapBackend::new(path, (1200, 900)).into_drawing_area();
+    let root = BitMapBackend::new(path, (1200, 1200)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let areas = root.split_evenly((2, 2));
+    let areas = root.split_evenly((3, 2));
     let t_end = samples.last().map_or(1.0, |s| s.seconds).max(1.0);
-    let panels: [Panel; 4] = [
-        ("server RSS, MiB", |s| s.rss_bytes as f64 / (1 << 20) as f64),
+    let panels: [Panel; 6] = [
+        ("server RSS, MiB (with the mapped store)", |s| s.rss_bytes as f64 / (1 << 20) as f64),
+        ("server heap (RssAnon), MiB", |s| s.anon_bytes as f64 / (1 << 20) as f64),
         ("open descriptors", |s| s.fds as f64),
         ("store on disk, MiB", |s| s.disk_bytes as f64 / (1 << 20) as f64),
         ("batch p99, us", |s| s.p99_us),
+        ("batches per sample", |s| s.batches as f64),
     ];
     for (area, (title, f)) in areas.iter().zip(panels.iter()) {
         let top = samples.iter().map(f).fold(1.0, f64::max) * 1.15;
