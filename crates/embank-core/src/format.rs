@@ -23,6 +23,10 @@ pub const ROWS_HEADER_BYTES: usize = 4096;
 pub const INDEX_LEN_OFFSET: usize = 32;
 pub const INDEX_STATE_OFFSET: usize = 40;
 pub const INDEX_FREE_GENERATION_OFFSET: usize = 48;
+/// 16 bytes: the kernel's boot id when the index was last opened (zero: unknown). A dirty
+/// index opened again in the same boot was left by a killed process, whose writes all
+/// reached the page cache; after a reboot the pages may be torn.
+pub const INDEX_BOOT_ID_OFFSET: usize = 56;
 
 /// `state` word: closed cleanly.
 pub const STATE_CLEAN: u32 = 0;

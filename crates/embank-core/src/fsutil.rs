@@ -7,6 +7,22 @@ use std::path::Path;
 
 use crate::error::{io_at, Error, ErrorKind, Result};
 
+/// The kernel's id of the running boot (`/proc/sys/kernel/random/boot_id`, a UUID), or
+/// zeros where it cannot be read.
+pub fn boot_id() -> [u8; 16] {
+    let mut id = [0u8; 16];
+    let Ok(text) = std::fs::read_to_string("/proc/sys/kernel/random/boot_id") else { return id };
+    let hex: Vec<u8> = text.bytes().filter(u8::is_ascii_hexdigit).collect();
+    if hex.len() != 32 {
+        return [0; 16];
+    }
+    for (i, pair) in hex.chunks(2).enumerate() {
+        let s = std::str::from_utf8(pair).unwrap_or("00");
+        id[i] = u8::from_str_radix(s, 16).unwrap_or(0);
+    }
+    id
+}
+
 /// Makes a directory's entries (creates, renames, removes) durable.
 pub fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_at("cannot sync directory", dir, e))

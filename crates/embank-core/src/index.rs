@@ -19,10 +19,19 @@
 //! behind is an odd version (a bucket update cut short) and overflow counts
 //! that are too high; [`Index::recover`] repairs both. The header's `state`
 //! word tells whether the last user closed cleanly.
+//!
+//! Instant repair: after a killed process (same boot: every write it made is in
+//! the page cache), the index need not be walked before it serves. With
+//! [`Index::begin_lazy_repair`] every bucket is repaired the first time anyone
+//! touches it (a byte per bucket in DRAM says which are done), while a
+//! background pass ([`Index::repair_scan`]) walks the rest and counts the keys;
+//! [`Index::finish_lazy_repair`] then sets the exact key count. Overflow
+//! counters a kill left too high stay so (lookups walk a bucket further; the
+//! counts come down as keys are removed).
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use memmap2::{MmapMut, MmapOptions};
 
@@ -199,6 +208,28 @@ pub struct Index {
     bucket_count: u64,
     bucket_mask: u64,
     seed: u64,
+    /// True while buckets are repaired on first touch (see the module docs).
+    repairing: AtomicBool,
+    lazy: Option<Box<LazyRepair>>,
+}
+
+/// Per-bucket repair state of a lazy repair.
+const UNCHECKED: u8 = 0;
+const BUSY: u8 = 1;
+const DONE: u8 = 2;
+
+/// The state of a repair on first touch.
+struct LazyRepair {
+    /// Per bucket: `UNCHECKED`, `BUSY` (being repaired), `DONE`.
+    state: Box<[AtomicU8]>,
+    /// Buckets below it have been counted by the background pass.
+    cursor: AtomicU64,
+    /// Keys the background pass counted (each bucket when it passed it).
+    counted: AtomicU64,
+    /// Keys inserted into counted buckets since, less those removed from them.
+    delta: AtomicI64,
+    buckets_interrupted: AtomicU64,
+    slots_dropped: AtomicU64,
 }
 
 // SAFETY: all shared mutation goes through atomics in the mapping.
@@ -231,8 +262,19 @@ impl Index {
             unsafe { MmapOptions::new().map_mut(&file) }.map_err(|e| io_at("cannot map index file", path, e))?;
         let header = IndexHeader::new(bucket_count, seed);
         header.write(&mut map[..INDEX_HEADER_BYTES]);
-        let index =
-            Index { path: path.to_owned(), _file: file, map, bucket_count, bucket_mask: bucket_count - 1, seed };
+        // A new index is in use (dirty) from the start, by this boot.
+        let at = format::INDEX_BOOT_ID_OFFSET;
+        map[at..at + 16].copy_from_slice(&crate::fsutil::boot_id());
+        let index = Index {
+            path: path.to_owned(),
+            _file: file,
+            map,
+            bucket_count,
+            bucket_mask: bucket_count - 1,
+            seed,
+            repairing: AtomicBool::new(false),
+            lazy: None,
+        };
         Ok(index)
     }
 
@@ -263,6 +305,8 @@ impl Index {
             bucket_count: header.bucket_count,
             bucket_mask: header.bucket_count - 1,
             seed: header.seed,
+            repairing: AtomicBool::new(false),
+            lazy: None,
         })
     }
 
@@ -331,8 +375,23 @@ impl Index {
         self.word(format::INDEX_FREE_GENERATION_OFFSET).load(Ordering::Acquire)
     }
 
-    /// Marks the index in use (dirty) and makes that durable before any write.
+    /// True when the index was last opened in the running boot of the machine: if it is
+    /// dirty, a killed process (not a machine crash) left it, and every write that
+    /// process made is in the page cache.
+    pub fn opened_in_this_boot(&self) -> bool {
+        let boot = crate::fsutil::boot_id();
+        let at = format::INDEX_BOOT_ID_OFFSET;
+        boot != [0; 16] && self.map[at..at + 16] == boot
+    }
+
+    /// Marks the index in use (dirty), with the running boot's id, and makes that
+    /// durable before any write.
     pub fn mark_open(&self) -> Result<()> {
+        let boot = crate::fsutil::boot_id();
+        for (i, half) in boot.chunks(8).enumerate() {
+            let w = u64::from_le_bytes(half.try_into().expect("8 bytes"));
+            self.word(format::INDEX_BOOT_ID_OFFSET + 8 * i).store(w, Ordering::Relaxed);
+        }
         self.word32(format::INDEX_STATE_OFFSET).store(format::STATE_OPEN, Ordering::Release);
         self.map.flush_range(0, INDEX_HEADER_BYTES).map_err(|e| io_at("cannot sync index header", &self.path, e))
     }
@@ -350,8 +409,25 @@ impl Index {
         self.map.flush().map_err(|e| io_at("cannot sync index", &self.path, e))
     }
 
+    /// Bucket `i`, repaired first while a lazy repair runs.
     #[inline(always)]
     fn bucket(&self, i: u64) -> &Bucket {
+        if self.repairing.load(Ordering::Acquire) {
+            self.repair_on_touch(i);
+        }
+        self.raw_bucket(i)
+    }
+
+    #[inline(never)]
+    fn repair_on_touch(&self, i: u64) {
+        if let Some(lazy) = &self.lazy {
+            self.ensure_repaired(lazy, i);
+        }
+    }
+
+    /// Bucket `i` as it lies in the file.
+    #[inline(always)]
+    fn raw_bucket(&self, i: u64) -> &Bucket {
         debug_assert!(i < self.bucket_count);
         // SAFETY: i < bucket_count and the file holds exactly that many buckets
         // after the header; buckets are 64-aligned because the header is 4096 bytes.
@@ -366,7 +442,7 @@ impl Index {
     /// Hints the CPU to load the home bucket of a hash.
     #[inline(always)]
     pub fn prefetch(&self, hash: u64) {
-        let b = self.bucket(home_bucket(hash, self.bucket_mask)) as *const Bucket as *const u8;
+        let b = self.raw_bucket(home_bucket(hash, self.bucket_mask)) as *const Bucket as *const u8;
         crate::prefetch::prefetch_read(b);
         // Inserts fill the lowest free slot, so most keys sit in slots 0..6: the first
         // two cache lines. SAFETY: the bucket is 256 bytes long.
@@ -439,6 +515,9 @@ impl Index {
                 bucket.slots[slot][0].store(key, Ordering::Relaxed);
                 bucket.slots[slot][1].store(ptr, Ordering::Release);
                 bucket.set_fp(slot, fp);
+                if self.repairing.load(Ordering::Acquire) {
+                    self.count_change(b, 1);
+                }
                 bucket.unlock(v);
                 self.add_len(1);
                 return true;
@@ -491,6 +570,9 @@ impl Index {
         bucket.set_fp(found.slot, 0);
         let old = bucket.slots[found.slot][1].swap(0, Ordering::AcqRel);
         bucket.slots[found.slot][0].store(0, Ordering::Relaxed);
+        if self.repairing.load(Ordering::Acquire) {
+            self.count_change(found.bucket, -1);
+        }
         bucket.unlock(v);
         self.add_len(-1);
         // Only after the key is gone: it no longer passes the buckets before it.
@@ -561,6 +643,140 @@ impl Index {
         hist
     }
 
+    /// Clears slots without a fingerprint and drops those whose fingerprint does not
+    /// match their key, that point nowhere, or that `keep` refuses; returns how many
+    /// were dropped. The caller owns the bucket (exclusive access or its repair).
+    fn clean_slots(&self, bucket: &Bucket, mut keep: impl FnMut(u64, u64) -> bool) -> u64 {
+        let mut dropped = 0;
+        for slot in 0..SLOTS_PER_BUCKET {
+            let fp = bucket.fp(slot);
+            let key = bucket.slots[slot][0].load(Ordering::Relaxed);
+            let ptr = bucket.slots[slot][1].load(Ordering::Relaxed);
+            if fp == 0 {
+                if key != 0 || ptr != 0 {
+                    bucket.slots[slot][0].store(0, Ordering::Relaxed);
+                    bucket.slots[slot][1].store(0, Ordering::Relaxed);
+                }
+                continue;
+            }
+            if !(ptr != 0 && fingerprint(self.hash(key)) == fp && keep(key, ptr)) {
+                dropped += 1;
+                bucket.set_fp(slot, 0);
+                bucket.slots[slot][0].store(0, Ordering::Relaxed);
+                bucket.slots[slot][1].store(0, Ordering::Relaxed);
+            }
+        }
+        dropped
+    }
+
+    /// Starts a repair on first touch (see the module docs). Only for an index a killed
+    /// process left in this boot ([`opened_in_this_boot`](Self::opened_in_this_boot)):
+    /// buckets are then whole except those with an odd version. Until
+    /// [`finish_lazy_repair`](Self::finish_lazy_repair), [`len`](Self::len) may be off
+    /// by the inserts and removes the kill cut short.
+    pub fn begin_lazy_repair(&mut self) {
+        let n = self.bucket_count as usize;
+        // Zeroed pages from the allocator (UNCHECKED is 0); AtomicU8 has u8's layout.
+        let bytes = vec![0u8; n].into_boxed_slice();
+        // SAFETY: same size and alignment, and every bit pattern is a valid AtomicU8.
+        let state = unsafe { Box::from_raw(Box::into_raw(bytes) as *mut [AtomicU8]) };
+        self.lazy = Some(Box::new(LazyRepair {
+            state,
+            cursor: AtomicU64::new(0),
+            counted: AtomicU64::new(0),
+            delta: AtomicI64::new(0),
+            buckets_interrupted: AtomicU64::new(0),
+            slots_dropped: AtomicU64::new(0),
+        }));
+        self.repairing.store(true, Ordering::Release);
+    }
+
+    /// True while a repair on first touch runs.
+    pub fn is_repairing(&self) -> bool {
+        self.repairing.load(Ordering::Acquire)
+    }
+
+    /// Repairs bucket `b` unless that is done; waits while another thread repairs it.
+    fn ensure_repaired(&self, lazy: &LazyRepair, b: u64) {
+        let state = &lazy.state[b as usize];
+        loop {
+            match state.load(Ordering::Acquire) {
+                DONE => return,
+                UNCHECKED => {
+                    if state.compare_exchange(UNCHECKED, BUSY, Ordering::Acquire, Ordering::Acquire).is_ok() {
+                        self.repair_one(lazy, b);
+                        state.store(DONE, Ordering::Release);
+                        return;
+                    }
+                }
+                _ => std::hint::spin_loop(),
+            }
+        }
+    }
+
+    /// Repairs one bucket a killed process may have left locked: an odd version means
+    /// an update was cut short there; its slots are cleaned and the bucket unlocked.
+    fn repair_one(&self, lazy: &LazyRepair, b: u64) {
+        let bucket = self.raw_bucket(b);
+        let v = bucket.version.load(Ordering::Acquire);
+        if v & 1 == 0 {
+            return;
+        }
+        let dropped = self.clean_slots(bucket, |_, _| true);
+        lazy.buckets_interrupted.fetch_add(1, Ordering::Relaxed);
+        lazy.slots_dropped.fetch_add(dropped, Ordering::Relaxed);
+        bucket.version.store(v.wrapping_add(1), Ordering::Release);
+    }
+
+    /// A writer changed the key count of bucket `b` (it holds the bucket's lock): if the
+    /// background pass already counted that bucket, the change goes into its delta.
+    fn count_change(&self, b: u64, d: i64) {
+        if let Some(lazy) = &self.lazy {
+            if b < lazy.cursor.load(Ordering::Acquire) {
+                lazy.delta.fetch_add(d, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The background pass of a lazy repair over buckets `[start, end)`, which must
+    /// continue where the last call stopped: repairs each bucket, counts its keys and
+    /// calls `f(key, ptr)` for each, under the bucket's lock.
+    pub fn repair_scan(&self, start: u64, end: u64, mut f: impl FnMut(u64, u64)) {
+        let lazy = self.lazy.as_ref().expect("repair_scan without begin_lazy_repair");
+        assert_eq!(start, lazy.cursor.load(Ordering::Acquire), "repair_scan must continue where it stopped");
+        for b in start..end.min(self.bucket_count) {
+            self.ensure_repaired(lazy, b);
+            let bucket = self.raw_bucket(b);
+            let v = bucket.lock();
+            let mut n = 0;
+            for slot in 0..SLOTS_PER_BUCKET {
+                if bucket.fp(slot) != 0 {
+                    n += 1;
+                    f(bucket.slots[slot][0].load(Ordering::Relaxed), bucket.slots[slot][1].load(Ordering::Relaxed));
+                }
+            }
+            lazy.counted.fetch_add(n, Ordering::Relaxed);
+            lazy.cursor.store(b + 1, Ordering::Release);
+            bucket.unlock(v);
+        }
+    }
+
+    /// Ends a lazy repair once [`repair_scan`](Self::repair_scan) has passed every
+    /// bucket: sets the exact key count. No insert or remove may run meanwhile (the
+    /// table holds every writer stripe).
+    pub fn finish_lazy_repair(&self) -> RecoverReport {
+        let lazy = self.lazy.as_ref().expect("finish_lazy_repair without begin_lazy_repair");
+        assert_eq!(lazy.cursor.load(Ordering::Acquire), self.bucket_count, "the background pass is not done");
+        let keys = (lazy.counted.load(Ordering::Relaxed) as i64 + lazy.delta.load(Ordering::Relaxed)).max(0) as u64;
+        self.word(format::INDEX_LEN_OFFSET).store(keys, Ordering::Relaxed);
+        self.repairing.store(false, Ordering::Release);
+        RecoverReport {
+            buckets_interrupted: lazy.buckets_interrupted.load(Ordering::Relaxed),
+            slots_dropped: lazy.slots_dropped.load(Ordering::Relaxed),
+            keys,
+        }
+    }
+
     /// Repairs the index after a crash; needs exclusive access.
     ///
     /// Every bucket with an odd version (an update cut short) is unlocked, and
@@ -570,7 +786,7 @@ impl Index {
     pub fn recover(&self, mut keep: impl FnMut(u64, u64, bool) -> bool) -> RecoverReport {
         let mut report = RecoverReport::default();
         for b in 0..self.bucket_count {
-            let bucket = self.bucket(b);
+            let bucket = self.raw_bucket(b);
             let v = bucket.version.load(Ordering::Relaxed);
             let interrupted = v & 1 == 1;
             if interrupted {
@@ -578,30 +794,12 @@ impl Index {
                 bucket.version.store(v.wrapping_add(1), Ordering::Relaxed);
             }
             bucket.overflow.store(0, Ordering::Relaxed);
-            for slot in 0..SLOTS_PER_BUCKET {
-                let fp = bucket.fp(slot);
-                let key = bucket.slots[slot][0].load(Ordering::Relaxed);
-                let ptr = bucket.slots[slot][1].load(Ordering::Relaxed);
-                if fp == 0 {
-                    if key != 0 || ptr != 0 {
-                        bucket.slots[slot][0].store(0, Ordering::Relaxed);
-                        bucket.slots[slot][1].store(0, Ordering::Relaxed);
-                    }
-                    continue;
-                }
-                let valid = ptr != 0 && fingerprint(self.hash(key)) == fp && keep(key, ptr, interrupted);
-                if !valid {
-                    report.slots_dropped += 1;
-                    bucket.set_fp(slot, 0);
-                    bucket.slots[slot][0].store(0, Ordering::Relaxed);
-                    bucket.slots[slot][1].store(0, Ordering::Relaxed);
-                }
-            }
+            report.slots_dropped += self.clean_slots(bucket, |key, ptr| keep(key, ptr, interrupted));
         }
         // Recount overflow along each key's probe path.
         let mut keys = 0;
         for b in 0..self.bucket_count {
-            let bucket = self.bucket(b);
+            let bucket = self.raw_bucket(b);
             for slot in 0..SLOTS_PER_BUCKET {
                 if bucket.fp(slot) == 0 {
                     continue;
@@ -611,7 +809,7 @@ impl Index {
                 let (home, step) = (home_bucket(h, self.bucket_mask), probe_step(h, self.bucket_mask));
                 let mut p = home;
                 while p != b {
-                    self.bucket(p).overflow.fetch_add(1, Ordering::Relaxed);
+                    self.raw_bucket(p).overflow.fetch_add(1, Ordering::Relaxed);
                     p = (p + step) & self.bucket_mask;
                 }
             }

@@ -22,7 +22,7 @@ use crate::checkpoint::{CheckpointFile, CHECKPOINT_META_BYTES_MAX};
 use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::io::{FaultPlan, FaultyEngine, IoChoice, IoStats};
 use crate::runtime::Runtime;
-use crate::table::{validate_name, Table, TableOptions, TableStats};
+use crate::table::{validate_name, RepairMode, Table, TableOptions, TableStats};
 use crate::tier::{CacheStats, RowCache, Tier};
 
 pub use crate::checkpoint::CheckpointInfo;
@@ -56,6 +56,14 @@ pub struct StoreOptions {
     /// Checkpoints kept for [`Store::restore`]; older ones are dropped (and the rows
     /// they alone needed freed). Default 2.
     pub keep_checkpoints: usize,
+    /// After a killed process (same boot), serve at once and repair in the background:
+    /// index buckets are repaired when first touched, the rest and the free list by a
+    /// background thread (see docs/RELIABILITY.md). Default true. False: the open does
+    /// the whole repair first, as after a machine crash, when it always does.
+    pub background_repair: bool,
+    /// Test hook: the background repair does this many buckets, then sleeps this long.
+    #[doc(hidden)]
+    pub repair_throttle: Option<(u64, std::time::Duration)>,
     /// Test hook: inject I/O failures into block media.
     #[doc(hidden)]
     pub fault: Option<Arc<FaultPlan>>,
@@ -71,6 +79,8 @@ impl Default for StoreOptions {
             io_depth: IO_DEPTH_DEFAULT,
             mmap_random_access: true,
             keep_checkpoints: 2,
+            background_repair: true,
+            repair_throttle: None,
             fault: None,
         }
     }
@@ -96,6 +106,8 @@ pub struct StoreStats {
 struct Inner {
     ckpts: parking_lot::Mutex<CheckpointFile>,
     keep_checkpoints: usize,
+    /// How tables opened after a crash (or restored) are repaired.
+    repair: RepairMode,
     dir: PathBuf,
     catalog: Arc<Catalog>,
     tables: BTreeMap<String, Table>,
@@ -176,18 +188,17 @@ impl Store {
         let mut ckpts = CheckpointFile::load(&dir)?;
         let state = ckpts.state(ckpts.restore_to);
         runtime.gate.interval.store(state.latest, std::sync::atomic::Ordering::Release);
+        let repair = RepairMode {
+            verify: options.verify,
+            background: options.background_repair,
+            throttle: options.repair_throttle,
+        };
         let mut tables = BTreeMap::new();
         for meta in data.tables {
             let name = meta.name.clone();
-            let table = Table::open(
-                &table_dir(&dir, meta.id),
-                meta,
-                Arc::clone(&catalog),
-                options.verify,
-                Arc::clone(&runtime),
-                state,
-            )
-            .map_err(|e| e.context(format!("table {name:?}")))?;
+            let table =
+                Table::open(&table_dir(&dir, meta.id), meta, Arc::clone(&catalog), repair, Arc::clone(&runtime), state)
+                    .map_err(|e| e.context(format!("table {name:?}")))?;
             tables.insert(name, table);
         }
         if ckpts.restore_to.take().is_some() {
@@ -197,6 +208,7 @@ impl Store {
             inner: RwLock::new(Some(Inner {
                 ckpts: parking_lot::Mutex::new(ckpts),
                 keep_checkpoints: options.keep_checkpoints,
+                repair,
                 dir: dir.clone(),
                 catalog,
                 tables,
@@ -269,6 +281,19 @@ impl Store {
             let names: Vec<&str> = inner.tables.keys().map(|s| s.as_str()).collect();
             Error::new(ErrorKind::NotFound, format!("no table {name:?} in this store (tables: {names:?})"))
         })
+    }
+
+    /// Waits until every table's background repair after a crash (if any) is done; see
+    /// [`StoreOptions::background_repair`].
+    pub fn wait_repaired(&self) -> Result<()> {
+        let tables: Vec<Table> = {
+            let guard = self.inner.read();
+            guard.as_ref().ok_or_else(|| self.closed())?.tables.values().cloned().collect()
+        };
+        for t in tables {
+            t.wait_repaired();
+        }
+        Ok(())
     }
 
     /// Names of all tables, sorted.
@@ -401,7 +426,7 @@ impl Store {
                 &table_dir(&inner.dir, meta.id),
                 meta,
                 Arc::clone(&inner.catalog),
-                false,
+                RepairMode { verify: false, ..inner.repair },
                 Arc::clone(&inner.runtime),
                 state,
             )

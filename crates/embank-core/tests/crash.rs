@@ -11,6 +11,12 @@
 //! the table's row count with the keys found there: a row outside the window (a
 //! deleted key come back, a stray key) makes the counts differ.
 //!
+//! Reopens repair in the background (a killed process of this boot): half of them
+//! slow the background pass down, so the checks, and writes (steady rows written
+//! back unchanged, scratch keys inserted and deleted), run while buckets are still
+//! being repaired and the free list rebuilt; the row count is checked once the
+//! repair is done.
+//!
 //! The child is this same test binary, started with `--ignored --exact crash_child`.
 
 use std::io::{BufRead, BufReader};
@@ -31,6 +37,8 @@ const NEW_BASE: u64 = 1 << 32;
 const NEW_PER: u64 = 40;
 const WINDOW: u64 = 12;
 const FLUSH_EVERY: u64 = 3;
+/// Keys the parent inserts and deletes again while the repair runs.
+const SCRATCH_BASE: u64 = 1 << 40;
 
 fn row(g: u64, key: u64) -> [f32; DIM] {
     // Even elements carry the generation, odd ones the key (mod 2^20): a torn
@@ -132,6 +140,7 @@ fn crash_run(medium: MediumKind) {
     let mut next_gen = 1u64;
     let mut last_flushed = 0u64;
     let mut recoveries = 0u64;
+    let mut during_repair = 0u64;
     let t0 = Instant::now();
     for kill in 0..kills {
         let mut child = Command::new(&exe)
@@ -165,15 +174,23 @@ fn crash_run(medium: MediumKind) {
         }
         let ctx = format!("kill {kill}, seed {seed}, last flushed gen {last_flushed}");
 
-        let store = Store::open(&path, StoreOptions::default()).unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
+        let mut options = StoreOptions::default();
+        if rng.next().is_multiple_of(2) {
+            options.repair_throttle = Some((2, Duration::from_millis(1)));
+        }
+        let store = Store::open(&path, options).unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
         let Ok(table) = store.table("t") else {
             assert!(started.is_none(), "{ctx}: table missing after a generation started");
             continue;
         };
         let stats = table.stats().unwrap();
         assert_eq!(stats.medium, medium.name(), "{ctx}");
-        if stats.recovered.is_some() {
+        if let Some(r) = &stats.recovered {
             recoveries += 1;
+            assert!(r.background, "{ctx}: a process killed in this boot is repaired in the background");
+            if r.pending {
+                during_repair += 1;
+            }
         }
         // Steady keys: present (once anything was flushed), whole, not older than the last flush.
         let keys: Vec<u64> = (0..STEADY).collect();
@@ -215,6 +232,27 @@ fn crash_run(medium: MediumKind) {
                 }
             }
         }
+        // Writes while the repair may still run: steady rows written back as they are
+        // (each replaces a record the free-list rebuild must not free twice), scratch keys
+        // inserted and deleted again (the key count must come out exact).
+        let keys: Vec<u64> = (0..STEADY).collect();
+        let mut out = vec![0.0; keys.len() * DIM];
+        let mut found = vec![false; keys.len()];
+        table.lookup(&keys, &mut out, &mut found).unwrap();
+        let present: Vec<u64> = keys.iter().zip(&found).filter(|(_, &f)| f).map(|(&k, _)| k).collect();
+        let rows: Vec<f32> = keys
+            .iter()
+            .zip(&found)
+            .filter(|(_, &f)| f)
+            .flat_map(|(&k, _)| out[k as usize * DIM..][..DIM].to_vec())
+            .collect();
+        table.push(&present, &rows).unwrap_or_else(|e| panic!("{ctx}: write during repair failed: {e}"));
+        let scratch: Vec<u64> = (SCRATCH_BASE..SCRATCH_BASE + 100).collect();
+        table.push(&scratch, &vec![1.0; scratch.len() * DIM]).unwrap();
+        table.delete(&scratch).unwrap();
+        table.wait_repaired();
+        let repaired = table.stats().unwrap().recovered;
+        assert!(repaired.is_none_or(|r| !r.pending), "{ctx}: repair still pending after wait_repaired");
         // Nothing outside the window: every older key was deleted by a flushed generation.
         assert_eq!(table.len().unwrap(), counted, "{ctx}: rows outside the checked window (a deleted key is back?)");
         // Every stored row passes its checksum.
@@ -227,8 +265,9 @@ fn crash_run(medium: MediumKind) {
     }
     assert!(last_flushed > 0, "no flush completed in {kills} runs: the kill window is too short");
     assert!(recoveries > 0, "no run needed recovery");
+    assert!(kills < 20 || during_repair > 0, "no check ran while a background repair was pending");
     eprintln!(
-        "crash test ({}): {kills} kills in {:.1}s, {recoveries} recoveries, last flushed gen {last_flushed}",
+        "crash test ({}): {kills} kills in {:.1}s, {recoveries} recoveries ({during_repair} checked during the background repair), last flushed gen {last_flushed}",
         medium.name(),
         t0.elapsed().as_secs_f64()
     );

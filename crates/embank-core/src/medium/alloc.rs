@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crossbeam_epoch::Guard;
@@ -37,6 +37,17 @@ pub struct RecordAlloc {
     file_records: AtomicU64,
     grow_lock: Mutex<()>,
     free: Arc<FreeList>,
+    /// True while the free list is rebuilt in the background after a crash.
+    rebuilding: AtomicBool,
+    rebuild: Mutex<Option<Rebuild>>,
+}
+
+/// A free list rebuilt in the background: records below `limit` (those handed out
+/// before the crash) are free unless the index or a checkpoint holds them, or a
+/// writer unlinked them during the rebuild (they reach the free list the usual way).
+struct Rebuild {
+    limit: u64,
+    unlinked: Vec<u64>,
 }
 
 // SAFETY: `next` points into a shared mapping its owner keeps alive as long as this.
@@ -62,6 +73,8 @@ impl RecordAlloc {
             file_records: AtomicU64::new(len.saturating_sub(ROWS_HEADER_BYTES as u64) / stride),
             grow_lock: Mutex::new(()),
             free: Arc::new(FreeList::default()),
+            rebuilding: AtomicBool::new(false),
+            rebuild: Mutex::new(None),
         };
         let next = alloc.next_record();
         if next > alloc.file_records.load(Ordering::Relaxed) {
@@ -274,6 +287,69 @@ impl RecordAlloc {
             if live[(r / 64) as usize] & (1 << (r % 64)) == 0 {
                 free.push(r);
             }
+        }
+    }
+
+    /// Starts rebuilding the free list in the background: until
+    /// [`finish_rebuild`](Self::finish_rebuild), writers take fresh records (or ones
+    /// retired meanwhile) and report every record they unlink
+    /// ([`note_unlinked`](Self::note_unlinked)). Returns the records a live bitmap must
+    /// cover.
+    pub fn begin_rebuild(&self) -> u64 {
+        // A free list loaded at open is not used: the rebuild finds every free record.
+        self.free.records.lock().clear();
+        let limit = self.next_record();
+        *self.rebuild.lock() = Some(Rebuild { limit, unlinked: vec![0; limit.div_ceil(64) as usize] });
+        self.rebuilding.store(true, Ordering::Release);
+        limit
+    }
+
+    /// A writer took `ptr` out of the index (it is held or retired): during a background
+    /// rebuild it must not also be found free.
+    #[inline]
+    pub fn note_unlinked(&self, ptr: u64) {
+        if self.rebuilding.load(Ordering::Acquire) {
+            if let Some(r) = self.rebuild.lock().as_mut() {
+                let rec = self.record_of(ptr);
+                if rec < r.limit {
+                    r.unlinked[(rec / 64) as usize] |= 1 << (rec % 64);
+                }
+            }
+        }
+    }
+
+    /// Ends a background rebuild: every record below the limit that is neither in `live`
+    /// (the index and the checkpoints, as the background pass saw them) nor unlinked
+    /// since becomes free. No writer may publish meanwhile (the table holds every writer
+    /// stripe). Returns the records freed.
+    pub fn finish_rebuild(&self, live: &[u64]) -> u64 {
+        let Some(r) = self.rebuild.lock().take() else { return 0 };
+        self.rebuilding.store(false, Ordering::Release);
+        let mut free = self.free.records.lock();
+        let before = free.len();
+        for rec in (0..r.limit).rev() {
+            let (w, bit) = ((rec / 64) as usize, 1u64 << (rec % 64));
+            if live[w] & bit == 0 && r.unlinked[w] & bit == 0 {
+                free.push(rec);
+            }
+        }
+        strict_assert!(
+            {
+                let mut all = free.clone();
+                all.sort_unstable();
+                all.windows(2).all(|w| w[0] != w[1])
+            },
+            "a record is on the free list twice after the background rebuild"
+        );
+        (free.len() - before) as u64
+    }
+
+    /// Sets the bit of `ptr`'s record if it lies below `limit` (records handed out after
+    /// a background rebuild began are not its business).
+    pub fn mark_below(&self, bitmap: &mut [u64], limit: u64, ptr: u64) {
+        let r = self.record_of(ptr);
+        if r < limit {
+            bitmap[(r / 64) as usize] |= 1 << (r % 64);
         }
     }
 

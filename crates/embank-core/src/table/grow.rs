@@ -47,6 +47,8 @@ impl Table {
 
     /// Grows the index, or says why it cannot.
     pub(super) fn make_room(&self) -> Result<()> {
+        // The rebuild copies the index and checks the key count: both need the repair done.
+        self.wait_repaired();
         let mut guard = self.shared.state.write();
         let st = guard
             .as_mut()

@@ -9,6 +9,7 @@
 //! | `tiered.rs` | writes through the tiers: dirty rows, write-through, write-back, lookahead, pinned loads |
 //! | `grow.rs` | room in the index: the load check, the rebuild into a larger index, the retry loop |
 //! | `open.rs` | create, open with recovery and rollback, clean close, the maintenance hooks |
+//! | `repair.rs` | the background repair after a killed process: index pass, free list, key count |
 //! | `export.rs` | full, paged and checkpoint exports, the keys changed since a checkpoint |
 //! | `serve.rs` | zero-copy reads for the server |
 //! | `evict.rs` | admission and eviction around the batch calls |
@@ -44,12 +45,14 @@ mod grow;
 mod open;
 mod options;
 mod read;
+mod repair;
 mod serve;
 mod stats;
 mod tiered;
 mod write;
 
 pub use export::ExportCursor;
+pub(crate) use options::RepairMode;
 pub use options::{validate_name, RecoverStats, TableOptions, TableStats, DIM_MAX, NAME_BYTES_MAX};
 
 /// Writer stripes per table: writers of keys in different stripes never wait on each other.
@@ -99,6 +102,8 @@ struct Shared {
     counters: ReadCounters,
     checkpoints: TableCheckpoints,
     recovered: Option<RecoverStats>,
+    /// The background repair after a crash (`None` when the open repaired everything).
+    repair: Option<Arc<repair::Repair>>,
     /// Staleness holds of workers (`None`: ASP).
     holds: Option<Holds>,
     /// Admission and eviction state (`None`: the table has neither).

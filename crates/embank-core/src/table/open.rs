@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, RwLock};
 
-use super::options::{RecoverStats, LOAD_FACTOR_TARGET};
+use super::options::{RecoverStats, RepairMode, LOAD_FACTOR_TARGET};
+use super::repair::{self, Repair};
 use super::{ReadCounters, Shared, State, Table, STRIPES};
 use crate::catalog::{Catalog, Placement, TableMeta};
 use crate::checkpoint::{self, CheckpointState, TableCheckpoints};
@@ -121,9 +122,47 @@ fn recover(
         slots_dropped,
         records_freed: alloc.free_records(),
         seconds: t0.elapsed().as_secs_f64(),
+        ..Default::default()
     };
     tracing::info!(table = %name, ?stats, "repair done");
     Ok(stats)
+}
+
+/// What an open that repairs in the background hands the repair thread.
+struct Background {
+    repair: Arc<Repair>,
+    live: Vec<u64>,
+    limit: u64,
+}
+
+/// After a killed process of this boot (or for a restore of a clean table): starts the
+/// repair on first touch, rolls back to a checkpoint if asked (touching only the
+/// journaled keys' buckets), and starts the free list's rebuild, which the background
+/// thread finishes (`repair.rs`).
+fn begin_background_repair(
+    dir: &Path,
+    name: &str,
+    index: &mut Index,
+    medium: &AnyMedium,
+    rollback_to: Option<u64>,
+    ckpt: CheckpointState,
+) -> Result<Background> {
+    let t0 = Instant::now();
+    tracing::info!(table = %name, "table was not closed cleanly by a process of this boot; serving while it is repaired");
+    index.begin_lazy_repair();
+    if let Some(to) = rollback_to {
+        checkpoint::rollback(dir, index, to).map_err(|e| e.context(format!("table {name:?}")))?;
+    }
+    let alloc = medium.alloc();
+    let limit = alloc.begin_rebuild();
+    let mut live = vec![0u64; limit.div_ceil(64) as usize];
+    for ptrs in checkpoint::held_records(dir, ckpt)?.values() {
+        for &p in ptrs {
+            alloc.mark_below(&mut live, limit, p);
+        }
+    }
+    let open = RecoverStats { seconds: t0.elapsed().as_secs_f64(), ..Default::default() };
+    Ok(Background { repair: Repair::new(open), live, limit })
 }
 
 impl Table {
@@ -148,7 +187,7 @@ impl Table {
         crate::fsutil::sync_dir(dir)?;
         let st = State { index, medium };
         advise(&runtime, &st);
-        Ok(Self::new(dir, meta, st, catalog, None, runtime, placement, checkpoints))
+        Ok(Self::new(dir, meta, st, catalog, None, None, runtime, placement, checkpoints))
     }
 
     /// Opens the files of a table; repairs them first if the last user did not close cleanly.
@@ -156,28 +195,44 @@ impl Table {
         dir: &Path,
         meta: TableMeta,
         catalog: Arc<Catalog>,
-        verify_all: bool,
+        mode: RepairMode,
         runtime: Arc<Runtime>,
         ckpt: CheckpointState,
     ) -> Result<Table> {
         let placement = resolve_placement(&meta, &runtime, false)?;
         remove_other_indexes(dir, meta.index_generation);
-        let index = Index::open(&index_path(dir, meta.index_generation))?;
-        let medium = AnyMedium::open(dir, meta.medium, RecordLayout::of(&meta), &runtime.io)
+        let mut index = Index::open(&index_path(dir, meta.index_generation))?;
+        let mut medium = AnyMedium::open(dir, meta.medium, RecordLayout::of(&meta), &runtime.io)
             .map_err(|e| e.context(dir.display().to_string()))?;
-        let st = State { index, medium };
-        let clean = st.index.was_closed_cleanly() && st.medium.alloc().load_free_list(st.index.free_list_generation());
+        let closed_cleanly = index.was_closed_cleanly();
+        let clean = closed_cleanly && medium.alloc().load_free_list(index.free_list_generation());
         // After a crash the table returns to its latest checkpoint; a restore to the one asked.
         let rollback_to = ckpt.restore_to.or((!clean && ckpt.latest > 0).then_some(ckpt.latest));
-        let recovered = if !clean || verify_all || rollback_to.is_some() {
-            Some(recover(dir, &meta.name, &st, verify_all, rollback_to, ckpt)?)
+        let needs_repair = !clean || mode.verify || rollback_to.is_some();
+        // A process killed in this boot left every write in the page cache: buckets are
+        // whole but for those it was changing, so the table can serve while they are found.
+        let background =
+            needs_repair && mode.background && !mode.verify && (closed_cleanly || index.opened_in_this_boot());
+        let (recovered, background) = if background {
+            let b = begin_background_repair(dir, &meta.name, &mut index, &medium, rollback_to, ckpt)?;
+            (Some(b.repair.stats()), Some(b))
+        } else if needs_repair {
+            let st = State { index, medium };
+            let stats = recover(dir, &meta.name, &st, mode.verify, rollback_to, ckpt)?;
+            (index, medium) = (st.index, st.medium);
+            (Some(stats), None)
         } else {
-            None
+            (None, None)
         };
+        let st = State { index, medium };
         let checkpoints = TableCheckpoints::open(dir, ckpt, &st.index)?;
         st.index.mark_open()?;
         advise(&runtime, &st);
-        let table = Self::new(dir, meta, st, catalog, recovered, runtime, placement, checkpoints);
+        let repair = background.as_ref().map(|b| Arc::clone(&b.repair));
+        let table = Self::new(dir, meta, st, catalog, recovered, repair, runtime, placement, checkpoints);
+        if let Some(b) = background {
+            repair::spawn(&table, b.repair, b.live, b.limit, mode.throttle);
+        }
         if placement == Placement::Pin {
             table.load_pinned()?;
         }
@@ -191,6 +246,7 @@ impl Table {
         state: State,
         catalog: Arc<Catalog>,
         recovered: Option<RecoverStats>,
+        repair: Option<Arc<Repair>>,
         runtime: Arc<Runtime>,
         placement: Placement,
         checkpoints: TableCheckpoints,
@@ -228,6 +284,7 @@ impl Table {
                 counters: ReadCounters::default(),
                 checkpoints,
                 recovered,
+                repair,
                 holds,
                 lifecycle,
             }),
@@ -248,6 +305,8 @@ impl Table {
         if self.shared.state.read().is_none() {
             return Ok(());
         }
+        // The free list and the key count are whole only once a background repair is done.
+        self.wait_repaired();
         self.write_back_all()?;
         let mut guard = self.shared.state.write();
         let Some(st) = guard.take() else { return Ok(()) };

@@ -196,10 +196,31 @@ pub struct TableStats {
     pub lifecycle: Option<LifecycleStats>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+/// What recovery repaired after a crash.
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct RecoverStats {
     pub buckets_interrupted: u64,
     pub slots_dropped: u64,
     pub records_freed: u64,
+    /// Seconds the open spent repairing before the table served.
     pub seconds: f64,
+    /// True when the repair went on in the background after the open (a killed
+    /// process in this boot; see `StoreOptions::background_repair`).
+    pub background: bool,
+    /// True while the background repair still runs: the counts above are final, and
+    /// the row count exact, once it is false.
+    pub pending: bool,
+    /// Seconds from the open until the background repair finished.
+    pub background_seconds: Option<f64>,
+}
+
+/// How a table that was not closed cleanly is repaired at open.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RepairMode {
+    /// Check every record (as after a power loss).
+    pub verify: bool,
+    /// Repair in the background when a killed process of this boot left the table.
+    pub background: bool,
+    /// Test hook: buckets per step of the background pass, and a pause after each.
+    pub throttle: Option<(u64, std::time::Duration)>,
 }

@@ -173,6 +173,7 @@ impl<'a> Publisher<'a> {
         // (the stripe lock kept the slot still in between).
         strict_assert!(keep.is_none() || keep == old, "journaled record {keep:?} but replaced {old:?} of key {key}");
         if let Some(old) = old {
+            self.st.medium.alloc().note_unlinked(old);
             if keep == Some(old) {
                 self.held.push(old);
             } else {
