@@ -10,6 +10,7 @@ pub mod bench;
 pub mod cert;
 pub mod demo;
 pub mod npy;
+pub mod recovery;
 pub mod serve;
 pub mod soak;
 pub mod tools;
@@ -56,6 +57,10 @@ enum Command {
     /// Run a server under mixed load (pulls, pushes, push_grad, checkpoints, clients that come
     /// and go) for a set time, sampling RSS, descriptors, disk and p99 into a CSV and a PNG.
     Soak(soak::SoakArgs),
+    /// Time the first served batch after a SIGKILL (background repair, full pass) against
+    /// a clean reopen, on a store of --rows rows.
+    #[command(name = "bench-recovery")]
+    BenchRecovery(recovery::RecoveryArgs),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -87,6 +92,7 @@ where
         Command::Import(args) => tools::import(args),
         Command::Cert(args) => cert::run(args),
         Command::Soak(args) => soak::run(args),
+        Command::BenchRecovery(args) => recovery::run(args),
     };
     match result {
         Ok(()) => 0,

@@ -89,7 +89,7 @@ fn percentile(sorted: &[u64], q: f64) -> f64 {
 
 /// A command that runs this program: the `embank` binary itself, or, when the CLI runs
 /// inside Python (the `embank` entry point of the wheel), `python -m embank`.
-fn self_command() -> Result<Command, String> {
+pub(crate) fn self_command() -> Result<Command, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
     let in_python = exe.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("python"));
     let mut cmd = Command::new(&exe);

@@ -191,21 +191,38 @@ impl TableCheckpoints {
                 }
             }
         }
-        let held = held_records(dir, ckpt)?;
+        let mut held = held_records(dir, ckpt)?;
         let journal = match ckpt.latest {
             0 => None,
             seq if journal::path_of(dir, seq).exists() => Some(Arc::new(Journal::open(dir, seq)?)),
             seq => Some(Arc::new(Journal::create(dir, seq)?)),
         };
-        let c = Self::new(dir, journal, held);
-        if let Some(j) = c.journal.read().as_ref() {
+        let c = Self::new(dir, None, BTreeMap::new());
+        if let Some(j) = journal.as_ref() {
             let tag = c.tag(j.seq());
+            // A key back at the record its entry names was rolled back to the checkpoint:
+            // that record is live, not held, and the key's next change is journaled again.
+            let mut live = std::collections::HashSet::new();
             for e in j.entries() {
                 if let Some(f) = index.find(e.key, index.hash(e.key)) {
-                    index.mark_journaled(f.bucket, f.slot, tag);
+                    if f.ptr == e.old {
+                        live.insert(e.old);
+                    } else {
+                        index.mark_journaled(f.bucket, f.slot, tag);
+                    }
                 }
             }
+            if let Some(v) = held.get_mut(&j.seq()) {
+                v.retain(|p| !live.contains(p));
+            }
         }
+        // A key journaled again after a rollback names the same record twice.
+        for v in held.values_mut() {
+            v.sort_unstable();
+            v.dedup();
+        }
+        *c.journal.write() = journal;
+        *c.held.lock() = held;
         Ok(c)
     }
 
@@ -362,11 +379,13 @@ pub(crate) fn rollback(dir: &Path, index: &Index, to: u64) -> Result<()> {
                 ));
             }
         }
-        index.flush()?;
         tracing::info!(seq, entries = entries.len(), to, "undo journal applied");
-        if seq == to {
-            j.clear()?;
-        } else {
+        // The journal of `to` stays: it still says what every key it names held at
+        // checkpoint `to` (applying it again after another crash is harmless), so the
+        // index need not reach the disk before the table serves. Journals of later
+        // checkpoints go, once the index no longer needs them.
+        if seq != to {
+            index.flush()?;
             j.remove();
         }
     }

@@ -1,0 +1,265 @@
+//! `embank bench-recovery`: time to the first served batch after a SIGKILL.
+//!
+//! Builds (or reuses) a store of `--rows` rows, then for each repeat:
+//!
+//! - **clean**: close, reopen, serve one batch of Zipf keys;
+//! - **background** (the default): a writer process opens the store, takes a
+//!   checkpoint, overwrites rows until it is SIGKILLed; the store is reopened
+//!   (rollback to the checkpoint, buckets repaired on first touch, the rest in the
+//!   background) and one batch served; then the time until the background repair
+//!   is done;
+//! - **full pass** (`background_repair = false`, what every open after a crash
+//!   did before): the same kill, then an open that repairs everything first.
+//!
+//! Every reopen after a kill is checked: the row count once repaired, and the
+//! overwritten rows back at their checkpointed values.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use embank_core::{MediumKind, Store, StoreOptions, Table, TableOptions};
+
+use crate::tools::{human_bytes, progress};
+use crate::workload::{row_for, KeyStream};
+
+#[derive(Args, Debug, Clone)]
+pub struct RecoveryArgs {
+    /// Store directory: built if missing, reused if it holds a table of --rows rows.
+    #[arg(long, default_value = "bench-recovery-store")]
+    pub path: PathBuf,
+    /// Rows in the table.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub rows: u64,
+    /// Elements per row (f32).
+    #[arg(long, default_value_t = 8)]
+    pub dim: u32,
+    /// `mmap` or `block`.
+    #[arg(long, default_value = "mmap")]
+    pub medium: String,
+    /// Measured repeats of each kind of reopen.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Rows the writer overwrites after its checkpoint before it is killed.
+    #[arg(long, default_value_t = 200_000)]
+    pub writes: u64,
+    /// Keys in the first served batch.
+    #[arg(long, default_value_t = 500)]
+    pub batch: usize,
+    /// Internal: run as the writer that gets killed.
+    #[arg(long, hide = true)]
+    pub writer: bool,
+}
+
+const TABLE: &str = "t";
+
+fn open(path: &Path, background: bool) -> Result<Store, String> {
+    let o = StoreOptions { create: false, background_repair: background, ..Default::default() };
+    Store::open(path, o).map_err(|e| e.to_string())
+}
+
+/// The value a row holds after the writer's overwrite (the build wrote `row_for`).
+fn overwritten(key: u64, out: &mut [f32]) {
+    row_for(key, out);
+    out[0] = -1.0;
+}
+
+fn build(args: &RecoveryArgs) -> Result<(), String> {
+    if let Ok(store) = open(&args.path, true) {
+        if let Ok(t) = store.table(TABLE) {
+            if t.len().map_err(|e| e.to_string())? == args.rows && t.dim() == args.dim as usize {
+                println!("reusing the store at {} ({} rows)", args.path.display(), args.rows);
+                return store.close().map_err(|e| e.to_string());
+            }
+        }
+        return Err(format!("{} holds another store; remove it or give another --path", args.path.display()));
+    }
+    let store = Store::open(&args.path, StoreOptions::default()).map_err(|e| e.to_string())?;
+    let mut o = TableOptions::new(args.dim);
+    o.capacity = args.rows;
+    o.medium = MediumKind::parse(&args.medium).map_err(|e| e.to_string())?;
+    let table = store.create_table(TABLE, o).map_err(|e| e.to_string())?;
+    let dim = args.dim as usize;
+    let bar = progress(args.rows, "build");
+    let chunk = 1u64 << 16;
+    let mut data = vec![0f32; chunk as usize * dim];
+    let mut k = 0;
+    while k < args.rows {
+        let m = chunk.min(args.rows - k);
+        let keys: Vec<u64> = (k..k + m).collect();
+        for (i, &key) in keys.iter().enumerate() {
+            row_for(key, &mut data[i * dim..(i + 1) * dim]);
+        }
+        table.push(&keys, &data[..m as usize * dim]).map_err(|e| e.to_string())?;
+        k += m;
+        bar.set_position(k);
+    }
+    bar.finish_and_clear();
+    store.close().map_err(|e| e.to_string())
+}
+
+/// The writer: checkpoint, then overwrite rows 0, 1, 2, ... until killed.
+fn writer(args: &RecoveryArgs) -> Result<(), String> {
+    let store = open(&args.path, true)?;
+    store.wait_repaired().map_err(|e| e.to_string())?;
+    let table = store.table(TABLE).map_err(|e| e.to_string())?;
+    let batch = store.checkpoints().map_err(|e| e.to_string())?.last().map_or(0, |c| c.batch_id) + 1;
+    store.checkpoint(batch).map_err(|e| e.to_string())?;
+    let dim = args.dim as usize;
+    let chunk = 4096u64;
+    let mut data = vec![0f32; chunk as usize * dim];
+    let mut k = 0;
+    loop {
+        let m = chunk.min(args.rows - k % args.rows);
+        let keys: Vec<u64> = (k % args.rows..k % args.rows + m).collect();
+        for (i, &key) in keys.iter().enumerate() {
+            overwritten(key, &mut data[i * dim..(i + 1) * dim]);
+        }
+        table.push(&keys, &data[..m as usize * dim]).map_err(|e| e.to_string())?;
+        let before = k;
+        k += m;
+        if before < args.writes && k >= args.writes {
+            println!("WROTE {k}");
+        }
+    }
+}
+
+/// Starts the writer, waits for its writes, SIGKILLs it.
+fn kill_a_writer(args: &RecoveryArgs) -> Result<(), String> {
+    let mut cmd = crate::soak::self_command()?;
+    cmd.args(["bench-recovery", "--writer", "--path"])
+        .arg(&args.path)
+        .args(["--rows", &args.rows.to_string(), "--dim", &args.dim.to_string()])
+        .args(["--writes", &args.writes.to_string()])
+        .stdout(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|e| format!("cannot start the writer: {e}"))?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().expect("piped")).read_line(&mut line).map_err(|e| e.to_string())?;
+    child.kill().map_err(|e| e.to_string())?; // SIGKILL
+    let _ = child.wait();
+    if !line.starts_with("WROTE") {
+        return Err(format!("the writer stopped before its writes (said {line:?})"));
+    }
+    Ok(())
+}
+
+struct Reopen {
+    open_s: f64,
+    first_batch_s: f64,
+    /// Until the background repair is done (background reopens).
+    repaired_s: Option<f64>,
+}
+
+fn first_batch(table: &Table, keys: &[u64], dim: usize) -> Result<(), String> {
+    let mut out = vec![0f32; keys.len() * dim];
+    table.pull(keys, &mut out).map_err(|e| e.to_string())?;
+    std::hint::black_box(&out);
+    Ok(())
+}
+
+/// Reopens, serves one batch, and checks what a crash must not lose.
+fn reopen(args: &RecoveryArgs, background: bool, keys: &[u64], after_kill: bool) -> Result<Reopen, String> {
+    let dim = args.dim as usize;
+    let t0 = Instant::now();
+    let store = open(&args.path, background)?;
+    let table = store.table(TABLE).map_err(|e| e.to_string())?;
+    let open_s = t0.elapsed().as_secs_f64();
+    first_batch(&table, keys, dim)?;
+    let first_batch_s = t0.elapsed().as_secs_f64();
+    let pending = table.stats().map_err(|e| e.to_string())?.recovered.is_some_and(|r| r.pending);
+    store.wait_repaired().map_err(|e| e.to_string())?;
+    let repaired_s = pending.then(|| t0.elapsed().as_secs_f64());
+    let len = table.len().map_err(|e| e.to_string())?;
+    if len != args.rows {
+        return Err(format!("after the reopen the table has {len} rows, not {}", args.rows));
+    }
+    if after_kill {
+        // The writer's overwrites after its checkpoint are rolled back.
+        let probe: Vec<u64> = (0..args.writes.min(args.rows)).step_by(997).collect();
+        let mut out = vec![0f32; probe.len() * dim];
+        table.pull(&probe, &mut out).map_err(|e| e.to_string())?;
+        let mut want = vec![0f32; dim];
+        for (i, &k) in probe.iter().enumerate() {
+            row_for(k, &mut want);
+            if out[i * dim..(i + 1) * dim] != want[..] {
+                return Err(format!("row {k} is not back at its checkpoint after the reopen"));
+            }
+        }
+    }
+    drop(table);
+    store.close().map_err(|e| e.to_string())?;
+    Ok(Reopen { open_s, first_batch_s, repaired_s })
+}
+
+fn ms(s: f64) -> String {
+    format!("{:.1} ms", s * 1e3)
+}
+
+fn summary(name: &str, runs: &[f64]) -> String {
+    let mut v = runs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let cells: Vec<String> = runs.iter().map(|&s| ms(s)).collect();
+    format!("| {name} | {} | {} | {} |", cells.join(" / "), ms(v[v.len() / 2]), ms(v[0]))
+}
+
+pub fn run(args: RecoveryArgs) -> Result<(), String> {
+    if args.writer {
+        return writer(&args);
+    }
+    if args.rows < 1000 || args.repeats == 0 || args.batch == 0 || args.writes == 0 {
+        return Err("bench-recovery: --rows >= 1000, --repeats, --batch and --writes >= 1".into());
+    }
+    build(&args)?;
+    let size: u64 = std::fs::read_dir(args.path.join("tables"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|t| std::fs::read_dir(t.path()).into_iter().flatten().flatten())
+        .filter_map(|f| f.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    println!(
+        "bench-recovery: {} rows x dim {} ({}) at {}, {} on disk; {} overwrites after a checkpoint, then SIGKILL",
+        args.rows,
+        args.dim,
+        args.medium,
+        args.path.display(),
+        human_bytes(size),
+        args.writes
+    );
+    let keys = KeyStream::new(args.rows, 0.99, 7)?.batches(1, args.batch);
+    let (mut clean, mut bg_first, mut bg_open, mut bg_done, mut full_first) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for rep in 0..args.repeats {
+        let c = reopen(&args, true, &keys, false)?;
+        kill_a_writer(&args)?;
+        let b = reopen(&args, true, &keys, true)?;
+        kill_a_writer(&args)?;
+        let f = reopen(&args, false, &keys, true)?;
+        println!(
+            "repeat {}: clean reopen + first batch {}; after SIGKILL: background {} (open {}, repaired after {}), full pass {}",
+            rep + 1,
+            ms(c.first_batch_s),
+            ms(b.first_batch_s),
+            ms(b.open_s),
+            b.repaired_s.map_or("-".into(), ms),
+            ms(f.first_batch_s)
+        );
+        clean.push(c.first_batch_s);
+        bg_first.push(b.first_batch_s);
+        bg_open.push(b.open_s);
+        bg_done.push(b.repaired_s.unwrap_or(b.first_batch_s));
+        full_first.push(f.first_batch_s);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("\n| time to the first served batch ({} rows) | runs | median | min |", args.rows);
+    println!("| --- | --- | --- | --- |");
+    println!("{}", summary("clean reopen", &clean));
+    println!("{}", summary("**after SIGKILL, background repair**", &bg_first));
+    println!("{}", summary("  of which the open", &bg_open));
+    println!("{}", summary("  background repair done after", &bg_done));
+    println!("{}", summary("after SIGKILL, full pass first", &full_first));
+    Ok(())
+}
