@@ -15,6 +15,10 @@ use parking_lot::Mutex;
 use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::format::{self, ROWS_HEADER_BYTES};
 
+/// Retired batches at least this large are handed to the epoch collector's shared
+/// queue at once (see `retire_at`).
+const RETIRE_FLUSH_RECORDS: usize = 256;
+
 /// Smallest step a rows file grows by.
 pub const GROW_BYTES_MIN: u64 = 16 << 20;
 
@@ -220,6 +224,7 @@ impl RecordAlloc {
             return;
         }
         let records: Vec<u64> = ptrs.into_iter().map(|p| self.record_of(p)).collect();
+        let large = records.len() >= RETIRE_FLUSH_RECORDS;
         let free = Arc::clone(&self.free);
         free.pending.fetch_add(records.len() as u64, Ordering::AcqRel);
         guard.defer(move || {
@@ -233,6 +238,13 @@ impl RecordAlloc {
             drop(list);
             free.pending.fetch_sub(n, Ordering::AcqRel);
         });
+        if large {
+            // A thread's deferred frees wait in its own bag until 64 of them fill it: a
+            // thread that retires rarely (the one dropping a checkpoint's held records, a
+            // quiet connection) would keep large batches from the free list for minutes
+            // while writers grow the file. Hand them to the shared queue now.
+            guard.flush();
+        }
     }
 
     /// Waits (bounded) until retired records have reached the free list.
