@@ -36,9 +36,11 @@ test-rust:
 test-python: develop
 	$(BIN)/pytest -q
 
-# The SIGKILL crash tests at 1,000 kills each (store on both media, training checkpoints).
+# The SIGKILL crash tests at 1,000 kills each (store on both media, the server process,
+# training checkpoints).
 test-long:
 	EMBANK_CRASH_KILLS=1000 cargo test -p embank-core --release --locked --test crash -- --nocapture
+	EMBANK_SERVER_KILLS=1000 cargo test -p embank-cli --release --locked --test serve_crash -- --nocapture
 	EMBANK_CKPT_KILLS=1000 cargo test -p embank-core --release --locked --test checkpoint sigkill -- --nocapture
 
 # Coverage-guided fuzzing (libFuzzer through cargo fuzz, on the nightly toolchain beside
