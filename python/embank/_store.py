@@ -409,6 +409,15 @@ class Store:
         """Makes every write before this call durable."""
         self._s.flush()
 
+    def wait_repaired(self) -> None:
+        """Waits until every table's background repair after a crash is done.
+
+        A store whose process was killed serves as soon as it is open; a background
+        thread finishes the repair (typically well under a second per 10 M rows). Until
+        then ``len(table)`` may be off by the writes the crash cut short, and
+        ``table.stats()["recovered"]["pending"]`` is true. Remote stores poll the shards."""
+        self._s.wait_repaired()
+
     def checkpoint(self, batch_id: int, meta: bytes = b"") -> None:
         """Marks a batch boundary of training.
 
@@ -509,11 +518,15 @@ def open(
     io_depth: int = 128,
     mmap_random_access: bool = True,
     keep_checkpoints: int = 2,
+    background_repair: bool = True,
 ) -> Store:
     """Opens (or creates) the store in directory ``path``.
 
-    Serves at once: tables closed cleanly are mapped, not read; tables whose
-    process crashed are repaired by one pass over their index.
+    Serves at once: tables closed cleanly are mapped, not read. Tables whose
+    process was killed serve at once too: index buckets are repaired when first
+    touched and a background thread finishes the repair (see
+    :meth:`Store.wait_repaired`); after a machine crash, one pass over each index
+    repairs it before ``open`` returns.
 
     Args:
         create: create the store if ``path`` holds none (else raise ``NotFoundError``).
@@ -527,6 +540,8 @@ def open(
             no read-around, small page-cache folios, so a row write dirties one page.
             Turn off for read-only tables that fit in memory (reads ~25 % faster).
         keep_checkpoints: how many :meth:`Store.checkpoint` s are kept for :meth:`Store.restore`.
+        background_repair: after a killed process, repair in the background (the
+            default); ``False`` repairs everything before ``open`` returns.
 
     Raises:
         StoreLockedError: another process or handle has the store open.
@@ -546,6 +561,7 @@ def open(
             int(io_depth),
             bool(mmap_random_access),
             int(keep_checkpoints),
+            bool(background_repair),
         )
     )
 

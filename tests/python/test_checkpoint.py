@@ -87,6 +87,42 @@ def test_sigkill_returns_to_the_last_checkpoint(store_path: Path) -> None:
         assert recovered == table_rows(t)
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_killed_writer_reopens_at_once_and_repairs_in_the_background(
+    store_path: Path, background: bool
+) -> None:
+    """A writer SIGKILLed mid-stream: the reopened store serves every pushed row at once
+    (the repair goes on behind it, or, with ``background_repair=False``, is done first);
+    ``wait_repaired`` ends with exact counts and the table keeps taking writes."""
+    code = textwrap.dedent(
+        f"""
+        import os, signal
+        import numpy as np
+        import embank
+        s = embank.open({str(store_path)!r})
+        t = s.create_table("rows", dim=8, capacity=20_000)
+        keys = np.arange(20_000, dtype=np.uint64)
+        t.push(keys, np.repeat(keys[:, None].astype(np.float32), 8, axis=1))
+        t.delete(keys[:1000])
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    with embank.open(store_path, background_repair=background) as s:
+        t = s.table("rows")
+        recovered = t.stats()["recovered"]
+        assert recovered["background"] is background
+        keys = np.arange(20_000, dtype=np.uint64)
+        rows, found = t.lookup(keys)
+        assert not found[:1000].any() and found[1000:].all()
+        np.testing.assert_array_equal(rows[1000:, 0], keys[1000:].astype(np.float32))
+        t.push(keys[:10], np.zeros((10, 8), np.float32))  # writes during the repair
+        s.wait_repaired()
+        assert t.stats()["recovered"]["pending"] is False
+        assert len(t) == 19_010
+
+
 def test_export_checkpoint_and_changes(store_path: Path, tmp_path: Path) -> None:
     with embank.open(store_path) as s:
         t = s.create_table("emb", dim=4, optimizer=embank.optim.SGD(lr=0.5))

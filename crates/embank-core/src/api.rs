@@ -42,6 +42,19 @@ pub trait TableApi: Send + Sync {
     fn export(&self, chunk_keys: usize, f: ChunkSink<'_>) -> Result<()>;
 }
 
+/// True when stats JSON (a table's, or a remote table's with its shards') says a
+/// background repair is still running.
+pub fn repair_pending(stats: &serde_json::Value) -> bool {
+    match stats {
+        serde_json::Value::Object(m) => {
+            m.get("recovered").and_then(|r| r.get("pending")).and_then(|p| p.as_bool()) == Some(true)
+                || m.values().any(repair_pending)
+        }
+        serde_json::Value::Array(v) => v.iter().any(repair_pending),
+        _ => false,
+    }
+}
+
 /// The operations of one store (see [`Store`] for their meaning).
 pub trait StoreApi: Send + Sync {
     /// The directory, or `tcp://host:port,...` for a remote store.
@@ -60,6 +73,20 @@ pub trait StoreApi: Send + Sync {
     fn checkpoints(&self) -> Result<Vec<CheckpointInfo>>;
     fn restore(&self, batch_id: u64) -> Result<()>;
     fn stats_json(&self) -> Result<serde_json::Value>;
+    /// Waits until no table's background repair after a crash is pending (row counts
+    /// are then exact). Remote: polls the tables' stats on the shards.
+    fn wait_repaired(&self) -> Result<()> {
+        loop {
+            let mut pending = false;
+            for name in self.tables()? {
+                pending |= repair_pending(&self.table(&name)?.stats_json()?);
+            }
+            if !pending {
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
     /// Streams a table as it was at a checkpoint (runs where the store is).
     fn export_checkpoint(&self, _name: &str, _batch_id: u64, _chunk_keys: usize, _f: ChunkSink<'_>) -> Result<()> {
         Err(Error::new(
@@ -128,6 +155,9 @@ impl TableApi for Table {
 }
 
 impl StoreApi for Store {
+    fn wait_repaired(&self) -> Result<()> {
+        Store::wait_repaired(self)
+    }
     fn location(&self) -> String {
         self.path().display().to_string()
     }

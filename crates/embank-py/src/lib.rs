@@ -75,7 +75,7 @@ fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, core::Error> 
 impl Store {
     #[staticmethod]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.open
-    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true, keep_checkpoints=2))]
+    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true, keep_checkpoints=2, background_repair=true))]
     fn open(
         py: Python<'_>,
         path: PathBuf,
@@ -86,6 +86,7 @@ impl Store {
         io_depth: u32,
         mmap_random_access: bool,
         keep_checkpoints: usize,
+        background_repair: bool,
     ) -> PyResult<Store> {
         let io_engine = core::IoChoice::parse(io_engine).map_err(to_py_err)?;
         let options = core::StoreOptions {
@@ -96,6 +97,7 @@ impl Store {
             io_depth,
             mmap_random_access,
             keep_checkpoints,
+            background_repair,
             ..Default::default()
         };
         let store = detached(py, || core::Store::open(&path, options))?;
@@ -187,6 +189,10 @@ impl Store {
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         detached(py, || self.inner.flush())
+    }
+
+    fn wait_repaired(&self, py: Python<'_>) -> PyResult<()> {
+        detached(py, || self.inner.wait_repaired())
     }
 
     /// Embedded: flushes and closes every table. Remote: flushes the shards, then
