@@ -45,6 +45,8 @@ pub const BUCKET_BYTES: usize = 256;
 pub const SLOTS_PER_BUCKET: usize = 14;
 /// Longest probe sequence, in buckets, an insert may walk before the table counts as full.
 pub const PROBE_BUCKETS_MAX: u64 = 64;
+/// Buckets [`Index::probe_histogram`] looks at, at most.
+pub const PROBE_SAMPLE_BUCKETS: u64 = 1 << 16;
 /// Largest bucket count (2^40 buckets: 15 * 10^12 slots, far beyond any table).
 pub const BUCKET_COUNT_MAX: u64 = 1 << 40;
 
@@ -629,15 +631,18 @@ impl Index {
     }
 
     /// Histogram of probe lengths: entry i counts keys living i buckets past their home
-    /// (the last entry counts all further).
+    /// (the last entry counts all further). Exact up to [`PROBE_SAMPLE_BUCKETS`] buckets;
+    /// beyond, estimated from that many buckets spread evenly (stats stay cheap on a
+    /// table of billions of rows).
     pub fn probe_histogram(&self) -> Vec<u64> {
         let mut hist = vec![0u64; 8];
-        for b in 0..self.bucket_count {
+        let stride = self.bucket_count.div_ceil(PROBE_SAMPLE_BUCKETS).max(1);
+        for b in (0..self.bucket_count).step_by(stride as usize) {
             self.for_each(b, b + 1, |key, _| {
                 let h = self.hash(key);
                 let d = self.distance(home_bucket(h, self.bucket_mask), probe_step(h, self.bucket_mask), b);
                 let i = (d as usize).min(hist.len() - 1);
-                hist[i] += 1;
+                hist[i] += stride;
             });
         }
         hist

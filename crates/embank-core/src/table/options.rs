@@ -167,7 +167,8 @@ pub struct TableStats {
     pub records_used: u64,
     pub records_free: u64,
     pub records_pending: u64,
-    /// Keys living 0, 1, ..., 7+ buckets past their home bucket.
+    /// Keys living 0, 1, ..., 7+ buckets past their home bucket (estimated from 64 Ki
+    /// buckets on larger indexes).
     pub probe_histogram: Vec<u64>,
     /// What recovery repaired when the table was opened after a crash.
     pub recovered: Option<RecoverStats>,

@@ -125,6 +125,13 @@ fn run(weak: Weak<Shared>, repair: &Repair, mut live: Vec<u64>, limit: u64, thro
 }
 
 impl Table {
+    /// What recovery repaired when the table was opened after a crash (`None` after a
+    /// clean close): the same as `stats().recovered`, without the rest of the stats
+    /// (which walk the whole index).
+    pub fn recover_stats(&self) -> Option<RecoverStats> {
+        self.shared.repair.as_ref().map(|r| r.stats()).or_else(|| self.shared.recovered.clone())
+    }
+
     /// Waits until the background repair after a crash (if any) is done: the row count
     /// is then exact and the free list complete.
     pub fn wait_repaired(&self) {

@@ -37,7 +37,7 @@ impl Table {
             records_free: alloc.free_records(),
             records_pending: alloc.pending_records(),
             probe_histogram: index.probe_histogram(),
-            recovered: self.shared.repair.as_ref().map(|r| r.stats()).or_else(|| self.shared.recovered.clone()),
+            recovered: self.recover_stats(),
             medium: medium.kind().name(),
             placement: self.shared.placement.name(),
             direct_io: info.direct_io,
