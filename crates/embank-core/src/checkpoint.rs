@@ -73,12 +73,17 @@ mod hex_bytes {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
         let s = String::deserialize(d)?;
-        if !s.len().is_multiple_of(2) {
+        // Bytes, not `&s[i..i + 2]`: a non-ASCII character would split (found by fuzzing).
+        let b = s.as_bytes();
+        if !b.len().is_multiple_of(2) {
             return Err(serde::de::Error::custom("odd length of a hex blob"));
         }
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(serde::de::Error::custom))
+        let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+        b.chunks(2)
+            .map(|p| match (digit(p[0]), digit(p[1])) {
+                (Some(h), Some(l)) => Ok(h << 4 | l),
+                _ => Err(serde::de::Error::custom("a metadata blob is not hex")),
+            })
             .collect()
     }
 }
@@ -191,29 +196,41 @@ impl TableCheckpoints {
                 }
             }
         }
-        let mut held = held_records(dir, ckpt)?;
         let journal = match ckpt.latest {
             0 => None,
             seq if journal::path_of(dir, seq).exists() => Some(Arc::new(Journal::open(dir, seq)?)),
             seq => Some(Arc::new(Journal::create(dir, seq)?)),
         };
         let c = Self::new(dir, None, BTreeMap::new());
-        if let Some(j) = journal.as_ref() {
-            let tag = c.tag(j.seq());
-            // A key back at the record its entry names was rolled back to the checkpoint:
-            // that record is live, not held, and the key's next change is journaled again.
-            let mut live = std::collections::HashSet::new();
+        // Each retained journal's records are held, except those the index names: a
+        // rollback keeps the journal of the checkpoint it returns to, so its entries then
+        // name live records (and stay in the file when a later checkpoint makes it an
+        // older journal). Keys of the current journal not back at their entry's record
+        // are marked journaled; the others' next change is journaled again.
+        let mut held = BTreeMap::new();
+        for seq in journal::list(dir) {
+            if seq < ckpt.oldest || seq > ckpt.latest {
+                continue;
+            }
+            let j = match journal.as_ref() {
+                Some(j) if j.seq() == seq => Arc::clone(j),
+                _ => Arc::new(Journal::open(dir, seq)?),
+            };
+            let tag = c.tag(seq);
+            let mut v = Vec::new();
             for e in j.entries() {
-                if let Some(f) = index.find(e.key, index.hash(e.key)) {
-                    if f.ptr == e.old {
-                        live.insert(e.old);
-                    } else {
+                let found = index.find(e.key, index.hash(e.key));
+                if e.old != 0 && found.is_none_or(|f| f.ptr != e.old) {
+                    v.push(e.old);
+                }
+                if let (Some(f), true) = (found, seq == ckpt.latest) {
+                    if f.ptr != e.old {
                         index.mark_journaled(f.bucket, f.slot, tag);
                     }
                 }
             }
-            if let Some(v) = held.get_mut(&j.seq()) {
-                v.retain(|p| !live.contains(p));
+            if !v.is_empty() {
+                held.insert(seq, v);
             }
         }
         // A key journaled again after a rollback names the same record twice.
@@ -429,6 +446,13 @@ mod tests {
         )
         .unwrap();
         assert!(CheckpointFile::load(dir.path()).unwrap().checkpoints[0].meta.is_empty());
+        // A blob with a non-ASCII character is refused, not a panic (a fuzz finding).
+        std::fs::write(
+            dir.path().join(CHECKPOINTS_FILE),
+            "{\"next_seq\":2,\"checkpoints\":[{\"batch_id\":5,\"seq\":1,\"unix_seconds\":1.0,\"meta\":\"6\u{1fc}f\"}]}",
+        )
+        .unwrap();
+        assert!(CheckpointFile::load(dir.path()).is_err());
         assert_eq!(back.seq_of(2).unwrap(), 2);
         assert_eq!(back.seq_of(9).unwrap_err().kind(), ErrorKind::NotFound);
     }

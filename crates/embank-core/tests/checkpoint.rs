@@ -112,6 +112,7 @@ fn train_child() {
     let Ok(path) = std::env::var("EMBANK_CKPT_DIR") else { return };
     let mut b: u64 = std::env::var("EMBANK_CKPT_FROM").unwrap().parse().unwrap();
     let store = Store::open(&path, options()).unwrap();
+    println!("READY");
     loop {
         batch(&store, b);
         if b.is_multiple_of(CKPT_EVERY) {
@@ -159,9 +160,20 @@ fn sigkill_returns_to_the_last_checkpoint_exactly() {
             .spawn()
             .unwrap();
         let stdout = child.stdout.take().unwrap();
+        let (ready_tx, ready) = std::sync::mpsc::channel();
         let reader = std::thread::spawn(move || {
-            BufReader::new(stdout).lines().map_while(Result::ok).filter(|l| l.starts_with("CHECKPOINT")).count()
+            let mut n = 0;
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line == "READY" {
+                    let _ = ready_tx.send(());
+                }
+                n += line.starts_with("CHECKPOINT") as usize;
+            }
+            n
         });
+        // The kill lands a random moment after the child has opened the store (on a
+        // loaded machine the open itself can take longer than the whole window).
+        let _ = ready.recv_timeout(Duration::from_secs(20));
         std::thread::sleep(Duration::from_millis(10 + rng.next() % 90));
         child.kill().unwrap();
         child.wait().unwrap();
