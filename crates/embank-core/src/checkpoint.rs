@@ -196,43 +196,27 @@ impl TableCheckpoints {
                 }
             }
         }
+        let held = held_records(dir, ckpt)?;
         let journal = match ckpt.latest {
             0 => None,
             seq if journal::path_of(dir, seq).exists() => Some(Arc::new(Journal::open(dir, seq)?)),
             seq => Some(Arc::new(Journal::create(dir, seq)?)),
         };
         let c = Self::new(dir, None, BTreeMap::new());
-        // Each retained journal's records are held, except those the index names: a
-        // rollback keeps the journal of the checkpoint it returns to, so its entries then
-        // name live records (and stay in the file when a later checkpoint makes it an
-        // older journal). Keys of the current journal not back at their entry's record
-        // are marked journaled; the others' next change is journaled again.
-        let mut held = BTreeMap::new();
-        for seq in journal::list(dir) {
-            if seq < ckpt.oldest || seq > ckpt.latest {
-                continue;
-            }
-            let j = match journal.as_ref() {
-                Some(j) if j.seq() == seq => Arc::clone(j),
-                _ => Arc::new(Journal::open(dir, seq)?),
-            };
-            let tag = c.tag(seq);
-            let mut v = Vec::new();
-            for e in j.entries() {
-                let found = index.find(e.key, index.hash(e.key));
-                if e.old != 0 && found.is_none_or(|f| f.ptr != e.old) {
-                    v.push(e.old);
-                }
-                if let (Some(f), true) = (found, seq == ckpt.latest) {
+        // Keys changed since the checkpoint (and since the last rollback to it) are marked
+        // journaled; entries a rollback undid name keys back at their checkpoint record,
+        // whose next change is journaled again.
+        if let Some(j) = journal.as_ref() {
+            let tag = c.tag(j.seq());
+            for e in j.entries_since_rollback() {
+                if let Some(f) = index.find(e.key, index.hash(e.key)) {
                     if f.ptr != e.old {
                         index.mark_journaled(f.bucket, f.slot, tag);
                     }
                 }
             }
-            if !v.is_empty() {
-                held.insert(seq, v);
-            }
         }
+        let mut held = held;
         // A key journaled again after a rollback names the same record twice.
         for v in held.values_mut() {
             v.sort_unstable();
@@ -404,6 +388,8 @@ pub(crate) fn rollback(dir: &Path, index: &Index, to: u64) -> Result<()> {
         if seq != to {
             index.flush()?;
             j.remove();
+        } else {
+            j.mark_rolled_back();
         }
     }
     Ok(())
@@ -416,7 +402,9 @@ pub(crate) fn held_records(dir: &Path, ckpt: CheckpointState) -> Result<BTreeMap
         if seq < ckpt.oldest || seq > ckpt.latest {
             continue;
         }
-        let v: Vec<u64> = Journal::open(dir, seq)?.entries().iter().filter(|e| e.old != 0).map(|e| e.old).collect();
+        // Entries a rollback undid name records that are live again: not held.
+        let v: Vec<u64> =
+            Journal::open(dir, seq)?.entries_since_rollback().iter().filter(|e| e.old != 0).map(|e| e.old).collect();
         if !v.is_empty() {
             held.insert(seq, v);
         }

@@ -12,7 +12,8 @@
 //!
 //! ```text
 //! header (64 bytes): magic "EMBKUNDO", version u32, entry bytes u32 (32), next u64
-//!                    (entries handed out), then zeros
+//!                    (entries handed out), rolled-back u64 (entries before it were
+//!                    undone by a rollback to this checkpoint; 0 in older files), zeros
 //! entry (32 bytes):  key u64, old pointer u64 (0 = the key was absent), seq u64,
 //!                    check u64 = mix(key, old, seq) | 1 (0 = never completed)
 //! ```
@@ -211,6 +212,30 @@ impl Journal {
         unsafe { &*(self.map.as_ptr().add(16) as *const AtomicU64) }
     }
 
+    fn rolled_back_word(&self) -> &AtomicU64 {
+        // SAFETY: as `next`.
+        unsafe { &*(self.map.as_ptr().add(24) as *const AtomicU64) }
+    }
+
+    /// Entries before this one were undone by a rollback to this journal's checkpoint:
+    /// every key they name was put back at its record of that checkpoint (which is then
+    /// live, not held). They still say what each key held at the checkpoint.
+    pub fn rolled_back(&self) -> u64 {
+        u64::from_le(self.rolled_back_word().load(Ordering::Acquire))
+    }
+
+    /// Records that a rollback has applied every entry so far (see
+    /// [`rolled_back`](Self::rolled_back)).
+    pub fn mark_rolled_back(&self) {
+        let n = self.next().load(Ordering::Acquire);
+        self.rolled_back_word().store(n.to_le(), Ordering::Release);
+    }
+
+    /// The completed entries appended since the last rollback to this checkpoint.
+    pub fn entries_since_rollback(&self) -> Vec<Entry> {
+        self.entries_from(self.rolled_back())
+    }
+
     /// Appends one entry.
     pub fn append(&self, key: u64, old: u64) -> Result<()> {
         let i = self.reserve(1)?;
@@ -254,10 +279,14 @@ impl Journal {
 
     /// Every completed entry, in append order.
     pub fn entries(&self) -> Vec<Entry> {
+        self.entries_from(0)
+    }
+
+    fn entries_from(&self, first: u64) -> Vec<Entry> {
         let len = self.len.load(Ordering::Acquire);
         let n = self.next().load(Ordering::Acquire).min((len - HEADER) / ENTRY);
-        let mut out = Vec::with_capacity(n as usize);
-        for i in 0..n {
+        let mut out = Vec::with_capacity(n.saturating_sub(first) as usize);
+        for i in first.min(n)..n {
             // SAFETY: inside the file.
             let e = unsafe {
                 let p = self.map.as_ptr().add((HEADER + i * ENTRY) as usize) as *const u64;
