@@ -107,7 +107,8 @@ where
     }
 }
 
-fn load(table: &Table, rows: u64, dim: usize) -> Result<f64, String> {
+/// Pushes rows `0..rows` (`row_for` values) with a progress bar; returns the seconds taken.
+pub(crate) fn load(table: &Table, rows: u64, dim: usize) -> Result<f64, String> {
     let bar = progress(rows, "load");
     let t0 = Instant::now();
     let chunk = 8192u64;

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use embank_core::{MediumKind, Store, StoreOptions, Table, TableOptions};
 
-use crate::tools::{human_bytes, progress};
+use crate::tools::human_bytes;
 use crate::workload::{row_for, KeyStream};
 
 #[derive(Args, Debug, Clone)]
@@ -85,22 +85,7 @@ fn build(args: &RecoveryArgs) -> Result<(), String> {
     o.capacity = args.rows;
     o.medium = MediumKind::parse(&args.medium).map_err(|e| e.to_string())?;
     let table = store.create_table(TABLE, o).map_err(|e| e.to_string())?;
-    let dim = args.dim as usize;
-    let bar = progress(args.rows, "build");
-    let chunk = 1u64 << 16;
-    let mut data = vec![0f32; chunk as usize * dim];
-    let mut k = 0;
-    while k < args.rows {
-        let m = chunk.min(args.rows - k);
-        let keys: Vec<u64> = (k..k + m).collect();
-        for (i, &key) in keys.iter().enumerate() {
-            row_for(key, &mut data[i * dim..(i + 1) * dim]);
-        }
-        table.push(&keys, &data[..m as usize * dim]).map_err(|e| e.to_string())?;
-        k += m;
-        bar.set_position(k);
-    }
-    bar.finish_and_clear();
+    crate::demo::load(&table, args.rows, args.dim as usize)?;
     store.close().map_err(|e| e.to_string())
 }
 
