@@ -73,13 +73,12 @@ fn remove_other_indexes(dir: &Path, generation: u64) {
 fn recover(
     dir: &Path,
     name: &str,
-    st: &State,
+    (index, medium): (&Index, &AnyMedium),
     verify_all: bool,
     rollback_to: Option<u64>,
     ckpt: CheckpointState,
 ) -> Result<RecoverStats> {
     let t0 = Instant::now();
-    let State { index, medium } = st;
     let alloc = medium.alloc();
     tracing::info!(table = %name, "table was not closed cleanly; repairing index and free list");
     // On a mapped medium every slot's record key is checked (a memory read); elsewhere
@@ -202,7 +201,7 @@ impl Table {
         let placement = resolve_placement(&meta, &runtime, false)?;
         remove_other_indexes(dir, meta.index_generation);
         let mut index = Index::open(&index_path(dir, meta.index_generation))?;
-        let mut medium = AnyMedium::open(dir, meta.medium, RecordLayout::of(&meta), &runtime.io)
+        let medium = AnyMedium::open(dir, meta.medium, RecordLayout::of(&meta), &runtime.io)
             .map_err(|e| e.context(dir.display().to_string()))?;
         let closed_cleanly = index.was_closed_cleanly();
         let clean = closed_cleanly && medium.alloc().load_free_list(index.free_list_generation());
@@ -217,10 +216,7 @@ impl Table {
             let b = begin_background_repair(dir, &meta.name, &mut index, &medium, rollback_to, ckpt)?;
             (Some(b.repair.stats()), Some(b))
         } else if needs_repair {
-            let st = State { index, medium };
-            let stats = recover(dir, &meta.name, &st, mode.verify, rollback_to, ckpt)?;
-            (index, medium) = (st.index, st.medium);
-            (Some(stats), None)
+            (Some(recover(dir, &meta.name, (&index, &medium), mode.verify, rollback_to, ckpt)?), None)
         } else {
             (None, None)
         };
