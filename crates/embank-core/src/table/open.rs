@@ -214,7 +214,7 @@ impl Table {
             needs_repair && mode.background && !mode.verify && (closed_cleanly || index.opened_in_this_boot());
         let (recovered, background) = if background {
             let b = begin_background_repair(dir, &meta.name, &mut index, &medium, rollback_to, ckpt)?;
-            (Some(b.repair.stats()), Some(b))
+            (None, Some(b)) // its stats live in the repair (`recover_stats`)
         } else if needs_repair {
             (Some(recover(dir, &meta.name, (&index, &medium), mode.verify, rollback_to, ckpt)?), None)
         } else {
