@@ -101,6 +101,8 @@ struct Shared {
     write_back_lock: Mutex<()>,
     counters: ReadCounters,
     checkpoints: TableCheckpoints,
+    /// What the open repaired, when it repaired everything itself (a background repair
+    /// keeps its own, see `repair`).
     recovered: Option<RecoverStats>,
     /// The background repair after a crash (`None` when the open repaired everything).
     repair: Option<Arc<repair::Repair>>,
