@@ -359,6 +359,21 @@ impl TableCheckpoints {
     }
 }
 
+impl TableCheckpoints {
+    /// Every key changed between checkpoints `from` and `to` (`from < to`): the keys of the
+    /// journals of the intervals `from..to`, sorted. A superset where a rollback undid
+    /// changes (harmless: their rows are sent as they are at `to`).
+    pub fn keys_changed_between(&self, from: u64, to: u64) -> Result<Vec<u64>> {
+        let mut keys = Vec::new();
+        for seq in journal::list(&self.dir).into_iter().filter(|&s| s >= from && s < to) {
+            keys.extend(Journal::open(&self.dir, seq)?.entries().iter().map(|e| e.key));
+        }
+        keys.sort_unstable();
+        keys.dedup();
+        Ok(keys)
+    }
+}
+
 /// Applies the undo journals of checkpoints `to` and later, newest first and each in
 /// reverse (so every key's earliest entry wins): the index then maps every key to its
 /// record at checkpoint `to`. Journal `to` is emptied (new changes start from there), the

@@ -61,5 +61,5 @@ pub use layout::RecordLayout;
 pub use lifecycle::{EvictPolicy, LifecycleOptions};
 pub use medium::MediumKind;
 pub use optim::Optimizer;
-pub use store::{Store, StoreOptions, StoreStats};
+pub use store::{CheckpointPin, Store, StoreOptions, StoreStats};
 pub use table::{ExportCursor, Table, TableOptions, TableStats, DIM_MAX};

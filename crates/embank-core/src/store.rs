@@ -105,6 +105,8 @@ pub struct StoreStats {
 
 struct Inner {
     ckpts: parking_lot::Mutex<CheckpointFile>,
+    /// Checkpoints pinned against retention (by seq, with a count): see [`Store::pin_checkpoint`].
+    pins: Arc<parking_lot::Mutex<BTreeMap<u64, usize>>>,
     keep_checkpoints: usize,
     /// How tables opened after a crash (or restored) are repaired.
     repair: RepairMode,
@@ -207,6 +209,7 @@ impl Store {
         Ok(Store {
             inner: RwLock::new(Some(Inner {
                 ckpts: parking_lot::Mutex::new(ckpts),
+                pins: Arc::default(),
                 keep_checkpoints: options.keep_checkpoints,
                 repair,
                 dir: dir.clone(),
@@ -369,7 +372,14 @@ impl Store {
         file.checkpoints.push(CheckpointInfo { batch_id, seq, unix_seconds, meta: meta.to_vec() });
         file.next_seq = seq + 1;
         let mut dropped = Vec::new();
-        while file.checkpoints.len() > inner.keep_checkpoints {
+        // Retention drops the oldest first; a pinned checkpoint (and so every later one,
+        // whose rollback needs its journal) stays until its pin is dropped.
+        // (Pins of checkpoints a restore forgot hold nothing.)
+        let oldest_pinned = {
+            let pins = inner.pins.lock();
+            pins.keys().copied().find(|&s| file.checkpoints.iter().any(|c| c.seq == s)).unwrap_or(u64::MAX)
+        };
+        while file.checkpoints.len() > inner.keep_checkpoints && file.checkpoints[0].seq < oldest_pinned {
             dropped.push(file.checkpoints.remove(0).seq);
         }
         file.save(&inner.dir)?;
@@ -466,6 +476,61 @@ impl Store {
         Ok(())
     }
 
+    /// Keeps the retained checkpoint of seq `seq` (see [`CheckpointInfo::seq`]) from being
+    /// dropped by retention while the returned pin lives: later checkpoints are then kept
+    /// beyond `keep_checkpoints` too. A [`restore`](Self::restore) to an older checkpoint
+    /// still forgets it. What a publisher holds on the last checkpoint it published.
+    pub fn pin_checkpoint(&self, seq: u64) -> Result<CheckpointPin> {
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        let file = inner.ckpts.lock();
+        if !file.checkpoints.iter().any(|c| c.seq == seq) {
+            return Err(Error::new(ErrorKind::NotFound, format!("no retained checkpoint of seq {seq}")));
+        }
+        *inner.pins.lock().entry(seq).or_default() += 1;
+        Ok(CheckpointPin { pins: Arc::clone(&inner.pins), seq })
+    }
+
+    /// The changes of table `name` between two retained checkpoints (by seq), as they
+    /// were at checkpoint `to`, in chunks: `f(keys, rows, deleted)` gets the rows at `to`
+    /// of the keys written since `from` and the keys changed since `from` that are absent
+    /// at `to`. `from = None`: every row at `to` (a full snapshot; nothing deleted).
+    /// Training may go on meanwhile; the export fails if either checkpoint is dropped
+    /// before it ends (pin them). What a publisher sends for checkpoint `to`.
+    pub fn export_changes_between(
+        &self,
+        name: &str,
+        from: Option<u64>,
+        to: u64,
+        chunk_keys: usize,
+        mut f: impl FnMut(&[u64], &[f32], &[u64]) -> Result<()>,
+    ) -> Result<()> {
+        let retained = |seq: u64| -> Result<()> {
+            let guard = self.inner.read();
+            let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+            if inner.ckpts.lock().checkpoints.iter().any(|c| c.seq == seq) {
+                Ok(())
+            } else {
+                Err(Error::new(ErrorKind::NotFound, format!("checkpoint seq {seq} is not retained")))
+            }
+        };
+        if from.is_some_and(|f| f >= to) {
+            return Err(Error::invalid(format!("changes between checkpoints: from seq {from:?} must be before {to}")));
+        }
+        let table = self.table(name)?;
+        for seq in from.into_iter().chain([to]) {
+            retained(seq)?;
+        }
+        match from {
+            Some(from) => table.changes_between(from, to, chunk_keys, &mut f)?,
+            None => table.export_at(to, chunk_keys, |keys, rows| f(keys, rows, &[]))?,
+        }
+        for seq in from.into_iter().chain([to]) {
+            retained(seq).map_err(|e| e.context("a checkpoint was dropped during the export; its rows may have been reused"))?;
+        }
+        Ok(())
+    }
+
     /// The incremental export since checkpoint `batch_id`: the current rows of the keys
     /// of table `name` written since, and the keys deleted since (absent now).
     pub fn export_changes(&self, name: &str, batch_id: u64) -> Result<(Vec<u64>, Vec<f32>, Vec<u64>)> {
@@ -556,6 +621,32 @@ fn dir_bytes(dir: &Path) -> u64 {
         }
     }
     total
+}
+
+/// A retained checkpoint kept from retention while this lives ([`Store::pin_checkpoint`]).
+#[derive(Debug)]
+pub struct CheckpointPin {
+    pins: Arc<parking_lot::Mutex<BTreeMap<u64, usize>>>,
+    seq: u64,
+}
+
+impl CheckpointPin {
+    /// The pinned checkpoint's seq.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl Drop for CheckpointPin {
+    fn drop(&mut self) {
+        let mut pins = self.pins.lock();
+        if let Some(n) = pins.get_mut(&self.seq) {
+            *n -= 1;
+            if *n == 0 {
+                pins.remove(&self.seq);
+            }
+        }
+    }
 }
 
 impl Drop for Store {

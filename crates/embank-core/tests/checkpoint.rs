@@ -400,3 +400,68 @@ fn checkpoint_metadata_survives_reopen_and_is_bounded() {
         "keep_checkpoints=2 keeps the two latest with their blobs"
     );
 }
+
+/// Applies one chunk of changes to a replica's model of a table.
+fn apply(replica: &mut BTreeMap<u64, Vec<u32>>, keys: &[u64], rows: &[f32], deleted: &[u64]) {
+    for (i, &k) in keys.iter().enumerate() {
+        replica.insert(k, rows[i * DIM..(i + 1) * DIM].iter().map(|x| x.to_bits()).collect());
+    }
+    for k in deleted {
+        replica.remove(k);
+    }
+}
+
+#[test]
+fn changes_between_checkpoints_rebuild_each_checkpoint_while_training_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), options()).unwrap();
+    create(&store);
+    let mut replica: [BTreeMap<u64, Vec<u32>>; 2] = Default::default();
+    let mut published: Option<embank_core::CheckpointPin> = None;
+    let mut b = 0;
+    for round in 0..12u64 {
+        for _ in 0..4 {
+            b += 1;
+            batch(&store, b);
+        }
+        store.checkpoint(b).unwrap();
+        let want = snapshot(&store);
+        let seq = store.checkpoints().unwrap().last().unwrap().seq;
+        // Training goes on (and checkpoints: the pin keeps the published one retained
+        // beyond keep_checkpoints = 2) before the changes are read.
+        for extra in 0..round % 3 {
+            b += 1;
+            batch(&store, b);
+            if extra == 1 {
+                store.checkpoint(b).unwrap();
+            }
+        }
+        let from = published.as_ref().map(|p| p.seq());
+        for (i, name) in ["emb", "blk"].into_iter().enumerate() {
+            store
+                .export_changes_between(name, from, seq, 37, |keys, rows, deleted| {
+                    apply(&mut replica[i], keys, rows, deleted);
+                    Ok(())
+                })
+                .unwrap();
+        }
+        same(&replica[0], &want.0, &format!("round {round}: emb rebuilt from changes {from:?}..{seq}"));
+        same(&replica[1], &want.1, &format!("round {round}: blk rebuilt from changes {from:?}..{seq}"));
+        published = Some(store.pin_checkpoint(seq).unwrap());
+    }
+    // Without the pin, retention drops it; an export from a dropped checkpoint fails.
+    let seq = published.as_ref().unwrap().seq();
+    drop(published);
+    for _ in 0..3 {
+        b += 1;
+        batch(&store, b);
+        store.checkpoint(b).unwrap();
+    }
+    assert_eq!(store.checkpoints().unwrap().len(), 2);
+    let latest = store.checkpoints().unwrap().last().unwrap().seq;
+    let err = store.export_changes_between("emb", Some(seq), latest, 64, |_, _, _| Ok(())).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
+    assert_eq!(store.pin_checkpoint(seq).unwrap_err().kind(), ErrorKind::NotFound);
+    let err = store.export_changes_between("emb", Some(latest), latest, 64, |_, _, _| Ok(())).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+}

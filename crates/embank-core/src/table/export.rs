@@ -188,6 +188,47 @@ impl Table {
         Ok(())
     }
 
+    /// The changes between checkpoints `from` and `to` as they were at `to`, in chunks of
+    /// at most `chunk_keys` keys: `f(keys, rows, deleted)` gets the rows at `to` of keys
+    /// written since `from`, and the keys absent at `to` that changed since `from`. The
+    /// table keeps changing meanwhile: a key changed since `to` is read from its undo
+    /// entry, as [`export_at`](Self::export_at) does. Both checkpoints must stay retained
+    /// (the caller checks after).
+    pub(crate) fn changes_between(
+        &self,
+        from: u64,
+        to: u64,
+        chunk_keys: usize,
+        mut f: impl FnMut(&[u64], &[f32], &[u64]) -> Result<()>,
+    ) -> Result<()> {
+        let changed = self.shared.checkpoints.keys_changed_between(from, to)?;
+        let mut journals = BTreeMap::new();
+        let mut rows = Vec::new();
+        for chunk in changed.chunks(chunk_keys.max(1)) {
+            let (mut items, mut deleted) = (Vec::with_capacity(chunk.len()), Vec::new());
+            {
+                let st = self.state()?;
+                let st = st.as_ref().unwrap();
+                let _pin = crossbeam_epoch::pin();
+                let ptrs: Vec<u64> = chunk.iter().map(|&k| st.index.get(k, st.index.hash(k)).unwrap_or(0)).collect();
+                // The journals after the index, as in `export_at`: a key changed after its
+                // lookup has its entry by now, naming the record it had at `to`.
+                let mut first = HashMap::new();
+                self.shared.checkpoints.changed_since(to, &mut journals, &mut first);
+                for (&key, &ptr) in chunk.iter().zip(&ptrs) {
+                    match first.get(&key).copied().unwrap_or(ptr) {
+                        0 => deleted.push(key),
+                        ptr => items.push((key, ptr)),
+                    }
+                }
+                self.read_records(st, &items, &mut rows)?;
+            }
+            let keys: Vec<u64> = items.iter().map(|&(k, _)| k).collect();
+            f(&keys, &rows, &deleted)?;
+        }
+        Ok(())
+    }
+
     /// Keys changed since checkpoint `seq` (written, created or deleted): what an
     /// incremental export sends.
     pub(crate) fn changed_keys(&self, seq: u64) -> Result<Vec<u64>> {
