@@ -8,6 +8,7 @@ use std::sync::Arc;
 use embank_core::{Error, Store};
 use embank_net::config::ServeConfig;
 use embank_net::metrics::serve_admin;
+use embank_net::stream::Replica;
 use embank_net::Server;
 
 const SAMPLE: &str = include_str!("../../../docs/serve.sample.toml");
@@ -85,6 +86,14 @@ fn serve(config: ServeConfig) -> Result<(), Error> {
         }
     }
     let server = Server::bind(&config.listen, Arc::clone(&store), config.server_options_loaded()?)?;
+    let mut replica = match &config.updates {
+        Some(u) => {
+            let r = Replica::start(Arc::clone(&store), u.clone())?;
+            let _ = server.metrics().replica.set(r.status_fn());
+            Some(r)
+        }
+        None => None,
+    };
     let mut admin_line = String::new();
     let admin = match &config.admin {
         Some(addr) => {
@@ -108,8 +117,12 @@ fn serve(config: ServeConfig) -> Result<(), Error> {
         Some(_) => ", TLS",
         None => "",
     };
+    let replica_line = match &config.updates {
+        Some(u) => format!(", replica of {} partition {}", u.stream.describe(), u.partition),
+        None => String::new(),
+    };
     println!(
-        "embank serve: listening on {}{admin_line}{security}, store {}, {} tables ({} created)",
+        "embank serve: listening on {}{admin_line}{security}, store {}, {} tables ({} created){replica_line}",
         server.local_addr(),
         config.store.display(),
         tables.len(),
@@ -119,6 +132,9 @@ fn serve(config: ServeConfig) -> Result<(), Error> {
     server.run(&shutdown, config.drain()?)?;
     if let Some(h) = admin {
         let _ = h.join();
+    }
+    if let Some(r) = replica.as_mut() {
+        r.close();
     }
     eprintln!("embank serve: shutting down; flushing the store");
     store.close()?;

@@ -526,7 +526,8 @@ impl Store {
             None => table.export_at(to, chunk_keys, |keys, rows| f(keys, rows, &[]))?,
         }
         for seq in from.into_iter().chain([to]) {
-            retained(seq).map_err(|e| e.context("a checkpoint was dropped during the export; its rows may have been reused"))?;
+            retained(seq)
+                .map_err(|e| e.context("a checkpoint was dropped during the export; its rows may have been reused"))?;
         }
         Ok(())
     }

@@ -44,6 +44,10 @@ pub struct ServeConfig {
     /// Tables created at start if missing (`name` plus any table option).
     #[serde(default)]
     pub tables: Vec<toml::Table>,
+    /// Makes this server a replica: it applies one partition of an update stream
+    /// (transport, brokers, topic, partition, start) and refuses writes from clients.
+    #[serde(default)]
+    pub updates: Option<crate::stream::ReplicaOptions>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -157,6 +161,9 @@ impl ServeConfig {
         }
         c.server_options()?;
         c.store_options()?;
+        if let Some(u) = &c.updates {
+            u.stream.validate()?;
+        }
         c.table_options()?;
         Ok(c)
     }
@@ -187,6 +194,13 @@ impl ServeConfig {
             frame_timeout: seconds("limits.frame_timeout_seconds", l.frame_timeout_seconds)?,
             zero_copy: l.zero_copy,
             zero_copy_min_row_bytes: l.zero_copy_min_row_bytes,
+            read_only: self.updates.as_ref().map(|u| {
+                format!(
+                    "this server is a replica of {} (partition {}): write to the training store",
+                    u.stream.describe(),
+                    u.partition
+                )
+            }),
         })
     }
 

@@ -9,6 +9,8 @@
 //! - [`config`]: the `embank serve` TOML config.
 //! - [`metrics`]: counters, Prometheus text, the admin HTTP endpoint.
 //! - [`tls`]: rustls for both ends (server certificate, optional client certificates).
+//! - [`stream`]: the update stream from training to serving (Kafka, Redis Streams):
+//!   message format, publisher, replica ingest.
 //!
 //! The server is a thin layer: every decision about rows is the core's.
 
@@ -17,6 +19,7 @@ pub mod config;
 pub mod metrics;
 pub mod proto;
 pub mod server;
+pub mod stream;
 pub mod tls;
 
 pub use client::{Client, ClientOptions, RemoteTable};

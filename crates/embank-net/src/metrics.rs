@@ -41,6 +41,8 @@ pub struct Metrics {
     /// Pull/lookup replies sent straight from the mapped file, and those copied first.
     pub replies_zero_copy: AtomicU64,
     pub replies_copied: AtomicU64,
+    /// The replica's status, when this server applies an update stream.
+    pub replica: std::sync::OnceLock<crate::stream::replica::StatusFn>,
 }
 
 impl Default for Metrics {
@@ -56,6 +58,7 @@ impl Default for Metrics {
             connections_evicted: AtomicU64::new(0),
             replies_zero_copy: AtomicU64::new(0),
             replies_copied: AtomicU64::new(0),
+            replica: std::sync::OnceLock::new(),
         }
     }
 }
@@ -184,6 +187,9 @@ impl Metrics {
             head(&mut o, name, kind, help);
             let _ = writeln!(o, "{name} {v}");
         }
+        if let Some(f) = self.replica.get() {
+            render_replica(&mut o, &f());
+        }
         if let Some(store) = store {
             match store.stats() {
                 Ok(s) => render_store(&mut o, &s),
@@ -193,6 +199,61 @@ impl Metrics {
             }
         }
         o
+    }
+}
+
+fn render_replica(o: &mut String, r: &crate::stream::ReplicaStatus) {
+    let label = format!("partition=\"{}\"", r.partition);
+    let gauges: [(&str, &str, &str, f64); 10] = [
+        (
+            "embank_replica_checkpoint_batch_id",
+            "gauge",
+            "Batch id of the publisher's checkpoint this replica serves (-1: none).",
+            r.checkpoint_batch_id.map_or(-1.0, |b| b as f64),
+        ),
+        (
+            "embank_replica_checkpoint_seq",
+            "gauge",
+            "Seq of the publisher's checkpoint this replica serves (-1: none).",
+            r.checkpoint_seq.map_or(-1.0, |b| b as f64),
+        ),
+        (
+            "embank_replica_lag_messages",
+            "gauge",
+            "Messages of the partition not yet read (-1: unknown).",
+            r.lag_messages.map_or(-1.0, |l| l as f64),
+        ),
+        (
+            "embank_replica_lag_seconds",
+            "gauge",
+            "0 when caught up, else seconds since the served checkpoint was taken.",
+            r.lag_seconds,
+        ),
+        (
+            "embank_replica_freshness_seconds",
+            "gauge",
+            "From the trainer's checkpoint to this replica serving it, for the last one.",
+            r.last_freshness_seconds.unwrap_or(0.0),
+        ),
+        (
+            "embank_replica_ingest_rows_per_second",
+            "gauge",
+            "Rows applied per second, recently.",
+            r.ingest_rows_per_second,
+        ),
+        ("embank_replica_commits_total", "counter", "Checkpoints applied.", r.commits as f64),
+        ("embank_replica_rows_total", "counter", "Rows applied.", r.rows as f64),
+        ("embank_replica_deletes_total", "counter", "Deletes applied.", r.deletes as f64),
+        (
+            "embank_replica_up",
+            "gauge",
+            "1 while ingesting, 0 while retrying or stopped.",
+            (r.state == "ingesting") as u8 as f64,
+        ),
+    ];
+    for (name, kind, help, v) in gauges {
+        head(o, name, kind, help);
+        let _ = writeln!(o, "{name}{{{label}}} {v}");
     }
 }
 
@@ -292,6 +353,12 @@ fn answer(mut stream: TcpStream, store: &Store, metrics: &Metrics) -> std::io::R
         ("GET", "/healthz") => {
             if store.is_closed() {
                 ("503 Service Unavailable", "text/plain", "store closed\n".to_string())
+            } else if let Some(f) = metrics.replica.get() {
+                // A replica serves what it has whatever the stream does: 200, with the
+                // ingest state for whoever looks.
+                let r = f();
+                let json = serde_json::to_string(&r).expect("status serializes");
+                ("200 OK", "text/plain", format!("replica {}: {json}\nok\n", r.state))
             } else {
                 ("200 OK", "text/plain", "ok\n".to_string())
             }

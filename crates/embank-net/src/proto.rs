@@ -79,6 +79,10 @@ pub enum Op {
     Restore = 31,
     /// Reply body: u64 rows evicted. Evicts the table's rows past their TTL now.
     EvictExpired = 32,
+    /// Reply: JSON `{"batch_id", "seq", "replica", "state"}`: the checkpoint this server
+    /// serves (a replica: the publisher's checkpoint it applied last; otherwise the
+    /// store's newest retained checkpoint; nulls when none).
+    Served = 33,
 }
 
 impl Op {
@@ -109,6 +113,7 @@ impl Op {
             30 => Checkpoints,
             31 => Restore,
             32 => EvictExpired,
+            33 => Served,
             _ => return None,
         })
     }
@@ -141,10 +146,11 @@ impl Op {
             Checkpoints => "checkpoints",
             Restore => "restore",
             EvictExpired => "evict_expired",
+            Served => "served",
         }
     }
 
-    pub const ALL: [Op; 24] = [
+    pub const ALL: [Op; 25] = [
         Op::Hello,
         Op::ListTables,
         Op::OpenTable,
@@ -169,7 +175,27 @@ impl Op {
         Op::Checkpoints,
         Op::Restore,
         Op::EvictExpired,
+        Op::Served,
     ];
+
+    /// Whether the op changes rows, tables or checkpoints (refused by a read-only replica).
+    pub fn writes(self) -> bool {
+        matches!(
+            self,
+            Op::CreateTable
+                | Op::DropTable
+                | Op::Push
+                | Op::Delete
+                | Op::PushGrad
+                | Op::SetLr
+                | Op::PullHeld
+                | Op::PushGradHeld
+                | Op::Release
+                | Op::Checkpoint
+                | Op::Restore
+                | Op::EvictExpired
+        )
+    }
 
     /// Whether the body carries `count` keys (after the prefix words).
     pub fn has_keys(self) -> bool {

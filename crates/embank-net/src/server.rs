@@ -70,6 +70,10 @@ pub struct ServerOptions {
     /// loopback, 512-byte rows went out ~15 % faster copied into one buffer (the kernel's
     /// per-segment cost outweighs the copy), 2 KiB rows ~23 % faster zero-copy.
     pub zero_copy_min_row_bytes: usize,
+    /// A replica fed by the update stream: requests that would change rows are refused
+    /// with this reason, and `pull` answers missing rows with the table's missing-row
+    /// default without creating them (as `lookup` does). None: a writable server.
+    pub read_only: Option<String>,
 }
 
 impl Default for ServerOptions {
@@ -88,6 +92,7 @@ impl Default for ServerOptions {
             frame_timeout: Duration::from_secs(30),
             zero_copy: true,
             zero_copy_min_row_bytes: 1024,
+            read_only: None,
         }
     }
 }
@@ -562,6 +567,14 @@ impl<'a> Conn<'a> {
         if !self.established {
             self.establish().map_err(Ok)?;
         }
+        if let Some(why) = &self.ctx.opts.read_only {
+            if op.writes() {
+                return Err(Ok(Refusal::engine(Error::new(
+                    embank_core::ErrorKind::Unsupported,
+                    format!("{} refused: {why}", op.name()),
+                ))));
+            }
+        }
         match op {
             Op::Hello => {
                 let info = serde_json::json!({
@@ -631,6 +644,19 @@ impl<'a> Conn<'a> {
                 }
                 self.reply_bytes(h, 0, &[]).map_err(Err)
             }
+            Op::Served => {
+                let reply = match self.ctx.metrics.replica.get() {
+                    Some(f) => {
+                        let r = f();
+                        serde_json::json!({"batch_id": r.checkpoint_batch_id, "seq": r.checkpoint_seq, "replica": true, "state": r.state})
+                    }
+                    None => {
+                        let last = self.ctx.store.checkpoints().map_err(|e| Ok(e.into()))?.pop();
+                        serde_json::json!({"batch_id": last.as_ref().map(|c| c.batch_id), "seq": last.map(|c| c.seq), "replica": false, "state": "primary"})
+                    }
+                };
+                self.reply_bytes(h, 0, reply.to_string().as_bytes()).map_err(Err)
+            }
             Op::Checkpoints => {
                 let list = self.ctx.store.checkpoints().map_err(|e| Ok(e.into()))?;
                 self.reply_bytes(h, list.len() as u32, &serde_json::to_vec(&list).expect("serialize")).map_err(Err)
@@ -678,13 +704,15 @@ impl<'a> Conn<'a> {
         match op {
             Op::Pull | Op::Lookup => {
                 let keys = &body[..n];
-                let create = op == Op::Pull;
+                // A pull on a read-only replica answers like a lookup without the mask.
+                let with_mask = op == Op::Lookup;
+                let create = op == Op::Pull && self.ctx.opts.read_only.is_none();
                 if self.ctx.opts.zero_copy && proto::row_bytes(dim) >= self.ctx.opts.zero_copy_min_row_bytes {
                     let metrics = Arc::clone(&self.ctx.metrics);
                     let stream = &mut self.stream;
                     let sent = table
                         .with_rows(keys, create, |rows, found| {
-                            let mask = if create { Vec::new() } else { found_mask(found) };
+                            let mask = if with_mask { found_mask(found) } else { Vec::new() };
                             let body_len = mask.len() + rows.len() * proto::row_bytes(dim);
                             let head = h.reply(h.count, body_len, status::OK).encode();
                             let mut parts = Vec::with_capacity(rows.len() + 2);
@@ -712,7 +740,11 @@ impl<'a> Conn<'a> {
                 } else {
                     let mut found = vec![false; n];
                     table.lookup(keys, &mut rows, &mut found).map_err(eng)?;
-                    found_mask(&found)
+                    if with_mask {
+                        found_mask(&found)
+                    } else {
+                        Vec::new()
+                    }
                 };
                 let head = h.reply(h.count, mask.len() + rows.len() * proto::ROW_ELEMENT_BYTES, status::OK).encode();
                 let r = self.send(&mut [IoSlice::new(&head), IoSlice::new(&mask), IoSlice::new(as_bytes(&rows))]);

@@ -1,0 +1,335 @@
+//! The serving side: applies one partition of the stream to a store.
+//!
+//! Rows and deletes are applied as they arrive (reads go on meanwhile). At a commit
+//! marker the replica takes its own checkpoint whose metadata holds the stream position
+//! just after the marker and the publisher's checkpoint id. After a crash the store
+//! reopens at that checkpoint — whatever was applied after it is rolled back — and
+//! reading resumes from that position: every checkpoint is applied exactly once in
+//! effect. Messages of a checkpoint at or before the one applied (a publisher's retry)
+//! are skipped. A broker that is down is retried with backoff while the store serves
+//! what it has; a message that fails its checksum stops ingestion loudly (status and
+//! `/healthz`), since skipping it would leave the replica wrong.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use embank_core::{Error, ErrorKind, Result, Store, TableOptions};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use super::message::{self, Kind};
+use super::{Source, Start, StreamConfig};
+
+/// Where a replica reads.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaOptions {
+    #[serde(flatten)]
+    pub stream: StreamConfig,
+    /// The partition this replica applies (its shard's index). Default 0.
+    #[serde(default)]
+    pub partition: u32,
+    /// Where to begin when the store has no checkpoint of the stream: `earliest`
+    /// (default) or `latest`.
+    #[serde(default)]
+    pub start: Start,
+}
+
+impl ReplicaOptions {
+    pub fn new(stream: StreamConfig) -> ReplicaOptions {
+        ReplicaOptions { stream, partition: 0, start: Start::Earliest }
+    }
+}
+
+/// What a replica's checkpoint metadata holds.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ReplicaMeta {
+    /// The stream position just after the applied commit marker.
+    pub position: String,
+    pub stream: String,
+    pub partition: u32,
+    /// The publisher's checkpoint.
+    pub seq: u64,
+    pub batch_id: u64,
+    pub unix_micros: u64,
+}
+
+impl ReplicaMeta {
+    pub fn parse(meta: &[u8]) -> Option<ReplicaMeta> {
+        serde_json::from_slice::<serde_json::Value>(meta)
+            .ok()?
+            .get("replica")
+            .and_then(|v| serde_json::from_value(v.clone()).ok())
+    }
+}
+
+/// What a replica reports (`/metrics`, `/healthz`, stats).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ReplicaStatus {
+    pub stream: String,
+    pub partition: u32,
+    /// `ingesting`, `retrying` (the broker is unreachable) or `stopped` (a bad message).
+    pub state: String,
+    /// The publisher's checkpoint this replica serves (batch id, seq), None before the first.
+    pub checkpoint_batch_id: Option<u64>,
+    pub checkpoint_seq: Option<u64>,
+    /// When the served checkpoint was taken on the trainer (Unix seconds).
+    pub checkpoint_unix_seconds: Option<f64>,
+    /// Seconds from the trainer's checkpoint to the replica serving it, for the last one.
+    pub last_freshness_seconds: Option<f64>,
+    /// Messages in the partition not yet read.
+    pub lag_messages: Option<u64>,
+    /// 0 when caught up; otherwise seconds since the served checkpoint was taken.
+    pub lag_seconds: f64,
+    /// Rows applied per second over the last few seconds.
+    pub ingest_rows_per_second: f64,
+    pub commits: u64,
+    pub messages: u64,
+    pub rows: u64,
+    pub deletes: u64,
+    /// Messages skipped as repeats of an applied checkpoint.
+    pub repeats: u64,
+    pub last_error: Option<String>,
+}
+
+struct Shared {
+    store: Arc<Store>,
+    opts: ReplicaOptions,
+    status: Mutex<ReplicaStatus>,
+    stop: AtomicBool,
+}
+
+/// Gives a replica's status now.
+pub type StatusFn = Arc<dyn Fn() -> ReplicaStatus + Send + Sync>;
+
+/// The ingest thread of a replica. Dropping it stops the thread.
+pub struct Replica {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn now_seconds() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+impl Replica {
+    /// Starts applying the stream to `store` from the position of its newest checkpoint
+    /// of this stream (or `start`). Does not wait for the broker.
+    pub fn start(store: Arc<Store>, opts: ReplicaOptions) -> Result<Replica> {
+        opts.stream.validate()?;
+        let last = store.checkpoints()?.iter().rev().find_map(|c| ReplicaMeta::parse(&c.meta));
+        let mut status = ReplicaStatus {
+            stream: opts.stream.describe(),
+            partition: opts.partition,
+            state: "retrying".into(),
+            ..Default::default()
+        };
+        if let Some(m) = &last {
+            if m.partition != opts.partition {
+                return Err(Error::config(format!(
+                    "the store {} replicates partition {} of {}, the config says partition {}",
+                    store.path().display(),
+                    m.partition,
+                    m.stream,
+                    opts.partition
+                )));
+            }
+            status.checkpoint_batch_id = Some(m.batch_id);
+            status.checkpoint_seq = Some(m.seq);
+            status.checkpoint_unix_seconds = Some(m.unix_micros as f64 * 1e-6);
+        }
+        let shared = Arc::new(Shared { store, opts, status: Mutex::new(status), stop: AtomicBool::new(false) });
+        let s = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("embank-replica".into())
+            .spawn(move || run(&s, last))
+            .map_err(|e| Error::io("cannot start the replica thread", e))?;
+        Ok(Replica { shared, thread: Some(thread) })
+    }
+
+    pub fn status(&self) -> ReplicaStatus {
+        self.shared.status.lock().clone()
+    }
+
+    /// A closure giving the status, for the admin endpoint and the server.
+    pub fn status_fn(&self) -> StatusFn {
+        let s = Arc::clone(&self.shared);
+        Arc::new(move || s.status.lock().clone())
+    }
+
+    /// Stops the thread (a message being applied finishes first).
+    pub fn close(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// The applied checkpoint: the last commit taken.
+struct Applied {
+    meta: Option<ReplicaMeta>,
+    /// The replica's own checkpoint batch ids count up from its last.
+    next_batch: u64,
+}
+
+fn run(s: &Shared, last: Option<ReplicaMeta>) {
+    let next_batch = s.store.checkpoints().ok().and_then(|c| c.last().map(|c| c.batch_id + 1)).unwrap_or(1);
+    let mut applied = Applied { meta: last, next_batch };
+    let mut backoff = Duration::from_millis(50);
+    while !s.stop.load(Ordering::Relaxed) {
+        match ingest(s, &mut applied) {
+            Ok(()) => return,
+            Err(e) if e.kind() == ErrorKind::Unavailable => {
+                let mut st = s.status.lock();
+                if st.state != "retrying" {
+                    tracing::warn!(error = %e, "update stream unavailable; serving what is applied and retrying");
+                }
+                st.state = "retrying".into();
+                st.last_error = Some(e.to_string());
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "replica ingestion stopped");
+                let mut st = s.status.lock();
+                st.state = "stopped".into();
+                st.last_error = Some(e.to_string());
+                return;
+            }
+        }
+        let until = Instant::now() + backoff;
+        while Instant::now() < until && !s.stop.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Reads and applies until stopped (Ok) or an error; the caller retries from the last
+/// commit's position.
+fn ingest(s: &Shared, applied: &mut Applied) -> Result<()> {
+    let mut source: Box<dyn Source> = s.opts.stream.source(s.opts.partition)?;
+    // Rows applied after the last commit (before a broker error, or a clean shutdown) are
+    // applied again from its position: applying a checkpoint's messages twice leaves the
+    // same rows (a crash, instead, reopens the store at the commit's checkpoint).
+    source.seek(applied.meta.as_ref().map(|m| m.position.as_str()), s.opts.start)?;
+    {
+        let mut st = s.status.lock();
+        st.state = "ingesting".into();
+        st.last_error = None;
+    }
+    let mut window = (Instant::now(), 0u64);
+    let mut lag_at = Instant::now() - Duration::from_secs(10);
+    while !s.stop.load(Ordering::Relaxed) {
+        let batch = source.poll(256, Duration::from_millis(100))?;
+        for p in batch {
+            let m = message::decode(&p.payload)
+                .map_err(|e| e.context(format!("at position {} of {}", p.position, s.opts.stream.describe())))?;
+            let served = applied.meta.as_ref().map_or(0, |m| m.seq);
+            if m.checkpoint.seq <= served {
+                s.status.lock().repeats += 1;
+                continue;
+            }
+            apply(s, &m)?;
+            let mut st = s.status.lock();
+            st.messages += 1;
+            match m.kind {
+                Kind::Rows => {
+                    st.rows += m.keys.len() as u64;
+                    window.1 += m.keys.len() as u64;
+                }
+                Kind::Deletes => st.deletes += m.keys.len() as u64,
+                Kind::Commit => {
+                    drop(st);
+                    let meta = ReplicaMeta {
+                        position: p.position.clone(),
+                        stream: s.opts.stream.describe(),
+                        partition: s.opts.partition,
+                        seq: m.checkpoint.seq,
+                        batch_id: m.checkpoint.batch_id,
+                        unix_micros: m.checkpoint.unix_micros,
+                    };
+                    let blob = serde_json::to_vec(&serde_json::json!({ "replica": meta })).expect("serializes");
+                    s.store.checkpoint_with_meta(applied.next_batch, &blob)?;
+                    applied.next_batch += 1;
+                    let mut st = s.status.lock();
+                    st.commits += 1;
+                    st.checkpoint_batch_id = Some(meta.batch_id);
+                    st.checkpoint_seq = Some(meta.seq);
+                    st.checkpoint_unix_seconds = Some(meta.unix_micros as f64 * 1e-6);
+                    st.last_freshness_seconds = Some((now_seconds() - meta.unix_micros as f64 * 1e-6).max(0.0));
+                    applied.meta = Some(meta);
+                }
+                Kind::Reset => {}
+            }
+        }
+        let elapsed = window.0.elapsed();
+        if elapsed >= Duration::from_secs(1) {
+            s.status.lock().ingest_rows_per_second = window.1 as f64 / elapsed.as_secs_f64();
+            window = (Instant::now(), 0);
+        }
+        if lag_at.elapsed() >= Duration::from_millis(500) {
+            lag_at = Instant::now();
+            let lag = source.lag().ok().flatten();
+            let mut st = s.status.lock();
+            st.lag_messages = lag;
+            st.lag_seconds = match (lag, st.checkpoint_unix_seconds) {
+                (Some(0), _) => 0.0,
+                (_, Some(t)) => (now_seconds() - t).max(0.0),
+                _ => 0.0,
+            };
+        }
+    }
+    Ok(())
+}
+
+fn apply(s: &Shared, m: &message::Message) -> Result<()> {
+    let table = |create: bool| -> Result<Option<embank_core::Table>> {
+        match s.store.table(&m.table) {
+            Ok(t) => {
+                if m.dim != 0 && t.dim() != m.dim as usize {
+                    return Err(Error::config(format!(
+                        "table {:?} has dim {} here but dim {} in the stream",
+                        m.table,
+                        t.dim(),
+                        m.dim
+                    )));
+                }
+                Ok(Some(t))
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound && create => {
+                tracing::info!(table = %m.table, dim = m.dim, "creating a table the stream brings");
+                Ok(Some(s.store.create_table(&m.table, TableOptions::new(m.dim))?))
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    };
+    match m.kind {
+        Kind::Rows => table(true)?.expect("created").push(&m.keys, &m.rows),
+        Kind::Deletes => match table(false)? {
+            Some(t) => t.delete(&m.keys).map(|_| ()),
+            None => Ok(()),
+        },
+        Kind::Reset => {
+            let Some(t) = table(true)? else { return Ok(()) };
+            let mut keys = Vec::new();
+            t.export(65536, |k, _| {
+                keys.extend_from_slice(k);
+                Ok(())
+            })?;
+            for chunk in keys.chunks(65536) {
+                t.delete(chunk)?;
+            }
+            Ok(())
+        }
+        Kind::Commit => Ok(()),
+    }
+}
