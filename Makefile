@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export CARGO_TERM_PROGRESS_WHEN = never
 
-.PHONY: demo test test-rust test-python lint develop test-long bench clean fuzz fuzz-smoke fuzz-tools
+.PHONY: demo test test-rust test-python lint develop test-long bench clean fuzz fuzz-smoke fuzz-tools kafka-jars
 
 $(VENV)/.installed: requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -29,7 +29,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check python tests/python examples
 	$(BIN)/mypy
 
-test-rust:
+test-rust: kafka-jars
 	cargo test --workspace --exclude embank-py --locked
 	cargo test -p embank-cli --features baselines --locked --test bench_smoke
 
@@ -73,3 +73,9 @@ bench:
 clean:
 	cargo clean
 	rm -rf $(VENV)
+
+# The Kafka broker's jars (Maven Central) for the update-stream tests and bench-stream.
+kafka-jars: tools/kafka/lib/.fetched
+tools/kafka/lib/.fetched: tools/kafka/pom.xml
+	cd tools/kafka && mvn -q -B dependency:copy-dependencies -DoutputDirectory=lib
+	touch $@

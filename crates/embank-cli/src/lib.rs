@@ -7,9 +7,11 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 pub mod bench;
+pub mod brokers;
 pub mod cert;
 pub mod demo;
 pub mod npy;
+pub mod publish;
 pub mod recovery;
 pub mod serve;
 pub mod soak;
@@ -61,6 +63,8 @@ enum Command {
     /// a clean reopen, on a store of --rows rows.
     #[command(name = "bench-recovery")]
     BenchRecovery(recovery::RecoveryArgs),
+    /// Publish a store's newest checkpoint to an update stream (Kafka or Redis Streams) once.
+    Publish(publish::PublishArgs),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -93,6 +97,7 @@ where
         Command::Cert(args) => cert::run(args),
         Command::Soak(args) => soak::run(args),
         Command::BenchRecovery(args) => recovery::run(args),
+        Command::Publish(args) => publish::run(args),
     };
     match result {
         Ok(()) => 0,

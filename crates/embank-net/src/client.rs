@@ -376,6 +376,18 @@ impl Client {
     }
 
     /// The checkpoints every shard retains, oldest first.
+    /// Which checkpoint each shard serves (`{"batch_id", "seq", "replica", "state"}`, in
+    /// shard order): a replica's the publisher's checkpoint it applied last, a primary's
+    /// its newest retained checkpoint.
+    pub fn served(&self) -> Result<Vec<serde_json::Value>> {
+        self.broadcast(Op::Served, &[], None)?
+            .into_iter()
+            .map(|(_, body)| {
+                serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad served reply: {e}")))
+            })
+            .collect()
+    }
+
     pub fn checkpoints(&self) -> Result<Vec<embank_core::store::CheckpointInfo>> {
         let mut common: Option<Vec<embank_core::store::CheckpointInfo>> = None;
         for (_, body) in self.broadcast(Op::Checkpoints, &[], None)? {

@@ -130,6 +130,8 @@ struct State {
     published: Option<(Published, Option<CheckpointPin>)>,
     /// Seq of the newest checkpoint notified.
     wanted: u64,
+    /// Checkpoints notified and not yet published (by seq).
+    waiting: BTreeSet<u64>,
     /// Set when the publisher lost its place: the next publish is a full snapshot.
     resync: bool,
     status: PublisherStatus,
@@ -199,7 +201,14 @@ impl Publisher {
         let shared = Arc::new(Shared {
             store,
             opts,
-            state: Mutex::new(State { published, wanted: 0, resync, status, failing_since: None }),
+            state: Mutex::new(State {
+                published,
+                wanted: 0,
+                waiting: BTreeSet::new(),
+                resync,
+                status,
+                failing_since: None,
+            }),
             wake: Condvar::new(),
             done: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -219,7 +228,10 @@ impl Publisher {
         let latest = self.shared.store.checkpoints()?.last().map(|c| c.seq).unwrap_or(0);
         let mut st = self.shared.state.lock();
         st.wanted = st.wanted.max(latest);
-        let pending = self.pending(&st)?;
+        if latest > st.published.as_ref().map_or(0, |(p, _)| p.seq) {
+            st.waiting.insert(latest);
+        }
+        let pending = st.waiting.len();
         st.status.pending = pending;
         self.shared.wake.notify_all();
         if pending > self.shared.opts.max_pending {
@@ -240,11 +252,6 @@ impl Publisher {
             ));
         }
         Ok(())
-    }
-
-    fn pending(&self, st: &State) -> Result<usize> {
-        let published = st.published.as_ref().map_or(0, |(p, _)| p.seq);
-        Ok(self.shared.store.checkpoints()?.iter().filter(|c| c.seq > published && c.seq <= st.wanted).count())
     }
 
     /// Publishes up to the newest checkpoint and waits until the broker has it; fails
@@ -276,7 +283,7 @@ impl Publisher {
     pub fn status(&self) -> PublisherStatus {
         let st = self.shared.state.lock();
         let mut s = st.status.clone();
-        s.pending = self.pending(&st).unwrap_or(s.pending);
+        s.pending = st.waiting.len();
         s
     }
 
@@ -494,6 +501,7 @@ fn publish_newest(s: &Shared, sink: &mut dyn Sink) -> Result<()> {
     let mut st = s.state.lock();
     st.published = Some((published, Some(target_pin)));
     st.resync = false;
+    st.waiting.retain(|&q| q > target.seq);
     let t = &mut st.status;
     t.published_batch_id = Some(target.batch_id);
     t.published_seq = Some(target.seq);

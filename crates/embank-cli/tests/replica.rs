@@ -1,0 +1,314 @@
+//! The update stream end to end, with real brokers (a Kafka broker in KRaft mode from
+//! tools/kafka, a `redis-server`) and real `embank serve` replicas.
+//!
+//! - A training store (an mmap table with Adagrad, a block table behind a small row
+//!   cache with Adam) trains and checkpoints 24 times, publishing every checkpoint to a
+//!   stream of two partitions, while the replica of partition 1 is SIGKILLed at random
+//!   20 times (`EMBANK_REPLICA_KILLS`) and restarted, and the broker is killed and
+//!   restarted once mid-stream. At the end the replica's export equals the trainer's
+//!   export at the last checkpoint, restricted to the partition's keys, row for row.
+//! - A publisher whose broker stays down fails `notify` loudly past `max_pending`,
+//!   then catches up with a full snapshot once the broker is back.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use embank_cli::brokers::{BrokerKind, LocalBroker};
+use embank_core::{MediumKind, Optimizer, Placement, Store, StoreOptions, TableOptions};
+use embank_net::proto::shard_of;
+use embank_net::stream::{PublishOptions, Publisher, Replica, ReplicaOptions, StreamConfig, TransportKind};
+use embank_net::{Client, ClientOptions};
+use parking_lot::Mutex;
+use rand::{Rng, SeedableRng};
+
+const DIM: usize = 8;
+const KEYS: u64 = 3000;
+const PARTS: u32 = 2;
+
+type Rows = BTreeMap<u64, Vec<u32>>;
+
+fn trainer(path: &Path) -> Arc<Store> {
+    let store = Store::open(path, StoreOptions { cache_bytes: 64 << 10, ..Default::default() }).unwrap();
+    let mut o = TableOptions::new(DIM as u32);
+    o.optimizer = Optimizer::Adagrad { lr: 0.1, eps: 1e-8, initial_accumulator_value: 0.1 };
+    store.create_table("emb", o.clone()).unwrap();
+    o.medium = MediumKind::Block;
+    o.placement = Placement::Cache;
+    o.optimizer = Optimizer::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+    store.create_table("blk", o).unwrap();
+    Arc::new(store)
+}
+
+/// One training batch: pulls and gradients on skewed keys, a few new keys pushed, a few deleted.
+fn step(store: &Store, b: u64, rng: &mut rand::rngs::StdRng) {
+    for name in ["emb", "blk"] {
+        let t = store.table(name).unwrap();
+        let keys: Vec<u64> = (0..256).map(|_| (rng.random::<f64>().powi(3) * KEYS as f64) as u64).collect();
+        let mut rows = vec![0f32; keys.len() * DIM];
+        t.pull(&keys, &mut rows).unwrap();
+        let grads: Vec<f32> = (0..rows.len()).map(|_| rng.random::<f32>() - 0.5).collect();
+        t.push_grad(&keys, &grads).unwrap();
+        let fresh: Vec<u64> = (0..8).map(|i| KEYS + b * 8 + i).collect();
+        t.push(&fresh, &vec![b as f32; fresh.len() * DIM]).unwrap();
+        let gone: Vec<u64> = (0..4).map(|_| rng.random_range(0..KEYS + b * 8)).collect();
+        t.delete(&gone).unwrap();
+    }
+}
+
+fn rows_of(keys: &[u64], rows: &[f32], (partition, parts): (u32, u32), out: &mut Rows) {
+    for (i, &k) in keys.iter().enumerate() {
+        if shard_of(k, parts) == partition {
+            out.insert(k, rows[i * DIM..(i + 1) * DIM].iter().map(|x| x.to_bits()).collect());
+        }
+    }
+}
+
+/// The trainer's table at checkpoint `batch`, keys of `partition` only.
+fn trainer_at(store: &Store, name: &str, batch: u64, partition: (u32, u32)) -> Rows {
+    let mut out = Rows::new();
+    store
+        .export_checkpoint(name, batch, 4096, |k, r| {
+            rows_of(k, r, partition, &mut out);
+            Ok(())
+        })
+        .unwrap();
+    out
+}
+
+fn same(got: &Rows, want: &Rows, what: &str) {
+    if got == want {
+        return;
+    }
+    let keys: std::collections::BTreeSet<u64> = got.keys().chain(want.keys()).copied().collect();
+    let diff: Vec<u64> = keys.into_iter().filter(|k| got.get(k) != want.get(k)).collect();
+    panic!(
+        "{what}: {} of {} keys differ; key {}: replica {:?}, trainer {:?}",
+        diff.len(),
+        want.len(),
+        diff[0],
+        got.get(&diff[0]).map(|r| r.iter().map(|&x| f32::from_bits(x)).collect::<Vec<_>>()),
+        want.get(&diff[0]).map(|r| r.iter().map(|&x| f32::from_bits(x)).collect::<Vec<_>>()),
+    );
+}
+
+fn stream(kind: BrokerKind, broker: &LocalBroker, topic: &str) -> StreamConfig {
+    let t = if kind == BrokerKind::Kafka { TransportKind::Kafka } else { TransportKind::Redis };
+    let mut s = StreamConfig::new(t, broker.brokers());
+    s.topic = topic.into();
+    s.timeout_seconds = 5.0;
+    s
+}
+
+fn start_replica(config: &Path) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_embank"))
+        .arg("serve")
+        .arg("--config")
+        .arg(config)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.contains("listening on") && line.contains("replica of"), "unexpected first line {line:?}");
+    let addr = line.split("listening on ").nth(1).unwrap().split_whitespace().next().unwrap();
+    (child, addr.trim_end_matches(',').to_string())
+}
+
+/// Waits until the replica at `addr` serves publisher seq `seq`; returns its export.
+fn replica_rows(addr: &str, seq: u64) -> (Rows, Rows) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let client = loop {
+        match Client::connect(&[addr.to_string()], ClientOptions::default()) {
+            Ok(c) => {
+                let served = c.served().unwrap();
+                if served[0]["seq"].as_u64() == Some(seq) {
+                    break c;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the replica still serves {:?} after 120 s, want seq {seq}",
+                    served[0]
+                );
+            }
+            Err(e) => assert!(Instant::now() < deadline, "replica unreachable: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut out: [Rows; 2] = Default::default();
+    for (i, name) in ["emb", "blk"].into_iter().enumerate() {
+        client
+            .table(name)
+            .unwrap()
+            .export(4096, |k, r| {
+                for (j, &key) in k.iter().enumerate() {
+                    assert!(out[i]
+                        .insert(key, r[j * DIM..(j + 1) * DIM].iter().map(|x| x.to_bits()).collect())
+                        .is_none());
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+    let [a, b] = out;
+    (a, b)
+}
+
+fn sigkill(child: &mut Child) {
+    // SAFETY: signalling a child this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    let _ = child.wait();
+}
+
+fn replica_survives_kills_and_a_broker_restart(kind: BrokerKind) {
+    let kills: u64 = std::env::var("EMBANK_REPLICA_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    let seed: u64 =
+        std::env::var("EMBANK_REPLICA_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| rand::rng().random());
+    eprintln!("{kind:?} replica test: {kills} kills, EMBANK_REPLICA_SEED={seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = LocalBroker::start(kind, &dir.path().join("broker")).unwrap();
+    let stream = stream(kind, &broker, "updates");
+    let store = trainer(&dir.path().join("trainer"));
+    let mut opts = PublishOptions::new(stream.clone());
+    opts.partitions = PARTS;
+    opts.message_bytes = 16 << 10; // many messages per checkpoint
+    opts.max_pending = 1000;
+    let publisher = Publisher::start(Arc::clone(&store), opts).unwrap();
+    let config = dir.path().join("replica.toml");
+    let (transport, brokers) = (if kind == BrokerKind::Kafka { "kafka" } else { "redis" }, broker.brokers());
+    std::fs::write(
+        &config,
+        format!(
+            "store = {:?}\nlisten = \"127.0.0.1:0\"\n[updates]\ntransport = \"{transport}\"\nbrokers = \"{brokers}\"\n\
+             topic = \"updates\"\npartition = 1\ntimeout_seconds = 5.0\n",
+            dir.path().join("replica").display().to_string()
+        ),
+    )
+    .unwrap();
+    let replica = Arc::new(Mutex::new(start_replica(&config)));
+    let done = AtomicBool::new(false);
+    let mut kill_rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
+    let killed = std::thread::scope(|s| {
+        let killer = s.spawn(|| {
+            let mut n = 0;
+            while n < kills {
+                std::thread::sleep(Duration::from_millis(kill_rng.random_range(20..300)));
+                let mut r = replica.lock();
+                sigkill(&mut r.0);
+                *r = start_replica(&config);
+                n += 1;
+                if done.load(Ordering::Relaxed) && n >= kills {
+                    break;
+                }
+            }
+            n
+        });
+        let mut b = 0;
+        for c in 1..=24u64 {
+            for _ in 0..3 {
+                b += 1;
+                step(&store, b, &mut rng);
+            }
+            store.checkpoint(b).unwrap();
+            publisher.notify().unwrap();
+            if c == 12 {
+                broker.restart().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(rng.random_range(0..150)));
+        }
+        done.store(true, Ordering::Relaxed);
+        killer.join().unwrap()
+    });
+    assert_eq!(killed, kills);
+    publisher.flush(Duration::from_secs(120)).unwrap();
+    let status = publisher.status();
+    let last = store.checkpoints().unwrap().pop().unwrap();
+    assert_eq!(status.published_seq, Some(last.seq), "{status:?}");
+    let addr = replica.lock().1.clone();
+    let (emb, blk) = replica_rows(&addr, last.seq);
+    same(&emb, &trainer_at(&store, "emb", last.batch_id, (1, PARTS)), "emb");
+    same(&blk, &trainer_at(&store, "blk", last.batch_id, (1, PARTS)), "blk");
+    assert!(emb.len() > 1000 && blk.len() > 1000, "{} {}", emb.len(), blk.len());
+    eprintln!("{kind:?}: {status:?}");
+    sigkill(&mut replica.lock().0);
+}
+
+#[test]
+fn kafka_replica_killed_20_times_ends_equal_to_the_trainer() {
+    replica_survives_kills_and_a_broker_restart(BrokerKind::Kafka);
+}
+
+#[test]
+fn redis_replica_killed_20_times_ends_equal_to_the_trainer() {
+    replica_survives_kills_and_a_broker_restart(BrokerKind::Redis);
+}
+
+#[test]
+fn publisher_fails_loudly_while_the_broker_is_down_then_catches_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = LocalBroker::start(BrokerKind::Redis, &dir.path().join("broker")).unwrap();
+    let stream = stream(BrokerKind::Redis, &broker, "loud");
+    let store = trainer(&dir.path().join("trainer"));
+    let mut opts = PublishOptions::new(stream.clone());
+    opts.max_pending = 2;
+    let publisher = Publisher::start(Arc::clone(&store), opts).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut b = 0;
+    let mut checkpoint = |rng: &mut rand::rngs::StdRng| {
+        b += 1;
+        step(&store, b, rng);
+        store.checkpoint(b).unwrap();
+        publisher.notify()
+    };
+    checkpoint(&mut rng).unwrap();
+    publisher.flush(Duration::from_secs(30)).unwrap();
+    broker.kill();
+    checkpoint(&mut rng).unwrap();
+    checkpoint(&mut rng).unwrap();
+    let err = checkpoint(&mut rng).unwrap_err();
+    let msg = err.to_string();
+    assert_eq!(err.kind(), embank_core::ErrorKind::Unavailable, "{msg}");
+    assert!(msg.contains("3 checkpoints wait") && msg.contains("loud") && msg.contains("full snapshot"), "{msg}");
+    let e = publisher.flush(Duration::from_millis(300)).unwrap_err();
+    assert_eq!(e.kind(), embank_core::ErrorKind::Timeout, "{e}");
+    assert!(e.to_string().contains("cannot"), "names the broker's error: {e}");
+    // The publisher gave up its pin: the next checkpoint (failing loudly too) drops the
+    // ones it kept, back to keep_checkpoints.
+    assert!(store.checkpoints().unwrap().len() > 2);
+    assert!(checkpoint(&mut rng).is_err());
+    assert_eq!(store.checkpoints().unwrap().len(), 2);
+    broker.restart().unwrap();
+    publisher.flush(Duration::from_secs(30)).unwrap();
+    let status = publisher.status();
+    assert_eq!(status.full_snapshots, 2, "{status:?}");
+    // A replica in this process applies the whole stream: equal to the trainer at the end.
+    let replica_store = Arc::new(Store::open(dir.path().join("replica"), StoreOptions::default()).unwrap());
+    let mut replica = Replica::start(Arc::clone(&replica_store), ReplicaOptions::new(stream)).unwrap();
+    let last = store.checkpoints().unwrap().pop().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while replica.status().checkpoint_seq != Some(last.seq) {
+        assert!(Instant::now() < deadline, "{:?}", replica.status());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for name in ["emb", "blk"] {
+        let mut got = Rows::new();
+        replica_store
+            .table(name)
+            .unwrap()
+            .export(4096, |k, r| {
+                rows_of(k, r, (0, 1), &mut got);
+                Ok(())
+            })
+            .unwrap();
+        same(&got, &trainer_at(&store, name, last.batch_id, (0, 1)), name);
+    }
+    let s = replica.status();
+    assert!(s.commits >= 2 && s.state == "ingesting", "{s:?}");
+    replica.close();
+}
