@@ -312,3 +312,110 @@ fn publisher_fails_loudly_while_the_broker_is_down_then_catches_up() {
     assert!(s.commits >= 2 && s.state == "ingesting", "{s:?}");
     replica.close();
 }
+
+/// Waits until every replica of the client's one shard serves batch `batch`.
+fn wait_served(client: &Client, batch: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let all = client.served_all();
+        if all[0].iter().all(|v| v["batch_id"].as_u64() == Some(batch)) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "replicas serve {all:?}, want batch {batch}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn reads_fail_over_between_replicas_and_respect_min_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = LocalBroker::start(BrokerKind::Redis, &dir.path().join("broker")).unwrap();
+    let stream = stream(BrokerKind::Redis, &broker, "failover");
+    let store = trainer(&dir.path().join("trainer"));
+    let publisher = Publisher::start(Arc::clone(&store), PublishOptions::new(stream)).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    for b in 1..=3 {
+        step(&store, b, &mut rng);
+        store.checkpoint(b).unwrap();
+        publisher.notify().unwrap();
+    }
+    publisher.flush(Duration::from_secs(30)).unwrap();
+    let mut replicas = Vec::new();
+    for name in ["a", "b"] {
+        let config = dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "store = {:?}\nlisten = \"127.0.0.1:0\"\n[updates]\ntransport = \"redis\"\nbrokers = \"{}\"\ntopic = \"failover\"\n",
+                dir.path().join(name).display().to_string(),
+                broker.brokers()
+            ),
+        )
+        .unwrap();
+        replicas.push(start_replica(&config));
+    }
+    let group = vec![vec![replicas[0].1.clone(), replicas[1].1.clone()]];
+    let opts = ClientOptions { timeout: Duration::from_secs(2), ..Default::default() };
+    let client = Client::connect_groups(&group, opts.clone()).unwrap();
+    wait_served(&client, 3);
+    let want = trainer_at(&store, "emb", 3, (0, 1));
+    let keys: Vec<u64> = (0..KEYS + 100).collect();
+    // Writes go to the primary, which refuses them: it is a replica.
+    let t = client.table("emb").unwrap();
+    let err = t.push(&[1], &[0.0; DIM]).unwrap_err();
+    assert!(err.to_string().contains("replica of") && err.to_string().contains("replica 0"), "{err}");
+    // Readers while replica 0 is SIGKILLed: every read succeeds and matches.
+    let stop = AtomicBool::new(false);
+    let reads = std::thread::scope(|s| {
+        let readers: Vec<_> = (0..2)
+            .map(|r| {
+                let (client, keys, want, stop) = (client.clone(), &keys, &want, &stop);
+                s.spawn(move || {
+                    let t = client.table("emb").unwrap();
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(r);
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let batch: Vec<u64> = (0..256).map(|_| keys[rng.random_range(0..keys.len())]).collect();
+                        let mut rows = vec![0f32; batch.len() * DIM];
+                        let mut found = vec![false; batch.len()];
+                        t.lookup(&batch, &mut rows, &mut found).unwrap_or_else(|e| panic!("read {n} failed: {e}"));
+                        for (i, k) in batch.iter().enumerate() {
+                            let got: Option<Vec<u32>> =
+                                found[i].then(|| rows[i * DIM..(i + 1) * DIM].iter().map(|x| x.to_bits()).collect());
+                            assert_eq!(got.as_ref(), want.get(k), "key {k} in read {n}");
+                        }
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(500));
+        sigkill(&mut replicas[0].0);
+        std::thread::sleep(Duration::from_millis(1000));
+        stop.store(true, Ordering::Relaxed);
+        readers.into_iter().map(|r| r.join().unwrap()).sum::<u64>()
+    });
+    assert!(reads > 20, "only {reads} reads");
+    // Versioned reads: checkpoint 4 is not served anywhere yet.
+    let mut rows = vec![0f32; DIM];
+    let mut found = [false];
+    let err = t.lookup_min(&[1], &mut rows, &mut found, Some(4)).unwrap_err();
+    assert!(err.to_string().contains("serves checkpoint 4 or later"), "{err}");
+    step(&store, 4, &mut rng);
+    store.checkpoint(4).unwrap();
+    publisher.notify().unwrap();
+    publisher.flush(Duration::from_secs(30)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while t.lookup_min(&[1], &mut rows, &mut found, Some(4)).is_err() {
+        assert!(Instant::now() < deadline, "replica b never served checkpoint 4");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let strict = Client::connect_groups(&group, ClientOptions { min_checkpoint: Some(4), ..opts }).unwrap();
+    let mut found = vec![false; keys.len()];
+    let mut rows = vec![0f32; keys.len() * DIM];
+    strict.table("emb").unwrap().lookup(&keys, &mut rows, &mut found).unwrap();
+    let want = trainer_at(&store, "emb", 4, (0, 1));
+    assert_eq!(found.iter().filter(|&&f| f).count(), want.len());
+    sigkill(&mut replicas[1].0);
+}

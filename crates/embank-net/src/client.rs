@@ -15,9 +15,9 @@
 use std::collections::{HashSet, VecDeque};
 use std::io::{self, IoSlice, Read};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use embank_core::catalog::TableMeta;
 use embank_core::{Error, ErrorKind, ExportCursor, Result, TableOptions};
@@ -43,6 +43,12 @@ pub struct ClientOptions {
     /// TLS to the shards (the CA to verify them, optionally a client certificate).
     /// Default none: plain TCP.
     pub tls: Option<ClientTls>,
+    /// Reads go only to replicas serving at least this checkpoint (the publisher's batch
+    /// id, see [`Client::served`]); a shard with none fails the call, naming what each
+    /// replica serves. Default none.
+    pub min_checkpoint: Option<u64>,
+    /// A replica that failed a request is skipped by reads for this long. Default 1 s.
+    pub replica_retry_after: Duration,
 }
 
 impl Default for ClientOptions {
@@ -54,14 +60,30 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_secs(5),
             in_flight_per_shard: 8,
             tls: None,
+            min_checkpoint: None,
+            replica_retry_after: Duration::from_secs(1),
         }
     }
 }
 
-struct Shard {
-    index: usize,
+/// One server of a shard's replica group.
+struct Endpoint {
     addr: String,
     pool: Mutex<Vec<Stream>>,
+    /// Reads skip it until then (it failed a request).
+    down_until: Mutex<Option<Instant>>,
+    /// The checkpoint (batch id) it last said it serves.
+    served: Mutex<Option<u64>>,
+    /// A read-only replica (its HELLO says so): pulls may go to any replica of the group.
+    read_only: AtomicBool,
+}
+
+/// A key range: a group of replicas, the first of which takes the writes.
+struct Shard {
+    index: usize,
+    replicas: Vec<Endpoint>,
+    /// Round-robin start of reads.
+    next: AtomicUsize,
 }
 
 struct Inner {
@@ -77,27 +99,50 @@ pub struct Client {
     inner: Arc<Inner>,
 }
 
+/// A table's id on every replica of every shard (ids are each server's own), learnt
+/// as replicas are first used.
+pub(crate) struct TableIds {
+    name: String,
+    ids: Vec<Vec<AtomicU32>>,
+}
+
+const UNKNOWN_ID: u32 = u32::MAX;
+
 /// One request of a call.
 struct Req {
     shard: usize,
     op: Op,
-    table_id: u32,
+    table: Option<Arc<TableIds>>,
     count: u32,
     body: Vec<u8>,
+    /// Reads only: replicas serving at least this checkpoint.
+    min_checkpoint: Option<u64>,
 }
 
 impl Shard {
     fn name(&self) -> String {
-        format!("shard {} ({})", self.index, self.addr)
+        format!(
+            "shard {} ({})",
+            self.index,
+            self.replicas.iter().map(|r| r.addr.as_str()).collect::<Vec<_>>().join(" | ")
+        )
     }
 
-    fn unavailable(&self, what: &str, e: &io::Error) -> Error {
+    fn replica_name(&self, r: usize) -> String {
+        if self.replicas.len() == 1 {
+            format!("shard {} ({})", self.index, self.replicas[0].addr)
+        } else {
+            format!("shard {} replica {r} ({})", self.index, self.replicas[r].addr)
+        }
+    }
+
+    fn unavailable(&self, r: usize, what: &str, e: &io::Error) -> Error {
         let kind = if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
             ErrorKind::Timeout
         } else {
             ErrorKind::Unavailable
         };
-        Error::new(kind, format!("{} {what}: {e}", self.name()))
+        Error::new(kind, format!("{} {what}: {e}", self.replica_name(r)))
     }
 }
 
@@ -117,26 +162,61 @@ fn alive(s: &mut Stream) -> bool {
 impl Client {
     /// Connects to every shard (checking the token), so a wrong address fails here.
     pub fn connect<S: AsRef<str>>(addrs: &[S], opts: ClientOptions) -> Result<Client> {
-        if addrs.is_empty() {
-            return Err(Error::config("connect: give at least one shard address"));
+        let groups: Vec<Vec<String>> = addrs.iter().map(|a| vec![a.as_ref().to_string()]).collect();
+        Self::connect_groups(&groups, opts)
+    }
+
+    /// Connects to shards of several replicas each (`groups[i]`: shard i's replicas, the
+    /// first its primary). Reads (lookup, len, stats, and pull on read-only replicas) are
+    /// spread over a shard's healthy replicas and fail over to another on an error or a
+    /// timeout; writes go to the primary alone. At least one replica of every shard must
+    /// answer now; one that does not is skipped until it does.
+    pub fn connect_groups<S: AsRef<str>>(groups: &[Vec<S>], opts: ClientOptions) -> Result<Client> {
+        if groups.is_empty() || groups.iter().any(|g| g.is_empty()) {
+            return Err(Error::config("connect: give at least one shard, each with at least one address"));
         }
         if opts.keys_per_request_max == 0 || opts.in_flight_per_shard == 0 {
             return Err(Error::config("keys_per_request_max and in_flight_per_shard must be at least 1"));
         }
-        let shards = addrs
+        let shards = groups
             .iter()
             .enumerate()
-            .map(|(index, a)| {
-                let addr = a.as_ref().trim().trim_start_matches("tcp://").to_string();
-                Shard { index, addr, pool: Mutex::new(Vec::new()) }
+            .map(|(index, g)| Shard {
+                index,
+                replicas: g
+                    .iter()
+                    .map(|a| Endpoint {
+                        addr: a.as_ref().trim().trim_start_matches("tcp://").to_string(),
+                        pool: Mutex::new(Vec::new()),
+                        down_until: Mutex::new(None),
+                        served: Mutex::new(None),
+                        read_only: AtomicBool::new(false),
+                    })
+                    .collect(),
+                next: AtomicUsize::new(index),
             })
             .collect();
         let client = Client {
             inner: Arc::new(Inner { shards, opts, next_id: AtomicU64::new(1), closed: AtomicBool::new(false) }),
         };
         for shard in &client.inner.shards {
-            let conn = client.open_conn(shard)?;
-            shard.pool.lock().push(conn);
+            let mut errors = Vec::new();
+            for r in 0..shard.replicas.len() {
+                match client.open_conn(shard, r) {
+                    Ok(conn) => shard.replicas[r].pool.lock().push(conn),
+                    Err(e) if shard.replicas.len() > 1 && e.kind() == ErrorKind::Unavailable => {
+                        client.mark_down(shard, r);
+                        errors.push(e);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            if errors.len() == shard.replicas.len() {
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    format!("no replica of {} answers: {}", shard.name(), join_errors(&errors)),
+                ));
+            }
         }
         Ok(client)
     }
@@ -145,21 +225,32 @@ impl Client {
         self.inner.shards.len()
     }
 
-    /// The shard addresses, in routing order.
+    /// The shards' primary addresses, in routing order.
     pub fn addrs(&self) -> Vec<String> {
-        self.inner.shards.iter().map(|s| s.addr.clone()).collect()
+        self.inner.shards.iter().map(|s| s.replicas[0].addr.clone()).collect()
+    }
+
+    /// Every shard's replica addresses, in routing order.
+    pub fn groups(&self) -> Vec<Vec<String>> {
+        self.inner.shards.iter().map(|s| s.replicas.iter().map(|r| r.addr.clone()).collect()).collect()
     }
 
     pub fn options(&self) -> &ClientOptions {
         &self.inner.opts
     }
 
-    fn open_conn(&self, shard: &Shard) -> Result<Stream> {
+    fn mark_down(&self, shard: &Shard, r: usize) {
+        *shard.replicas[r].down_until.lock() = Some(Instant::now() + self.inner.opts.replica_retry_after);
+        shard.replicas[r].pool.lock().clear();
+    }
+
+    fn open_conn(&self, shard: &Shard, r: usize) -> Result<Stream> {
         let opts = &self.inner.opts;
-        let addrs: Vec<SocketAddr> = shard
+        let ep = &shard.replicas[r];
+        let addrs: Vec<SocketAddr> = ep
             .addr
             .to_socket_addrs()
-            .map_err(|e| Error::config(format!("{}: address does not resolve: {e}", shard.name())))?
+            .map_err(|e| Error::config(format!("{}: address does not resolve: {e}", shard.replica_name(r))))?
             .collect();
         let mut last = None;
         let mut stream = None;
@@ -176,7 +267,10 @@ impl Client {
             Some(s) => s,
             None => {
                 let e = last.unwrap_or_else(|| io::Error::other("no address"));
-                return Err(Error::new(ErrorKind::Unavailable, format!("{} is unreachable: {e}", shard.name())));
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    format!("{} is unreachable: {e}", shard.replica_name(r)),
+                ));
             }
         };
         let setup = |s: &TcpStream| -> io::Result<()> {
@@ -184,11 +278,11 @@ impl Client {
             s.set_read_timeout(Some(opts.timeout))?;
             s.set_write_timeout(Some(opts.timeout))
         };
-        setup(&tcp).map_err(|e| shard.unavailable("socket setup failed", &e))?;
+        setup(&tcp).map_err(|e| shard.unavailable(r, "socket setup failed", &e))?;
         let mut s = match &opts.tls {
-            Some(tls) => tls.connect(tcp, &shard.addr).map_err(|e| {
+            Some(tls) => tls.connect(tcp, &ep.addr).map_err(|e| {
                 let hint = if e.to_string().contains("corrupt message") { " (does the server speak TLS?)" } else { "" };
-                shard.unavailable(&format!("TLS handshake failed{hint}"), &e)
+                shard.unavailable(r, &format!("TLS handshake failed{hint}"), &e)
             })?,
             None => Stream::Plain(tcp),
         };
@@ -196,94 +290,256 @@ impl Client {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let h = Header::request(Op::Hello, id, 0, 0, token.len() as u32);
         write_all_vectored(&mut s, &mut [IoSlice::new(&h.encode()), IoSlice::new(token.as_bytes())])
-            .map_err(|e| shard.unavailable("refused the hello", &e))?;
+            .map_err(|e| shard.unavailable(r, "refused the hello", &e))?;
         if !s.is_tls() {
             // A TLS server answers clear text with an alert record (content type 21).
             let mut first = [0u8; 1];
             if matches!(s.tcp().peek(&mut first), Ok(1)) && first[0] == 0x15 {
                 return Err(Error::new(
                     ErrorKind::Unavailable,
-                    format!("{} requires TLS: connect with its CA file (tls_ca_file)", shard.name()),
+                    format!("{} requires TLS: connect with its CA file (tls_ca_file)", shard.replica_name(r)),
                 ));
             }
         }
-        let (rh, body) = read_reply(&mut s).map_err(|e| shard.unavailable("did not answer the hello", &e))?;
-        check_reply(shard, &h, &rh, body)?;
+        let (rh, body) = read_reply(&mut s).map_err(|e| shard.unavailable(r, "did not answer the hello", &e))?;
+        let body = check_reply(shard, r, &h, &rh, body)?;
+        if let Ok(info) = serde_json::from_slice::<serde_json::Value>(&body) {
+            ep.read_only.store(info["read_only"].as_bool() == Some(true), Ordering::Relaxed);
+        }
         Ok(s)
     }
 
-    fn take_conn(&self, shard: &Shard) -> Result<Stream> {
+    fn take_conn(&self, shard: &Shard, r: usize) -> Result<Stream> {
         if self.inner.closed.load(Ordering::Relaxed) {
             return Err(Error::new(ErrorKind::Closed, "the remote store is closed"));
         }
         loop {
-            let pooled = shard.pool.lock().pop();
+            let pooled = shard.replicas[r].pool.lock().pop();
             match pooled {
                 Some(mut s) => {
                     if alive(&mut s) {
                         return Ok(s);
                     }
-                    tracing::debug!(shard = %shard.name(), "dropping a dead pooled connection");
+                    tracing::debug!(replica = %shard.replica_name(r), "dropping a dead pooled connection");
                 }
-                None => return self.open_conn(shard),
+                None => return self.open_conn(shard, r),
             }
         }
     }
 
-    /// Sends every request and calls `on_reply(i, header, body)` for request i's reply
-    /// (in no particular order across shards).
-    fn run(&self, reqs: &[Req], mut on_reply: impl FnMut(usize, &Header, Vec<u8>) -> Result<()>) -> Result<()> {
+    /// Whether `op` may go to any replica of the shard (and fail over).
+    fn spreads(&self, shard: &Shard, op: Op) -> bool {
+        match op {
+            Op::Lookup | Op::Len | Op::TableStats | Op::StoreStats | Op::ListTables | Op::OpenTable | Op::Served => {
+                true
+            }
+            Op::Pull => shard.replicas[0].read_only.load(Ordering::Relaxed),
+            _ => false,
+        }
+    }
+
+    /// The replicas request `req` may try, in order: for a read, the healthy ones serving
+    /// `min_checkpoint`, round-robin, then those marked down; else the primary.
+    fn candidates(&self, req: &Req) -> Result<Vec<usize>> {
+        let shard = &self.inner.shards[req.shard];
+        let n = shard.replicas.len();
+        if n == 1 || !self.spreads(shard, req.op) {
+            return Ok(vec![0]);
+        }
+        let start = shard.next.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let (mut up, mut down): (Vec<usize>, Vec<usize>) = (0..n)
+            .map(|i| (start + i) % n)
+            .partition(|&r| shard.replicas[r].down_until.lock().is_none_or(|t| t <= now));
+        up.append(&mut down);
+        let Some(min) = req.min_checkpoint else { return Ok(up) };
+        let mut ok = Vec::new();
+        let mut seen = Vec::new();
+        for r in up {
+            let cached = *shard.replicas[r].served.lock();
+            let served = match cached {
+                Some(b) if b >= min => Some(b),
+                _ => self.served_by(shard, r).ok().flatten(),
+            };
+            if served.is_some_and(|b| b >= min) {
+                ok.push(r);
+            } else {
+                seen.push(format!(
+                    "{}: {}",
+                    shard.replica_name(r),
+                    served.map_or("none".to_string(), |b| b.to_string())
+                ));
+            }
+        }
+        if ok.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "no replica of shard {} serves checkpoint {min} or later yet ({})",
+                    shard.index,
+                    seen.join(", ")
+                ),
+            ));
+        }
+        Ok(ok)
+    }
+
+    /// Asks replica `r` which checkpoint it serves (and caches the answer).
+    fn served_by(&self, shard: &Shard, r: usize) -> Result<Option<u64>> {
+        let mut conn = self.take_conn(shard, r)?;
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let h = Header::request(Op::Served, id, 0, 0, 0);
+        write_all_vectored(&mut conn, &mut [IoSlice::new(&h.encode())])
+            .map_err(|e| shard.unavailable(r, "refused served", &e))?;
+        let (rh, body) = read_reply(&mut conn).map_err(|e| shard.unavailable(r, "failed during served", &e))?;
+        let body = check_reply(shard, r, &h, &rh, body)?;
+        shard.replicas[r].pool.lock().push(conn);
+        let v: serde_json::Value =
+            serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad served reply: {e}")))?;
+        let b = v["batch_id"].as_u64();
+        *shard.replicas[r].served.lock() = b;
+        Ok(b)
+    }
+
+    /// Sends request `i` to the first of its candidate replicas not in `tried` that takes it.
+    fn dispatch(
+        &self,
+        reqs: &[Req],
+        i: usize,
+        tried: &mut Vec<(usize, Error)>,
+    ) -> Result<(Stream, usize, Header, usize)> {
+        let shard = &self.inner.shards[reqs[i].shard];
+        for r in self.candidates(&reqs[i])? {
+            if tried.iter().any(|(t, _)| *t == r) {
+                continue;
+            }
+            let attempt = self.take_conn(shard, r).and_then(|conn| self.send(conn, &reqs[i], r));
+            match attempt {
+                Ok((conn, h)) => return Ok((conn, i, h, r)),
+                Err(e) if retryable(&e) && self.spreads(shard, reqs[i].op) => {
+                    self.mark_down(shard, r);
+                    tried.push((r, e));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let errors: Vec<Error> = tried.drain(..).map(|(_, e)| e).collect();
+        Err(match errors.len() {
+            1 => errors.into_iter().next().unwrap(),
+            _ => Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "no replica of shard {} could serve {}: {}",
+                    shard.index,
+                    reqs[i].op.name(),
+                    join_errors(&errors)
+                ),
+            ),
+        })
+    }
+
+    /// Sends every request and calls `on_reply(i, replica, header, body)` for request i's
+    /// reply (in no particular order across shards). A read whose replica fails is sent
+    /// to another replica of its shard.
+    fn run(&self, reqs: &[Req], mut on_reply: impl FnMut(usize, usize, &Header, Vec<u8>) -> Result<()>) -> Result<()> {
         let shards = &self.inner.shards;
         let mut queues: Vec<VecDeque<usize>> = vec![VecDeque::new(); shards.len()];
         for (i, r) in reqs.iter().enumerate() {
             queues[r.shard].push_back(i);
         }
-        let mut in_flight: VecDeque<(Stream, usize, Header)> = VecDeque::new();
-        let mut pooled: Vec<(usize, Stream)> = Vec::new();
+        let mut tried: Vec<Vec<(usize, Error)>> = (0..reqs.len()).map(|_| Vec::new()).collect();
+        let mut in_flight: VecDeque<(Stream, usize, Header, usize)> = VecDeque::new();
+        let mut pooled: Vec<(usize, usize, Stream)> = Vec::new();
         let result = (|| {
-            for (s, q) in queues.iter_mut().enumerate() {
+            for q in queues.iter_mut() {
                 for _ in 0..q.len().min(self.inner.opts.in_flight_per_shard) {
-                    let conn = self.take_conn(&shards[s])?;
                     let i = q.pop_front().unwrap();
-                    in_flight.push_back(self.send(conn, i, &reqs[i])?);
+                    in_flight.push_back(self.dispatch(reqs, i, &mut tried[i])?);
                 }
             }
-            while let Some((mut conn, i, h)) = in_flight.pop_front() {
+            while let Some((mut conn, i, h, r)) = in_flight.pop_front() {
                 let shard = &shards[reqs[i].shard];
-                let (rh, body) = read_reply(&mut conn)
-                    .map_err(|e| shard.unavailable(&format!("failed during {}", reqs[i].op.name()), &e))?;
-                let body = check_reply(shard, &h, &rh, body);
+                let (rh, body) = match read_reply(&mut conn) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let e = shard.unavailable(r, &format!("failed during {}", reqs[i].op.name()), &e);
+                        if self.spreads(shard, reqs[i].op) {
+                            // Fail over: the request again, to another replica.
+                            self.mark_down(shard, r);
+                            tried[i].push((r, e));
+                            in_flight.push_back(self.dispatch(reqs, i, &mut tried[i])?);
+                            continue;
+                        }
+                        return Err(e);
+                    }
+                };
+                let body = check_reply(shard, r, &h, &rh, body);
                 // An error reply leaves the connection in step: keep it.
                 match queues[reqs[i].shard].pop_front() {
-                    Some(next) if body.is_ok() => in_flight.push_back(self.send(conn, next, &reqs[next])?),
-                    _ => pooled.push((reqs[i].shard, conn)),
+                    Some(next) if body.is_ok() => {
+                        pooled.push((reqs[i].shard, r, conn));
+                        in_flight.push_back(self.dispatch(reqs, next, &mut tried[next])?);
+                    }
+                    _ => pooled.push((reqs[i].shard, r, conn)),
                 }
-                on_reply(i, &rh, body?)?;
+                on_reply(i, r, &rh, body?)?;
             }
             Ok(())
         })();
-        for (s, conn) in pooled {
-            shards[s].pool.lock().push(conn);
+        for (s, r, conn) in pooled {
+            shards[s].replicas[r].pool.lock().push(conn);
         }
         result
     }
 
-    fn send(&self, mut conn: Stream, i: usize, r: &Req) -> Result<(Stream, usize, Header)> {
+    fn send(&self, mut conn: Stream, req: &Req, r: usize) -> Result<(Stream, Header)> {
+        let shard = &self.inner.shards[req.shard];
+        let table_id = match &req.table {
+            None => 0,
+            Some(t) => self.table_id(&mut conn, shard, r, t)?,
+        };
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let h = Header::request(r.op, id, r.table_id, r.count, r.body.len() as u32);
-        write_all_vectored(&mut conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(&r.body)])
-            .map_err(|e| self.inner.shards[r.shard].unavailable(&format!("refused a {} request", r.op.name()), &e))?;
-        Ok((conn, i, h))
+        let h = Header::request(req.op, id, table_id, req.count, req.body.len() as u32);
+        write_all_vectored(&mut conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(&req.body)])
+            .map_err(|e| shard.unavailable(r, &format!("refused a {} request", req.op.name()), &e))?;
+        Ok((conn, h))
+    }
+
+    /// The table's id on replica `r`, opened there by name on `conn` the first time.
+    fn table_id(&self, conn: &mut Stream, shard: &Shard, r: usize, t: &TableIds) -> Result<u32> {
+        let slot = &t.ids[shard.index][r];
+        let id = slot.load(Ordering::Relaxed);
+        if id != UNKNOWN_ID {
+            return Ok(id);
+        }
+        let rid = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let h = Header::request(Op::OpenTable, rid, 0, 0, t.name.len() as u32);
+        write_all_vectored(conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(t.name.as_bytes())])
+            .map_err(|e| shard.unavailable(r, "refused open_table", &e))?;
+        let (rh, body) = read_reply(conn).map_err(|e| shard.unavailable(r, "failed during open_table", &e))?;
+        check_reply(shard, r, &h, &rh, body)?;
+        slot.store(rh.table_id, Ordering::Relaxed);
+        Ok(rh.table_id)
     }
 
     /// One request to every shard (store-level operations).
-    fn broadcast(&self, op: Op, body: &[u8], table_ids: Option<&[u32]>) -> Result<Vec<(Header, Vec<u8>)>> {
+    fn broadcast(&self, op: Op, body: &[u8], table: Option<&Arc<TableIds>>) -> Result<Vec<(Header, Vec<u8>)>> {
+        Ok(self.broadcast_from(op, body, table)?.into_iter().map(|(_, h, b)| (h, b)).collect())
+    }
+
+    /// [`broadcast`](Self::broadcast) with the replica that answered each shard.
+    fn broadcast_from(
+        &self,
+        op: Op,
+        body: &[u8],
+        table: Option<&Arc<TableIds>>,
+    ) -> Result<Vec<(usize, Header, Vec<u8>)>> {
         let reqs: Vec<Req> = (0..self.shard_count())
-            .map(|s| Req { shard: s, op, table_id: table_ids.map_or(0, |t| t[s]), count: 0, body: body.to_vec() })
+            .map(|s| Req { shard: s, op, table: table.cloned(), count: 0, body: body.to_vec(), min_checkpoint: None })
             .collect();
-        let mut out: Vec<Option<(Header, Vec<u8>)>> = vec![None; reqs.len()];
-        self.run(&reqs, |i, h, b| {
-            out[i] = Some((*h, b));
+        let mut out: Vec<Option<(usize, Header, Vec<u8>)>> = vec![None; reqs.len()];
+        self.run(&reqs, |i, r, h, b| {
+            out[i] = Some((r, *h, b));
             Ok(())
         })?;
         Ok(out.into_iter().map(|o| o.expect("every shard replied")).collect())
@@ -294,37 +550,52 @@ impl Client {
         embank_core::table::validate_name(name)?;
         options.validate()?;
         let body = serde_json::json!({ "name": name, "options": options }).to_string();
-        let replies = self.broadcast(Op::CreateTable, body.as_bytes(), None)?;
+        let replies = self.broadcast_from(Op::CreateTable, body.as_bytes(), None)?;
         self.table_from(name, replies)
     }
 
     /// Opens a table that exists on every shard.
     pub fn table(&self, name: &str) -> Result<RemoteTable> {
-        let replies = self.broadcast(Op::OpenTable, name.as_bytes(), None)?;
+        let replies = self.broadcast_from(Op::OpenTable, name.as_bytes(), None)?;
         self.table_from(name, replies)
     }
 
-    fn table_from(&self, name: &str, replies: Vec<(Header, Vec<u8>)>) -> Result<RemoteTable> {
-        let mut ids = Vec::with_capacity(replies.len());
+    fn table_from(&self, name: &str, replies: Vec<(usize, Header, Vec<u8>)>) -> Result<RemoteTable> {
+        let ids = TableIds {
+            name: name.to_string(),
+            ids: self
+                .inner
+                .shards
+                .iter()
+                .map(|s| s.replicas.iter().map(|_| AtomicU32::new(UNKNOWN_ID)).collect())
+                .collect(),
+        };
         let mut meta: Option<TableMeta> = None;
-        for (s, (h, body)) in replies.into_iter().enumerate() {
+        for (s, (r, h, body)) in replies.into_iter().enumerate() {
+            let shard = &self.inner.shards[s];
             let m: TableMeta = serde_json::from_slice(&body)
-                .map_err(|e| Error::corrupt(format!("{}: bad table description: {e}", self.inner.shards[s].name())))?;
+                .map_err(|e| Error::corrupt(format!("{}: bad table description: {e}", shard.replica_name(r))))?;
             if let Some(first) = &meta {
                 if first.dim != m.dim {
                     return Err(Error::config(format!(
                         "table {name:?} has dim {} on shard 0 but {} on {}",
                         first.dim,
                         m.dim,
-                        self.inner.shards[s].name()
+                        shard.replica_name(r)
                     )));
                 }
             }
-            ids.push(h.table_id);
+            ids.ids[s][r].store(h.table_id, Ordering::Relaxed);
             meta.get_or_insert(m);
         }
         let meta = meta.expect("at least one shard");
-        Ok(RemoteTable { client: self.clone(), name: name.to_string(), dim: meta.dim as usize, ids, meta })
+        Ok(RemoteTable {
+            client: self.clone(),
+            name: name.to_string(),
+            dim: meta.dim as usize,
+            ids: Arc::new(ids),
+            meta,
+        })
     }
 
     /// Names of the tables on the servers (their union), sorted.
@@ -351,10 +622,10 @@ impl Client {
     /// (tables matched by name), and each shard's own under `"shards"`.
     pub fn stats(&self) -> Result<serde_json::Value> {
         let mut shards = Vec::new();
-        for (s, (_, body)) in self.broadcast(Op::StoreStats, &[], None)?.into_iter().enumerate() {
+        for (s, (r, _, body)) in self.broadcast_from(Op::StoreStats, &[], None)?.into_iter().enumerate() {
             let mut v: serde_json::Value =
                 serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad stats: {e}")))?;
-            v["shard"] = serde_json::json!(self.inner.shards[s].addr);
+            v["shard"] = serde_json::json!(self.inner.shards[s].replicas[r].addr);
             shards.push(v);
         }
         let mut total = merge_stats(&shards);
@@ -380,10 +651,32 @@ impl Client {
     /// shard order): a replica's the publisher's checkpoint it applied last, a primary's
     /// its newest retained checkpoint.
     pub fn served(&self) -> Result<Vec<serde_json::Value>> {
-        self.broadcast(Op::Served, &[], None)?
+        self.broadcast_from(Op::Served, &[], None)?
             .into_iter()
-            .map(|(_, body)| {
-                serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad served reply: {e}")))
+            .enumerate()
+            .map(|(s, (r, _, body))| {
+                let mut v: serde_json::Value =
+                    serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad served reply: {e}")))?;
+                *self.inner.shards[s].replicas[r].served.lock() = v["batch_id"].as_u64();
+                v["address"] = serde_json::json!(self.inner.shards[s].replicas[r].addr);
+                Ok(v)
+            })
+            .collect()
+    }
+
+    /// Which checkpoint every replica serves: `[shard][replica]`, each `{"batch_id", "seq",
+    /// "replica", "state", "address"}` or `{"error": ...}` for one that does not answer.
+    pub fn served_all(&self) -> Vec<Vec<serde_json::Value>> {
+        self.inner
+            .shards
+            .iter()
+            .map(|shard| {
+                (0..shard.replicas.len())
+                    .map(|r| match self.served_by(shard, r) {
+                        Ok(b) => serde_json::json!({"batch_id": b, "address": shard.replicas[r].addr}),
+                        Err(e) => serde_json::json!({"error": e.to_string(), "address": shard.replicas[r].addr}),
+                    })
+                    .collect()
             })
             .collect()
     }
@@ -406,16 +699,18 @@ impl Client {
         self.broadcast(Op::Restore, &batch_id.to_le_bytes(), None).map(|_| ())
     }
 
-    /// `tcp://host:port,host:port`.
+    /// `tcp://host:port,host:port` (a shard's replicas joined by `|`).
     pub fn url(&self) -> String {
-        format!("tcp://{}", self.addrs().join(","))
+        format!("tcp://{}", self.groups().iter().map(|g| g.join("|")).collect::<Vec<_>>().join(","))
     }
 
     /// Closes every pooled connection; later calls fail with `Closed`. The servers keep running.
     pub fn close(&self) {
         self.inner.closed.store(true, Ordering::Relaxed);
         for s in &self.inner.shards {
-            s.pool.lock().clear();
+            for r in &s.replicas {
+                r.pool.lock().clear();
+            }
         }
     }
 
@@ -435,15 +730,15 @@ fn read_reply(conn: &mut Stream) -> io::Result<(Header, Vec<u8>)> {
 }
 
 /// Checks that a reply answers `req`, and turns an error status into the error.
-fn check_reply(shard: &Shard, req: &Header, reply: &Header, body: Vec<u8>) -> Result<Vec<u8>> {
+fn check_reply(shard: &Shard, r: usize, req: &Header, reply: &Header, body: Vec<u8>) -> Result<Vec<u8>> {
     if reply.status != 0 {
         let message = String::from_utf8_lossy(&body).into_owned();
-        return Err(proto::error_of(reply.status, message).context(shard.name()));
+        return Err(proto::error_of(reply.status, message).context(shard.replica_name(r)));
     }
     if reply.opcode != req.opcode | REPLY_BIT || reply.request_id != req.request_id {
         return Err(Error::corrupt(format!(
             "{}: reply (opcode {:#x}, id {}) does not match the request (opcode {:#x}, id {})",
-            shard.name(),
+            shard.replica_name(r),
             reply.opcode,
             reply.request_id,
             req.opcode,
@@ -453,14 +748,24 @@ fn check_reply(shard: &Shard, req: &Header, reply: &Header, body: Vec<u8>) -> Re
     Ok(body)
 }
 
+/// Whether a failed attempt may be tried on another replica: the replica was unreachable
+/// or timed out (an error reply is the answer).
+fn retryable(e: &Error) -> bool {
+    matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::Timeout)
+}
+
+fn join_errors(errors: &[Error]) -> String {
+    errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")
+}
+
 /// A table of a remote store: the operations of `embank_core::Table`, over the wire.
 #[derive(Clone)]
 pub struct RemoteTable {
     client: Client,
     name: String,
     dim: usize,
-    /// The table's id on each shard.
-    ids: Vec<u32>,
+    /// The table's id on each replica of each shard.
+    ids: Arc<TableIds>,
     meta: TableMeta,
 }
 
@@ -540,7 +845,14 @@ impl RemoteTable {
                         body.extend_from_slice(as_bytes(&rows[i * d..(i + 1) * d]));
                     }
                 }
-                plan.reqs.push(Req { shard, op, table_id: self.ids[shard], count: chunk.len() as u32, body });
+                plan.reqs.push(Req {
+                    shard,
+                    op,
+                    table: Some(Arc::clone(&self.ids)),
+                    count: chunk.len() as u32,
+                    body,
+                    min_checkpoint: self.client.inner.opts.min_checkpoint,
+                });
                 plan.positions.push(chunk.to_vec());
             }
         }
@@ -571,19 +883,40 @@ impl RemoteTable {
 
     /// Rows of `keys` into `out`; missing rows are created with the initializer.
     pub fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
+        self.pull_min(keys, out, self.client.inner.opts.min_checkpoint)
+    }
+
+    /// [`pull`](Self::pull) from replicas serving checkpoint `min_checkpoint` or later
+    /// (for a read-only replica group; a writable primary takes pulls alone).
+    pub fn pull_min(&self, keys: &[u64], out: &mut [f32], min_checkpoint: Option<u64>) -> Result<()> {
         self.check_rows("pull", keys.len(), out.len())?;
-        let plan = self.plan(Op::Pull, keys, None);
-        self.client.run(&plan.reqs, |i, _, body| self.scatter(&body, 0, &plan.positions[i], out))
+        let mut plan = self.plan(Op::Pull, keys, None);
+        plan.reqs.iter_mut().for_each(|r| r.min_checkpoint = min_checkpoint);
+        self.client.run(&plan.reqs, |i, _, _, body| self.scatter(&body, 0, &plan.positions[i], out))
     }
 
     /// Rows of `keys` and a found mask; never creates rows.
     pub fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        self.lookup_min(keys, out, found, self.client.inner.opts.min_checkpoint)
+    }
+
+    /// [`lookup`](Self::lookup) from replicas serving checkpoint `min_checkpoint` or later
+    /// (the publisher's batch id): a model never mixes rows of different training
+    /// checkpoints unknowingly. Fails if a shard has no such replica yet.
+    pub fn lookup_min(
+        &self,
+        keys: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+        min_checkpoint: Option<u64>,
+    ) -> Result<()> {
         self.check_rows("lookup", keys.len(), out.len())?;
         if found.len() != keys.len() {
             return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
         }
-        let plan = self.plan(Op::Lookup, keys, None);
-        self.client.run(&plan.reqs, |i, _, body| {
+        let mut plan = self.plan(Op::Lookup, keys, None);
+        plan.reqs.iter_mut().for_each(|r| r.min_checkpoint = min_checkpoint);
+        self.client.run(&plan.reqs, |i, _, _, body| {
             let positions = &plan.positions[i];
             let m = mask_bytes(positions.len());
             if body.len() < m {
@@ -625,7 +958,7 @@ impl RemoteTable {
             )
         };
         let plan = self.plan(Op::Push, &ukeys, Some(&urows));
-        self.client.run(&plan.reqs, |_, _, _| Ok(()))
+        self.client.run(&plan.reqs, |_, _, _, _| Ok(()))
     }
 
     /// Applies the table's optimizer; gradients of duplicate keys are summed first.
@@ -634,7 +967,7 @@ impl RemoteTable {
         self.check_finite("push_grad", keys, grads)?;
         let (ukeys, sums) = embank_core::optim::sum_duplicates(keys, grads, self.dim);
         let plan = self.plan(Op::PushGrad, &ukeys, Some(&sums));
-        self.client.run(&plan.reqs, |_, _, _| Ok(()))
+        self.client.run(&plan.reqs, |_, _, _, _| Ok(()))
     }
 
     /// A training worker's pull under the table's staleness bound (see
@@ -655,8 +988,9 @@ impl RemoteTable {
         let plan = self.plan_with(Op::PullHeld, &[worker, timeout.as_millis() as u64], &sorted, None);
         let mut rows = vec![0f32; out.len()];
         for (i, req) in plan.reqs.iter().enumerate() {
-            self.client
-                .run(std::slice::from_ref(req), |_, _, body| self.scatter(&body, 0, &plan.positions[i], &mut rows))?;
+            self.client.run(std::slice::from_ref(req), |_, _, _, body| {
+                self.scatter(&body, 0, &plan.positions[i], &mut rows)
+            })?;
         }
         let d = self.dim;
         for (j, &i) in order.iter().enumerate() {
@@ -671,7 +1005,7 @@ impl RemoteTable {
         self.check_finite("push_grad", keys, grads)?;
         let (ukeys, sums) = embank_core::optim::sum_duplicates(keys, grads, self.dim);
         let plan = self.plan_with(Op::PushGradHeld, &[worker], &ukeys, Some(&sums));
-        self.client.run(&plan.reqs, |_, _, _| Ok(()))
+        self.client.run(&plan.reqs, |_, _, _, _| Ok(()))
     }
 
     /// Gives back every hold of `worker` on every shard; returns how many.
@@ -686,7 +1020,7 @@ impl RemoteTable {
         let uniq: Vec<u64> = keys.iter().copied().filter(|k| seen.insert(*k)).collect();
         let plan = self.plan(Op::Delete, &uniq, None);
         let mut gone = 0;
-        self.client.run(&plan.reqs, |_, _, body| {
+        self.client.run(&plan.reqs, |_, _, _, body| {
             gone += u64_reply(&body)?;
             Ok(())
         })?;
@@ -697,7 +1031,7 @@ impl RemoteTable {
     pub fn lookahead(&self, keys: &[u64]) -> Result<bool> {
         let plan = self.plan(Op::Lookahead, keys, None);
         let mut all = true;
-        self.client.run(&plan.reqs, |_, _, body| {
+        self.client.run(&plan.reqs, |_, _, _, body| {
             all &= u64_reply(&body)? == 1;
             Ok(())
         })?;
@@ -728,12 +1062,12 @@ impl RemoteTable {
     /// The table's statistics with the embedded table's fields, summed over the
     /// shards, and each shard's own under `"shards"`.
     pub fn stats(&self) -> Result<serde_json::Value> {
-        let replies = self.client.broadcast(Op::TableStats, &[], Some(&self.ids))?;
+        let replies = self.client.broadcast_from(Op::TableStats, &[], Some(&self.ids))?;
         let mut shards = Vec::new();
-        for (s, (_, body)) in replies.into_iter().enumerate() {
+        for (s, (r, _, body)) in replies.into_iter().enumerate() {
             let mut v: serde_json::Value =
                 serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad stats: {e}")))?;
-            v["shard"] = serde_json::json!(self.client.inner.shards[s].addr);
+            v["shard"] = serde_json::json!(self.client.inner.shards[s].replicas[r].addr);
             shards.push(v);
         }
         let mut total = merge_stats(&shards);
@@ -751,9 +1085,16 @@ impl RemoteTable {
                 body.extend_from_slice(&cursor.generation.to_le_bytes());
                 body.extend_from_slice(&cursor.bucket.to_le_bytes());
                 body.extend_from_slice(&(chunk_keys as u64).to_le_bytes());
-                let req = Req { shard, op: Op::Export, table_id: self.ids[shard], count: 0, body };
+                let req = Req {
+                    shard,
+                    op: Op::Export,
+                    table: Some(Arc::clone(&self.ids)),
+                    count: 0,
+                    body,
+                    min_checkpoint: None,
+                };
                 let mut page = None;
-                self.client.run(std::slice::from_ref(&req), |_, h, b| {
+                self.client.run(std::slice::from_ref(&req), |_, _, h, b| {
                     page = Some((h.count as usize, b));
                     Ok(())
                 })?;

@@ -583,6 +583,7 @@ impl<'a> Conn<'a> {
                     "protocol": proto::VERSION,
                     "keys_per_request_max": self.ctx.opts.keys_per_request_max,
                     "max_frame_bytes": self.ctx.opts.max_frame_bytes,
+                    "read_only": self.ctx.opts.read_only.is_some(),
                 });
                 self.reply_bytes(h, 0, info.to_string().as_bytes()).map_err(Err)
             }

@@ -461,8 +461,8 @@ fn publish_newest(s: &Shared, sink: &mut dyn Sink) -> Result<()> {
         // A table the stream has not seen whole yet goes whole, after a reset.
         let whole = resync || !published_tables.contains(name);
         if whole {
-            for p in 0..parts {
-                sent[p] += 1;
+            for (p, n) in sent.iter_mut().enumerate() {
+                *n += 1;
                 status.messages += 1;
                 sink.send(p as u32, vec![message::encode_reset(ck, name, dim)])?;
             }
