@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from . import errors, init, optim
 from ._native import __version__
-from ._store import Store, Table, Worker, connect, open
+from ._store import Publisher, Store, Table, Worker, connect, open
 from .errors import (
     ConfigError,
     CorruptStoreError,
@@ -21,6 +21,7 @@ from .errors import (
     FormatVersionError,
     InvalidInputError,
     NotFoundError,
+    PublishError,
     ShardUnavailableError,
     StoreClosedError,
     StoreLockedError,
@@ -36,6 +37,8 @@ __all__ = [
     "FormatVersionError",
     "InvalidInputError",
     "NotFoundError",
+    "PublishError",
+    "Publisher",
     "ShardUnavailableError",
     "Store",
     "StoreClosedError",

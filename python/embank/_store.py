@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _native
-from .errors import InvalidInputError
+from .errors import EmbankError, InvalidInputError, PublishError
 from .init import Initializer, zeros
 from .optim import Optimizer
 
@@ -121,14 +121,23 @@ class Table:
         return self._t.pull(_keys(keys))
 
     def lookup(
-        self, keys: KeysLike, default: float | npt.ArrayLike | None = None
+        self,
+        keys: KeysLike,
+        default: float | npt.ArrayLike | None = None,
+        *,
+        min_checkpoint: int | None = None,
     ) -> tuple[Rows, npt.NDArray[np.bool_]]:
         """Rows of ``keys`` and a found-mask; never creates rows.
 
         Missing rows hold the table's ``missing`` default, or ``default`` if given
-        (a number, or a vector of ``dim`` values).
+        (a number, or a vector of ``dim`` values). ``min_checkpoint`` (remote replicas
+        fed by an update stream): only replicas serving the training checkpoint of
+        that batch id or a later one answer, so rows of different checkpoints are never
+        mixed unknowingly; raises ``ShardUnavailableError`` when a shard has none yet.
         """
-        rows, found = self._t.lookup(_keys(keys))
+        if min_checkpoint is not None and min_checkpoint < 0:
+            raise InvalidInputError(f"min_checkpoint must be >= 0, got {min_checkpoint}")
+        rows, found = self._t.lookup(_keys(keys), None if min_checkpoint is None else int(min_checkpoint))
         if default is not None:
             fill = np.asarray(default, dtype=np.float32)
             if fill.ndim > 1 or (fill.ndim == 1 and fill.shape[0] != self.dim):
@@ -259,6 +268,7 @@ class Store:
 
     def __init__(self, native: _native.Store) -> None:
         self._s = native
+        self._publishers: list[Publisher] = []
 
     @property
     def path(self) -> str:
@@ -438,6 +448,71 @@ class Store:
         if not isinstance(meta, (bytes, bytearray, memoryview)):
             raise TypeError(f"meta must be bytes, got {type(meta).__name__}")
         self._s.checkpoint(int(batch_id), bytes(meta))
+        for p in [p for p in self._publishers if not p.closed]:
+            p._checkpointed()
+
+    def publisher(
+        self,
+        transport: str,
+        brokers: str,
+        *,
+        topic: str = "embank-updates",
+        partitions: int = 1,
+        every: int = 1,
+        max_pending: int = 4,
+        message_bytes: int = 1 << 20,
+        tables: Sequence[str] | None = None,
+        timeout: float = 10.0,
+    ) -> Publisher:
+        """Publishes this store's checkpoints to an update stream that serving replicas
+        (``embank serve`` with an ``[updates]`` section) apply.
+
+        From now on every ``every``-th :meth:`checkpoint` hands the newest checkpoint to
+        a background thread, which sends the rows written and keys deleted since the
+        last checkpoint it published, as they were at the checkpoint, then a commit
+        marker in every partition; training goes on meanwhile. The first publish (and
+        one after the publisher lost its place) sends every table whole.
+
+        Args:
+            transport: ``"kafka"`` or ``"redis"`` (Redis Streams).
+            brokers: Kafka bootstrap servers (``"host:port,..."``) or a Redis URL.
+            topic: the Kafka topic (created with ``partitions`` partitions if missing),
+                or the prefix of the Redis stream keys (``<topic>.<partition>``).
+            partitions: one per serving shard; keys go by the shard hash of
+                :func:`embank.connect`.
+            every: publish every n-th checkpoint.
+            max_pending: checkpoints that may wait for an unreachable broker; past
+                that :meth:`checkpoint` raises :class:`~embank.errors.PublishError`
+                (the checkpoint is taken; updates are never dropped silently).
+            message_bytes: bound of one message.
+            tables: only these tables (default all).
+            timeout: seconds one broker operation may take.
+
+        Embedded stores only (a shard publishes with ``embank publish``).
+        """
+        if every < 1:
+            from .errors import ConfigError
+
+            raise ConfigError(f"every must be at least 1, got {every}")
+        options = {
+            "transport": transport,
+            "brokers": brokers,
+            "topic": topic,
+            "timeout_seconds": float(timeout),
+            "partitions": int(partitions),
+            "message_bytes": int(message_bytes),
+            "max_pending": int(max_pending),
+            "tables": None if tables is None else [str(t) for t in tables],
+        }
+        p = Publisher(self._s.publisher(json.dumps(options)), every)
+        self._publishers.append(p)
+        return p
+
+    def served(self) -> list[dict[str, Any]]:
+        """Which training checkpoint each shard serves: ``batch_id``, ``seq``, whether
+        it is a ``replica`` and its ``state`` (embedded: the newest retained checkpoint)."""
+        out: list[dict[str, Any]] = json.loads(self._s.served_json())
+        return out
 
     def checkpoints(self) -> list[int]:
         """Batch ids of the retained checkpoints, oldest first (``keep_checkpoints`` of
@@ -485,9 +560,13 @@ class Store:
 
     def close(self) -> None:
         """Flushes and closes every table and releases the store's lock. Idempotent.
+        Publishers of the store stop (what they had not sent waits for the next one).
 
         On a remote store: flushes every shard and closes this client's connections;
         the servers keep running."""
+        for p in self._publishers:
+            p.close()
+        self._publishers.clear()
         self._s.close()
 
     def stats(self) -> dict[str, Any]:
@@ -506,6 +585,58 @@ class Store:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self.tables())} tables"
         return f"<embank.Store {self.path!r} ({state})>"
+
+
+class Publisher:
+    """Sends a store's checkpoints to an update stream; made by :meth:`Store.publisher`.
+
+    A context manager: leaving the block waits until the newest checkpoint is
+    published (:meth:`flush`), then stops the publisher."""
+
+    def __init__(self, native: _native.Publisher, every: int) -> None:
+        self._p = native
+        self._every = every
+        self._seen = 0
+        self.closed = False
+
+    def _checkpointed(self) -> None:
+        self._seen += 1
+        if self._seen % self._every:
+            return
+        try:
+            self._p.notify()
+        except EmbankError as e:
+            raise PublishError(str(e)) from e
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Publishes up to the newest checkpoint and waits for the broker's
+        acknowledgement; raises ``EmbankTimeoutError`` (with the broker's last error)
+        after ``timeout`` seconds."""
+        self._p.flush(float(timeout))
+
+    def status(self) -> dict[str, Any]:
+        """``published_batch_id``, ``published_seq``, ``pending``, counts of messages,
+        rows, deletes and bytes sent, ``full_snapshots``, ``last_error``, ..."""
+        out: dict[str, Any] = json.loads(self._p.status_json())
+        return out
+
+    def close(self) -> None:
+        """Stops the publisher (without waiting for what is pending). Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self._p.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if exc_type is None:
+                self.flush()
+        finally:
+            self.close()
 
 
 def open(
@@ -567,7 +698,7 @@ def open(
 
 
 def connect(
-    addrs: str | Sequence[str],
+    addrs: str | Sequence[str | Sequence[str]],
     *,
     token: str | None = None,
     timeout: float = 30.0,
@@ -578,9 +709,16 @@ def connect(
     tls_cert_file: str | os.PathLike[str] | None = None,
     tls_key_file: str | os.PathLike[str] | None = None,
     tls_server_name: str | None = None,
+    min_checkpoint: int | None = None,
 ) -> Store:
     """Connects to a networked store: the ``embank serve`` processes at ``addrs``
     (``"host:port"`` each; one shard per address, in the same order in every client).
+
+    A shard may have several replicas: give it as a list of addresses (or
+    ``"a:7070|b:7070"``), its primary first. Reads (``lookup``, and ``pull`` on
+    read-only replicas fed by an update stream) are spread over the healthy replicas
+    and fail over to another within the call on an error or timeout; writes go to the
+    primary alone; errors name the shard and replica.
 
     Returns a :class:`Store` whose tables have the same methods and errors as those of
     :func:`open`. Keys go to shards by a consistent hash; a batch is split into requests
@@ -598,6 +736,9 @@ def connect(
             servers that require one (``client_ca_file`` in their ``[tls]``).
         tls_server_name: the name the servers' certificates must carry (default: the
             host part of each address).
+        min_checkpoint: reads only from replicas serving the training checkpoint of
+            this batch id or later (see :meth:`Store.served`); per call with
+            ``table.lookup(keys, min_checkpoint=...)``.
 
     The TLS files default to the environment variables ``EMBANK_TLS_CA_FILE``,
     ``EMBANK_TLS_CERT_FILE`` and ``EMBANK_TLS_KEY_FILE`` when not given.
@@ -608,8 +749,15 @@ def connect(
     """
     if isinstance(addrs, str):
         addrs = [a for a in addrs.removeprefix("tcp://").split(",") if a]
-    addrs = list(addrs)
-    if not addrs:
+    groups: list[list[str]] = []
+    for a in addrs:
+        group = [x for x in a.split("|") if x] if isinstance(a, str) else [str(x) for x in a]
+        if not group:
+            from .errors import ConfigError
+
+            raise ConfigError("connect: a shard with no address")
+        groups.append(group)
+    if not groups:
         from .errors import ConfigError
 
         raise ConfigError("connect: give at least one shard address")
@@ -633,7 +781,7 @@ def connect(
 
     return Store(
         _native.Store.connect(
-            [str(a) for a in addrs],
+            groups,
             token,
             float(timeout),
             float(connect_timeout),
@@ -643,5 +791,6 @@ def connect(
             path(tls_cert_file),
             path(tls_key_file),
             tls_server_name,
+            None if min_checkpoint is None else int(min_checkpoint),
         )
     )

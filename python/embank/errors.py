@@ -75,6 +75,12 @@ class ShardUnavailableError(EmbankError, ConnectionError):
     """A server (shard) of a remote store cannot be reached; the message names it."""
 
 
+class PublishError(EmbankError, ConnectionError):
+    """Checkpoints cannot reach the update stream: more than ``max_pending`` wait for
+    the broker. The checkpoint itself was taken; the stream gets a full snapshot once
+    the broker is back (see :meth:`embank.Store.publisher`)."""
+
+
 __all__ = [
     "ConfigError",
     "CorruptStoreError",
@@ -84,6 +90,7 @@ __all__ = [
     "FormatVersionError",
     "InvalidInputError",
     "NotFoundError",
+    "PublishError",
     "ShardUnavailableError",
     "StoreClosedError",
     "StoreLockedError",

@@ -24,6 +24,17 @@ pub trait TableApi: Send + Sync {
     fn meta(&self) -> TableMeta;
     fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()>;
     fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()>;
+    /// [`lookup`](Self::lookup) answered only by replicas serving the publisher's
+    /// checkpoint `min` or later (remote replica groups; elsewhere `min` is refused).
+    fn lookup_min(&self, keys: &[u64], out: &mut [f32], found: &mut [bool], min: Option<u64>) -> Result<()> {
+        match min {
+            None => self.lookup(keys, out, found),
+            Some(_) => Err(Error::new(
+                ErrorKind::Unsupported,
+                "min_checkpoint applies to tables of replicas fed by an update stream (embank.connect)",
+            )),
+        }
+    }
     fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()>;
     fn delete(&self, keys: &[u64]) -> Result<u64>;
     fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()>;
@@ -73,6 +84,17 @@ pub trait StoreApi: Send + Sync {
     fn checkpoints(&self) -> Result<Vec<CheckpointInfo>>;
     fn restore(&self, batch_id: u64) -> Result<()>;
     fn stats_json(&self) -> Result<serde_json::Value>;
+    /// Which checkpoint the store serves, per shard: `[{"batch_id", "seq", "replica",
+    /// "state"}]` (embedded: its newest retained checkpoint; nulls when none).
+    fn served(&self) -> Result<serde_json::Value> {
+        let last = self.checkpoints()?.pop();
+        Ok(serde_json::json!([{
+            "batch_id": last.as_ref().map(|c| c.batch_id),
+            "seq": last.map(|c| c.seq),
+            "replica": false,
+            "state": "primary",
+        }]))
+    }
     /// Waits until no table's background repair after a crash is pending (row counts
     /// are then exact). Remote: polls the tables' stats on the shards.
     fn wait_repaired(&self) -> Result<()> {

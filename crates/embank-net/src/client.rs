@@ -343,7 +343,7 @@ impl Client {
     fn candidates(&self, req: &Req) -> Result<Vec<usize>> {
         let shard = &self.inner.shards[req.shard];
         let n = shard.replicas.len();
-        if n == 1 || !self.spreads(shard, req.op) {
+        if !self.spreads(shard, req.op) {
             return Ok(vec![0]);
         }
         let start = shard.next.fetch_add(1, Ordering::Relaxed);
@@ -891,6 +891,7 @@ impl RemoteTable {
     pub fn pull_min(&self, keys: &[u64], out: &mut [f32], min_checkpoint: Option<u64>) -> Result<()> {
         self.check_rows("pull", keys.len(), out.len())?;
         let mut plan = self.plan(Op::Pull, keys, None);
+        let min_checkpoint = min_checkpoint.or(self.client.inner.opts.min_checkpoint);
         plan.reqs.iter_mut().for_each(|r| r.min_checkpoint = min_checkpoint);
         self.client.run(&plan.reqs, |i, _, _, body| self.scatter(&body, 0, &plan.positions[i], out))
     }
@@ -902,7 +903,8 @@ impl RemoteTable {
 
     /// [`lookup`](Self::lookup) from replicas serving checkpoint `min_checkpoint` or later
     /// (the publisher's batch id): a model never mixes rows of different training
-    /// checkpoints unknowingly. Fails if a shard has no such replica yet.
+    /// checkpoints unknowingly. Fails if a shard has no such replica yet. `None`: the
+    /// client's `min_checkpoint`.
     pub fn lookup_min(
         &self,
         keys: &[u64],
@@ -915,6 +917,7 @@ impl RemoteTable {
             return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
         }
         let mut plan = self.plan(Op::Lookup, keys, None);
+        let min_checkpoint = min_checkpoint.or(self.client.inner.opts.min_checkpoint);
         plan.reqs.iter_mut().for_each(|r| r.min_checkpoint = min_checkpoint);
         self.client.run(&plan.reqs, |i, _, _, body| {
             let positions = &plan.positions[i];
@@ -1255,6 +1258,9 @@ impl embank_core::TableApi for RemoteTable {
     fn stats_json(&self) -> Result<serde_json::Value> {
         RemoteTable::stats(self)
     }
+    fn lookup_min(&self, keys: &[u64], out: &mut [f32], found: &mut [bool], min: Option<u64>) -> Result<()> {
+        RemoteTable::lookup_min(self, keys, out, found, min)
+    }
     fn export(&self, chunk_keys: usize, f: embank_core::api::ChunkSink<'_>) -> Result<()> {
         RemoteTable::export(self, chunk_keys, f)
     }
@@ -1263,6 +1269,9 @@ impl embank_core::TableApi for RemoteTable {
 impl embank_core::StoreApi for Client {
     fn location(&self) -> String {
         self.url()
+    }
+    fn served(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::Value::Array(Client::served(self)?))
     }
     fn is_remote(&self) -> bool {
         true
@@ -1289,7 +1298,9 @@ impl embank_core::StoreApi for Client {
         if Client::is_closed(self) {
             return Ok(());
         }
-        let flushed = Client::flush(self);
+        // Read-only replica groups (fed by an update stream) take no writes to flush.
+        let read_only = self.inner.shards.iter().all(|s| s.replicas[0].read_only.load(Ordering::Relaxed));
+        let flushed = if read_only { Ok(()) } else { Client::flush(self) };
         Client::close(self);
         flushed
     }

@@ -64,6 +64,8 @@ fn slice<'a, T: numpy::Element>(a: &'a PyReadonlyArray1<'_, T>, what: &str) -> P
 #[pyclass(module = "embank._native", frozen)]
 struct Store {
     inner: Arc<dyn StoreApi>,
+    /// The same store when it is embedded (what a publisher reads from).
+    embedded: Option<Arc<core::Store>>,
 }
 
 /// Runs a call on the store interface with the GIL released, mapping its error.
@@ -100,17 +102,17 @@ impl Store {
             background_repair,
             ..Default::default()
         };
-        let store = detached(py, || core::Store::open(&path, options))?;
-        Ok(Store { inner: Arc::new(store) })
+        let store = Arc::new(detached(py, || core::Store::open(&path, options))?);
+        Ok(Store { inner: store.clone(), embedded: Some(store) })
     }
 
     /// Connects to the shards of a remote store (`embank serve` processes).
     #[staticmethod]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.connect
-    #[pyo3(signature = (addrs, token=None, timeout=30.0, connect_timeout=5.0, keys_per_request_max=500, in_flight_per_shard=8, tls_ca_file=None, tls_cert_file=None, tls_key_file=None, tls_server_name=None))]
+    #[pyo3(signature = (addrs, token=None, timeout=30.0, connect_timeout=5.0, keys_per_request_max=500, in_flight_per_shard=8, tls_ca_file=None, tls_cert_file=None, tls_key_file=None, tls_server_name=None, min_checkpoint=None))]
     fn connect(
         py: Python<'_>,
-        addrs: Vec<String>,
+        addrs: Vec<Vec<String>>,
         token: Option<String>,
         timeout: f64,
         connect_timeout: f64,
@@ -120,6 +122,7 @@ impl Store {
         tls_cert_file: Option<PathBuf>,
         tls_key_file: Option<PathBuf>,
         tls_server_name: Option<String>,
+        min_checkpoint: Option<u64>,
     ) -> PyResult<Store> {
         let tls = match tls_ca_file {
             Some(ca_file) => Some(
@@ -147,9 +150,11 @@ impl Store {
             connect_timeout: secs("connect_timeout", connect_timeout)?,
             in_flight_per_shard,
             tls,
+            min_checkpoint,
+            ..Default::default()
         };
-        let client = detached(py, || net::Client::connect(&addrs, options))?;
-        Ok(Store { inner: Arc::new(client) })
+        let client = detached(py, || net::Client::connect_groups(&addrs, options))?;
+        Ok(Store { inner: Arc::new(client), embedded: None })
     }
 
     /// The store's directory, or `tcp://host:port,...` for a remote store.
@@ -205,6 +210,26 @@ impl Store {
     fn checkpoint(&self, py: Python<'_>, batch_id: u64, meta: Option<Vec<u8>>) -> PyResult<()> {
         let meta = meta.unwrap_or_default();
         detached(py, || self.inner.checkpoint(batch_id, &meta))
+    }
+
+    /// Which checkpoint each shard serves, as JSON.
+    fn served_json(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(detached(py, || self.inner.served())?.to_string())
+    }
+
+    /// Starts a publisher of this (embedded) store's checkpoints: options as the JSON of
+    /// `embank_net::stream::PublishOptions`.
+    fn publisher(&self, py: Python<'_>, options_json: &str) -> PyResult<Publisher> {
+        let Some(store) = self.embedded.clone() else {
+            return Err(to_py_err(core::Error::new(
+                ErrorKind::Unsupported,
+                "a publisher runs where the store is: open it with embank.open (or run `embank publish` on the shard)",
+            )));
+        };
+        let opts: net::stream::PublishOptions = serde_json::from_str(options_json)
+            .map_err(|e| to_py_err(core::Error::config(format!("publisher options: {e}"))))?;
+        let p = detached(py, || net::stream::Publisher::start(store, opts))?;
+        Ok(Publisher { inner: parking_lot::Mutex::new(Some(p)) })
     }
 
     /// The retained checkpoints as a JSON list (metadata as hex strings).
@@ -282,7 +307,13 @@ impl Table {
         Ok(out)
     }
 
-    fn lookup<'py>(&self, py: Python<'py>, keys: PyReadonlyArray1<'py, u64>) -> PyResult<LookupResult<'py>> {
+    #[pyo3(signature = (keys, min_checkpoint=None))]
+    fn lookup<'py>(
+        &self,
+        py: Python<'py>,
+        keys: PyReadonlyArray1<'py, u64>,
+        min_checkpoint: Option<u64>,
+    ) -> PyResult<LookupResult<'py>> {
         let keys = slice(&keys, "keys")?;
         let out = PyArray2::<f32>::zeros(py, [keys.len(), self.dim()], false);
         let found = PyArray1::<bool>::zeros(py, [keys.len()], false);
@@ -291,7 +322,7 @@ impl Table {
             let mut fw = found.readwrite();
             let rows = rw.as_slice_mut().expect("new array is contiguous");
             let mask = fw.as_slice_mut().expect("new array is contiguous");
-            detached(py, || self.inner.lookup(keys, rows, mask))?;
+            detached(py, || self.inner.lookup_min(keys, rows, mask, min_checkpoint))?;
         }
         Ok((out, found))
     }
@@ -471,11 +502,56 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
     py.detach(|| embank_cli::run(argv))
 }
 
+/// A publisher of an embedded store's checkpoints to an update stream.
+#[pyclass(module = "embank._native", frozen)]
+struct Publisher {
+    inner: parking_lot::Mutex<Option<net::stream::Publisher>>,
+}
+
+impl Publisher {
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&net::stream::Publisher) -> Result<T, core::Error> + Send,
+    ) -> PyResult<T> {
+        let guard = self.inner.lock();
+        let Some(p) = guard.as_ref() else {
+            return Err(to_py_err(core::Error::new(ErrorKind::Closed, "the publisher is closed")));
+        };
+        detached(py, || f(p))
+    }
+}
+
+#[pymethods]
+impl Publisher {
+    /// A checkpoint was taken: publish up to the newest (in the background).
+    fn notify(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |p| p.notify())
+    }
+
+    fn flush(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let t = std::time::Duration::from_secs_f64(timeout.clamp(0.0, 1e6));
+        self.with(py, |p| p.flush(t))
+    }
+
+    fn status_json(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |p| Ok(serde_json::to_string(&p.status()).expect("status serializes")))
+    }
+
+    fn close(&self, py: Python<'_>) {
+        let p = self.inner.lock().take();
+        if let Some(mut p) = p {
+            py.detach(move || p.close());
+        }
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<Table>()?;
     m.add_class::<Export>()?;
+    m.add_class::<Publisher>()?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -234,7 +234,9 @@ impl Publisher {
         let pending = st.waiting.len();
         st.status.pending = pending;
         self.shared.wake.notify_all();
-        if pending > self.shared.opts.max_pending {
+        // Checkpoints taken while a publish is under way are sent together by the next
+        // one: only a broker that fails makes them a problem.
+        if pending > self.shared.opts.max_pending && st.status.last_error.is_some() {
             // Give up the place: retention goes on, and the next publish is a full snapshot.
             if let Some((_, pin)) = st.published.as_mut() {
                 *pin = None;
@@ -247,7 +249,7 @@ impl Publisher {
                      The checkpoint was taken; the stream gets a full snapshot once the broker is back",
                     self.shared.opts.stream.describe(),
                     self.shared.opts.max_pending,
-                    st.status.last_error.as_deref().unwrap_or("(still trying)")
+                    st.status.last_error.as_deref().unwrap_or("")
                 ),
             ));
         }

@@ -1,0 +1,185 @@
+"""The update stream from Python: a training store's publisher feeding `embank serve`
+replicas through a real Redis (Streams), replica groups in `embank.connect`, versioned
+reads, and the loud failure of a publisher whose broker is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import embank
+import numpy as np
+import pytest
+from conftest import tls_section
+from embank.errors import EmbankTimeoutError, PublishError, ShardUnavailableError, UnsupportedError
+
+DIM = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Redis:
+    def __init__(self, d: Path) -> None:
+        self.port = free_port()
+        self.dir = d
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                *("redis-server", "--port", str(self.port), "--bind", "127.0.0.1"),
+                *("--save", "", "--appendonly", "yes", "--dir", str(self.dir)),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                assert time.time() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[Redis]:
+    r = Redis(tmp_path)
+    yield r
+    if r.proc is not None and r.proc.poll() is None:
+        r.kill()
+
+
+def replica(
+    d: Path, url: str, topic: str, partition: int, tls_dir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    config = d / f"replica-{partition}-{len(list(d.glob('*.toml')))}.toml"
+    config.write_text(
+        f'store = "{config.with_suffix(".store")}"\nlisten = "127.0.0.1:0"\n'
+        f'[updates]\ntransport = "redis"\nbrokers = "{url}"\ntopic = "{topic}"\npartition = {partition}\n'
+        + tls_section(tls_dir)
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-m", "embank", "serve", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "EMBANK_LOG": "warn"},
+    )
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert "replica of" in line, line
+    return p, line.split("listening on ")[1].split()[0].rstrip(",")
+
+
+def train(store: embank.Store, batches: range, rng: np.random.Generator) -> None:
+    t = store.table("emb")
+    for b in batches:
+        keys = rng.integers(0, 2000, 256).astype(np.uint64)
+        rows = t.pull(keys)
+        t.push_grad(keys, (rng.random(rows.shape, dtype=np.float32) - 0.5))
+        t.delete(rng.integers(0, 2000, 3).astype(np.uint64))
+        store.checkpoint(b)
+
+
+def test_replica_groups_serve_the_published_checkpoint_and_fail_over(
+    tmp_path: Path, redis: Redis, tls_dir: Path
+) -> None:
+    rng = np.random.default_rng(3)
+    trainer = embank.open(tmp_path / "trainer")
+    trainer.create_table(
+        "emb", dim=DIM, init=embank.init.normal(0, 0.1), optimizer=embank.optim.Adagrad(lr=0.1)
+    )
+    pub = trainer.publisher("redis", redis.url, topic="py", partitions=2)
+    train(trainer, range(1, 6), rng)
+    pub.flush(timeout=30)
+    status = pub.status()
+    assert status["published_batch_id"] == 5 and status["pending"] == 0, status
+    procs = [replica(tmp_path, redis.url, "py", p, tls_dir) for p in (0, 0, 1)]
+    try:
+        remote = embank.connect([[procs[0][1], procs[1][1]], procs[2][1]], min_checkpoint=5, timeout=5)
+        deadline = time.time() + 30
+        while True:
+            try:
+                t = remote.table("emb")
+                keys = np.arange(2000, dtype=np.uint64)
+                rows, found = t.lookup(keys)
+                break
+            except (ShardUnavailableError, embank.NotFoundError):
+                assert time.time() < deadline, "replicas never served checkpoint 5"
+                time.sleep(0.05)
+        want = dict()
+        for k, r in trainer.export_checkpoint("emb", 5):
+            for key, row in zip(k.tolist(), r):
+                want[key] = row
+        assert int(found.sum()) == len(want)
+        for i in np.flatnonzero(found)[:500]:
+            np.testing.assert_array_equal(rows[i], want[int(keys[i])])
+        assert [s["batch_id"] for s in remote.served()] == [5, 5]
+        with pytest.raises(UnsupportedError, match="replica of"):
+            t.push(np.array([1], dtype=np.uint64), np.zeros((1, DIM), dtype=np.float32))
+        with pytest.raises(ShardUnavailableError, match="checkpoint 6 or later"):
+            t.lookup(keys[:10], min_checkpoint=6)
+        # Replica 1 of shard 0 has checkpoint 5 too; then replica 0 dies: reads go on.
+        deadline = time.time() + 30
+        with embank.connect([procs[1][1]], min_checkpoint=5) as one:
+            while True:
+                try:
+                    one.table("emb").lookup(keys[:1])
+                    break
+                except (ShardUnavailableError, embank.NotFoundError):
+                    assert time.time() < deadline, "replica 1 never served checkpoint 5"
+                    time.sleep(0.05)
+        procs[0][0].send_signal(signal.SIGKILL)
+        procs[0][0].wait()
+        for _ in range(20):
+            rows2, found2 = t.lookup(keys)
+            np.testing.assert_array_equal(found2, found)
+            np.testing.assert_array_equal(rows2, rows)
+        remote.close()
+    finally:
+        for p, _ in procs:
+            p.kill()
+            p.wait()
+        pub.close()
+        trainer.close()
+
+
+def test_publisher_raises_when_the_broker_stays_down(tmp_path: Path, redis: Redis) -> None:
+    rng = np.random.default_rng(4)
+    with embank.open(tmp_path / "trainer") as trainer:
+        trainer.create_table("emb", dim=DIM, optimizer=embank.optim.SGD(lr=0.1))
+        with trainer.publisher("redis", redis.url, topic="down", max_pending=1, timeout=1) as pub:
+            train(trainer, range(1, 2), rng)
+            pub.flush(timeout=30)
+            redis.kill()
+            train(trainer, range(2, 3), rng)
+            with pytest.raises(PublishError, match="2 checkpoints wait to be published"):
+                train(trainer, range(3, 4), rng)
+            assert trainer.checkpoints()[-1] == 3  # the checkpoint itself was taken
+            with pytest.raises(EmbankTimeoutError, match="not published"):
+                pub.flush(timeout=0.3)
+            assert pub.status()["last_error"]
+            redis.start()
+            pub.flush(timeout=30)
+            assert pub.status()["published_batch_id"] == 3
+            assert pub.status()["full_snapshots"] == 2
