@@ -15,6 +15,7 @@ pub mod publish;
 pub mod recovery;
 pub mod serve;
 pub mod soak;
+pub mod stream_bench;
 pub mod tools;
 pub mod workload;
 
@@ -65,6 +66,10 @@ enum Command {
     BenchRecovery(recovery::RecoveryArgs),
     /// Publish a store's newest checkpoint to an update stream (Kafka or Redis Streams) once.
     Publish(publish::PublishArgs),
+    /// Measure the update stream: ingest rate into a replica, reads during ingest, freshness
+    /// from checkpoint() to serving, and what publishing costs training.
+    #[command(name = "bench-stream")]
+    BenchStream(stream_bench::StreamBenchArgs),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -98,6 +103,7 @@ where
         Command::Soak(args) => soak::run(args),
         Command::BenchRecovery(args) => recovery::run(args),
         Command::Publish(args) => publish::run(args),
+        Command::BenchStream(args) => stream_bench::run(args),
     };
     match result {
         Ok(()) => 0,

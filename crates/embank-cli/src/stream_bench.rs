@@ -1,0 +1,304 @@
+//! `embank bench-stream`: the update stream's numbers, on a broker started here (or
+//! one given with `--brokers`):
+//!
+//! - **ingest**: a trainer store of `--rows` rows of `--dim` publishes them whole; a
+//!   replica (the ingest loop `embank serve` runs, in this process) then reads the
+//!   stream from its start into an empty store: rows/s until it serves the checkpoint.
+//!   The publisher's own rate is reported beside it.
+//! - **reads during ingest**: ycsb-c (batches of 500 Zipf keys, `lookup`) on the
+//!   replica for `--seconds`, idle and while it ingests a backlog of checkpoints of
+//!   `--checkpoint-rows` changed rows (published beforehand, so the trainer does not
+//!   share the cores): the ratio. The broker runs on this machine too.
+//! - **freshness**: `--checkpoints` checkpoints of `--checkpoint-rows` changed rows each;
+//!   the time from the trainer's `checkpoint()` call to the replica serving it, p50/p99.
+//! - **training cost**: a training loop (pull + push_grad of 500-key Zipf batches,
+//!   Adagrad) with a checkpoint every `--checkpoint-every` batches, without and with a
+//!   publisher: batches/s and the ratio.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use embank_core::{Optimizer, Store, StoreOptions, TableOptions};
+use embank_net::stream::{PublishOptions, Publisher, Replica, ReplicaOptions, StreamConfig, TransportKind};
+
+use crate::brokers::{BrokerKind, LocalBroker};
+use crate::workload::{percentile, row_for, KeyStream};
+
+#[derive(Args, Debug, Clone)]
+#[command(after_help = "Starts a local broker in a temporary directory unless --brokers is given \
+    (Kafka needs `make kafka-jars`). Prints one table; --json prints the numbers as JSON too. \
+    Goals (docs/BENCHMARKS.md): ingest >= 1 M rows/s through Kafka at dim 128, reads during ingest \
+    >= 0.8x idle, freshness p99 <= 1 s for a 100 k-row checkpoint, publishing costs <= 5 % of training.")]
+pub struct StreamBenchArgs {
+    /// `kafka` or `redis`.
+    #[arg(long, default_value = "kafka", value_parser = ["kafka", "redis"])]
+    pub transport: String,
+    /// An existing broker (Kafka bootstrap servers or a Redis URL) instead of a local one.
+    #[arg(long)]
+    pub brokers: Option<String>,
+    /// Rows of the ingest run.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub rows: u64,
+    /// Elements per row.
+    #[arg(long, default_value_t = 128)]
+    pub dim: u32,
+    /// Rows changed per checkpoint (reads during ingest, freshness).
+    #[arg(long, default_value_t = 100_000)]
+    pub checkpoint_rows: u64,
+    /// Checkpoints timed for freshness.
+    #[arg(long, default_value_t = 30)]
+    pub checkpoints: u32,
+    /// Seconds of each read run.
+    #[arg(long, default_value_t = 5.0)]
+    pub seconds: f64,
+    /// Training batches between checkpoints in the training-cost run.
+    #[arg(long, default_value_t = 100)]
+    pub checkpoint_every: u64,
+    /// Training batches per run of the training-cost part.
+    #[arg(long, default_value_t = 2000)]
+    pub train_batches: u64,
+    /// Repeats of the training-cost runs (min/median reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: u32,
+    /// Bound of one message in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub message_bytes: usize,
+    /// Print the numbers as JSON after the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+const BATCH: usize = 500;
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn run(a: StreamBenchArgs) -> Result<(), String> {
+    let e = |e: embank_core::Error| e.to_string();
+    let dir = tempfile::Builder::new().prefix("embank-bench-stream").tempdir().map_err(|e| e.to_string())?;
+    let kind = if a.transport == "kafka" { BrokerKind::Kafka } else { BrokerKind::Redis };
+    let _broker;
+    let brokers = match &a.brokers {
+        Some(b) => b.clone(),
+        None => {
+            eprintln!("starting a local {} broker ...", a.transport);
+            let b = LocalBroker::start(kind, &dir.path().join("broker"))?;
+            let s = b.brokers();
+            _broker = b;
+            s
+        }
+    };
+    let transport = if kind == BrokerKind::Kafka { TransportKind::Kafka } else { TransportKind::Redis };
+    let stream = |topic: &str| {
+        let mut s = StreamConfig::new(transport, brokers.clone());
+        s.topic = topic.into();
+        s.timeout_seconds = 30.0;
+        s
+    };
+    let publish_opts = |topic: &str| {
+        let mut o = PublishOptions::new(stream(topic));
+        o.message_bytes = a.message_bytes;
+        o
+    };
+    let dim = a.dim as usize;
+    let mut report = serde_json::Map::new();
+
+    // Ingest: a whole table through the stream into an empty replica.
+    eprintln!("ingest: {} rows of dim {dim} ...", a.rows);
+    let trainer = Arc::new(Store::open(dir.path().join("trainer"), StoreOptions::default()).map_err(e)?);
+    let mut o = TableOptions::new(a.dim);
+    o.capacity = a.rows + a.rows / 4;
+    let t = trainer.create_table("emb", o).map_err(e)?;
+    let mut row = vec![0f32; dim];
+    for chunk in (0..a.rows).collect::<Vec<u64>>().chunks(8192) {
+        let mut rows = Vec::with_capacity(chunk.len() * dim);
+        for &k in chunk {
+            row_for(k, &mut row);
+            rows.extend_from_slice(&row);
+        }
+        t.push(chunk, &rows).map_err(e)?;
+    }
+    trainer.checkpoint(1).map_err(e)?;
+    let started = Instant::now();
+    let publisher = Publisher::start(Arc::clone(&trainer), publish_opts("ingest")).map_err(e)?;
+    publisher.notify().map_err(e)?;
+    publisher.flush(Duration::from_secs(600)).map_err(e)?;
+    let publish_s = started.elapsed().as_secs_f64();
+    let bytes = publisher.status().bytes;
+    let replica_store = Arc::new(
+        Store::open(dir.path().join("replica"), StoreOptions { keep_checkpoints: 1, ..Default::default() }).map_err(e)?,
+    );
+    let mut ro = TableOptions::new(a.dim);
+    ro.capacity = a.rows + a.rows / 4;
+    replica_store.create_table("emb", ro).map_err(e)?;
+    let started = Instant::now();
+    let mut replica = Replica::start(Arc::clone(&replica_store), ReplicaOptions::new(stream("ingest"))).map_err(e)?;
+    wait_seq(&replica, 1, Duration::from_secs(600))?;
+    let ingest_s = started.elapsed().as_secs_f64();
+    let ingest = a.rows as f64 / ingest_s;
+    let publish = a.rows as f64 / publish_s;
+    replica.close();
+    report.insert("ingest_rows_per_second".into(), ingest.into());
+    report.insert("publish_rows_per_second".into(), publish.into());
+    report.insert("stream_bytes".into(), bytes.into());
+
+    // Reads on the replica, idle and while it ingests a backlog of checkpoints (published
+    // beforehand, so the trainer does not share these two cores with the replica).
+    let backlog = ((ingest * a.seconds * 1.5) / a.checkpoint_rows as f64).ceil().max(2.0) as u64;
+    eprintln!("reads during ingest: a backlog of {backlog} checkpoints of {} rows ...", a.checkpoint_rows);
+    let mut batch_id = 1;
+    for n in 0..backlog {
+        checkpoint_of(&trainer, &mut batch_id, n, a.checkpoint_rows, a.rows, dim)?;
+        publisher.notify().map_err(e)?;
+    }
+    publisher.flush(Duration::from_secs(600)).map_err(e)?;
+    let last_seq = trainer.checkpoints().map_err(e)?.last().unwrap().seq;
+    let table = replica_store.table("emb").map_err(e)?;
+    let mut keys = KeyStream::new(a.rows, 0.99, 7)?;
+    let read_for = |secs: f64, keys: &mut KeyStream, until_seq: Option<(&Replica, u64)>| -> Result<(f64, f64), String> {
+        let (mut out, mut found) = (vec![0f32; BATCH * dim], vec![false; BATCH]);
+        let until = Instant::now() + Duration::from_secs_f64(secs);
+        let started = Instant::now();
+        let mut n = 0u64;
+        while Instant::now() < until {
+            if let Some((r, seq)) = until_seq {
+                if r.status().checkpoint_seq.is_some_and(|s| s >= seq) {
+                    break;
+                }
+            }
+            let batch = keys.batches(1, BATCH);
+            table.lookup(&batch, &mut out, &mut found).map_err(|e| e.to_string())?;
+            n += BATCH as u64;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        Ok((n as f64 / secs, secs))
+    };
+    let (idle, _) = read_for(a.seconds, &mut keys, None)?;
+    let mut replica = Replica::start(Arc::clone(&replica_store), ReplicaOptions::new(stream("ingest"))).map_err(e)?;
+    let ingest_rows = replica.status().rows;
+    let (busy, busy_secs) = read_for(a.seconds, &mut keys, Some((&replica, last_seq)))?;
+    let busy_ingest = (replica.status().rows - ingest_rows) as f64 / busy_secs;
+    wait_seq(&replica, last_seq, Duration::from_secs(600))?;
+    let mut fresh: Vec<u64> = Vec::new();
+    eprintln!("freshness: {} checkpoints of {} rows ...", a.checkpoints, a.checkpoint_rows);
+    // Freshness: checkpoint() on the trainer to the replica serving it, one at a time.
+    for i in 0..a.checkpoints {
+        let started = Instant::now();
+        checkpoint_of(&trainer, &mut batch_id, 1000 + i as u64, a.checkpoint_rows, a.rows, dim)?;
+        let seq = trainer.checkpoints().map_err(e)?.last().unwrap().seq;
+        publisher.notify().map_err(e)?;
+        wait_seq(&replica, seq, Duration::from_secs(60))?;
+        fresh.push(started.elapsed().as_micros() as u64);
+    }
+    fresh.sort_unstable();
+    let (p50, p99) = (percentile(&fresh, 0.50) as f64 / 1e6, percentile(&fresh, 0.99) as f64 / 1e6);
+    replica.close();
+    drop(publisher);
+    report.insert("reads_idle_keys_per_second".into(), idle.into());
+    report.insert("reads_during_ingest_keys_per_second".into(), busy.into());
+    report.insert("ingest_rows_per_second_while_reading".into(), busy_ingest.into());
+    report.insert("freshness_p50_seconds".into(), p50.into());
+    report.insert("freshness_p99_seconds".into(), p99.into());
+
+    // Training-side cost of publishing.
+    eprintln!("training cost: {} batches, a checkpoint every {} ...", a.train_batches, a.checkpoint_every);
+    let (mut plain, mut with) = (Vec::new(), Vec::new());
+    for r in 0..a.repeats {
+        for publishing in [false, true] {
+            let path = dir.path().join(format!("train-{r}-{publishing}"));
+            let rate = train(&path, publishing.then(|| publish_opts(&format!("train-{r}"))), &a)?;
+            if publishing { with.push(rate) } else { plain.push(rate) };
+        }
+    }
+    let (plain_min, with_min) =
+        (plain.iter().copied().fold(f64::MAX, f64::min), with.iter().copied().fold(f64::MAX, f64::min));
+    let (plain_med, with_med) = (median(&mut plain), median(&mut with));
+    report.insert("train_batches_per_second".into(), plain_med.into());
+    report.insert("train_batches_per_second_publishing".into(), with_med.into());
+
+    println!("embank bench-stream: {} at {brokers}, dim {dim}", a.transport);
+    println!("  ingest into a replica     {:>12.0} rows/s   ({} rows, {:.1} MB on the stream; publisher {:.0} rows/s)", ingest, a.rows, bytes as f64 / 1e6, publish);
+    println!("  ycsb-c reads, idle        {:>12.0} keys/s", idle);
+    println!(
+        "  ycsb-c reads, ingesting   {:>12.0} keys/s   ({:.2}x idle, over {:.1} s of ingest at {:.0} rows/s)",
+        busy,
+        busy / idle,
+        busy_secs,
+        busy_ingest
+    );
+    println!("  freshness                 p50 {:.3} s, p99 {:.3} s   ({} checkpoints of {} rows)", p50, p99, a.checkpoints, a.checkpoint_rows);
+    println!(
+        "  training                  {:.0} batches/s plain, {:.0} publishing (median of {}; {:.3}x; min {:.0} vs {:.0})",
+        plain_med, with_med, a.repeats, with_med / plain_med, plain_min, with_min
+    );
+    if a.json {
+        println!("{}", serde_json::Value::Object(report));
+    }
+    Ok(())
+}
+
+/// Changes `rows` rows (a window that moves with `n`) and takes a checkpoint.
+fn checkpoint_of(store: &Store, batch_id: &mut u64, n: u64, rows: u64, total: u64, dim: usize) -> Result<(), String> {
+    let t = store.table("emb").map_err(|e| e.to_string())?;
+    let start = (n * rows) % total.max(1);
+    let keys: Vec<u64> = (0..rows).map(|i| (start + i) % total).collect();
+    let mut row = vec![0f32; dim];
+    for chunk in keys.chunks(8192) {
+        let mut out = Vec::with_capacity(chunk.len() * dim);
+        for &k in chunk {
+            row_for(k ^ n, &mut row);
+            out.extend_from_slice(&row);
+        }
+        t.push(chunk, &out).map_err(|e| e.to_string())?;
+    }
+    *batch_id += 1;
+    store.checkpoint(*batch_id).map_err(|e| e.to_string())
+}
+
+fn wait_seq(replica: &Replica, seq: u64, limit: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    while replica.status().checkpoint_seq.is_none_or(|s| s < seq) {
+        if Instant::now() > deadline {
+            return Err(format!("the replica did not apply checkpoint seq {seq} in {limit:?}: {:?}", replica.status()));
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    Ok(())
+}
+
+/// Batches/s of a training loop, with a publisher or without.
+fn train(path: &std::path::Path, publish: Option<PublishOptions>, a: &StreamBenchArgs) -> Result<f64, String> {
+    let e = |e: embank_core::Error| e.to_string();
+    let store = Arc::new(Store::open(path, StoreOptions::default()).map_err(e)?);
+    let mut o = TableOptions::new(a.dim);
+    o.optimizer = Optimizer::Adagrad { lr: 0.05, eps: 1e-8, initial_accumulator_value: 0.1 };
+    o.capacity = 2_000_000;
+    let t = store.create_table("emb", o).map_err(e)?;
+    let publisher = match publish {
+        Some(p) => Some(Publisher::start(Arc::clone(&store), p).map_err(e)?),
+        None => None,
+    };
+    let mut keys = KeyStream::new(1_000_000, 0.99, 3)?;
+    let dim = a.dim as usize;
+    let (mut rows, grads) = (vec![0f32; BATCH * dim], vec![0.01f32; BATCH * dim]);
+    let started = Instant::now();
+    for b in 1..=a.train_batches {
+        let batch = keys.batches(1, BATCH);
+        t.pull(&batch, &mut rows).map_err(e)?;
+        t.push_grad(&batch, &grads).map_err(e)?;
+        if b % a.checkpoint_every == 0 {
+            store.checkpoint(b).map_err(e)?;
+            if let Some(p) = &publisher {
+                p.notify().map_err(e)?;
+            }
+        }
+    }
+    let rate = a.train_batches as f64 / started.elapsed().as_secs_f64();
+    if let Some(p) = &publisher {
+        p.flush(Duration::from_secs(120)).map_err(e)?;
+    }
+    Ok(rate)
+}
