@@ -225,55 +225,44 @@ fn ingest(s: &Shared, applied: &mut Applied) -> Result<()> {
         st.state = "ingesting".into();
         st.last_error = None;
     }
-    let mut window = (Instant::now(), 0u64);
+    // A reader thread polls and decodes while this one applies: the broker's reads and
+    // the store's writes overlap. The channel bounds what is decoded ahead.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Result<(String, message::Message)>>(64);
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| read(s, source.as_mut(), &tx, &done));
+        let r = apply_all(s, applied, &rx);
+        done.store(true, Ordering::Relaxed);
+        drop(rx);
+        let _ = reader.join();
+        r
+    })
+}
+
+/// The reader: polls, decodes and sends until told to stop (or the applier is gone);
+/// keeps the lag up to date.
+fn read(
+    s: &Shared,
+    source: &mut dyn Source,
+    tx: &std::sync::mpsc::SyncSender<Result<(String, message::Message)>>,
+    done: &AtomicBool,
+) {
     let mut lag_at = Instant::now() - Duration::from_secs(10);
-    while !s.stop.load(Ordering::Relaxed) {
-        let batch = source.poll(256, Duration::from_millis(100))?;
+    while !s.stop.load(Ordering::Relaxed) && !done.load(Ordering::Relaxed) {
+        let batch = match source.poll(256, Duration::from_millis(100)) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                return;
+            }
+        };
         for p in batch {
             let m = message::decode(&p.payload)
-                .map_err(|e| e.context(format!("at position {} of {}", p.position, s.opts.stream.describe())))?;
-            let served = applied.meta.as_ref().map_or(0, |m| m.seq);
-            if m.checkpoint.seq <= served {
-                s.status.lock().repeats += 1;
-                continue;
+                .map_err(|e| e.context(format!("at position {} of {}", p.position, s.opts.stream.describe())));
+            let failed = m.is_err();
+            if tx.send(m.map(|m| (p.position, m))).is_err() || failed {
+                return;
             }
-            apply(s, &m)?;
-            let mut st = s.status.lock();
-            st.messages += 1;
-            match m.kind {
-                Kind::Rows => {
-                    st.rows += m.keys.len() as u64;
-                    window.1 += m.keys.len() as u64;
-                }
-                Kind::Deletes => st.deletes += m.keys.len() as u64,
-                Kind::Commit => {
-                    drop(st);
-                    let meta = ReplicaMeta {
-                        position: p.position.clone(),
-                        stream: s.opts.stream.describe(),
-                        partition: s.opts.partition,
-                        seq: m.checkpoint.seq,
-                        batch_id: m.checkpoint.batch_id,
-                        unix_micros: m.checkpoint.unix_micros,
-                    };
-                    let blob = serde_json::to_vec(&serde_json::json!({ "replica": meta })).expect("serializes");
-                    s.store.checkpoint_with_meta(applied.next_batch, &blob)?;
-                    applied.next_batch += 1;
-                    let mut st = s.status.lock();
-                    st.commits += 1;
-                    st.checkpoint_batch_id = Some(meta.batch_id);
-                    st.checkpoint_seq = Some(meta.seq);
-                    st.checkpoint_unix_seconds = Some(meta.unix_micros as f64 * 1e-6);
-                    st.last_freshness_seconds = Some((now_seconds() - meta.unix_micros as f64 * 1e-6).max(0.0));
-                    applied.meta = Some(meta);
-                }
-                Kind::Reset => {}
-            }
-        }
-        let elapsed = window.0.elapsed();
-        if elapsed >= Duration::from_secs(1) {
-            s.status.lock().ingest_rows_per_second = window.1 as f64 / elapsed.as_secs_f64();
-            window = (Instant::now(), 0);
         }
         if lag_at.elapsed() >= Duration::from_millis(500) {
             lag_at = Instant::now();
@@ -285,6 +274,74 @@ fn ingest(s: &Shared, applied: &mut Applied) -> Result<()> {
                 (_, Some(t)) => (now_seconds() - t).max(0.0),
                 _ => 0.0,
             };
+        }
+    }
+}
+
+/// The applier: applies what the reader sends, checkpointing at each commit marker.
+fn apply_all(
+    s: &Shared,
+    applied: &mut Applied,
+    rx: &std::sync::mpsc::Receiver<Result<(String, message::Message)>>,
+) -> Result<()> {
+    let mut window = (Instant::now(), 0u64);
+    while !s.stop.load(Ordering::Relaxed) {
+        let (position, m) = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(r) => r?,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if window.0.elapsed() >= Duration::from_secs(1) {
+                    s.status.lock().ingest_rows_per_second = 0.0;
+                    window = (Instant::now(), 0);
+                }
+                continue;
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+        };
+        let served = applied.meta.as_ref().map_or(0, |m| m.seq);
+        if m.checkpoint.seq <= served {
+            s.status.lock().repeats += 1;
+            continue;
+        }
+        apply(s, &m)?;
+        let mut st = s.status.lock();
+        st.messages += 1;
+        match m.kind {
+            Kind::Rows => {
+                st.rows += m.keys.len() as u64;
+                window.1 += m.keys.len() as u64;
+                drop(st);
+            }
+            Kind::Deletes => {
+                st.deletes += m.keys.len() as u64;
+                drop(st);
+            }
+            Kind::Commit => {
+                drop(st);
+                let meta = ReplicaMeta {
+                    position,
+                    stream: s.opts.stream.describe(),
+                    partition: s.opts.partition,
+                    seq: m.checkpoint.seq,
+                    batch_id: m.checkpoint.batch_id,
+                    unix_micros: m.checkpoint.unix_micros,
+                };
+                let blob = serde_json::to_vec(&serde_json::json!({ "replica": meta })).expect("serializes");
+                s.store.checkpoint_with_meta(applied.next_batch, &blob)?;
+                applied.next_batch += 1;
+                let mut st = s.status.lock();
+                st.commits += 1;
+                st.checkpoint_batch_id = Some(meta.batch_id);
+                st.checkpoint_seq = Some(meta.seq);
+                st.checkpoint_unix_seconds = Some(meta.unix_micros as f64 * 1e-6);
+                st.last_freshness_seconds = Some((now_seconds() - meta.unix_micros as f64 * 1e-6).max(0.0));
+                applied.meta = Some(meta);
+            }
+            Kind::Reset => drop(st),
+        }
+        let elapsed = window.0.elapsed();
+        if elapsed >= Duration::from_secs(1) {
+            s.status.lock().ingest_rows_per_second = window.1 as f64 / elapsed.as_secs_f64();
+            window = (Instant::now(), 0);
         }
     }
     Ok(())
