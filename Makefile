@@ -46,7 +46,7 @@ test-long:
 # Coverage-guided fuzzing (libFuzzer through cargo fuzz, on the nightly toolchain beside
 # stable): every target for FUZZ_SECONDS; corpora that find new coverage grow in
 # fuzz/corpus/<target> (commit them), crashes land in fuzz/artifacts/<target>.
-FUZZ_TARGETS := frame server config catalog checkpoints journal index rows
+FUZZ_TARGETS := frame server config catalog checkpoints journal index rows stream
 FUZZ_SECONDS ?= 300
 CARGO_FUZZ_VERSION := 0.12.0
 

@@ -87,8 +87,13 @@ fn header(out: &mut Vec<u8>, kind: Kind, ck: CheckpointId, dim: u32, count: u32,
     out.extend_from_slice(table.as_bytes());
 }
 
+/// The CRC-32C a message ends with, of the bytes before it.
+pub fn checksum(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
+}
+
 fn seal(mut out: Vec<u8>) -> Vec<u8> {
-    let crc = crc32c::crc32c(&out);
+    let crc = checksum(&out);
     out.extend_from_slice(&crc.to_le_bytes());
     out
 }
@@ -195,6 +200,16 @@ pub fn decode(b: &[u8]) -> Result<Message> {
     if kind != Kind::Commit && table.is_empty() {
         return Err(bad(format!("{kind:?} message names no table")));
     }
+    // Fields a kind does not use must be zero: one message has one encoding.
+    if kind == Kind::Commit && !table.is_empty() {
+        return Err(bad("a commit names a table"));
+    }
+    if matches!(kind, Kind::Deletes | Kind::Commit) && dim != 0 {
+        return Err(bad(format!("{kind:?} message has dim {dim}")));
+    }
+    if kind == Kind::Reset && count != 0 {
+        return Err(bad(format!("reset message has count {count}")));
+    }
     if matches!(kind, Kind::Rows | Kind::Reset) && dim == 0 {
         return Err(bad(format!("{kind:?} message of table {table:?} has dim 0")));
     }
@@ -255,6 +270,11 @@ mod tests {
             assert!(decode(&good[..n]).is_err(), "a message cut to {n} bytes was accepted");
         }
         assert!(decode(&good[..10]).unwrap_err().to_string().contains("shorter"));
+        // Unused fields must be zero (a fuzz finding: a commit naming a table decoded).
+        let mut commit = encode_commit(CK, 1)[..HEADER_BYTES].to_vec();
+        commit[40] = 1;
+        commit.push(b'x');
+        assert!(decode(&seal(commit)).unwrap_err().to_string().contains("names a table"));
     }
 
     #[test]
