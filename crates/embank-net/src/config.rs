@@ -283,6 +283,22 @@ mod tests {
     }
 
     #[test]
+    fn the_sample_updates_section_parses_uncommented() {
+        let block: String = SAMPLE
+            .lines()
+            .skip_while(|l| !l.starts_with("# [updates]"))
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| l.trim_start_matches("# ").split(" #").next().unwrap().to_string() + "\n")
+            .collect();
+        let c = ServeConfig::parse(&format!("store = 'x'\n{block}")).unwrap();
+        let u = c.updates.as_ref().unwrap();
+        assert_eq!((u.partition, u.stream.topic.as_str()), (0, "embank-updates"));
+        assert!(c.server_options().unwrap().read_only.unwrap().contains("replica of kafka://10.0.0.5:9092"));
+        assert!(err("store = 'x'\n[updates]\ntransport = 'carrier-pigeon'\nbrokers = 'x'").contains("carrier-pigeon"));
+        assert!(err("store = 'x'\n[updates]\ntransport = 'redis'\nbrokers = ''").contains("brokers"));
+    }
+
+    #[test]
     fn bad_configs_name_the_key() {
         assert!(err("store = 'x'\nlisen = 'a'").contains("lisen"), "{}", err("store = 'x'\nlisen = 'a'"));
         assert!(err("listen = 'a'").contains("store"));
