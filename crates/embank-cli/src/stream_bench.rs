@@ -213,23 +213,26 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
 
     // Training-side cost of publishing.
     eprintln!("training cost: {} batches, a checkpoint every {} ...", a.train_batches, a.checkpoint_every);
-    let (mut plain, mut with) = (Vec::new(), Vec::new());
+    let (mut plain, mut with, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..a.repeats {
         for publishing in [false, true] {
             let path = dir.path().join(format!("train-{r}-{publishing}"));
-            let rate = train(&path, publishing.then(|| publish_opts(&format!("train-{r}"))), &a)?;
+            let (rate, c) = train(&path, publishing.then(|| publish_opts(&format!("train-{r}"))), &a)?;
             if publishing {
-                with.push(rate)
+                with.push(rate);
+                cpu.push(c);
             } else {
                 plain.push(rate)
             };
         }
     }
+    let cpu_med = median(&mut cpu);
     let (plain_min, with_min) =
         (plain.iter().copied().fold(f64::MAX, f64::min), with.iter().copied().fold(f64::MAX, f64::min));
     let (plain_med, with_med) = (median(&mut plain), median(&mut with));
     report.insert("train_batches_per_second".into(), plain_med.into());
     report.insert("train_batches_per_second_publishing".into(), with_med.into());
+    report.insert("publisher_cpu_per_training_second".into(), cpu_med.into());
 
     println!("embank bench-stream: {} at {brokers}, dim {dim}", a.transport);
     println!(
@@ -258,6 +261,10 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     println!(
         "  training                  {:.0} batches/s plain, {:.0} publishing (median of {}; {:.3}x; min {:.0} vs {:.0})",
         plain_med, with_med, a.repeats, with_med / plain_med, plain_min, with_min
+    );
+    println!(
+        "  publisher thread          {:.3} CPU-seconds per training second (median; the broker's work not included)",
+        cpu_med
     );
     if a.json {
         println!("{}", serde_json::Value::Object(report));
@@ -295,7 +302,7 @@ fn wait_seq(replica: &Replica, seq: u64, limit: Duration) -> Result<(), String> 
 }
 
 /// Batches/s of a training loop, with a publisher or without.
-fn train(path: &std::path::Path, publish: Option<PublishOptions>, a: &StreamBenchArgs) -> Result<f64, String> {
+fn train(path: &std::path::Path, publish: Option<PublishOptions>, a: &StreamBenchArgs) -> Result<(f64, f64), String> {
     let e = |e: embank_core::Error| e.to_string();
     let store = Arc::new(Store::open(path, StoreOptions::default()).map_err(e)?);
     let mut o = TableOptions::new(a.dim);
@@ -321,9 +328,28 @@ fn train(path: &std::path::Path, publish: Option<PublishOptions>, a: &StreamBenc
             }
         }
     }
-    let rate = a.train_batches as f64 / started.elapsed().as_secs_f64();
+    let wall = started.elapsed().as_secs_f64();
+    let rate = a.train_batches as f64 / wall;
     if let Some(p) = &publisher {
         p.flush(Duration::from_secs(120)).map_err(e)?;
     }
-    Ok(rate)
+    // The publisher thread's CPU time over the training time: what publishing takes
+    // from the trainer's machine (the broker's own work excluded).
+    let cpu = thread_cpu_seconds("embank-publish").map_or(0.0, |c| c / wall);
+    Ok((rate, cpu))
+}
+
+/// User + system CPU seconds of this process's thread named `name` (Linux).
+fn thread_cpu_seconds(name: &str) -> Option<f64> {
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        if std::fs::read_to_string(task.path().join("comm")).ok()?.trim() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let (utime, stime): (f64, f64) = (fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?);
+        return Some((utime + stime) / ticks);
+    }
+    None
 }
