@@ -336,6 +336,17 @@ fn train(path: &std::path::Path, publish: Option<PublishOptions>, a: &StreamBenc
     // The publisher thread's CPU time over the training time: what publishing takes
     // from the trainer's machine (the broker's own work excluded).
     let cpu = thread_cpu_seconds("embank-publish").map_or(0.0, |c| c / wall);
+    if let Some(p) = &publisher {
+        let s = p.status();
+        eprintln!(
+            "  published {} checkpoints: {:.1} MB, {} rows in {:.2} s of training ({:.0} MB/s)",
+            s.checkpoints_published,
+            s.bytes as f64 / 1e6,
+            s.rows,
+            wall,
+            s.bytes as f64 / 1e6 / wall
+        );
+    }
     Ok((rate, cpu))
 }
 
