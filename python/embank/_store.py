@@ -697,8 +697,16 @@ def open(
     )
 
 
+def _from_config(path: str) -> tuple[list[list[str]], dict[str, Any]]:
+    """Shards and settings of a client config file (see :func:`connect`)."""
+    c: dict[str, Any] = json.loads(_native.client_config_json(path))
+    groups = [[str(a) for a in s["replicas"]] for s in c.pop("shards")]
+    c.pop("token_file", None)
+    return groups, {k: v for k, v in c.items() if v is not None}
+
+
 def connect(
-    addrs: str | Sequence[str | Sequence[str]],
+    addrs: str | os.PathLike[str] | Sequence[str | Sequence[str]],
     *,
     token: str | None = None,
     timeout: float = 30.0,
@@ -740,6 +748,13 @@ def connect(
             this batch id or later (see :meth:`Store.served`); per call with
             ``table.lookup(keys, min_checkpoint=...)``.
 
+    ``addrs`` may instead be the path of a TOML file (``cluster.toml``) with the shards
+    as ``[[shards]] replicas = ["a:7070", "b:7070"]`` and any of ``token`` (or
+    ``token_file``), ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``,
+    ``tls_server_name``, ``timeout_seconds``, ``connect_timeout_seconds``,
+    ``keys_per_request_max``, ``in_flight_per_shard``, ``min_checkpoint``; keyword
+    arguments given here win over the file.
+
     The TLS files default to the environment variables ``EMBANK_TLS_CA_FILE``,
     ``EMBANK_TLS_CERT_FILE`` and ``EMBANK_TLS_KEY_FILE`` when not given.
 
@@ -747,7 +762,24 @@ def connect(
         ShardUnavailableError: a shard cannot be reached (the message names it).
         UnauthorizedError: a shard refused the token.
     """
-    if isinstance(addrs, str):
+    if isinstance(addrs, os.PathLike) or (isinstance(addrs, str) and addrs.endswith(".toml")):
+        addrs, conf = _from_config(os.fspath(addrs))
+        token = token if token is not None else conf.get("token")
+        tls_ca_file = tls_ca_file if tls_ca_file is not None else conf.get("tls_ca_file")
+        tls_cert_file = tls_cert_file if tls_cert_file is not None else conf.get("tls_cert_file")
+        tls_key_file = tls_key_file if tls_key_file is not None else conf.get("tls_key_file")
+        tls_server_name = tls_server_name if tls_server_name is not None else conf.get("tls_server_name")
+        min_checkpoint = min_checkpoint if min_checkpoint is not None else conf.get("min_checkpoint")
+        # Numbers left at their defaults here take the file's.
+        if timeout == 30.0:
+            timeout = float(conf.get("timeout_seconds", timeout))
+        if connect_timeout == 5.0:
+            connect_timeout = float(conf.get("connect_timeout_seconds", connect_timeout))
+        if keys_per_request_max == 500:
+            keys_per_request_max = int(conf.get("keys_per_request_max", keys_per_request_max))
+        if in_flight_per_shard == 8:
+            in_flight_per_shard = int(conf.get("in_flight_per_shard", in_flight_per_shard))
+    elif isinstance(addrs, str):
         addrs = [a for a in addrs.removeprefix("tcp://").split(",") if a]
     groups: list[list[str]] = []
     for a in addrs:

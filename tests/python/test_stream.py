@@ -116,7 +116,14 @@ def test_replica_groups_serve_the_published_checkpoint_and_fail_over(
     assert status["published_batch_id"] == 5 and status["pending"] == 0, status
     procs = [replica(tmp_path, redis.url, "py", p, tls_dir) for p in (0, 0, 1)]
     try:
-        remote = embank.connect([[procs[0][1], procs[1][1]], procs[2][1]], min_checkpoint=5, timeout=5)
+        # The replica groups from a client config file.
+        cluster = tmp_path / "cluster.toml"
+        cluster.write_text(
+            f'min_checkpoint = 5\ntimeout_seconds = 5.0\ntls_ca_file = "{tls_dir / "ca.pem"}"\n'
+            f'[[shards]]\nreplicas = ["{procs[0][1]}", "{procs[1][1]}"]\n'
+            f'[[shards]]\nreplicas = ["{procs[2][1]}"]\n'
+        )
+        remote = embank.connect(cluster)
         deadline = time.time() + 30
         while True:
             try:

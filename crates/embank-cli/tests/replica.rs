@@ -104,7 +104,29 @@ fn stream(kind: BrokerKind, broker: &LocalBroker, topic: &str) -> StreamConfig {
     s
 }
 
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// Starts `embank serve` as a replica: its process, protocol address and admin address
+/// (empty without one).
+fn start_replica_admin(config: &Path) -> (Child, String, String) {
+    let (child, addr, line) = spawn_replica(config);
+    let admin = line.split("admin http://").nth(1).map_or(String::new(), |a| a.split(')').next().unwrap().to_string());
+    (child, addr, admin)
+}
+
 fn start_replica(config: &Path) -> (Child, String) {
+    let (child, addr, _) = spawn_replica(config);
+    (child, addr)
+}
+
+fn spawn_replica(config: &Path) -> (Child, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_embank"))
         .arg("serve")
         .arg("--config")
@@ -117,7 +139,7 @@ fn start_replica(config: &Path) -> (Child, String) {
     BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
     assert!(line.contains("listening on") && line.contains("replica of"), "unexpected first line {line:?}");
     let addr = line.split("listening on ").nth(1).unwrap().split_whitespace().next().unwrap();
-    (child, addr.trim_end_matches(',').to_string())
+    (child, addr.trim_end_matches(',').to_string(), line.clone())
 }
 
 /// Waits until the replica at `addr` serves publisher seq `seq`; returns its export.
@@ -346,13 +368,13 @@ fn reads_fail_over_between_replicas_and_respect_min_checkpoint() {
         std::fs::write(
             &config,
             format!(
-                "store = {:?}\nlisten = \"127.0.0.1:0\"\n[updates]\ntransport = \"redis\"\nbrokers = \"{}\"\ntopic = \"failover\"\n",
+                "store = {:?}\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[updates]\ntransport = \"redis\"\nbrokers = \"{}\"\ntopic = \"failover\"\n",
                 dir.path().join(name).display().to_string(),
                 broker.brokers()
             ),
         )
         .unwrap();
-        replicas.push(start_replica(&config));
+        replicas.push(start_replica_admin(&config));
     }
     let group = vec![vec![replicas[0].1.clone(), replicas[1].1.clone()]];
     let opts = ClientOptions { timeout: Duration::from_secs(2), ..Default::default() };
@@ -397,6 +419,24 @@ fn reads_fail_over_between_replicas_and_respect_min_checkpoint() {
         readers.into_iter().map(|r| r.join().unwrap()).sum::<u64>()
     });
     assert!(reads > 20, "only {reads} reads");
+    // The surviving replica reports what it serves in /metrics and /healthz.
+    let admin = &replicas[1].2;
+    let metrics = http_get(admin, "/metrics");
+    for line in [
+        "embank_replica_checkpoint_batch_id{partition=\"0\"} 3",
+        "embank_replica_lag_messages{partition=\"0\"} 0",
+        "embank_replica_up{partition=\"0\"} 1",
+        "embank_replica_ingest_rows_per_second{partition=\"0\"}",
+    ] {
+        assert!(metrics.contains(line), "no {line:?} in\n{metrics}");
+    }
+    let health = http_get(admin, "/healthz");
+    assert!(
+        health.contains("replica ingesting")
+            && health.contains("\"checkpoint_batch_id\":3")
+            && health.ends_with("ok\n"),
+        "{health}"
+    );
     // Versioned reads: checkpoint 4 is not served anywhere yet.
     let mut rows = vec![0f32; DIM];
     let mut found = [false];

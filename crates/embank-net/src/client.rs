@@ -160,9 +160,13 @@ fn alive(s: &mut Stream) -> bool {
 }
 
 impl Client {
-    /// Connects to every shard (checking the token), so a wrong address fails here.
+    /// Connects to every shard (checking the token), so a wrong address fails here. An
+    /// address `a:7070|b:7070` is a shard of two replicas (see [`connect_groups`](Self::connect_groups)).
     pub fn connect<S: AsRef<str>>(addrs: &[S], opts: ClientOptions) -> Result<Client> {
-        let groups: Vec<Vec<String>> = addrs.iter().map(|a| vec![a.as_ref().to_string()]).collect();
+        let groups: Vec<Vec<String>> = addrs
+            .iter()
+            .map(|a| a.as_ref().split('|').filter(|s| !s.trim().is_empty()).map(str::to_string).collect())
+            .collect();
         Self::connect_groups(&groups, opts)
     }
 

@@ -259,6 +259,92 @@ impl ServeConfig {
     }
 }
 
+/// A client's TOML file, for `embank.connect("cluster.toml")`: the shards, each a group
+/// of replicas (its primary first), and the connection settings.
+///
+/// ```toml
+/// token_file = "token"               # or token = "..."
+/// tls_ca_file = "ca.pem"             # paths relative to this file
+/// min_checkpoint = 5700              # read only replicas serving this checkpoint or later
+/// timeout_seconds = 30.0
+/// [[shards]]
+/// replicas = ["10.0.0.1:7070", "10.0.0.2:7070"]
+/// [[shards]]
+/// replicas = ["10.0.0.3:7070", "10.0.0.4:7070"]
+/// ```
+#[derive(Debug, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientConfig {
+    pub shards: Vec<ShardEntry>,
+    #[serde(default)]
+    pub token: Option<String>,
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    #[serde(default)]
+    pub tls_ca_file: Option<PathBuf>,
+    #[serde(default)]
+    pub tls_cert_file: Option<PathBuf>,
+    #[serde(default)]
+    pub tls_key_file: Option<PathBuf>,
+    #[serde(default)]
+    pub tls_server_name: Option<String>,
+    #[serde(default)]
+    pub timeout_seconds: Option<f64>,
+    #[serde(default)]
+    pub connect_timeout_seconds: Option<f64>,
+    #[serde(default)]
+    pub keys_per_request_max: Option<usize>,
+    #[serde(default)]
+    pub in_flight_per_shard: Option<usize>,
+    #[serde(default)]
+    pub min_checkpoint: Option<u64>,
+}
+
+/// One shard of a [`ClientConfig`].
+#[derive(Debug, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardEntry {
+    /// Its replicas' addresses, the primary (which takes writes) first.
+    pub replicas: Vec<String>,
+}
+
+impl ClientConfig {
+    /// Reads a client config; relative paths are made relative to the file, a
+    /// `token_file` is read into `token`. Errors name the file and the key.
+    pub fn from_file(path: &Path) -> Result<ClientConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("cannot read client config {}", path.display()), e))?;
+        let mut c: ClientConfig =
+            toml::from_str(&text).map_err(|e| Error::config(format!("client config {}: {e}", path.display())))?;
+        if c.shards.is_empty() || c.shards.iter().any(|s| s.replicas.is_empty()) {
+            return Err(Error::config(format!(
+                "client config {}: give [[shards]] with at least one address in `replicas` each",
+                path.display()
+            )));
+        }
+        let base = path.parent().unwrap_or(Path::new("."));
+        for p in
+            [&mut c.tls_ca_file, &mut c.tls_cert_file, &mut c.tls_key_file, &mut c.token_file].into_iter().flatten()
+        {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        if let Some(t) = c.token_file.take() {
+            if c.token.is_some() {
+                return Err(Error::config(format!(
+                    "client config {}: set `token` or `token_file`, not both",
+                    path.display()
+                )));
+            }
+            let token = std::fs::read_to_string(&t)
+                .map_err(|e| Error::io(format!("cannot read token_file {}", t.display()), e))?;
+            c.token = Some(token.lines().next().unwrap_or("").trim().to_string());
+        }
+        Ok(c)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,6 +382,27 @@ mod tests {
         assert!(c.server_options().unwrap().read_only.unwrap().contains("replica of kafka://10.0.0.5:9092"));
         assert!(err("store = 'x'\n[updates]\ntransport = 'carrier-pigeon'\nbrokers = 'x'").contains("carrier-pigeon"));
         assert!(err("store = 'x'\n[updates]\ntransport = 'redis'\nbrokers = ''").contains("brokers"));
+    }
+
+    #[test]
+    fn client_configs_read_with_paths_relative_to_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("token"), "s3cret\n").unwrap();
+        let p = dir.path().join("cluster.toml");
+        std::fs::write(
+            &p,
+            "token_file = 'token'\ntls_ca_file = 'ca.pem'\nmin_checkpoint = 7\n\
+             [[shards]]\nreplicas = ['a:1', 'b:1']\n[[shards]]\nreplicas = ['c:1']\n",
+        )
+        .unwrap();
+        let c = ClientConfig::from_file(&p).unwrap();
+        assert_eq!(c.token.as_deref(), Some("s3cret"));
+        assert_eq!(c.tls_ca_file.unwrap(), dir.path().join("ca.pem"));
+        assert_eq!((c.shards[0].replicas.len(), c.min_checkpoint), (2, Some(7)));
+        std::fs::write(&p, "[[shards]]\nreplicas = []\n").unwrap();
+        assert!(ClientConfig::from_file(&p).unwrap_err().to_string().contains("at least one address"));
+        std::fs::write(&p, "[[shards]]\nreplica = ['a:1']\n").unwrap();
+        assert!(ClientConfig::from_file(&p).unwrap_err().to_string().contains("replica"));
     }
 
     #[test]

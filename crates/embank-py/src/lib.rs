@@ -546,12 +546,20 @@ impl Publisher {
     }
 }
 
+/// A client config file (`embank.connect("cluster.toml")`) as JSON, paths resolved.
+#[pyfunction]
+fn client_config_json(path: PathBuf) -> PyResult<String> {
+    let c = net::config::ClientConfig::from_file(&path).map_err(to_py_err)?;
+    Ok(serde_json::to_string(&c).expect("config serializes"))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<Table>()?;
     m.add_class::<Export>()?;
     m.add_class::<Publisher>()?;
+    m.add_function(wrap_pyfunction!(client_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
