@@ -459,3 +459,61 @@ fn reads_fail_over_between_replicas_and_respect_min_checkpoint() {
     assert_eq!(found.iter().filter(|&&f| f).count(), want.len());
     sigkill(&mut replicas[1].0);
 }
+
+/// `embank publish` on a closed store: the first run sends every table whole, the next
+/// only the changes since; a replica applying the stream equals the store each time.
+#[test]
+fn embank_publish_sends_the_newest_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = LocalBroker::start(BrokerKind::Redis, &dir.path().join("broker")).unwrap();
+    let path = dir.path().join("trainer");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let replica_store = Arc::new(Store::open(dir.path().join("replica"), StoreOptions::default()).unwrap());
+    let mut replica =
+        Replica::start(Arc::clone(&replica_store), ReplicaOptions::new(stream(BrokerKind::Redis, &broker, "once")))
+            .unwrap();
+    for (round, batches) in [(1u64, 1..=3u64), (2, 4..=6)] {
+        {
+            let store = if round == 1 {
+                trainer(&path)
+            } else {
+                Arc::new(Store::open(&path, StoreOptions::default()).unwrap())
+            };
+            for b in batches.clone() {
+                step(&store, b, &mut rng);
+            }
+            store.checkpoint(*batches.end()).unwrap();
+            // A change after the checkpoint: not published (the checkpoint's rows are).
+            store.table("emb").unwrap().push(&[1], &[9.0; DIM]).unwrap();
+        }
+        let out = Command::new(env!("CARGO_BIN_EXE_embank"))
+            .args(["publish", "--transport", "redis", "--topic", "once", "--brokers", &broker.brokers(), "--store"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains(&format!("published checkpoint batch {}", batches.end())), "{text}");
+        assert_eq!(text.contains("(full snapshot)"), round == 1, "{text}");
+        let store = Store::open(&path, StoreOptions::default()).unwrap();
+        let last = store.checkpoints().unwrap().pop().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while replica.status().checkpoint_seq != Some(last.seq) {
+            assert!(Instant::now() < deadline, "{:?}", replica.status());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for name in ["emb", "blk"] {
+            let mut got = Rows::new();
+            replica_store
+                .table(name)
+                .unwrap()
+                .export(4096, |k, r| {
+                    rows_of(k, r, (0, 1), &mut got);
+                    Ok(())
+                })
+                .unwrap();
+            same(&got, &trainer_at(&store, name, last.batch_id, (0, 1)), &format!("round {round}: {name}"));
+        }
+    }
+    replica.close();
+}
