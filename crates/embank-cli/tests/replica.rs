@@ -261,6 +261,29 @@ fn replica_survives_kills_and_a_broker_restart(kind: BrokerKind) {
     sigkill(&mut replica.lock().0);
 }
 
+/// Waits until an in-process replica (one partition) serves the trainer's newest
+/// checkpoint, then compares both tables row for row.
+fn replica_equals_trainer(replica: &Replica, replica_store: &Store, trainer: &Store, what: &str) {
+    let last = trainer.checkpoints().unwrap().pop().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while replica.status().checkpoint_seq != Some(last.seq) {
+        assert!(Instant::now() < deadline, "{what}: {:?}", replica.status());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for name in ["emb", "blk"] {
+        let mut got = Rows::new();
+        replica_store
+            .table(name)
+            .unwrap()
+            .export(4096, |k, r| {
+                rows_of(k, r, (0, 1), &mut got);
+                Ok(())
+            })
+            .unwrap();
+        same(&got, &trainer_at(trainer, name, last.batch_id, (0, 1)), &format!("{what}: {name}"));
+    }
+}
+
 #[test]
 fn kafka_replica_killed_20_times_ends_equal_to_the_trainer() {
     replica_survives_kills_and_a_broker_restart(BrokerKind::Kafka);
@@ -312,24 +335,7 @@ fn publisher_fails_loudly_while_the_broker_is_down_then_catches_up() {
     // A replica in this process applies the whole stream: equal to the trainer at the end.
     let replica_store = Arc::new(Store::open(dir.path().join("replica"), StoreOptions::default()).unwrap());
     let mut replica = Replica::start(Arc::clone(&replica_store), ReplicaOptions::new(stream)).unwrap();
-    let last = store.checkpoints().unwrap().pop().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while replica.status().checkpoint_seq != Some(last.seq) {
-        assert!(Instant::now() < deadline, "{:?}", replica.status());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for name in ["emb", "blk"] {
-        let mut got = Rows::new();
-        replica_store
-            .table(name)
-            .unwrap()
-            .export(4096, |k, r| {
-                rows_of(k, r, (0, 1), &mut got);
-                Ok(())
-            })
-            .unwrap();
-        same(&got, &trainer_at(&store, name, last.batch_id, (0, 1)), name);
-    }
+    replica_equals_trainer(&replica, &replica_store, &store, "after the broker came back");
     let s = replica.status();
     assert!(s.commits >= 2 && s.state == "ingesting", "{s:?}");
     replica.close();
@@ -496,24 +502,7 @@ fn embank_publish_sends_the_newest_checkpoint() {
         assert!(text.contains(&format!("published checkpoint batch {}", batches.end())), "{text}");
         assert_eq!(text.contains("(full snapshot)"), round == 1, "{text}");
         let store = Store::open(&path, StoreOptions::default()).unwrap();
-        let last = store.checkpoints().unwrap().pop().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while replica.status().checkpoint_seq != Some(last.seq) {
-            assert!(Instant::now() < deadline, "{:?}", replica.status());
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        for name in ["emb", "blk"] {
-            let mut got = Rows::new();
-            replica_store
-                .table(name)
-                .unwrap()
-                .export(4096, |k, r| {
-                    rows_of(k, r, (0, 1), &mut got);
-                    Ok(())
-                })
-                .unwrap();
-            same(&got, &trainer_at(&store, name, last.batch_id, (0, 1)), &format!("round {round}: {name}"));
-        }
+        replica_equals_trainer(&replica, &replica_store, &store, &format!("round {round}"));
     }
     replica.close();
 }
