@@ -392,7 +392,8 @@ fn reads_fail_over_between_replicas_and_respect_min_checkpoint() {
     let t = client.table("emb").unwrap();
     let err = t.push(&[1], &[0.0; DIM]).unwrap_err();
     assert!(err.to_string().contains("replica of") && err.to_string().contains("replica 0"), "{err}");
-    // Readers while replica 0 is SIGKILLed: every read succeeds and matches.
+    // Readers while replica 0 hangs (SIGSTOP) for 2 s, then is SIGKILLed: every read
+    // succeeds, matches, and ends within the client's 2 s timeout.
     let stop = AtomicBool::new(false);
     let reads = std::thread::scope(|s| {
         let readers: Vec<_> = (0..2)
@@ -406,7 +407,10 @@ fn reads_fail_over_between_replicas_and_respect_min_checkpoint() {
                         let batch: Vec<u64> = (0..256).map(|_| keys[rng.random_range(0..keys.len())]).collect();
                         let mut rows = vec![0f32; batch.len() * DIM];
                         let mut found = vec![false; batch.len()];
+                        let started = Instant::now();
                         t.lookup(&batch, &mut rows, &mut found).unwrap_or_else(|e| panic!("read {n} failed: {e}"));
+                        let took = started.elapsed();
+                        assert!(took < Duration::from_secs(2), "read {n} took {took:?}, not within the 2 s timeout");
                         for (i, k) in batch.iter().enumerate() {
                             let got: Option<Vec<u32>> =
                                 found[i].then(|| rows[i * DIM..(i + 1) * DIM].iter().map(|x| x.to_bits()).collect());
@@ -419,6 +423,12 @@ fn reads_fail_over_between_replicas_and_respect_min_checkpoint() {
             })
             .collect();
         std::thread::sleep(Duration::from_millis(500));
+        let pid = replicas[0].0.id() as i32;
+        // SAFETY: signals to a child this test started.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        std::thread::sleep(Duration::from_millis(2000));
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        std::thread::sleep(Duration::from_millis(300));
         sigkill(&mut replicas[0].0);
         std::thread::sleep(Duration::from_millis(1000));
         stop.store(true, Ordering::Relaxed);

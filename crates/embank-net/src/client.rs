@@ -34,7 +34,9 @@ pub struct ClientOptions {
     pub token: Option<String>,
     /// Most keys per request; a larger batch is split. Default 500.
     pub keys_per_request_max: usize,
-    /// Longest wait for a reply (or for a request to be taken). Default 30 s.
+    /// Longest wait for a reply (or for a request to be taken). Default 30 s. For a shard
+    /// of n replicas each attempt gets `timeout / n`, so a read that fails over past
+    /// replicas that hang still ends within `timeout`.
     pub timeout: Duration,
     /// Longest wait to connect. Default 5 s.
     pub connect_timeout: Duration,
@@ -277,10 +279,14 @@ impl Client {
                 ));
             }
         };
+        // A shard of n replicas gives each attempt 1/n of the timeout, so a read that
+        // fails over past a replica that hangs (a stopped process still accepts) ends
+        // within the call's timeout.
+        let attempt = opts.timeout / shard.replicas.len() as u32;
         let setup = |s: &TcpStream| -> io::Result<()> {
             s.set_nodelay(true)?;
-            s.set_read_timeout(Some(opts.timeout))?;
-            s.set_write_timeout(Some(opts.timeout))
+            s.set_read_timeout(Some(attempt))?;
+            s.set_write_timeout(Some(attempt))
         };
         setup(&tcp).map_err(|e| shard.unavailable(r, "socket setup failed", &e))?;
         let mut s = match &opts.tls {
