@@ -310,6 +310,13 @@ fn sanitize(topic: &str) -> String {
 }
 
 fn run(s: &Shared, mut sink: Box<dyn Sink>) {
+    // Training comes first: the publisher thread runs at a lower priority (nice 10), so
+    // on a busy machine it takes the cores the training threads leave.
+    // SAFETY: setpriority on this thread's own id.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+    }
     let mut backoff = Duration::from_millis(50);
     loop {
         {
