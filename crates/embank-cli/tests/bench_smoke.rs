@@ -22,6 +22,10 @@ fn smoke_runs_or_explains_every_engine() {
         let engines = report["engines"].as_array().unwrap();
         assert_eq!(engines.len(), 7, "{workload}: every engine is reported");
         assert!(report["gather_keys_per_second"].as_f64().unwrap() > 0.0);
+        // The device's I/O limits at the block record size, measured with the block engines.
+        let device = &report["device"];
+        assert!(device["random_reads_per_second"].as_f64().unwrap() > 0.0, "{workload}: {device}");
+        assert!(device["mixed_ops_per_second"].as_f64().unwrap() > 0.0, "{workload}: {device}");
         for e in engines {
             let name = e["engine"].as_str().unwrap();
             let baseline = matches!(name, "rocksdb" | "lmdb" | "redis");
@@ -34,6 +38,7 @@ fn smoke_runs_or_explains_every_engine() {
                 assert!(e["latency_us_p99"].as_f64().unwrap() >= e["latency_us_p50"].as_f64().unwrap());
                 assert!(e["ratio_to_hashmap"].as_f64().is_some(), "{name}");
                 if name.starts_with("embank-block") {
+                    assert!(e["fraction_of_device_reads"].as_f64().is_some(), "{workload}: {name}");
                     let hit = e["hit_rate"].as_f64().unwrap_or_else(|| panic!("{workload}: {name} has no hit rate"));
                     assert!(
                         (0.0..1.0).contains(&hit),

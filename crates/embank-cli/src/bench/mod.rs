@@ -174,6 +174,10 @@ pub struct EngineResult {
     pub hit_rate: Option<f64>,
     pub fraction_of_gather: f64,
     pub fraction_of_copy_bound: f64,
+    /// Block-medium engines: medium reads per second (the row cache's misses) as a
+    /// fraction of the device's random read rate at the record size, measured in the
+    /// same run (`device` in the report).
+    pub fraction_of_device_reads: Option<f64>,
     /// Latency CDF: (microseconds, fraction of batches at or below).
     pub latency_cdf: Vec<(f64, f64)>,
 }
@@ -197,6 +201,9 @@ pub struct Report {
     pub copy_gb_per_second: f64,
     pub copy_bound_keys_per_second: f64,
     pub gather_keys_per_second: f64,
+    /// The device's random read and mixed read/write rates at the block medium's record
+    /// size (measured when a block-medium engine runs).
+    pub device: Option<limits::DeviceLimits>,
     pub engines: Vec<EngineResult>,
 }
 
@@ -215,6 +222,7 @@ fn skipped(engine: &str, why: String) -> EngineResult {
         hit_rate: None,
         fraction_of_gather: 0.0,
         fraction_of_copy_bound: 0.0,
+        fraction_of_device_reads: None,
         latency_cdf: Vec::new(),
     }
 }
@@ -456,6 +464,24 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         );
         (copy, copy_bound, gather)
     };
+    // The device's random I/O rate at the block medium's record size, where a block
+    // engine will run: what its misses can at best be served at.
+    let device = if args.skip_limits || !args.engines.iter().any(|e| e.starts_with("embank-block")) {
+        None
+    } else {
+        let stride = embank_core::format::block_stride(dim as u32, embank_core::DType::F32, 512);
+        let bytes = (args.keys * stride as u64).clamp(64 << 20, 1 << 30);
+        let d = limits::device(&dir, stride, bytes, embank_core::store::IO_DEPTH_DEFAULT, args.duration.min(3.0))?;
+        println!(
+            "limits: device random reads {:.0} k/s, mixed read/write {:.0} k ops/s ({} B each, depth {}, {} scratch file)",
+            d.random_reads_per_second / 1e3,
+            d.mixed_ops_per_second / 1e3,
+            d.record_bytes,
+            d.depth,
+            human_bytes(d.file_bytes)
+        );
+        Some(d)
+    };
 
     let mut results = Vec::new();
     for name in &args.engines {
@@ -506,6 +532,12 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             hit_rate,
             fraction_of_gather: kps / gather,
             fraction_of_copy_bound: kps / copy_bound,
+            fraction_of_device_reads: match (&device, hit_rate) {
+                (Some(d), Some(h)) if name.starts_with("embank-block") => {
+                    Some(kps * (1.0 - h) / d.random_reads_per_second)
+                }
+                _ => None,
+            },
             latency_cdf: cdf,
         });
         println!("{name:<18} done: {:.2} M keys/s", kps / 1e6);
@@ -531,6 +563,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         copy_gb_per_second: copy,
         copy_bound_keys_per_second: copy_bound,
         gather_keys_per_second: gather,
+        device,
         engines: results,
     };
     print_table(&report);
@@ -550,7 +583,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
 fn print_table(r: &Report) {
     println!();
     println!(
-        "{:<18} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>6} {:>8} {:>8}",
+        "{:<18} {:>8} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>6} {:>8} {:>8} {:>8}",
         "engine",
         "load s",
         "keys/s",
@@ -561,7 +594,8 @@ fn print_table(r: &Report) {
         "vs hash",
         "hits",
         "of gath",
-        "of copy"
+        "of copy",
+        "of I/O"
     );
     for e in &r.engines {
         if let Some(why) = &e.skipped {
@@ -569,7 +603,7 @@ fn print_table(r: &Report) {
             continue;
         }
         println!(
-            "{:<18} {:>8.2} {:>9.2}M {:>9.1} {:>9.1} {:>9.1} {:>10} {:>9} {:>6} {:>7.0}% {:>7.0}%",
+            "{:<18} {:>8.2} {:>9.2}M {:>9.1} {:>9.1} {:>9.1} {:>10} {:>9} {:>6} {:>7.0}% {:>7.0}% {:>8}",
             e.engine,
             e.load_seconds,
             e.keys_per_second / 1e6,
@@ -580,7 +614,8 @@ fn print_table(r: &Report) {
             e.ratio_to_hashmap.map_or("-".into(), |x| format!("{x:.2}x")),
             e.hit_rate.map_or("-".into(), |x| format!("{:.1}%", x * 100.0)),
             e.fraction_of_gather * 100.0,
-            e.fraction_of_copy_bound * 100.0
+            e.fraction_of_copy_bound * 100.0,
+            e.fraction_of_device_reads.map_or("-".into(), |f| format!("{:.0}%", f * 100.0))
         );
     }
 }
