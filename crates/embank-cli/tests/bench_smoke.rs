@@ -38,7 +38,8 @@ fn smoke_runs_or_explains_every_engine() {
                 assert!(e["latency_us_p99"].as_f64().unwrap() >= e["latency_us_p50"].as_f64().unwrap());
                 assert!(e["ratio_to_hashmap"].as_f64().is_some(), "{name}");
                 if name.starts_with("embank-block") {
-                    assert!(e["fraction_of_device_reads"].as_f64().is_some(), "{workload}: {name}");
+                    assert!(e["fraction_of_device_io"].as_f64().is_some(), "{workload}: {name}");
+                    assert!(e["device_reads_per_second"].as_f64().unwrap() > 0.0, "{workload}: {name}");
                     let hit = e["hit_rate"].as_f64().unwrap_or_else(|| panic!("{workload}: {name} has no hit rate"));
                     assert!(
                         (0.0..1.0).contains(&hit),

@@ -28,6 +28,11 @@ pub trait Engine: Sync {
     fn hit_rate(&self) -> Option<f64> {
         None
     }
+    /// Device reads and writes (I/O requests) since the measured phase started, where
+    /// the engine reads its medium through embank's I/O engine.
+    fn io_ops(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// Called between the load and the measured phase (resets counters).
     fn start_measure(&self) {}
     /// A batch-aware checkpoint (`--checkpoint-every`), where the engine has them.
@@ -45,6 +50,8 @@ pub struct Embank {
     table: Table,
     /// Cache hits and misses when the measured phase started.
     base: parking_lot::Mutex<(u64, u64)>,
+    /// Device reads and writes when the measured phase started.
+    io_base: parking_lot::Mutex<(u64, u64)>,
     /// Batch id of the next checkpoint.
     checkpoints: std::sync::atomic::AtomicU64,
 }
@@ -75,12 +82,17 @@ impl Embank {
             _store: store,
             table,
             base: parking_lot::Mutex::new((0, 0)),
+            io_base: parking_lot::Mutex::new((0, 0)),
             checkpoints: std::sync::atomic::AtomicU64::new(1),
         })
     }
 
     fn hits_misses(&self) -> (u64, u64) {
         self.table.stats().map(|s| (s.cache_hits, s.cache_misses)).unwrap_or((0, 0))
+    }
+
+    fn reads_writes(&self) -> (u64, u64) {
+        self._store.stats().map(|s| (s.io.reads, s.io.writes)).unwrap_or((0, 0))
     }
 }
 
@@ -95,6 +107,12 @@ impl Engine for Embank {
     }
     fn start_measure(&self) {
         *self.base.lock() = self.hits_misses();
+        *self.io_base.lock() = self.reads_writes();
+    }
+    fn io_ops(&self) -> Option<(u64, u64)> {
+        let (r0, w0) = *self.io_base.lock();
+        let (r, w) = self.reads_writes();
+        (self.name != "embank-mmap").then_some((r - r0, w - w0))
     }
     fn hit_rate(&self) -> Option<f64> {
         let (h0, m0) = *self.base.lock();

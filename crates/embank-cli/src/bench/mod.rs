@@ -174,10 +174,14 @@ pub struct EngineResult {
     pub hit_rate: Option<f64>,
     pub fraction_of_gather: f64,
     pub fraction_of_copy_bound: f64,
-    /// Block-medium engines: medium reads per second (the row cache's misses) as a
-    /// fraction of the device's random read rate at the record size, measured in the
-    /// same run (`device` in the report).
-    pub fraction_of_device_reads: Option<f64>,
+    /// Block-medium engines: device requests per second in the measured phase as a
+    /// fraction of what the device sustains at the record size, measured in the same run
+    /// (`device` in the report): its random read rate when the engine only read, its
+    /// mixed read/write rate when it wrote too (write-backs).
+    pub fraction_of_device_io: Option<f64>,
+    /// Block-medium engines: device reads and writes per second in the measured phase.
+    pub device_reads_per_second: Option<f64>,
+    pub device_writes_per_second: Option<f64>,
     /// Latency CDF: (microseconds, fraction of batches at or below).
     pub latency_cdf: Vec<(f64, f64)>,
 }
@@ -222,7 +226,9 @@ fn skipped(engine: &str, why: String) -> EngineResult {
         hit_rate: None,
         fraction_of_gather: 0.0,
         fraction_of_copy_bound: 0.0,
-        fraction_of_device_reads: None,
+        fraction_of_device_io: None,
+        device_reads_per_second: None,
+        device_writes_per_second: None,
         latency_cdf: Vec::new(),
     }
 }
@@ -503,12 +509,13 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             let (secs, lat) = measure(engine.as_ref(), &args, threads, &streams)?;
             // Resident after the measured phase, so caches filled by it count.
             let resident = rss_bytes().saturating_sub(rss0) + engine.external_resident_bytes().unwrap_or(0);
-            Ok((load_s, resident, secs, lat, engine.hit_rate()))
+            let io = engine.io_ops().map(|(r, w)| (r as f64 / secs, w as f64 / secs));
+            Ok((load_s, resident, secs, lat, engine.hit_rate(), io))
         });
         drop(engine);
         // Free the disk before the next engine loads.
         let _ = std::fs::remove_dir_all(dir.join(name.as_str()));
-        let (load_s, resident, secs, lat, hit_rate) = match outcome {
+        let (load_s, resident, secs, lat, hit_rate, io) = match outcome {
             Ok(x) => x,
             Err(why) => {
                 println!("{name:<18} failed: {why}");
@@ -532,15 +539,24 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             hit_rate,
             fraction_of_gather: kps / gather,
             fraction_of_copy_bound: kps / copy_bound,
-            fraction_of_device_reads: match (&device, hit_rate) {
-                (Some(d), Some(h)) if name.starts_with("embank-block") => {
-                    Some(kps * (1.0 - h) / d.random_reads_per_second)
-                }
+            fraction_of_device_io: match (&device, io) {
+                (Some(d), Some((r, w))) if w > 0.0 => Some((r + w) / d.mixed_ops_per_second),
+                (Some(d), Some((r, _))) => Some(r / d.random_reads_per_second),
                 _ => None,
             },
+            device_reads_per_second: io.map(|(r, _)| r),
+            device_writes_per_second: io.map(|(_, w)| w),
             latency_cdf: cdf,
         });
-        println!("{name:<18} done: {:.2} M keys/s", kps / 1e6);
+        match io {
+            Some((r, w)) => println!(
+                "{name:<18} done: {:.2} M keys/s; device {:.1} k reads/s, {:.1} k writes/s",
+                kps / 1e6,
+                r / 1e3,
+                w / 1e3
+            ),
+            None => println!("{name:<18} done: {:.2} M keys/s", kps / 1e6),
+        }
     }
     if let Some(base) = results.iter().find(|r| r.engine == "hashmap" && r.skipped.is_none()).map(|r| r.keys_per_second)
     {
@@ -615,7 +631,7 @@ fn print_table(r: &Report) {
             e.hit_rate.map_or("-".into(), |x| format!("{:.1}%", x * 100.0)),
             e.fraction_of_gather * 100.0,
             e.fraction_of_copy_bound * 100.0,
-            e.fraction_of_device_reads.map_or("-".into(), |f| format!("{:.0}%", f * 100.0))
+            e.fraction_of_device_io.map_or("-".into(), |f| format!("{:.0}%", f * 100.0))
         );
     }
 }
