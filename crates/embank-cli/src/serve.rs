@@ -17,7 +17,11 @@ const SAMPLE: &str = include_str!("../../../docs/serve.sample.toml");
 #[command(after_help = "Without --config, --store is required and every other setting takes its default \
     (loopback on port 7070, no admin endpoint). Stop with SIGTERM or Ctrl-C: the server stops accepting, \
     finishes requests in flight, flushes the store and exits 0.\n\n\
-    Clients: embank.connect([\"127.0.0.1:7070\", ...]) in Python, or `embank bench --target tcp://...`.")]
+    Clients: embank.connect([\"127.0.0.1:7070\", ...]) in Python, or `embank bench --target tcp://...`.\n\n\
+    With an [updates] section the server is a read-only replica: it applies one partition of the update \
+    stream a training store publishes (Kafka or Redis Streams; store.publisher(...) or `embank publish`), \
+    checkpoints at each commit marker, and after a crash resumes from its last one. \
+    See --print-sample-config.")]
 pub struct ServeArgs {
     /// TOML config file (print a commented one with --print-sample-config).
     #[arg(long, short)]
