@@ -202,26 +202,30 @@ impl Table {
         mut f: impl FnMut(&[u64], &[f32], &[u64]) -> Result<()>,
     ) -> Result<()> {
         let changed = self.shared.checkpoints.keys_changed_between(from, to)?;
-        let mut journals = BTreeMap::new();
+        // Every key's index pointer first, then the journals since `to` once: a key changed
+        // after its lookup has its entry by then, naming its record at `to`. Every pointer
+        // used is a record at `to`, held while checkpoint `to` is retained, so the records
+        // can be read later, chunk by chunk.
+        let ptrs: Vec<u64> = {
+            let st = self.state()?;
+            let index = &st.as_ref().unwrap().index;
+            changed.iter().map(|&k| index.get(k, index.hash(k)).unwrap_or(0)).collect()
+        };
+        let mut first = HashMap::new();
+        self.shared.checkpoints.changed_since(to, &mut BTreeMap::new(), &mut first);
         let mut rows = Vec::new();
-        for chunk in changed.chunks(chunk_keys.max(1)) {
-            let (mut items, mut deleted) = (Vec::with_capacity(chunk.len()), Vec::new());
+        let chunk_keys = chunk_keys.max(1);
+        for (keys, ptrs) in changed.chunks(chunk_keys).zip(ptrs.chunks(chunk_keys)) {
+            let (mut items, mut deleted) = (Vec::with_capacity(keys.len()), Vec::new());
+            for (&key, &ptr) in keys.iter().zip(ptrs) {
+                match first.get(&key).copied().unwrap_or(ptr) {
+                    0 => deleted.push(key),
+                    ptr => items.push((key, ptr)),
+                }
+            }
             {
                 let st = self.state()?;
-                let st = st.as_ref().unwrap();
-                let _pin = crossbeam_epoch::pin();
-                let ptrs: Vec<u64> = chunk.iter().map(|&k| st.index.get(k, st.index.hash(k)).unwrap_or(0)).collect();
-                // The journals after the index, as in `export_at`: a key changed after its
-                // lookup has its entry by now, naming the record it had at `to`.
-                let mut first = HashMap::new();
-                self.shared.checkpoints.changed_since(to, &mut journals, &mut first);
-                for (&key, &ptr) in chunk.iter().zip(&ptrs) {
-                    match first.get(&key).copied().unwrap_or(ptr) {
-                        0 => deleted.push(key),
-                        ptr => items.push((key, ptr)),
-                    }
-                }
-                self.read_records(st, &items, &mut rows)?;
+                self.read_records(st.as_ref().unwrap(), &items, &mut rows)?;
             }
             let keys: Vec<u64> = items.iter().map(|&(k, _)| k).collect();
             f(&keys, &rows, &deleted)?;
