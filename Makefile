@@ -37,11 +37,12 @@ test-python: develop
 	$(BIN)/pytest -q
 
 # The SIGKILL crash tests at 1,000 kills each (store on both media, the server process,
-# training checkpoints).
+# training checkpoints, update-stream replicas on Kafka and Redis).
 test-long:
 	EMBANK_CRASH_KILLS=1000 cargo test -p embank-core --release --locked --test crash -- --nocapture
 	EMBANK_SERVER_KILLS=1000 cargo test -p embank-cli --release --locked --test serve_crash -- --nocapture
 	EMBANK_CKPT_KILLS=1000 cargo test -p embank-core --release --locked --test checkpoint sigkill -- --nocapture
+	EMBANK_REPLICA_KILLS=1000 cargo test -p embank-cli --release --locked --test replica killed -- --nocapture --test-threads 1
 
 # Coverage-guided fuzzing (libFuzzer through cargo fuzz, on the nightly toolchain beside
 # stable): every target for FUZZ_SECONDS; corpora that find new coverage grow in
