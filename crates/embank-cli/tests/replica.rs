@@ -4,7 +4,7 @@
 //! - A training store (an mmap table with Adagrad, a block table behind a small row
 //!   cache with Adam) trains and checkpoints 24 times, publishing every checkpoint to a
 //!   stream of two partitions, while the replica of partition 1 is SIGKILLed at random
-//!   20 times (`EMBANK_REPLICA_KILLS`) and restarted, and the broker is killed and
+//!   20 times (`EMBANK_REPLICA_KILLS`; `make test-long`: 1,000) and restarted, and the broker is killed and
 //!   restarted once mid-stream. At the end the replica's export equals the trainer's
 //!   export at the last checkpoint, restricted to the partition's keys, row for row.
 //! - A publisher whose broker stays down fails `notify` loudly past `max_pending`,
