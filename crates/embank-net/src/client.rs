@@ -353,7 +353,8 @@ impl Client {
     fn candidates(&self, req: &Req) -> Result<Vec<usize>> {
         let shard = &self.inner.shards[req.shard];
         let n = shard.replicas.len();
-        if !self.spreads(shard, req.op) {
+        // Writes, and reads of a single server with no checkpoint to check: no choice.
+        if !self.spreads(shard, req.op) || (n == 1 && req.min_checkpoint.is_none()) {
             return Ok(vec![0]);
         }
         let start = shard.next.fetch_add(1, Ordering::Relaxed);
