@@ -107,7 +107,13 @@ class Table:
 
     @property
     def dtype(self) -> np.dtype[np.float32]:
+        """The dtype of rows the table takes and returns (always float32)."""
         return np.dtype(np.float32)
+
+    @property
+    def stored_dtype(self) -> str:
+        """How rows are stored: ``"f32"``, ``"f16"`` or ``"int8"``."""
+        return str(self.options.get("dtype", "f32"))
 
     @property
     def options(self) -> dict[str, Any]:
@@ -289,6 +295,7 @@ class Store:
         name: str,
         dim: int,
         *,
+        dtype: str = "f32",
         init: Initializer | None = None,
         seed: int = 0,
         capacity: int = 1 << 20,
@@ -311,6 +318,12 @@ class Store:
         Args:
             name: 1 to 128 letters, digits, ``_``, ``-`` or ``.``.
             dim: elements per row, 1 to 4096.
+            dtype: how rows are stored: ``"f32"`` (the default), ``"f16"`` (IEEE half,
+                rounded to nearest even: half the bytes, for training and serving) or
+                ``"int8"`` (row-wise 8-bit with an f32 scale and bias per row, about a
+                quarter of the bytes, for serving: no optimizer, no ``push_grad``).
+                Every call still takes and returns float32; a stored row reads back
+                rounded (``docs/FORMAT.md`` states the formulas and error bounds).
             init: value of never-written rows (default :func:`embank.init.zeros`).
             seed: seeds the initializer and the index hash.
             capacity: rows the index is sized for; it grows past that unless ``growth`` is off.
@@ -375,6 +388,7 @@ class Store:
             raise InvalidInputError(f'missing must be a number or "init", got {missing!r}')
         options: dict[str, Any] = {
             "dim": int(dim),
+            "dtype": str(dtype),
             "init": init._options(),
             "seed": int(seed),
             "capacity": int(capacity),

@@ -149,6 +149,63 @@ impl NpyReader {
         Ok(())
     }
 
+    /// Reads `n` integers of an integer array (`<i8`, `<i4`, `<u8`, `<u4`) as `i64`.
+    pub fn read_ints(&mut self, n: usize, out: &mut Vec<i64>) -> Result<(), String> {
+        out.clear();
+        let width = match self.descr.as_str() {
+            "<i8" | "<u8" => 8,
+            "<i4" | "<u4" => 4,
+            other => return Err(format!("expected an int64 or int32 array, found dtype {other}")),
+        };
+        let mut b = vec![0u8; n * width];
+        self.input.read_exact(&mut b).map_err(|e| format!("reading integers: {e}"))?;
+        match self.descr.as_str() {
+            "<i8" => out.extend(b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()))),
+            "<u8" => out.extend(b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap()) as i64)),
+            "<i4" => out.extend(b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)),
+            _ => out.extend(b.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap()) as i64)),
+        }
+        Ok(())
+    }
+
+    /// Reads `n` rows of `dim` elements as `f32`, whatever the rows' stored type:
+    /// `<f4`; `<f2` (IEEE half); or `|u1` rows of `dim + 8` bytes, the fused 8-bit
+    /// row-wise layout (`dim` quantized bytes, an `f32` scale, an `f32` bias: the layout
+    /// of embank's `int8` rows and of common quantized embedding exports), de-quantized as `q * scale + bias`.
+    pub fn read_rows(&mut self, n: usize, dim: usize, out: &mut Vec<f32>) -> Result<(), String> {
+        use embank_core::layout::RecordLayout;
+        use embank_core::DType;
+        let dtype = match self.descr.as_str() {
+            "<f4" => return self.read_f32(n * dim, out),
+            "<f2" => DType::F16,
+            "|u1" | "<u1" | "|i1" => DType::Int8,
+            other => return Err(format!("rows must be float32, float16 or fused 8-bit (uint8), found dtype {other}")),
+        };
+        let layout = RecordLayout::new(dim, 0, dtype);
+        let width = layout.payload_bytes();
+        let mut b = vec![0u8; n * width];
+        self.input.read_exact(&mut b).map_err(|e| format!("reading rows: {e}"))?;
+        out.clear();
+        out.resize(n * dim, 0.0);
+        for (src, dst) in b.chunks_exact(width).zip(out.chunks_exact_mut(dim)) {
+            layout.decode(src, dst);
+        }
+        Ok(())
+    }
+
+    /// Elements per row of a 2-D rows array as the table sees them (a fused 8-bit row's
+    /// last 8 bytes are its scale and bias).
+    pub fn row_dim(&self) -> Result<usize, String> {
+        let width = *self.shape.get(1).ok_or("rows must be a 2-D array")?;
+        match self.descr.as_str() {
+            "|u1" | "<u1" | "|i1" if width <= 8 => {
+                Err(format!("fused 8-bit rows need more than 8 bytes each (q, then scale and bias), found {width}"))
+            }
+            "|u1" | "<u1" | "|i1" => Ok(width - 8),
+            _ => Ok(width),
+        }
+    }
+
     /// Reads `n` elements of `<f4`.
     pub fn read_f32(&mut self, n: usize, out: &mut Vec<f32>) -> Result<(), String> {
         out.clear();

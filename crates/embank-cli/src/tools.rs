@@ -77,7 +77,7 @@ pub fn inspect(path: &Path, json: bool) -> Result<(), String> {
         };
         let engine =
             t.io.as_ref().map(|io| format!(", I/O engine {} (depth {})", io.engine, io.depth)).unwrap_or_default();
-        println!("{:<20} medium {}, placement {}{direct}{engine}", "", t.medium, t.placement);
+        println!("{:<20} dtype {}, medium {}, placement {}{direct}{engine}", "", t.dtype, t.medium, t.placement);
         if let Some(r) = &t.recovered {
             println!(
                 "{:<20} repaired on open: {} interrupted buckets, {} slots dropped, {} free records found, {:.3}s",
@@ -160,18 +160,34 @@ pub struct ImportArgs {
     /// Table to load into; created with the rows' dim if missing.
     #[arg(long)]
     pub table: String,
-    /// Keys: a 1-D .npy of uint64 (or non-negative int64).
-    #[arg(long)]
-    pub keys: PathBuf,
-    /// Rows: a 2-D .npy of float32, one row per key.
+    /// Keys: a 1-D .npy of uint64 (or non-negative int64), one per row. Not with --remap.
+    #[arg(long, required_unless_present = "remap", conflicts_with = "remap")]
+    pub keys: Option<PathBuf>,
+    /// Rows: a 2-D .npy of float32, float16, or uint8 rows in the fused 8-bit row-wise
+    /// layout (dim bytes, then an f32 scale and an f32 bias per row: de-quantized as
+    /// q * scale + bias). Rows are converted to the table's dtype.
     #[arg(long)]
     pub rows: PathBuf,
+    /// De-prune: a 1-D .npy of int64/int32, entry i the row of --rows that original id i
+    /// maps to, -1 for a pruned id. The table is written keyed by original ids, so
+    /// serving needs no remap lookup; pruned ids are not stored and `lookup` answers
+    /// them with the table's missing default (--missing, zeros unless set).
+    #[arg(long)]
+    pub remap: Option<PathBuf>,
+    /// Element type of a newly created table: f32, f16 or int8 (an f32 export quantized
+    /// on the way in). An existing table keeps its own.
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// Capacity of a newly created table (default: 1.25 x the number of keys).
     #[arg(long)]
     pub capacity: Option<u64>,
     /// Initializer of a newly created table: zeros, normal:MEAN:STD, uniform:LOW:HIGH.
     #[arg(long, default_value = "zeros")]
     pub init: String,
+    /// What `lookup` answers for missing (and pruned) keys of a newly created table:
+    /// a number (default 0).
+    #[arg(long)]
+    pub missing: Option<f32>,
 }
 
 pub fn parse_init(s: &str) -> Result<Initializer, String> {
@@ -191,29 +207,78 @@ pub fn parse_init(s: &str) -> Result<Initializer, String> {
     }
 }
 
+/// Where the keys of an import come from.
+enum KeySource {
+    /// One key per row, from a keys file.
+    Keys(NpyReader),
+    /// De-pruning: the mapping from original ids to rows, and the pruned rows in memory.
+    Remap { mapping: Vec<i64>, rows: Vec<f32> },
+}
+
 pub fn import(args: ImportArgs) -> Result<(), String> {
-    let mut keys = NpyReader::open(&args.keys)?;
     let mut rows = NpyReader::open(&args.rows)?;
-    if keys.descr != "<u8" && keys.descr != "<i8" {
-        return Err(format!("{}: keys must be uint64 or int64, found dtype {}", args.keys.display(), keys.descr));
+    if rows.shape.len() != 2 {
+        return Err(format!("{}: rows must be 2-D, found shape {:?}", args.rows.display(), rows.shape));
     }
-    if rows.descr != "<f4" {
-        return Err(format!("{}: rows must be float32, found dtype {}", args.rows.display(), rows.descr));
-    }
-    if keys.shape.len() != 1 || rows.shape.len() != 2 {
-        return Err(format!("keys must be 1-D and rows 2-D, found shapes {:?} and {:?}", keys.shape, rows.shape));
-    }
-    let (n, dim) = (keys.shape[0], rows.shape[1]);
-    if rows.shape[0] != n {
-        return Err(format!("{n} keys but {} rows", rows.shape[0]));
-    }
+    let dim = rows.row_dim().map_err(|e| format!("{}: {e}", args.rows.display()))?;
+    let n_rows = rows.shape[0];
+    let dtype = args.dtype.as_deref().map(embank_core::DType::parse).transpose().map_err(|e| e.to_string())?;
+    let (mut source, n) = match (&args.keys, &args.remap) {
+        (Some(kp), None) => {
+            let keys = NpyReader::open(kp)?;
+            if keys.descr != "<u8" && keys.descr != "<i8" {
+                return Err(format!("{}: keys must be uint64 or int64, found dtype {}", kp.display(), keys.descr));
+            }
+            if keys.shape.len() != 1 {
+                return Err(format!("{}: keys must be 1-D, found shape {:?}", kp.display(), keys.shape));
+            }
+            if keys.shape[0] != n_rows {
+                return Err(format!("{} keys but {n_rows} rows", keys.shape[0]));
+            }
+            (KeySource::Keys(keys), n_rows)
+        }
+        (None, Some(mp)) => {
+            let mut m = NpyReader::open(mp)?;
+            if m.shape.len() != 1 {
+                return Err(format!("{}: the mapping must be 1-D, found shape {:?}", mp.display(), m.shape));
+            }
+            let mut mapping = Vec::new();
+            m.read_ints(m.shape[0], &mut mapping).map_err(|e| format!("{}: {e}", mp.display()))?;
+            if let Some((id, &to)) = mapping.iter().enumerate().find(|(_, &to)| to < -1 || to >= n_rows as i64) {
+                return Err(format!(
+                    "{}: original id {id} maps to row {to}, but the pruned table has rows 0..{n_rows} (-1 marks a pruned id)",
+                    mp.display()
+                ));
+            }
+            let mut all = Vec::new();
+            rows.read_rows(n_rows, dim, &mut all).map_err(|e| format!("{}: {e}", args.rows.display()))?;
+            let kept = mapping.iter().filter(|&&to| to >= 0).count();
+            (KeySource::Remap { mapping, rows: all }, kept)
+        }
+        _ => return Err("give --keys (one key per row) or --remap (a mapping from original ids to rows)".into()),
+    };
     let store = Store::open(&args.path, StoreOptions::default()).map_err(|e| e.to_string())?;
     let table = match store.table(&args.table) {
-        Ok(t) => t,
+        Ok(t) => {
+            if let Some(d) = dtype {
+                if t.meta().dtype != d {
+                    return Err(format!(
+                        "table {:?} exists with dtype {}; --dtype {d} only applies to a new table",
+                        args.table,
+                        t.meta().dtype
+                    ));
+                }
+            }
+            t
+        }
         Err(e) if e.kind() == embank_core::ErrorKind::NotFound => {
             let mut o = TableOptions::new(dim as u32);
             o.capacity = args.capacity.unwrap_or((n as u64 * 5 / 4).max(1024));
             o.init = parse_init(&args.init)?;
+            o.dtype = dtype.unwrap_or(embank_core::DType::F32);
+            if let Some(v) = args.missing {
+                o.missing = embank_core::MissingDefault::Value { value: v };
+            }
             store.create_table(&args.table, o).map_err(|e| e.to_string())?
         }
         Err(e) => return Err(e.to_string()),
@@ -225,20 +290,45 @@ pub fn import(args: ImportArgs) -> Result<(), String> {
     let t0 = Instant::now();
     let (mut kb, mut rb) = (Vec::new(), Vec::new());
     let mut done = 0;
-    while done < n {
-        let m = (n - done).min(65_536);
-        keys.read_keys(m, &mut kb)?;
-        rows.read_f32(m * dim, &mut rb)?;
-        table.push(&kb, &rb).map_err(|e| format!("after {done} rows: {e}"))?;
-        done += m;
-        bar.set_position(done as u64);
+    let mut pruned = 0u64;
+    match &mut source {
+        KeySource::Keys(keys) => {
+            while done < n {
+                let m = (n - done).min(65_536);
+                keys.read_keys(m, &mut kb)?;
+                rows.read_rows(m, dim, &mut rb)?;
+                table.push(&kb, &rb).map_err(|e| format!("after {done} rows: {e}"))?;
+                done += m;
+                bar.set_position(done as u64);
+            }
+        }
+        KeySource::Remap { mapping, rows: all } => {
+            for (start, chunk) in (0..mapping.len()).step_by(65_536).zip(mapping.chunks(65_536)) {
+                kb.clear();
+                rb.clear();
+                for (i, &to) in chunk.iter().enumerate() {
+                    if to < 0 {
+                        pruned += 1;
+                        continue;
+                    }
+                    kb.push((start + i) as u64);
+                    rb.extend_from_slice(&all[to as usize * dim..(to as usize + 1) * dim]);
+                }
+                table.push(&kb, &rb).map_err(|e| format!("after {done} rows: {e}"))?;
+                done += kb.len();
+                bar.set_position(done as u64);
+            }
+        }
     }
     bar.finish_and_clear();
     store.flush().map_err(|e| e.to_string())?;
+    let meta = table.meta();
     println!(
-        "imported {n} rows into {:?} ({} rows now) in {:.2}s",
+        "imported {n} rows into {:?} ({} rows now, stored as {}{}) in {:.2}s",
         args.table,
         table.len().map_err(|e| e.to_string())?,
+        meta.dtype,
+        if args.remap.is_some() { format!("; {pruned} pruned ids left to the missing default") } else { String::new() },
         t0.elapsed().as_secs_f64()
     );
     store.close().map_err(|e| e.to_string())

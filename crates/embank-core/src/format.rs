@@ -108,44 +108,82 @@ impl IndexHeader {
     }
 }
 
-/// Element type of a table's rows. Room is left for `f16` and row-wise `int8`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// Element type of a table's stored rows. The API takes and returns `f32` for
+/// every type; optimizer state is always stored as `f32`.
+///
+/// - `f32`: IEEE single, stored as given.
+/// - `f16`: IEEE half; `f32 -> f16` rounds to nearest, ties to even (values past
+///   65504 become infinities, tiny ones subnormals or zero).
+/// - `int8`: row-wise asymmetric 8-bit quantization (the "fused 8-bit rowwise"
+///   layout of inference tables): `dim` unsigned bytes `q`, then an `f32` scale
+///   and an `f32` bias. See [`crate::layout`] for the exact formula.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,
+    F16,
+    Int8,
 }
 
 impl DType {
+    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::Int8];
+
     pub fn code(self) -> u8 {
         match self {
             DType::F32 => 1,
+            DType::F16 => 2,
+            DType::Int8 => 3,
         }
     }
 
     pub fn from_code(code: u8) -> Result<Self> {
         match code {
             1 => Ok(DType::F32),
+            2 => Ok(DType::F16),
+            3 => Ok(DType::Int8),
             other => Err(Error::new(ErrorKind::Unsupported, format!("unknown element type code {other}"))),
         }
     }
 
-    pub fn bytes(self) -> usize {
+    /// Bytes one row of `dim` elements takes as stored (an `int8` row adds its scale and bias).
+    pub fn row_bytes(self, dim: usize) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F32 => dim * 4,
+            DType::F16 => dim * 2,
+            DType::Int8 => dim + 8,
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Int8 => "int8",
+        }
+    }
+
+    /// Parses `f32`, `f16` or `int8` (also `float32`, `float16`/`half`, `uint8`).
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" | "float" => Ok(DType::F32),
+            "f16" | "float16" | "half" => Ok(DType::F16),
+            "int8" | "uint8" | "i8" | "u8" => Ok(DType::Int8),
+            other => Err(Error::new(ErrorKind::Config, format!("unknown dtype {other:?}: expected f32, f16 or int8"))),
         }
     }
 }
 
-/// Bytes from one row record to the next: header plus elements, rounded up to
-/// 16 bytes, and to a whole number of 64-byte cache lines once a row fills one.
-pub fn record_stride(dim: u32, dtype: DType) -> u32 {
-    let raw = ROW_HEADER_BYTES as u32 + dim * dtype.bytes() as u32;
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Bytes from one row record to the next for a record payload of `payload`
+/// bytes: header plus payload, rounded up to 16 bytes, and to a whole number of
+/// 64-byte cache lines once a record fills one.
+pub fn record_stride(payload: usize) -> u32 {
+    let raw = (ROW_HEADER_BYTES + payload) as u32;
     if raw >= 64 {
         raw.div_ceil(64) * 64
     } else {
@@ -153,10 +191,10 @@ pub fn record_stride(dim: u32, dtype: DType) -> u32 {
     }
 }
 
-/// Bytes from one record to the next on the block medium: header plus elements,
+/// Bytes from one record to the next on the block medium: header plus payload,
 /// rounded up to the direct-I/O alignment `align`, so each row is one read.
-pub fn block_stride(dim: u32, dtype: DType, align: u32) -> u32 {
-    (ROW_HEADER_BYTES as u32 + dim * dtype.bytes() as u32).div_ceil(align) * align
+pub fn block_stride(payload: usize, align: u32) -> u32 {
+    ((ROW_HEADER_BYTES + payload) as u32).div_ceil(align) * align
 }
 
 /// Fixed fields of a rows file header (the block medium's `rows.ebb` has the
@@ -164,10 +202,14 @@ pub fn block_stride(dim: u32, dtype: DType, align: u32) -> u32 {
 ///
 /// ```text
 ///  0  magic "EMBKROWS"      8  format version u32    12 header bytes u32 (4096)
-/// 16  dim u32              20  dtype u8, 3 zero bytes
+/// 16  elements u32 (*)     20  dtype u8, 3 zero bytes
 /// 24  record stride u32    28  crc32c of bytes 0..28 u32
-/// 32  next record u64 (*): records [0, next) have been handed out
+/// 32  next record u64 (**): records [0, next) have been handed out
 /// ```
+///
+/// (*) The `f32`s of a decoded record: the row's dim plus its optimizer state.
+/// The payload size follows from the catalog's layout, which the opener checks
+/// the stride against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RowsHeader {
     pub dim: u32,
@@ -194,8 +236,8 @@ impl RowsHeader {
 
     pub fn read(b: &[u8]) -> Result<Self> {
         let header = Self::read_as(b, &ROWS_MAGIC, "rows")?;
-        if header.stride != record_stride(header.dim, header.dtype) {
-            return Err(Error::new(ErrorKind::Recover, "rows header stride does not match its dim"));
+        if !header.stride.is_multiple_of(16) || (header.stride as usize) <= ROW_HEADER_BYTES {
+            return Err(Error::new(ErrorKind::Recover, format!("rows header stride {} is malformed", header.stride)));
         }
         Ok(header)
     }
@@ -203,7 +245,7 @@ impl RowsHeader {
     /// Reads a block-medium header; its stride must be a multiple of 512 holding a record.
     pub fn read_block(b: &[u8]) -> Result<Self> {
         let header = Self::read_as(b, &BLOCK_ROWS_MAGIC, "block rows")?;
-        if !header.stride.is_multiple_of(512) || header.stride < block_stride(header.dim, header.dtype, 512) {
+        if !header.stride.is_multiple_of(512) || header.stride == 0 {
             return Err(Error::new(ErrorKind::Recover, "block rows header stride does not fit its dim"));
         }
         Ok(header)
@@ -272,7 +314,7 @@ mod tests {
         b[8] = 9;
         assert_eq!(IndexHeader::read(&b).unwrap_err().kind(), ErrorKind::FormatVersion);
 
-        let r = RowsHeader { dim: 7, dtype: DType::F32, stride: record_stride(7, DType::F32) };
+        let r = RowsHeader { dim: 7, dtype: DType::F32, stride: record_stride(28) };
         r.write(&mut b);
         assert_eq!(RowsHeader::read(&b).unwrap(), r);
         b[0] = b'X';
@@ -281,10 +323,10 @@ mod tests {
 
     #[test]
     fn strides() {
-        assert_eq!(record_stride(1, DType::F32), 32);
-        assert_eq!(record_stride(12, DType::F32), 64);
-        assert_eq!(record_stride(128, DType::F32), 576);
-        assert_eq!(record_stride(4096, DType::F32), 16448);
+        assert_eq!(record_stride(4), 32);
+        assert_eq!(record_stride(48), 64);
+        assert_eq!(record_stride(512), 576);
+        assert_eq!(record_stride(16384), 16448);
     }
 
     #[test]

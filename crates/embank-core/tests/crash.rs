@@ -17,13 +17,17 @@
 //! being repaired and the free list rebuilt; the row count is checked once the
 //! repair is done.
 //!
+//! Compact element types run the same test (fewer kills): `f16` and `int8` rows
+//! are checked against the expected row passed through the same rounding.
+//!
 //! The child is this same test binary, started with `--ignored --exact crash_child`.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use embank_core::{MediumKind, Store, StoreOptions, TableOptions};
+use embank_core::layout::RecordLayout;
+use embank_core::{DType, MediumKind, Store, StoreOptions, TableOptions};
 
 mod common;
 use common::Rng;
@@ -41,10 +45,34 @@ const FLUSH_EVERY: u64 = 3;
 const SCRATCH_BASE: u64 = 1 << 40;
 
 fn row(g: u64, key: u64) -> [f32; DIM] {
-    // Even elements carry the generation, odd ones the key (mod 2^20): a torn
-    // or misplaced row shows up as a mismatch.
-    let k = (key % (1 << 20)) as f32;
+    // Even elements carry the generation, odd ones the key (mod 2^11, exact in
+    // f16 too): a torn or misplaced row shows up as a mismatch.
+    let k = (key % (1 << 11)) as f32;
     [g as f32, k, g as f32, k, g as f32, k, g as f32, k]
+}
+
+/// The row of generation `g` as a table of `dtype` stores it.
+fn stored(g: u64, key: u64, dtype: DType) -> Vec<f32> {
+    let mut r = row(g, key).to_vec();
+    RecordLayout::new(DIM, 0, dtype).round_trip(&mut r);
+    r
+}
+
+/// The generation a stored row carries.
+fn gen_of(r: &[f32]) -> u64 {
+    r[0].round() as u64
+}
+
+/// True when `got` is the row of generation `g` for `key` as `dtype` stores it (int8
+/// within 1e-3 of a quantization step: a row written back from the row cache is
+/// re-quantized).
+fn is_row(got: &[f32], g: u64, key: u64, dtype: DType) -> bool {
+    let want = stored(g, key, dtype);
+    if dtype != DType::Int8 {
+        return got == &want[..];
+    }
+    let tol = (g as f32 - (key % (1 << 11)) as f32).abs() / 255.0 * 1e-3 + 1e-3;
+    got.iter().zip(&want).all(|(a, b)| (a - b).abs() <= tol)
 }
 
 fn new_keys(g: u64) -> std::ops::Range<u64> {
@@ -85,6 +113,7 @@ fn crash_child() {
             let mut o = TableOptions::new(DIM as u32);
             o.capacity = 64; // grows while being killed
             o.medium = MediumKind::parse(&std::env::var("EMBANK_CRASH_MEDIUM").unwrap()).unwrap();
+            o.dtype = DType::parse(&std::env::var("EMBANK_CRASH_DTYPE").unwrap()).unwrap();
             store.create_table("t", o).unwrap()
         }
     };
@@ -116,7 +145,7 @@ fn crash_child() {
 
 #[test]
 fn sigkill_loses_no_flushed_row_and_tears_none() {
-    crash_run(MediumKind::Mmap);
+    crash_run(MediumKind::Mmap, DType::F32);
 }
 
 /// The same on the block medium: rows in the DRAM row cache, written back in
@@ -124,15 +153,29 @@ fn sigkill_loses_no_flushed_row_and_tears_none() {
 /// the kill lands.
 #[test]
 fn sigkill_block_medium_loses_no_flushed_row_and_tears_none() {
-    crash_run(MediumKind::Block);
+    crash_run(MediumKind::Block, DType::F32);
 }
 
-fn crash_run(medium: MediumKind) {
-    let kills: u64 = std::env::var("EMBANK_CRASH_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+/// f16 and int8 rows on both media (a quarter of the kills: generations stay
+/// below 2048, exact in f16).
+#[test]
+fn sigkill_compact_rows_lose_no_flushed_row_and_tear_none() {
+    for dtype in [DType::F16, DType::Int8] {
+        for medium in [MediumKind::Mmap, MediumKind::Block] {
+            crash_run(medium, dtype);
+        }
+    }
+}
+
+fn crash_run(medium: MediumKind, dtype: DType) {
+    let mut kills: u64 = std::env::var("EMBANK_CRASH_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+    if dtype != DType::F32 {
+        kills = (kills / 4).clamp(12, 250);
+    }
     let seed: u64 = std::env::var("EMBANK_CRASH_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
     });
-    eprintln!("crash test ({}): {kills} kills, EMBANK_CRASH_SEED={seed}", medium.name());
+    eprintln!("crash test ({}, {dtype}): {kills} kills, EMBANK_CRASH_SEED={seed}", medium.name());
     let mut rng = Rng(seed);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
@@ -148,6 +191,7 @@ fn crash_run(medium: MediumKind) {
             .env("EMBANK_CRASH_DIR", &path)
             .env("EMBANK_CRASH_GEN", next_gen.to_string())
             .env("EMBANK_CRASH_MEDIUM", medium.name())
+            .env("EMBANK_CRASH_DTYPE", dtype.name())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -203,8 +247,8 @@ fn crash_run(medium: MediumKind) {
                 continue;
             }
             let r = &out[i * DIM..(i + 1) * DIM];
-            let g = r[0] as u64;
-            assert_eq!(r, &row(g, k), "{ctx}: torn row for key {k}");
+            let g = gen_of(r);
+            assert!(is_row(r, g, k, dtype), "{ctx}: torn row for key {k}: {r:?}");
             assert!(g >= last_flushed, "{ctx}: key {k} at gen {g}, older than the flushed gen");
             max_gen = max_gen.max(g);
         }
@@ -226,7 +270,8 @@ fn crash_run(medium: MediumKind) {
                     assert!(found[i], "{ctx}: key {k} of flushed gen {g} missing");
                 }
                 if found[i] {
-                    assert_eq!(&out[i * DIM..(i + 1) * DIM], &row(g, k), "{ctx}: key {k} torn or wrong");
+                    let r = &out[i * DIM..(i + 1) * DIM];
+                    assert!(is_row(r, g, k, dtype), "{ctx}: key {k} torn or wrong: {r:?}");
                     counted += 1;
                 }
             }
@@ -268,7 +313,7 @@ fn crash_run(medium: MediumKind) {
     assert!(recoveries > 0, "no run needed recovery");
     assert!(kills < 20 || during_repair > 0, "no check ran while a background repair was pending");
     eprintln!(
-        "crash test ({}): {kills} kills in {:.1}s, {recoveries} recoveries ({during_repair} checked during the background repair), last flushed gen {last_flushed}",
+        "crash test ({}, {dtype}): {kills} kills in {:.1}s, {recoveries} recoveries ({during_repair} checked during the background repair), last flushed gen {last_flushed}",
         medium.name(),
         t0.elapsed().as_secs_f64()
     );

@@ -1,14 +1,19 @@
 //! Model-based test: random sequences of pull / lookup / push / delete / flush /
 //! close-reopen against a `HashMap` reference, for every medium, placement and
 //! I/O engine (the block medium under a row cache of a few rows, so eviction,
-//! dirty write-back and writer back-pressure happen all the time). proptest
+//! dirty write-back and writer back-pressure happen all the time), each for
+//! every element type: the `f32` run compares exactly against the reference,
+//! `f16` and `int8` against the reference passed through the same rounding
+//! (`RecordLayout::round_trip`; `int8` within 1e-3 of a quantization step,
+//! since re-quantizing a de-quantized row may move it by an `f32` ulp). proptest
 //! prints the failing sequence (shrunk) and its seed; set PROPTEST_CASES for
 //! longer runs.
 
 use std::collections::HashMap;
 
+use embank_core::layout::RecordLayout;
 use embank_core::{
-    ErrorKind, Initializer, IoChoice, MediumKind, MissingDefault, Placement, Store, StoreOptions, TableOptions,
+    DType, ErrorKind, Initializer, IoChoice, MediumKind, MissingDefault, Placement, Store, StoreOptions, TableOptions,
 };
 use proptest::prelude::*;
 
@@ -50,10 +55,16 @@ struct Config {
     placement: Placement,
     io: IoChoice,
     cache_bytes: u64,
+    dtype: DType,
 }
 
-const MMAP: Config =
-    Config { medium: MediumKind::Mmap, placement: Placement::Auto, io: IoChoice::Auto, cache_bytes: 0 };
+const MMAP: Config = Config {
+    medium: MediumKind::Mmap,
+    placement: Placement::Auto,
+    io: IoChoice::Auto,
+    cache_bytes: 0,
+    dtype: DType::F32,
+};
 /// About 19 rows of dim 3 fit: most of the 120 keys are evicted and reread.
 const TINY_CACHE: u64 = 2048;
 
@@ -69,6 +80,7 @@ fn options(cfg: Config) -> TableOptions {
     let mut o = TableOptions::new(DIM as u32);
     o.medium = cfg.medium;
     o.placement = cfg.placement;
+    o.dtype = cfg.dtype;
     o.init = Initializer::Uniform { low: -1.0, high: 1.0 };
     o.seed = 11;
     o.capacity = 8; // grows several times during a run
@@ -76,13 +88,38 @@ fn options(cfg: Config) -> TableOptions {
     o
 }
 
-fn init_row(key: u64) -> Vec<f32> {
+fn init_row(key: u64, dtype: DType) -> Vec<f32> {
     let mut r = vec![0.0; DIM];
     Initializer::Uniform { low: -1.0, high: 1.0 }.fill(11, key, &mut r);
-    r
+    stored(r, dtype)
+}
+
+/// A row as the table holds it: through the element type's rounding.
+fn stored(mut row: Vec<f32>, dtype: DType) -> Vec<f32> {
+    RecordLayout::new(DIM, 0, dtype).round_trip(&mut row);
+    row
+}
+
+/// Exact for `f32` and `f16`; `int8` within 1e-3 of the row's quantization step.
+fn same(got: &[f32], want: &[f32], dtype: DType) -> bool {
+    if dtype != DType::Int8 {
+        return got == want;
+    }
+    let lo = want.iter().copied().fold(f32::INFINITY, f32::min);
+    let hi = want.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let tol = (hi - lo) / 255.0 * 1e-3 + 4.0 * f32::EPSILON * hi.abs().max(lo.abs());
+    got.iter().zip(want).all(|(a, b)| (a - b).abs() <= tol)
 }
 
 fn check(ops: &[Op], cfg: Config) -> Result<(), TestCaseError> {
+    for dtype in DType::ALL {
+        check_one(ops, Config { dtype, ..cfg })?;
+    }
+    Ok(())
+}
+
+fn check_one(ops: &[Op], cfg: Config) -> Result<(), TestCaseError> {
+    let d = cfg.dtype;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
     let mut store = Store::open(&path, store_options(cfg)).unwrap();
@@ -95,8 +132,9 @@ fn check(ops: &[Op], cfg: Config) -> Result<(), TestCaseError> {
                 let mut out = vec![0.0; keys.len() * DIM];
                 table.pull(keys, &mut out).unwrap();
                 for (i, k) in keys.iter().enumerate() {
-                    let want = model.entry(*k).or_insert_with(|| init_row(*k));
-                    prop_assert_eq!(&out[i * DIM..(i + 1) * DIM], &want[..], "step {} pull key {}", step, k);
+                    let want = model.entry(*k).or_insert_with(|| init_row(*k, d));
+                    let got = &out[i * DIM..(i + 1) * DIM];
+                    prop_assert!(same(got, want, d), "{} step {} pull key {}: {:?} != {:?}", d, step, k, got, want);
                 }
             }
             Op::Lookup(keys) => {
@@ -107,14 +145,15 @@ fn check(ops: &[Op], cfg: Config) -> Result<(), TestCaseError> {
                     let want = model.get(k).cloned();
                     prop_assert_eq!(found[i], want.is_some(), "step {} lookup key {}", step, k);
                     let want = want.unwrap_or_else(|| vec![-7.0; DIM]);
-                    prop_assert_eq!(&out[i * DIM..(i + 1) * DIM], &want[..], "step {} lookup key {}", step, k);
+                    let got = &out[i * DIM..(i + 1) * DIM];
+                    prop_assert!(same(got, &want, d), "{} step {} lookup key {}: {:?} != {:?}", d, step, k, got, want);
                 }
             }
             Op::Push(keys, v) => {
                 let rows: Vec<f32> = keys.iter().enumerate().flat_map(|(i, k)| row_of(*k, v + i as f32)).collect();
                 table.push(keys, &rows).unwrap();
                 for (i, k) in keys.iter().enumerate() {
-                    model.insert(*k, row_of(*k, v + i as f32).to_vec());
+                    model.insert(*k, stored(row_of(*k, v + i as f32).to_vec(), d));
                 }
             }
             Op::Delete(keys) => {
@@ -153,7 +192,11 @@ fn check(ops: &[Op], cfg: Config) -> Result<(), TestCaseError> {
             Ok(())
         })
         .unwrap();
-    prop_assert_eq!(exported, model);
+    prop_assert_eq!(exported.len(), model.len());
+    for (k, want) in &model {
+        let got = &exported[k];
+        prop_assert!(same(got, want, d), "{} export key {}: {:?} != {:?}", d, k, got, want);
+    }
     let stats = store.table("t").unwrap().stats().unwrap();
     prop_assert_eq!(stats.medium, cfg.medium.name());
     Ok(())

@@ -186,3 +186,78 @@ fn truncated_files_are_refused_clearly() {
     assert_eq!(err.kind(), ErrorKind::Recover, "{err}");
     assert!(err.to_string().contains("table \"t\""), "{err}");
 }
+
+/// f16 and int8 tables on both media: checkpoints, restore and export at a
+/// checkpoint give the rows as stored; f16 trains through `push_grad` (state f32);
+/// int8 refuses an optimizer and `push_grad` with errors that say why, nothing written.
+#[test]
+fn compact_tables_checkpoint_restore_export_and_train_as_their_type_allows() {
+    use embank_core::layout::RecordLayout;
+    use embank_core::{DType, MediumKind, Optimizer};
+    const D: usize = 8;
+    let rows_of = |v: f32, n: u64| -> Vec<f32> {
+        (0..n).flat_map(|k| (0..D).map(move |i| v + k as f32 * 0.01 + i as f32 * 0.37)).collect()
+    };
+    let stored = |mut r: Vec<f32>, dtype: DType| {
+        for row in r.chunks_exact_mut(D) {
+            RecordLayout::new(D, 0, dtype).round_trip(row);
+        }
+        r
+    };
+    for dtype in [DType::F16, DType::Int8] {
+        for medium in [MediumKind::Mmap, MediumKind::Block] {
+            let ctx = format!("{dtype} on {}", medium.name());
+            let dir = tempfile::tempdir().unwrap();
+            let store = Store::open(dir.path().join("s"), StoreOptions { cache_bytes: 64 << 10, ..Default::default() })
+                .unwrap();
+            let mut o = opts(D as u32);
+            o.dtype = dtype;
+            o.medium = medium;
+            let t = store.create_table("t", o.clone()).unwrap();
+            let keys: Vec<u64> = (0..500).collect();
+            t.push(&keys, &rows_of(0.25, 500)).unwrap();
+            store.checkpoint(1).unwrap();
+            t.push(&keys, &rows_of(-3.0, 500)).unwrap();
+            let mut out = vec![0f32; 500 * D];
+            t.pull(&keys, &mut out).unwrap();
+            assert_eq!(out, stored(rows_of(-3.0, 500), dtype), "{ctx}: rows read back as stored");
+            let mut exported = vec![f32::NAN; 500 * D];
+            store
+                .export_checkpoint("t", 1, 128, |ks, rs| {
+                    for (i, &k) in ks.iter().enumerate() {
+                        exported[k as usize * D..][..D].copy_from_slice(&rs[i * D..(i + 1) * D]);
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            assert_eq!(exported, stored(rows_of(0.25, 500), dtype), "{ctx}: export at a checkpoint");
+            store.restore(1).unwrap();
+            let t = store.table("t").unwrap();
+            t.pull(&keys, &mut out).unwrap();
+            assert_eq!(out, stored(rows_of(0.25, 500), dtype), "{ctx}: restored");
+            assert_eq!(t.stats().unwrap().dtype, dtype.name());
+            if dtype == DType::Int8 {
+                let e = t.push_grad(&keys[..1], &[0.1; D]).unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Unsupported, "{ctx}");
+                assert!(e.to_string().contains("int8") && e.to_string().contains("serv"), "{ctx}: {e}");
+                let mut again = vec![0f32; 500 * D];
+                t.pull(&keys, &mut again).unwrap();
+                assert_eq!(again, out, "{ctx}: nothing written");
+                o.optimizer = Optimizer::Sgd { lr: 0.1 };
+                let e = store.create_table("u", o).unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::Config, "{ctx}");
+                assert!(e.to_string().contains("int8 table is for serving"), "{ctx}: {e}");
+            } else {
+                o.optimizer = Optimizer::Sgd { lr: 0.5 };
+                let u = store.create_table("u", o).unwrap();
+                u.push(&keys[..2], &rows_of(1.0, 2)).unwrap();
+                u.push_grad(&keys[..2], &[0.25; 2 * D]).unwrap();
+                let mut got = vec![0f32; 2 * D];
+                u.pull(&keys[..2], &mut got).unwrap();
+                let want: Vec<f32> = stored(rows_of(1.0, 2), dtype).iter().map(|v| v - 0.5 * 0.25).collect();
+                assert_eq!(got, stored(want, dtype), "{ctx}: one SGD step, rounded to f16");
+            }
+            store.close().unwrap();
+        }
+    }
+}

@@ -475,7 +475,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
     let device = if args.skip_limits || !args.engines.iter().any(|e| e.starts_with("embank-block")) {
         None
     } else {
-        let stride = embank_core::format::block_stride(dim as u32, embank_core::DType::F32, 512);
+        let stride = embank_core::format::block_stride(dim * 4, 512);
         let bytes = (args.keys * stride as u64).clamp(64 << 20, 1 << 30);
         let d = limits::device(&dir, stride, bytes, embank_core::store::IO_DEPTH_DEFAULT, args.duration.min(3.0))?;
         println!(

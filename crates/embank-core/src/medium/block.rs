@@ -100,7 +100,8 @@ impl BlockMedium {
             ));
         }
         let elems = layout.elems() as u32;
-        let header = RowsHeader { dim: elems, dtype: layout.dtype, stride: block_stride(elems, layout.dtype, align) };
+        let header =
+            RowsHeader { dim: elems, dtype: layout.dtype, stride: block_stride(layout.payload_bytes(), align) };
         file.set_len(ROWS_HEADER_BYTES as u64).map_err(|e| io_at("cannot size block rows file", path, e))?;
         let mut buf = AlignedBuf::new(ROWS_HEADER_BYTES);
         header.write_as(buf.as_mut_slice(), &BLOCK_ROWS_MAGIC);

@@ -276,6 +276,16 @@ impl Table {
             )));
         }
         let opt = self.optimizer();
+        if self.shared.layout.dtype == crate::format::DType::Int8 {
+            return Err(Error::new(
+                crate::error::ErrorKind::Unsupported,
+                format!(
+                    "push_grad: table {:?} is int8, a serving type (8-bit rows have no room for small \
+                     updates); train in f32 or f16 and serve as int8. Nothing was written",
+                    self.shared.name
+                ),
+            ));
+        }
         if opt == Optimizer::None {
             return Err(Error::config(format!(
                 "push_grad: table {:?} has no optimizer; create it with one (e.g. optimizer=Adagrad)",
@@ -396,7 +406,7 @@ impl Table {
             Placement::Cache | Placement::Pin => self.shared.runtime.cache.as_deref(),
             Placement::Auto | Placement::Bypass => None,
         };
-        TierStack::new(dram, self.shared.id, self.shared.placement == Placement::Pin)
+        TierStack::new(dram, self.shared.id, self.shared.layout, self.shared.placement == Placement::Pin)
     }
 
     #[inline(always)]
@@ -422,10 +432,13 @@ impl Table {
         Ok(())
     }
 
-    /// Fills a new record: the initializer's row, then the optimizer's initial state.
+    /// Fills a new record: the initializer's row (as the element type stores it, so a
+    /// pull that creates a row returns what later pulls read), then the optimizer's
+    /// initial state.
     fn init_record(&self, key: u64, record: &mut [f32]) {
         let (row, state) = record.split_at_mut(self.dim());
         self.shared.init.fill(self.shared.seed, key, row);
+        self.shared.layout.round_trip(row);
         self.optimizer().init_state(state);
     }
 

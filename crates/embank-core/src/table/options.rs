@@ -30,7 +30,9 @@ const _: () = assert!(LOAD_FACTOR_TARGET < 0.95);
 pub struct TableOptions {
     /// Elements per row, 1 to 4096. Required.
     pub dim: u32,
-    /// Element type. Default `f32` (the only one so far).
+    /// Element type of stored rows: `f32` (default), `f16` (IEEE half, round to
+    /// nearest even) or `int8` (row-wise 8-bit with an `f32` scale and bias, for
+    /// serving: no optimizer). The API takes and returns `f32` for every type.
     pub dtype: DType,
     /// Value of never-written rows. Default zeros.
     pub init: Initializer,
@@ -100,6 +102,12 @@ impl TableOptions {
         if let Some(p) = value.get("placement").and_then(|v| v.as_str()) {
             Placement::parse(p)?;
         }
+        let mut value = value;
+        if let Some(d) = value.get("dtype").and_then(|v| v.as_str()) {
+            // Accept the aliases (`float16`, `uint8`, ...) and name the choices on a typo.
+            let name = DType::parse(d)?.name();
+            value["dtype"] = serde_json::Value::String(name.to_owned());
+        }
         serde_json::from_value(value).map_err(|e| Error::config(format!("bad table options: {e}")))
     }
 
@@ -118,6 +126,13 @@ impl TableOptions {
         }
         self.init.validate()?;
         self.optimizer.validate()?;
+        if self.dtype == DType::Int8 && self.optimizer != Optimizer::None {
+            return Err(Error::config(format!(
+                "an int8 table is for serving and takes no optimizer (got {}): train in f32 or f16, \
+                 then serve int8 rows (`embank import --dtype int8`, or push the trained rows)",
+                self.optimizer.name()
+            )));
+        }
         if !(self.lease_seconds.is_finite() && self.lease_seconds > 0.0) {
             return Err(Error::config(format!("lease_seconds must be positive, got {}", self.lease_seconds)));
         }

@@ -77,9 +77,8 @@ impl Table {
         found: Option<&mut [bool]>,
         count: bool,
     ) -> Result<Vec<usize>> {
-        let w = self.shared.layout.elems();
         let tiers = self.tiers();
-        let miss = tiers.get(keys, w, out);
+        let miss = tiers.get(keys, out);
         let index = &st.index;
         let hashes: Vec<u64> = miss.iter().map(|&i| index.hash(keys[i])).collect();
         let mut items = Vec::with_capacity(miss.len());
@@ -96,7 +95,7 @@ impl Table {
         st.medium.read(&items, out)?;
         // A read admitted only if the index still points at the record read: a stale
         // read never lands in a tier.
-        tiers.admit(&items, w, out, &mut |it| index.get(it.key, index.hash(it.key)) == Some(it.ptr));
+        tiers.admit(&items, out, &mut |it| index.get(it.key, index.hash(it.key)) == Some(it.ptr));
         if let Some(found) = found {
             found.fill(true);
             for &i in &absent {
@@ -162,7 +161,7 @@ impl Table {
                     keys[i],
                     Change::Create(ptrs[j]),
                     |locks| {
-                        cached = locks.cached().map(<[f32]>::to_vec);
+                        cached = locks.cached();
                         cached.is_some()
                     },
                     |locks| locks.created(&out[i * w..(i + 1) * w]),

@@ -11,6 +11,11 @@
 //! maintenance thread (and by writers when dirty bytes pass a high-water
 //! mark); a dirty slot is never evicted.
 //!
+//! Slots hold records *encoded* by their table's [`RecordLayout`] (an `f16`
+//! row takes half the bytes of an `f32` one, an `int8` row about a quarter), so
+//! the budget counts the bytes rows really take and a compact table caches 2-4x
+//! the rows in the same DRAM. Rows are decoded into the caller's `f32`s on a hit.
+//!
 //! Every slot carries a version from a cache-wide counter. A write-back
 //! publishes its record only if the slot still holds the version it copied,
 //! so a write-back racing a newer push or a delete never installs old bytes.
@@ -22,7 +27,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::{RwLock, RwLockWriteGuard};
 use serde::Serialize;
 
-/// Bytes a slot costs beyond its elements (slot, map entry, allocation header).
+use crate::layout::RecordLayout;
+
+/// Bytes a slot costs beyond its encoded record (slot, map entry, allocation header).
 pub const ENTRY_OVERHEAD_BYTES: u64 = 96;
 /// Shards get at least this much budget each (fewer shards for small caches).
 const SHARD_BYTES_MIN: u64 = 256 << 10;
@@ -54,7 +61,8 @@ type Map = HashMap<(u32, u64), u32, BuildHasherDefault<MixHasher>>;
 pub struct Entry {
     pub table: u32,
     pub key: u64,
-    pub row: Box<[f32]>,
+    /// The record as its layout encodes it (row, then optimizer state).
+    pub row: Box<[u8]>,
     pub version: u64,
     pub dirty: bool,
     pub pinned: bool,
@@ -120,8 +128,9 @@ fn mix(table: u32, key: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn entry_bytes(dim: usize) -> u64 {
-    dim as u64 * 4 + ENTRY_OVERHEAD_BYTES
+/// What a slot holding `payload` encoded bytes counts against the budget.
+pub fn entry_bytes(payload: usize) -> u64 {
+    payload as u64 + ENTRY_OVERHEAD_BYTES
 }
 
 impl RowCache {
@@ -152,14 +161,14 @@ impl RowCache {
         &self.shards[(h as usize) & (self.shards.len() - 1)]
     }
 
-    /// Copies a cached row into `out`; false on a miss.
+    /// Decodes a cached record into `out`; false on a miss.
     #[inline]
-    pub fn get(&self, table: u32, key: u64, h: u64, out: &mut [f32]) -> bool {
+    pub fn get(&self, table: u32, key: u64, h: u64, layout: &RecordLayout, out: &mut [f32]) -> bool {
         let shard = self.shard(h).read();
         match shard.map.get(&(table, key)) {
             Some(&slot) => {
                 let e = &shard.slots[slot as usize];
-                out.copy_from_slice(&e.row);
+                layout.decode(&e.row, out);
                 if !e.referenced.load(Ordering::Relaxed) {
                     e.referenced.store(true, Ordering::Relaxed);
                 }
@@ -199,7 +208,7 @@ impl RowCache {
 
     /// Copies out up to `max` dirty rows of `table` and takes them off the dirty queues.
     /// A failed write-back must [`requeue`](Self::requeue) them.
-    pub fn take_dirty(&self, table: u32, max: usize) -> Vec<DirtyRow> {
+    pub fn take_dirty(&self, table: u32, layout: &RecordLayout, max: usize) -> Vec<DirtyRow> {
         let mut out = Vec::new();
         for shard in self.shards.iter() {
             if out.len() >= max {
@@ -220,7 +229,9 @@ impl RowCache {
                 let e = &mut s.slots[slot as usize];
                 e.queued = false;
                 if e.dirty {
-                    out.push(DirtyRow { key, version: e.version, row: e.row.clone() });
+                    let mut row = vec![0f32; layout.elems()].into_boxed_slice();
+                    layout.decode(&e.row, &mut row);
+                    out.push(DirtyRow { key, version: e.version, row });
                 }
             }
             for k in keep.into_iter().rev() {
@@ -267,9 +278,9 @@ impl RowCache {
 }
 
 impl super::Tier for RowCache {
-    fn get_batch(&self, table: u32, keys: &[u64], elems: usize, out: &mut [f32], miss: &mut Vec<usize>) {
-        for (i, (&key, row)) in keys.iter().zip(out.chunks_exact_mut(elems)).enumerate() {
-            if !self.get(table, key, self.hash(table, key), row) {
+    fn get_batch(&self, table: u32, keys: &[u64], layout: &RecordLayout, out: &mut [f32], miss: &mut Vec<usize>) {
+        for (i, (&key, row)) in keys.iter().zip(out.chunks_exact_mut(layout.elems())).enumerate() {
+            if !self.get(table, key, self.hash(table, key), layout, row) {
                 miss.push(i);
             }
         }
@@ -279,19 +290,20 @@ impl super::Tier for RowCache {
         &self,
         table: u32,
         items: &[crate::medium::ReadItem],
-        elems: usize,
+        layout: &RecordLayout,
         out: &mut [f32],
         pinned: bool,
         current: &mut dyn FnMut(&crate::medium::ReadItem) -> bool,
     ) {
+        let elems = layout.elems();
         for it in items {
             let mut l = self.lock(self.hash(table, it.key));
             let row = &mut out[it.pos * elems..(it.pos + 1) * elems];
             if let Some(e) = l.get(table, it.key) {
                 // Cached meanwhile (a push, or another reader): that copy is at least as new.
-                row.copy_from_slice(&e.row);
+                layout.decode(&e.row, row);
             } else if current(it) {
-                l.insert(table, it.key, row, false, pinned);
+                l.insert(table, it.key, layout, row, false, pinned);
             }
         }
     }
@@ -300,8 +312,8 @@ impl super::Tier for RowCache {
         keys.iter().copied().filter(|&k| !self.contains(table, k, self.hash(table, k))).collect()
     }
 
-    fn take_dirty(&self, table: u32, max: usize) -> Vec<DirtyRow> {
-        RowCache::take_dirty(self, table, max)
+    fn take_dirty(&self, table: u32, layout: &RecordLayout, max: usize) -> Vec<DirtyRow> {
+        RowCache::take_dirty(self, table, layout, max)
     }
 
     fn requeue(&self, table: u32, keys: &[u64]) {
@@ -333,8 +345,8 @@ impl Locked<'_> {
     }
 
     /// Replaces the row of a cached entry and marks it dirty; false if not cached.
-    pub fn update_dirty(&mut self, table: u32, key: u64, row: &[f32]) -> bool {
-        if !self.replace(table, key, row, true) {
+    pub fn update_dirty(&mut self, table: u32, key: u64, layout: &RecordLayout, row: &[f32]) -> bool {
+        if !self.replace(table, key, layout, row, true) {
             return false;
         }
         self.queue_if_dirty(table, key);
@@ -342,18 +354,18 @@ impl Locked<'_> {
     }
 
     /// Replaces the row of a cached entry with what was just written to the medium (clean).
-    pub fn update_clean(&mut self, table: u32, key: u64, row: &[f32]) -> bool {
-        self.replace(table, key, row, false)
+    pub fn update_clean(&mut self, table: u32, key: u64, layout: &RecordLayout, row: &[f32]) -> bool {
+        self.replace(table, key, layout, row, false)
     }
 
     /// Replaces a cached entry's row under a new version, dirty or clean (a dirty
     /// replacement also sets the reference bit); false if not cached.
-    fn replace(&mut self, table: u32, key: u64, row: &[f32], dirty: bool) -> bool {
+    fn replace(&mut self, table: u32, key: u64, layout: &RecordLayout, row: &[f32], dirty: bool) -> bool {
         let Some(&slot) = self.shard.map.get(&(table, key)) else { return false };
         let version = self.cache.next_version();
-        let bytes = entry_bytes(row.len());
         let e = &mut self.shard.slots[slot as usize];
-        e.row.copy_from_slice(row);
+        let bytes = entry_bytes(e.row.len());
+        layout.encode(row, &mut e.row);
         e.version = version;
         if dirty {
             e.referenced.store(true, Ordering::Relaxed);
@@ -385,16 +397,18 @@ impl Locked<'_> {
     }
 
     /// Inserts a row that is not cached yet, evicting clean rows if the shard is over budget.
-    pub fn insert(&mut self, table: u32, key: u64, row: &[f32], dirty: bool, pinned: bool) {
+    pub fn insert(&mut self, table: u32, key: u64, layout: &RecordLayout, row: &[f32], dirty: bool, pinned: bool) {
         debug_assert!(!self.shard.map.contains_key(&(table, key)));
-        let bytes = entry_bytes(row.len());
+        let mut encoded = vec![0u8; layout.payload_bytes()].into_boxed_slice();
+        layout.encode(row, &mut encoded);
+        let bytes = entry_bytes(encoded.len());
         self.evict_for(bytes);
         let slot = self.shard.slots.len() as u32;
         let version = self.cache.next_version();
         self.shard.slots.push(Entry {
             table,
             key,
-            row: row.into(),
+            row: encoded,
             version,
             dirty,
             pinned,
@@ -489,20 +503,21 @@ mod tests {
     #[test]
     fn clock_keeps_referenced_rows_and_never_evicts_dirty_or_pinned() {
         let dim = 16;
-        let per = entry_bytes(dim);
+        let layout = RecordLayout::new(dim, 0, crate::format::DType::F32);
+        let per = entry_bytes(layout.payload_bytes());
         let cache = RowCache::new(per * 4);
         assert_eq!(cache.shards.len(), 1);
         let row = vec![1.0f32; dim];
         for k in 0..4 {
-            cache.lock(cache.hash(1, k)).insert(1, k, &row, k == 1, k == 2);
+            cache.lock(cache.hash(1, k)).insert(1, k, &layout, &row, k == 1, k == 2);
         }
         let mut out = vec![0.0; dim];
-        assert!(cache.get(1, 0, cache.hash(1, 0), &mut out), "referenced now");
+        assert!(cache.get(1, 0, cache.hash(1, 0), &layout, &mut out), "referenced now");
         // Two inserts must evict two rows: 3 (unreferenced, clean) first, then 0 after its second chance.
-        cache.lock(cache.hash(1, 10)).insert(1, 10, &row, false, false);
+        cache.lock(cache.hash(1, 10)).insert(1, 10, &layout, &row, false, false);
         assert!(!cache.contains(1, 3, cache.hash(1, 3)));
         assert!(cache.contains(1, 0, cache.hash(1, 0)), "second chance");
-        cache.lock(cache.hash(1, 11)).insert(1, 11, &row, false, false);
+        cache.lock(cache.hash(1, 11)).insert(1, 11, &layout, &row, false, false);
         for k in [1, 2] {
             assert!(cache.contains(1, k, cache.hash(1, k)), "dirty and pinned rows stay");
         }
@@ -514,26 +529,60 @@ mod tests {
     fn write_back_versions() {
         let cache = RowCache::new(1 << 20);
         let row = vec![2.0f32; 4];
+        let layout = RecordLayout::new(4, 0, crate::format::DType::F32);
         let h = cache.hash(3, 9);
-        cache.lock(h).insert(3, 9, &row, true, false);
-        let taken = cache.take_dirty(3, 10);
+        cache.lock(h).insert(3, 9, &layout, &row, true, false);
+        let taken = cache.take_dirty(3, &layout, 10);
         assert_eq!(taken.len(), 1);
-        assert!(cache.take_dirty(3, 10).is_empty(), "taken rows leave the queue");
+        assert!(cache.take_dirty(3, &layout, 10).is_empty(), "taken rows leave the queue");
         // A newer push arrives before the write-back lands: the old version must not clean it.
-        assert!(cache.lock(h).update_dirty(3, 9, &[5.0; 4]));
+        assert!(cache.lock(h).update_dirty(3, 9, &layout, &[5.0; 4]));
         assert!(!cache.lock(h).mark_clean(3, 9, taken[0].version));
-        let again = cache.take_dirty(3, 10);
+        let again = cache.take_dirty(3, &layout, 10);
         assert_eq!(again.len(), 1);
         assert_eq!(&*again[0].row, &[5.0; 4]);
         assert!(cache.lock(h).mark_clean(3, 9, again[0].version));
         assert_eq!(cache.dirty_bytes(), 0);
         // Other tables' rows stay queued.
-        cache.lock(cache.hash(4, 1)).insert(4, 1, &row, true, false);
-        assert!(cache.take_dirty(3, 10).is_empty());
-        assert_eq!(cache.take_dirty(4, 10).len(), 1);
+        cache.lock(cache.hash(4, 1)).insert(4, 1, &layout, &row, true, false);
+        assert!(cache.take_dirty(3, &layout, 10).is_empty());
+        assert_eq!(cache.take_dirty(4, &layout, 10).len(), 1);
         cache.requeue(4, &[1]);
-        assert_eq!(cache.take_dirty(4, 10).len(), 1);
+        assert_eq!(cache.take_dirty(4, &layout, 10).len(), 1);
         cache.remove_table(4);
         assert_eq!(cache.stats().rows_cached, 1);
+    }
+}
+
+#[cfg(test)]
+mod compact_tests {
+    use super::*;
+    use crate::format::DType;
+
+    #[test]
+    fn compact_rows_count_their_encoded_bytes_and_decode_on_a_hit() {
+        let dim = 64;
+        let budget = 1 << 20;
+        let mut held = Vec::new();
+        for dtype in DType::ALL {
+            let layout = RecordLayout::new(dim, 0, dtype);
+            let cache = RowCache::new(budget);
+            let row: Vec<f32> = (0..dim).map(|i| i as f32 / 7.0 - 3.0).collect();
+            let mut expect = row.clone();
+            layout.round_trip(&mut expect);
+            for k in 0..100_000u64 {
+                cache.lock(cache.hash(1, k)).insert(1, k, &layout, &row, false, false);
+            }
+            let stats = cache.stats();
+            assert!(stats.bytes_cached <= budget);
+            assert_eq!(stats.bytes_cached, stats.rows_cached * entry_bytes(layout.payload_bytes()));
+            let k = (0..100_000u64).rev().find(|&k| cache.contains(1, k, cache.hash(1, k))).unwrap();
+            let mut out = vec![0f32; dim];
+            assert!(cache.get(1, k, cache.hash(1, k), &layout, &mut out));
+            assert_eq!(out, expect, "{dtype}: a hit decodes what was stored");
+            held.push(stats.rows_cached as f64);
+        }
+        // Same budget: f16 holds more rows than f32, int8 more than f16.
+        assert!(held[1] > held[0] * 1.4 && held[2] > held[1] * 1.3, "{held:?}");
     }
 }

@@ -1,7 +1,9 @@
 //! Tiers above the persistent medium, and the stack a table composes them into.
 //!
-//! A [`Tier`] holds decoded records (row and optimizer state, `f32`) of many
-//! tables, keyed by `(table id, key)`, and answers in batches. Today's one
+//! A [`Tier`] holds records of many tables, keyed by `(table id, key)`, and
+//! answers in batches with decoded records (row and optimizer state, `f32`);
+//! how it stores them is its own business (the DRAM cache keeps them encoded by
+//! the table's layout, so compact element types take fewer bytes). Today's one
 //! implementation is the DRAM row cache (`dram.rs`, T1). A table never talks
 //! to a tier directly: its read and write paths call the [`TierStack`], which
 //! composes the tiers the table's placement uses in order (nearest first) and
@@ -15,13 +17,14 @@ pub mod dram;
 
 pub use dram::{CacheStats, DirtyRow, Locked, RowCache};
 
+use crate::layout::RecordLayout;
 use crate::medium::ReadItem;
 
-/// A tier of decoded records above the medium. Every call carries a batch.
+/// A tier of records above the medium. Every call carries a batch and the table's layout.
 pub trait Tier: Send + Sync {
-    /// Copies the record held for each of `keys` into `out[i * elems..]`; appends the
+    /// Decodes the record held for each of `keys` into `out[i * elems..]`; appends the
     /// positions of keys not held to `miss`.
-    fn get_batch(&self, table: u32, keys: &[u64], elems: usize, out: &mut [f32], miss: &mut Vec<usize>);
+    fn get_batch(&self, table: u32, keys: &[u64], layout: &RecordLayout, out: &mut [f32], miss: &mut Vec<usize>);
     /// Admits records just read from below (`items`, rows in `out`), each under its key's
     /// lock: a key the tier got meanwhile keeps the tier's copy (copied into `out`, it is
     /// at least as new), and a record `current` calls stale (the index moved on) is not
@@ -30,7 +33,7 @@ pub trait Tier: Send + Sync {
         &self,
         table: u32,
         items: &[ReadItem],
-        elems: usize,
+        layout: &RecordLayout,
         out: &mut [f32],
         pinned: bool,
         current: &mut dyn FnMut(&ReadItem) -> bool,
@@ -38,7 +41,7 @@ pub trait Tier: Send + Sync {
     /// The keys of `keys` the tier does not hold.
     fn absent(&self, table: u32, keys: &[u64]) -> Vec<u64>;
     /// Copies out up to `max` dirty records of `table` for write-back.
-    fn take_dirty(&self, table: u32, max: usize) -> Vec<DirtyRow>;
+    fn take_dirty(&self, table: u32, layout: &RecordLayout, max: usize) -> Vec<DirtyRow>;
     /// Puts records whose write-back failed back on the dirty queues.
     fn requeue(&self, table: u32, keys: &[u64]);
     /// True when writers should write back before returning (back-pressure).
@@ -54,6 +57,7 @@ pub trait Tier: Send + Sync {
 pub(crate) struct TierStack<'a> {
     dram: Option<&'a RowCache>,
     table: u32,
+    layout: RecordLayout,
     pinned: bool,
 }
 
@@ -62,13 +66,14 @@ pub(crate) struct TierStack<'a> {
 pub(crate) struct KeyLocks<'a> {
     dram: Option<Locked<'a>>,
     table: u32,
+    layout: RecordLayout,
     key: u64,
     pinned: bool,
 }
 
 impl<'a> TierStack<'a> {
-    pub fn new(dram: Option<&'a RowCache>, table: u32, pinned: bool) -> TierStack<'a> {
-        TierStack { dram, table, pinned }
+    pub fn new(dram: Option<&'a RowCache>, table: u32, layout: RecordLayout, pinned: bool) -> TierStack<'a> {
+        TierStack { dram, table, layout, pinned }
     }
 
     /// True when the table reads and writes straight to the medium.
@@ -82,20 +87,20 @@ impl<'a> TierStack<'a> {
     }
 
     /// Rows of the tiers into `out`; returns the positions no tier holds.
-    pub fn get(&self, keys: &[u64], elems: usize, out: &mut [f32]) -> Vec<usize> {
+    pub fn get(&self, keys: &[u64], out: &mut [f32]) -> Vec<usize> {
         let mut miss = Vec::new();
         match self.dram {
             // A second tier would be asked for the keys at `miss` next.
-            Some(c) => c.get_batch(self.table, keys, elems, out, &mut miss),
+            Some(c) => c.get_batch(self.table, keys, &self.layout, out, &mut miss),
             None => miss.extend(0..keys.len()),
         }
         miss
     }
 
     /// Admits rows read from the medium (see [`Tier::admit_batch`]).
-    pub fn admit(&self, items: &[ReadItem], elems: usize, out: &mut [f32], current: &mut dyn FnMut(&ReadItem) -> bool) {
+    pub fn admit(&self, items: &[ReadItem], out: &mut [f32], current: &mut dyn FnMut(&ReadItem) -> bool) {
         if let Some(c) = self.dram {
-            c.admit_batch(self.table, items, elems, out, self.pinned, current);
+            c.admit_batch(self.table, items, &self.layout, out, self.pinned, current);
         }
     }
 
@@ -113,13 +118,14 @@ impl<'a> TierStack<'a> {
         KeyLocks {
             dram: self.dram.map(|c| c.lock(c.hash(self.table, key))),
             table: self.table,
+            layout: self.layout,
             key,
             pinned: self.pinned,
         }
     }
 
     pub fn take_dirty(&self, max: usize) -> Vec<DirtyRow> {
-        self.dram.map_or_else(Vec::new, |c| c.take_dirty(self.table, max))
+        self.dram.map_or_else(Vec::new, |c| c.take_dirty(self.table, &self.layout, max))
     }
 
     pub fn requeue(&self, keys: &[u64]) {
@@ -140,9 +146,13 @@ impl<'a> TierStack<'a> {
 }
 
 impl KeyLocks<'_> {
-    /// The record a tier holds for the key, if any (nearest first).
-    pub fn cached(&self) -> Option<&[f32]> {
-        self.dram.as_ref().and_then(|l| l.get(self.table, self.key)).map(|e| &e.row[..])
+    /// The record a tier holds for the key, decoded, if any (nearest first).
+    pub fn cached(&self) -> Option<Vec<f32>> {
+        self.dram.as_ref().and_then(|l| l.get(self.table, self.key)).map(|e| {
+            let mut out = vec![0f32; self.layout.elems()];
+            self.layout.decode(&e.row, &mut out);
+            out
+        })
     }
 
     /// True when the nearest tier still holds the dirty copy of `version` (a write-back's).
@@ -155,11 +165,11 @@ impl KeyLocks<'_> {
     /// it must go through to the medium.
     pub fn write_dirty(&mut self, record: &[f32], present: impl FnOnce() -> bool) -> bool {
         let Some(l) = self.dram.as_mut() else { return false };
-        if l.update_dirty(self.table, self.key, record) {
+        if l.update_dirty(self.table, self.key, &self.layout, record) {
             return true;
         }
         if present() {
-            l.insert(self.table, self.key, record, true, self.pinned);
+            l.insert(self.table, self.key, &self.layout, record, true, self.pinned);
             return true;
         }
         false
@@ -168,7 +178,7 @@ impl KeyLocks<'_> {
     /// The record was just created on the medium and published.
     pub fn created(&mut self, record: &[f32]) {
         if let Some(l) = self.dram.as_mut() {
-            l.insert(self.table, self.key, record, false, self.pinned);
+            l.insert(self.table, self.key, &self.layout, record, false, self.pinned);
         }
     }
 
@@ -177,8 +187,8 @@ impl KeyLocks<'_> {
     /// otherwise flush the hot set), except in a pinned table.
     pub fn written(&mut self, record: &[f32]) {
         if let Some(l) = self.dram.as_mut() {
-            if !l.update_clean(self.table, self.key, record) && self.pinned {
-                l.insert(self.table, self.key, record, false, true);
+            if !l.update_clean(self.table, self.key, &self.layout, record) && self.pinned {
+                l.insert(self.table, self.key, &self.layout, record, false, true);
             }
         }
     }
@@ -201,7 +211,7 @@ impl KeyLocks<'_> {
     pub fn load(&mut self, record: &[f32]) {
         if let Some(l) = self.dram.as_mut() {
             if l.get(self.table, self.key).is_none() {
-                l.insert(self.table, self.key, record, false, true);
+                l.insert(self.table, self.key, &self.layout, record, false, true);
             }
         }
     }
