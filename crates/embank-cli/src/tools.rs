@@ -186,7 +186,7 @@ pub struct ImportArgs {
     pub init: String,
     /// What `lookup` answers for missing (and pruned) keys of a newly created table:
     /// a number (default 0).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub missing: Option<f32>,
 }
 

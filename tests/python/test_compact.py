@@ -1,0 +1,117 @@
+"""Compact rows: f16 and int8 tables through the Python API (embedded and on
+`embank serve` shards), and `embank import` quantizing, de-quantizing and
+de-pruning."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import embank
+from embank import errors
+
+
+def as_f16(rows: np.ndarray) -> np.ndarray:
+    return rows.astype(np.float16).astype(np.float32)
+
+
+def as_int8(rows: np.ndarray) -> np.ndarray:
+    """The documented formula (docs/FORMAT.md), in numpy."""
+    lo = rows.min(axis=1, keepdims=True)
+    scale = ((rows.max(axis=1, keepdims=True) - lo) / np.float32(255)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale > 0, np.clip(np.round((rows - lo) / scale), 0, 255), 0)
+    # numpy rounds half to even, the format half away from zero: equal except at exact
+    # halves, which random rows do not hit.
+    return (q.astype(np.float32) * scale + lo).astype(np.float32)
+
+
+def fused8(rows: np.ndarray) -> np.ndarray:
+    """Rows in the fused 8-bit row-wise layout: q bytes, then f32 scale and f32 bias."""
+    lo = rows.min(axis=1, keepdims=True).astype(np.float32)
+    scale = ((rows.max(axis=1, keepdims=True) - lo) / np.float32(255)).astype(np.float32)
+    q = np.clip(np.round((rows - lo) / scale), 0, 255).astype(np.uint8)
+    return np.concatenate([q, scale.view(np.uint8), lo.view(np.uint8)], axis=1)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
+def test_every_dtype_reads_back_its_rounding_embedded_and_remote(store: embank.Store, dtype: str) -> None:
+    rng = np.random.default_rng(3)
+    keys = np.arange(1000, dtype=np.uint64) * 7
+    rows = rng.standard_normal((1000, 24)).astype(np.float32)
+    t = store.create_table(f"t_{dtype}", dim=24, dtype=dtype)
+    assert t.stored_dtype == dtype and t.dtype == np.float32
+    t.push(keys, rows)
+    got, found = t.lookup(keys)
+    assert found.all()
+    want = {"f32": rows, "f16": as_f16(rows), "int8": as_int8(rows)}[dtype]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    if dtype == "int8":
+        step = (rows.max(axis=1) - rows.min(axis=1)) / 255
+        assert (np.abs(got - rows) <= step[:, None] / 2 + 1e-6).all(), "int8 error within half a step"
+    assert t.stats()["dtype"] == dtype
+
+
+def test_int8_refuses_training_and_says_why(store: embank.Store) -> None:
+    t = store.create_table("serve8", dim=4, dtype="int8")
+    t.push(np.array([1], dtype=np.uint64), np.ones((1, 4), dtype=np.float32))
+    with pytest.raises(errors.EmbankError, match="int8"):
+        t.push_grad(np.array([1], dtype=np.uint64), np.ones((1, 4), dtype=np.float32))
+    with pytest.raises(errors.ConfigError, match="int8 table is for serving"):
+        store.create_table("train8", dim=4, dtype="int8", optimizer=embank.optim.SGD(lr=0.1))
+    with pytest.raises(errors.ConfigError, match="expected f32, f16 or int8"):
+        store.create_table("bad", dim=4, dtype="bf16")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "embank", *args], capture_output=True, text=True, env=dict(os.environ))
+
+
+def test_import_quantizes_dequantizes_and_deprunes(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    keys = np.arange(2000, dtype=np.uint64)
+    rows = rng.standard_normal((2000, 16)).astype(np.float32)
+    np.save(tmp_path / "k.npy", keys)
+    np.save(tmp_path / "r.npy", rows)
+    store = tmp_path / "s"
+    # Quantize an f32 export into an int8 table.
+    r = cli("import", str(store), "--table", "q", "--keys", str(tmp_path / "k.npy"), "--rows", str(tmp_path / "r.npy"), "--dtype", "int8")
+    assert r.returncode == 0 and "stored as int8" in r.stdout, r.stderr
+    # De-quantize fused 8-bit rows into an f32 table: exactly q * scale + bias.
+    np.save(tmp_path / "r8.npy", fused8(rows))
+    r = cli("import", str(store), "--table", "dq", "--keys", str(tmp_path / "k.npy"), "--rows", str(tmp_path / "r8.npy"))
+    assert r.returncode == 0 and "stored as f32" in r.stdout, r.stderr
+    r = cli("inspect", str(store))
+    assert "dtype int8" in r.stdout and "dtype f32" in r.stdout, r.stdout
+    # --dtype on an existing table of another type is refused.
+    r = cli("import", str(store), "--table", "q", "--keys", str(tmp_path / "k.npy"), "--rows", str(tmp_path / "r.npy"), "--dtype", "f16")
+    assert r.returncode == 1 and "exists with dtype int8" in r.stderr
+    # De-pruning: 5000 original ids, every third pruned, the rest mapped to pruned rows.
+    mapping = np.full(5000, -1, dtype=np.int64)
+    kept = np.array([i for i in range(5000) if i % 3], dtype=np.int64)
+    mapping[kept] = rng.permutation(len(kept)) % 2000
+    np.save(tmp_path / "map.npy", mapping)
+    r = cli("import", str(store), "--table", "dp", "--remap", str(tmp_path / "map.npy"), "--rows", str(tmp_path / "r.npy"), "--missing", "-1")
+    assert r.returncode == 0 and f"{5000 - len(kept)} pruned ids" in r.stdout, r.stderr
+    bad = mapping.copy()
+    bad[7] = 2000
+    np.save(tmp_path / "bad.npy", bad)
+    r = cli("import", str(store), "--table", "dp2", "--remap", str(tmp_path / "bad.npy"), "--rows", str(tmp_path / "r.npy"))
+    assert r.returncode == 1 and "original id 7 maps to row 2000" in r.stderr
+    with embank.open(store) as s:
+        got, found = s.table("q").lookup(keys)
+        np.testing.assert_allclose(got, as_int8(rows), rtol=0, atol=1e-6)
+        got, _ = s.table("dq").lookup(keys)
+        np.testing.assert_allclose(got, as_int8(rows), rtol=0, atol=1e-6)
+        # The de-pruned table answers every original id as the remapped lookup would.
+        ids = np.arange(5000, dtype=np.uint64)
+        got, found = s.table("dp").lookup(ids)
+        np.testing.assert_array_equal(found, mapping >= 0)
+        want = np.where((mapping >= 0)[:, None], rows[np.maximum(mapping, 0)], np.float32(-1))
+        np.testing.assert_array_equal(got, want)
+        assert "dp2" not in s.tables()
