@@ -180,11 +180,13 @@ impl std::fmt::Display for DType {
 }
 
 /// Bytes from one row record to the next for a record payload of `payload`
-/// bytes: header plus payload, rounded up to 16 bytes, and to a whole number of
-/// 64-byte cache lines once a record fills one.
-pub fn record_stride(payload: usize) -> u32 {
+/// bytes: header plus payload, rounded up to 16 bytes; `f32` records that fill a
+/// 64-byte cache line are rounded up to whole lines. Compact element types (`f16`,
+/// `int8`) stay packed to 16 bytes: density is what they are for (an `f16` row of
+/// dim 128 takes 272 bytes, not 320).
+pub fn record_stride(payload: usize, dtype: DType) -> u32 {
     let raw = (ROW_HEADER_BYTES + payload) as u32;
-    if raw >= 64 {
+    if raw >= 64 && dtype == DType::F32 {
         raw.div_ceil(64) * 64
     } else {
         raw.div_ceil(16) * 16
@@ -314,7 +316,7 @@ mod tests {
         b[8] = 9;
         assert_eq!(IndexHeader::read(&b).unwrap_err().kind(), ErrorKind::FormatVersion);
 
-        let r = RowsHeader { dim: 7, dtype: DType::F32, stride: record_stride(28) };
+        let r = RowsHeader { dim: 7, dtype: DType::F32, stride: record_stride(28, DType::F32) };
         r.write(&mut b);
         assert_eq!(RowsHeader::read(&b).unwrap(), r);
         b[0] = b'X';
@@ -323,10 +325,12 @@ mod tests {
 
     #[test]
     fn strides() {
-        assert_eq!(record_stride(4), 32);
-        assert_eq!(record_stride(48), 64);
-        assert_eq!(record_stride(512), 576);
-        assert_eq!(record_stride(16384), 16448);
+        assert_eq!(record_stride(4, DType::F32), 32);
+        assert_eq!(record_stride(48, DType::F32), 64);
+        assert_eq!(record_stride(512, DType::F32), 576);
+        assert_eq!(record_stride(16384, DType::F32), 16448);
+        assert_eq!(record_stride(256, DType::F16), 272);
+        assert_eq!(record_stride(136, DType::Int8), 160);
     }
 
     #[test]

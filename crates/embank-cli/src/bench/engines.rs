@@ -62,6 +62,7 @@ impl Embank {
         dir: &Path,
         keys: u64,
         dim: u32,
+        dtype: embank_core::DType,
         cache_bytes: u64,
         mmap_random_access: bool,
     ) -> Result<Self, String> {
@@ -76,6 +77,7 @@ impl Embank {
         let mut o = TableOptions::new(dim);
         o.capacity = keys;
         o.medium = medium;
+        o.dtype = dtype;
         let table = store.create_table("bench", o).map_err(|e| e.to_string())?;
         Ok(Embank {
             name,
@@ -140,7 +142,13 @@ pub struct Remote {
 }
 
 impl Remote {
-    pub fn open(target: &str, token: Option<String>, keys: u64, dim: u32) -> Result<Remote, String> {
+    pub fn open(
+        target: &str,
+        token: Option<String>,
+        keys: u64,
+        dim: u32,
+        dtype: embank_core::DType,
+    ) -> Result<Remote, String> {
         let addrs: Vec<&str> = target.trim_start_matches("tcp://").split(',').filter(|a| !a.is_empty()).collect();
         let client = embank_net::Client::connect(&addrs, embank_net::ClientOptions { token, ..Default::default() })
             .map_err(|e| e.to_string())?;
@@ -148,6 +156,7 @@ impl Remote {
         let _ = client.drop_table(&name);
         let mut o = TableOptions::new(dim);
         o.capacity = keys / client.shard_count() as u64 + 1;
+        o.dtype = dtype;
         let table = client.create_table(&name, o).map_err(|e| e.to_string())?;
         Ok(Remote { client, table })
     }

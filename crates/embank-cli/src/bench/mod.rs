@@ -73,6 +73,10 @@ pub struct BenchArgs {
     /// Elements (f32) per row.
     #[arg(long, default_value_t = 128)]
     pub dim: u32,
+    /// Element type of embank's tables: f32, f16 or int8 (the API stays f32; the
+    /// baselines store f32 rows either way).
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: embank_core::DType,
     /// Keys per request.
     #[arg(long, default_value_t = 500)]
     pub batch: usize,
@@ -141,6 +145,10 @@ pub struct BenchArgs {
 }
 
 /// `4G`, `512M`, `64K` or a plain number of bytes.
+pub fn parse_dtype(s: &str) -> Result<embank_core::DType, String> {
+    embank_core::DType::parse(s).map_err(|e| e.to_string())
+}
+
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let (num, mul) = match s.char_indices().last() {
@@ -169,6 +177,8 @@ pub struct EngineResult {
     pub latency_us_p999: f64,
     pub batches: u64,
     pub resident_bytes: u64,
+    /// `resident_bytes` per key of the data set.
+    pub resident_bytes_per_row: f64,
     pub ratio_to_hashmap: Option<f64>,
     /// Hit rate of the DRAM row cache in the measured phase (embank-block engines).
     pub hit_rate: Option<f64>,
@@ -191,6 +201,8 @@ pub struct Report {
     pub workload: Workload,
     pub keys: u64,
     pub dim: u32,
+    /// Element type of embank's tables.
+    pub dtype: embank_core::DType,
     pub batch: usize,
     pub zipf: f64,
     pub threads: usize,
@@ -222,6 +234,7 @@ fn skipped(engine: &str, why: String) -> EngineResult {
         latency_us_p999: 0.0,
         batches: 0,
         resident_bytes: 0,
+        resident_bytes_per_row: 0.0,
         ratio_to_hashmap: None,
         hit_rate: None,
         fraction_of_gather: 0.0,
@@ -384,12 +397,22 @@ fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usi
     let _ = threads;
     match name {
         "embank-tcp" => match &args.target {
-            Some(target) => Ok(Box::new(engines::Remote::open(target, args.token.clone(), args.keys, args.dim)?)),
+            Some(target) => {
+                Ok(Box::new(engines::Remote::open(target, args.token.clone(), args.keys, args.dim, args.dtype)?))
+            }
             None => Err("embank-tcp runs against servers: give --target tcp://host:port[,host:port]".into()),
         },
         "embank-mmap" | "embank-block" | "embank-block-pread" => {
             let name = ENGINES.iter().find(|e| **e == name).expect("known engine");
-            Ok(Box::new(engines::Embank::open(name, dir, args.keys, args.dim, dram_bytes, args.mmap_random_access)?))
+            Ok(Box::new(engines::Embank::open(
+                name,
+                dir,
+                args.keys,
+                args.dim,
+                args.dtype,
+                dram_bytes,
+                args.mmap_random_access,
+            )?))
         }
         "hashmap" => Ok(Box::new(engines::ShardedHashMap::new(args.keys, dim))),
         #[cfg(feature = "baselines")]
@@ -475,7 +498,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
     let device = if args.skip_limits || !args.engines.iter().any(|e| e.starts_with("embank-block")) {
         None
     } else {
-        let stride = embank_core::format::block_stride(dim * 4, 512);
+        let stride = embank_core::format::block_stride(args.dtype.row_bytes(dim), 512);
         let bytes = (args.keys * stride as u64).clamp(64 << 20, 1 << 30);
         let d = limits::device(&dir, stride, bytes, embank_core::store::IO_DEPTH_DEFAULT, args.duration.min(3.0))?;
         println!(
@@ -535,6 +558,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             latency_us_p999: percentile(&lat, 99.9) as f64 / 1e3,
             batches: lat.len() as u64,
             resident_bytes: resident,
+            resident_bytes_per_row: resident as f64 / args.keys.max(1) as f64,
             ratio_to_hashmap: None,
             hit_rate,
             fraction_of_gather: kps / gather,
@@ -568,6 +592,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         workload: args.workload,
         keys: args.keys,
         dim: args.dim,
+        dtype: args.dtype,
         batch: args.batch,
         zipf,
         threads,

@@ -49,7 +49,8 @@ impl MmapMedium {
             .open(path)
             .map_err(|e| io_at("cannot create rows file", path, e))?;
         let elems = layout.elems() as u32;
-        let header = RowsHeader { dim: elems, dtype: layout.dtype, stride: record_stride(layout.payload_bytes()) };
+        let header =
+            RowsHeader { dim: elems, dtype: layout.dtype, stride: record_stride(layout.payload_bytes(), layout.dtype) };
         let mut first = vec![0u8; ROWS_HEADER_BYTES];
         header.write(&mut first);
         (&file).write_all(&first).map_err(|e| io_at("cannot write rows header", path, e))?;
@@ -264,7 +265,7 @@ mod tests {
     fn grows_the_file_and_reopens() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rows.ebr");
-        let n = (super::super::alloc::GROW_BYTES_MIN / record_stride(256) as u64) as usize + 10;
+        let n = (super::super::alloc::GROW_BYTES_MIN / record_stride(256, DType::F32) as u64) as usize + 10;
         {
             let m = MmapMedium::create(&path, f32s(64)).unwrap();
             let mut ptrs = Vec::new();
