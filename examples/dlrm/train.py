@@ -10,7 +10,9 @@ Every ``--checkpoint-every`` batches the dense part is saved with ``torch.save``
 tables with ``store.checkpoint`` under the same batch id; ``--resume`` (after a crash or
 a kill) restores both to the last such batch and continues with the next one.
 ``--baseline`` trains the same model with ``torch.nn.EmbeddingBag(sparse=True)`` and
-``torch.optim.Adagrad`` in DRAM, starting from the same rows.
+``torch.optim.Adagrad`` in DRAM, starting from the same rows. ``--serve-dtypes f16,int8``
+then serves the trained tables as compact rows (exported, loaded into tables of each
+type) and reports the test AUC of each against the f32 tables it came from.
 """
 
 from __future__ import annotations
@@ -256,6 +258,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="K",
         help="SSP bound K: gradients reach the tables K steps late; pulls held by a worker",
     )
+    st.add_argument(
+        "--serve-dtypes",
+        default="",
+        metavar="LIST",
+        help="after training, serve the tables as these element types (e.g. f16,int8) and "
+        "report each one's test AUC next to the f32 tables'",
+    )
     st.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N batches (0: never)")
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work")
     st.add_argument("--metrics-out", type=Path, default=None, help="write the final metrics here as JSON")
@@ -274,6 +283,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("give --train files or --synthetic ROWS")
     if args.baseline and not args.synthetic and args.hash_size is None:
         p.error("--baseline on Criteo files needs --hash-size (fixed-size torch tables)")
+    if args.serve_dtypes and (args.baseline or not (args.test or args.synthetic)):
+        p.error("--serve-dtypes serves embank tables and needs test data")
     if args.baseline and (args.staleness is not None or args.medium != "mmap"):
         p.error("--staleness and --medium apply to embank tables, not --baseline")
     return args
@@ -520,10 +531,58 @@ def main(argv: list[str] | None = None) -> int:
             f"({result['examples_per_s']:,.0f} examples/s)",
             file=sys.stderr,
         )
+    if args.serve_dtypes and test_files:
+        result["serve"] = serve_compact(args, model, tables, lambda: batches(test_files), result)
     if args.metrics_out:
         args.metrics_out.write_text(json.dumps(result, indent=1))
     store.close()
     return 0
+
+
+def serve_compact(
+    args: argparse.Namespace,
+    model: DLRM,
+    tables: list[embank.Table],
+    test: Any,
+    trained: dict[str, Any],
+) -> dict[str, Any]:
+    """Exports the trained f32 tables into tables of each ``--serve-dtypes`` type (a store
+    each, the same initializer for ids the test data adds), swaps them into the model and
+    evaluates: the AUC of serving compact rows against serving the f32 rows."""
+    import shutil
+
+    out: dict[str, Any] = {}
+    trained_bags = model.bags
+    for dt in [d for d in args.serve_dtypes.split(",") if d]:
+        path = args.work / f"serve-{dt}"
+        shutil.rmtree(path, ignore_errors=True)
+        served = embank.open(path)
+        bags: list[nn.Module] = []
+        for t in tables:
+            s = served.create_table(
+                t.name,
+                dim=args.dim,
+                dtype=dt,
+                init=embank.init.uniform(-args.init, args.init),
+                seed=args.seed,
+                capacity=max(len(t) * 2, 1024),
+            )
+            for keys, rows in t.export():
+                s.push(keys, rows)
+            bags.append(et.EmbeddingBag(s, mode="sum"))
+        model.bags = nn.ModuleList(bags)
+        m = evaluate(model, test())
+        st = served.stats()["tables"]
+        rows_bytes = sum(t["rows"] * t["record_bytes"] for t in st)
+        out[dt] = {**m, "auc_delta": m["auc"] - trained["auc"], "record_bytes": st[0]["record_bytes"], "rows_bytes": rows_bytes}
+        print(
+            f"served as {dt}: auc {m['auc']:.4f} ({m['auc'] - trained['auc']:+.5f} against f32), "
+            f"logloss {m['logloss']:.4f}, {st[0]['record_bytes']} B records, {rows_bytes / 2**20:.1f} MiB of rows",
+            file=sys.stderr,
+        )
+        served.close()
+    model.bags = trained_bags
+    return out
 
 
 if __name__ == "__main__":

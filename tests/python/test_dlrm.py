@@ -79,6 +79,18 @@ def test_baseline_learns_the_same_data(tmp_path: Path) -> None:
     assert abs(base["auc"] - ours["auc"]) < 0.02, (ours, base)
 
 
+def test_served_as_f16_and_int8_keeps_the_auc_of_f32_serving(tmp_path: Path) -> None:
+    r = run(tmp_path / "s", "--serve-dtypes", "f16,int8")
+    f32 = r["auc"]
+    assert f32 > 0.6
+    for dt in ("f16", "int8"):
+        served = r["serve"][dt]
+        assert abs(served["auc"] - f32) <= 0.001, (dt, served, f32)
+    # Records of dim 16 (no optimizer state): 48 bytes as f16, 48 as int8 (16 + 24 rounded
+    # to 16), against 80 for f32.
+    assert r["serve"]["f16"]["record_bytes"] == 48 and r["serve"]["int8"]["record_bytes"] == 48
+
+
 def test_help_explains_the_options() -> None:
     r = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0

@@ -177,6 +177,9 @@ pub struct TableStats {
     pub grow_count: u64,
     pub index_bytes: u64,
     pub rows_file_bytes: u64,
+    /// Bytes from one record to the next on the medium (header, row as its dtype
+    /// stores it, optimizer state, padding).
+    pub record_bytes: u64,
     /// Address space mapped for the files (the rows file reserves more, unbacked).
     pub bytes_mapped: u64,
     pub records_used: u64,

@@ -32,6 +32,7 @@ impl Table {
             grow_count: meta.grow_count,
             index_bytes: index.file_bytes(),
             rows_file_bytes: alloc.file_bytes(),
+            record_bytes: alloc.stride(),
             bytes_mapped: index.file_bytes() + info.bytes_mapped,
             records_used: alloc.next_record(),
             records_free: alloc.free_records(),
