@@ -151,6 +151,34 @@ class Table:
             rows[~found] = fill
         return rows, found
 
+    def lookup_pooled(
+        self,
+        ids: KeysLike,
+        offsets: Any,
+        weights: Any = None,
+        mode: str = "sum",
+        include_last_offset: bool = False,
+    ) -> Rows:
+        """Pooled rows of bags, as ``torch.nn.EmbeddingBag`` pools them: bag ``b`` is
+        ``ids[offsets[b]:offsets[b + 1]]``, pooled by ``mode`` (``"sum"``, weighted by
+        ``weights`` — one per id — if given, or ``"mean"``). ``offsets`` holds the start
+        of every bag (with ``include_last_offset``, also the end, ``len(ids)``, as in
+        ``torch.nn.functional.embedding_bag``). Returns a
+        ``(bags, dim)`` float32 array. Ids are read as :meth:`lookup` reads them:
+        missing ones count as the table's missing default, nothing is created.
+
+        On a store opened with ``pooled_cache_bytes``, a bag seen before (same ids in the
+        same order, same weights and mode) is answered from the pooled-embedding cache.
+        """
+        keys = _keys(ids)
+        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        if not include_last_offset:
+            offs = np.append(offs, len(keys))
+        if (offs < 0).any():
+            raise InvalidInputError("offsets must be >= 0")
+        w = None if weights is None else np.ascontiguousarray(np.asarray(weights, dtype=np.float32).reshape(-1))
+        return self._t.lookup_pooled(keys, offs.astype(np.uint64), w, mode)
+
     def push(self, keys: KeysLike, rows: Rows) -> None:
         """Writes rows (insert or replace). With duplicate keys the last row wins.
         Non-finite values are refused and nothing is written."""
@@ -664,6 +692,7 @@ def open(
     mmap_random_access: bool = True,
     keep_checkpoints: int = 2,
     background_repair: bool = True,
+    pooled_cache_bytes: int = 0,
 ) -> Store:
     """Opens (or creates) the store in directory ``path``.
 
@@ -687,15 +716,19 @@ def open(
         keep_checkpoints: how many :meth:`Store.checkpoint` s are kept for :meth:`Store.restore`.
         background_repair: after a killed process, repair in the background (the
             default); ``False`` repairs everything before ``open`` returns.
+        pooled_cache_bytes: budget of the pooled-embedding cache (0, the default: none).
+            For inference: :meth:`Table.lookup_pooled` (and ``embank.torch``'s bags in
+            eval mode) answer a bag whose whole id sequence was pooled before from it,
+            skipping the lookup and pooling; a write to any member row drops the bag.
 
     Raises:
         StoreLockedError: another process or handle has the store open.
         FormatVersionError: the store was written by an unknown format version.
     """
-    if cache_bytes < 0 or io_depth < 1:
+    if cache_bytes < 0 or io_depth < 1 or pooled_cache_bytes < 0:
         from .errors import ConfigError
 
-        raise ConfigError("cache_bytes must be >= 0 and io_depth >= 1")
+        raise ConfigError("cache_bytes and pooled_cache_bytes must be >= 0, io_depth >= 1")
     return Store(
         _native.Store.open(
             os.fspath(path),
@@ -707,6 +740,7 @@ def open(
             bool(mmap_random_access),
             int(keep_checkpoints),
             bool(background_repair),
+            int(pooled_cache_bytes),
         )
     )
 

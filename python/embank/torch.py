@@ -190,13 +190,21 @@ class Embedding(_Lookup):
 class EmbeddingBag(_Lookup):
     """``torch.nn.EmbeddingBag`` over an embank table: ``forward(input, offsets,
     per_sample_weights)`` with the same meaning (1-D ``input`` with ``offsets``, or 2-D
-    ``input`` of fixed-size bags), pooled by ``mode`` ``"sum"`` or ``"mean"``."""
+    ``input`` of fixed-size bags), pooled by ``mode`` ``"sum"`` or ``"mean"``.
 
-    def __init__(self, table: Source, mode: str = "sum", *, push: str = "step") -> None:
+    ``pooled=True`` (inference): in eval mode, or under ``torch.no_grad()``, bags are
+    pooled in the store by :meth:`embank.Table.lookup_pooled`, so a store opened with
+    ``pooled_cache_bytes`` answers bags it has pooled before from its pooled-embedding
+    cache. Ids are then read as ``lookup`` reads them: a missing id counts as the
+    table's missing default (create the table with ``missing="init"`` to match what a
+    pull would create) and nothing is stored."""
+
+    def __init__(self, table: Source, mode: str = "sum", *, push: str = "step", pooled: bool = False) -> None:
         super().__init__(table, push)
         if mode not in ("sum", "mean"):
             raise InvalidInputError(f'mode must be "sum" or "mean", got {mode!r}')
         self.mode = mode
+        self.pooled = pooled
 
     def forward(
         self,
@@ -216,13 +224,18 @@ class EmbeddingBag(_Lookup):
             raise InvalidInputError("input must be 1-D with offsets, or 2-D without")
         if per_sample_weights is not None and self.mode != "sum":
             raise InvalidInputError('per_sample_weights need mode="sum" (as in torch.nn.EmbeddingBag)')
+        if self.pooled and not (torch.is_grad_enabled() and self.training):
+            keys = _to_keys(input.reshape(-1).to("cpu"), "ids")
+            w = None if per_sample_weights is None else per_sample_weights.detach().to("cpu", torch.float32).numpy()
+            out = self.table.lookup_pooled(keys, offsets.to("cpu").numpy(), w, self.mode)
+            return torch.from_numpy(out).to(input.device)
         rows, inverse = self.unique_rows(input, input.device)
         return F.embedding_bag(
             inverse, rows, offsets.to(inverse.device), mode=self.mode, per_sample_weights=per_sample_weights
         )
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", mode={self.mode!r}"
+        return super().extra_repr() + f", mode={self.mode!r}" + (", pooled=True" if self.pooled else "")
 
 
 Jagged = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
@@ -237,11 +250,15 @@ class EmbeddingBagCollection(torch.nn.Module):
     returns ``name -> (batch, dim)`` pooled rows.
     """
 
-    def __init__(self, features: Mapping[str, Source], mode: str = "sum", *, push: str = "step") -> None:
+    def __init__(
+        self, features: Mapping[str, Source], mode: str = "sum", *, push: str = "step", pooled: bool = False
+    ) -> None:
         super().__init__()
         if not features:
             raise InvalidInputError("an EmbeddingBagCollection needs at least one feature")
-        self.bags = torch.nn.ModuleDict({n: EmbeddingBag(s, mode, push=push) for n, s in features.items()})
+        self.bags = torch.nn.ModuleDict(
+            {n: EmbeddingBag(s, mode, push=push, pooled=pooled) for n, s in features.items()}
+        )
         self.feature_names = list(features)
 
     def forward(self, features: Any) -> dict[str, torch.Tensor]:

@@ -35,6 +35,45 @@ pub trait TableApi: Send + Sync {
             )),
         }
     }
+    /// Pooled rows of bags (see [`Table::lookup_pooled`]). The default looks the
+    /// distinct ids up in one batch and pools here, without a pooled cache: what a
+    /// remote table does, since a bag's ids live on several shards.
+    fn lookup_pooled(
+        &self,
+        ids: &[u64],
+        offsets: &[usize],
+        weights: Option<&[f32]>,
+        mode: crate::pooled::Pooling,
+        out: &mut [f32],
+    ) -> Result<()> {
+        crate::table::check_bags(ids, offsets, weights, mode)?;
+        let dim = self.dim();
+        let bags = offsets.len() - 1;
+        if out.len() != bags * dim {
+            return Err(Error::invalid(format!(
+                "lookup_pooled: {bags} bags of dim {dim} need {} output elements, got {}",
+                bags * dim,
+                out.len()
+            )));
+        }
+        let mut uniq = ids.to_vec();
+        uniq.sort_unstable();
+        uniq.dedup();
+        let mut rows = vec![0f32; uniq.len() * dim];
+        let mut found = vec![false; uniq.len()];
+        self.lookup(&uniq, &mut rows, &mut found)?;
+        let mut members: Vec<&[f32]> = Vec::new();
+        for b in 0..bags {
+            let (lo, hi) = (offsets[b], offsets[b + 1]);
+            members.clear();
+            members.extend(ids[lo..hi].iter().map(|k| {
+                let j = uniq.binary_search(k).expect("every id was looked up");
+                &rows[j * dim..(j + 1) * dim]
+            }));
+            crate::pooled::pool(mode, &members, weights.map(|w| &w[lo..hi]), &mut out[b * dim..(b + 1) * dim]);
+        }
+        Ok(())
+    }
     fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()>;
     fn delete(&self, keys: &[u64]) -> Result<u64>;
     fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()>;
@@ -137,6 +176,16 @@ impl TableApi for Table {
     }
     fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
         Table::lookup(self, keys, out, found)
+    }
+    fn lookup_pooled(
+        &self,
+        ids: &[u64],
+        offsets: &[usize],
+        weights: Option<&[f32]>,
+        mode: crate::pooled::Pooling,
+        out: &mut [f32],
+    ) -> Result<()> {
+        Table::lookup_pooled(self, ids, offsets, weights, mode, out)
     }
     fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
         Table::push(self, keys, rows)

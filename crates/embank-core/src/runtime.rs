@@ -18,6 +18,7 @@ use crate::checkpoint::Gate;
 use crate::error::{ErrorKind, Result};
 use crate::io::IoEngine;
 use crate::journal::Journal;
+use crate::pooled::PooledCache;
 use crate::tier::RowCache;
 
 /// Lookahead requests queued at most; more are dropped (and counted), never waited for.
@@ -56,6 +57,8 @@ enum Job {
 
 pub(crate) struct Runtime {
     pub cache: Option<Arc<RowCache>>,
+    /// The pooled-embedding cache of inference bags (absent when its budget is 0).
+    pub pooled: Option<Arc<PooledCache>>,
     pub io: Arc<dyn IoEngine>,
     /// Map mmap-medium files with `MADV_RANDOM`.
     pub mmap_random: bool,
@@ -69,10 +72,16 @@ pub(crate) struct Runtime {
 }
 
 impl Runtime {
-    pub fn new(cache: Option<Arc<RowCache>>, io: Arc<dyn IoEngine>, mmap_random: bool) -> Arc<Runtime> {
+    pub fn new(
+        cache: Option<Arc<RowCache>>,
+        pooled: Option<Arc<PooledCache>>,
+        io: Arc<dyn IoEngine>,
+        mmap_random: bool,
+    ) -> Arc<Runtime> {
         let (tx, rx) = sync_channel(LOOKAHEAD_QUEUE);
         let tier = Arc::new(Runtime {
             cache,
+            pooled,
             io,
             mmap_random,
             tables: Mutex::new(Vec::new()),

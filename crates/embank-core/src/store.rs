@@ -43,6 +43,10 @@ pub struct StoreOptions {
     /// Budget of the DRAM row cache shared by the store's tables (0: no cache).
     /// Memory is taken as rows are cached, not up front. Default 256 MiB.
     pub cache_bytes: u64,
+    /// Budget of the pooled-embedding cache of inference bags ([`Table::lookup_pooled`]):
+    /// whole id sequences that repeat are answered with their pooled vector. Default 0
+    /// (none): a serving option.
+    pub pooled_cache_bytes: u64,
     /// I/O engine of block media. Default `auto`: io_uring if the kernel allows, else pread.
     pub io_engine: IoChoice,
     /// Most block-medium requests in flight per batch. Default 128.
@@ -75,6 +79,7 @@ impl Default for StoreOptions {
             create: true,
             verify: false,
             cache_bytes: CACHE_BYTES_DEFAULT,
+            pooled_cache_bytes: 0,
             io_engine: IoChoice::Auto,
             io_depth: IO_DEPTH_DEFAULT,
             mmap_random_access: true,
@@ -96,6 +101,8 @@ pub struct StoreStats {
     pub bytes_mapped: u64,
     /// The DRAM row cache (absent when the store was opened with `cache_bytes = 0`).
     pub cache: Option<CacheStats>,
+    /// The pooled-embedding cache (absent when `pooled_cache_bytes` is 0).
+    pub pooled: Option<crate::pooled::PooledStats>,
     /// The I/O engine of block media.
     pub io: IoStats,
     pub lookahead_requests: u64,
@@ -170,7 +177,9 @@ impl Store {
             io = Arc::new(FaultyEngine { inner: io, plan: Arc::clone(plan) });
         }
         let cache = (options.cache_bytes > 0).then(|| Arc::new(RowCache::new(options.cache_bytes)));
-        let runtime = Runtime::new(cache, io, options.mmap_random_access);
+        let pooled = (options.pooled_cache_bytes > 0)
+            .then(|| Arc::new(crate::pooled::PooledCache::new(options.pooled_cache_bytes)));
+        let runtime = Runtime::new(cache, pooled, io, options.mmap_random_access);
         let catalog = Arc::new(if exists { Catalog::open(&dir)? } else { Catalog::create(&dir)? });
         let data = catalog.snapshot();
         // Directories of tables the catalog does not know are left-overs of an
@@ -320,6 +329,9 @@ impl Store {
             Ok(())
         })?;
         table.detach();
+        if let Some(p) = &inner.runtime.pooled {
+            p.invalidate_table(id);
+        }
         inner.tables.remove(name);
         let dir = table_dir(&inner.dir, id);
         std::fs::remove_dir_all(&dir).map_err(|e| io_at("cannot remove table directory", &dir, e))?;
@@ -427,6 +439,9 @@ impl Store {
         };
         for t in inner.tables.values() {
             t.close()?;
+            if let Some(p) = &inner.runtime.pooled {
+                p.invalidate_table(t.meta().id);
+            }
         }
         inner.runtime.gate.interval.store(state.latest, std::sync::atomic::Ordering::Release);
         let mut tables = BTreeMap::new();
@@ -601,6 +616,7 @@ impl Store {
             bytes_on_disk,
             tables,
             cache: runtime.cache.as_ref().map(|c| Tier::stats(c.as_ref())),
+            pooled: runtime.pooled.as_ref().map(|p| p.stats()),
             io: runtime.io.stats(),
             lookahead_requests: runtime.lookahead_requests.load(std::sync::atomic::Ordering::Relaxed),
             lookahead_dropped: runtime.lookahead_dropped.load(std::sync::atomic::Ordering::Relaxed),

@@ -77,7 +77,7 @@ fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, core::Error> 
 impl Store {
     #[staticmethod]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.open
-    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true, keep_checkpoints=2, background_repair=true))]
+    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true, keep_checkpoints=2, background_repair=true, pooled_cache_bytes=0))]
     fn open(
         py: Python<'_>,
         path: PathBuf,
@@ -89,6 +89,7 @@ impl Store {
         mmap_random_access: bool,
         keep_checkpoints: usize,
         background_repair: bool,
+        pooled_cache_bytes: u64,
     ) -> PyResult<Store> {
         let io_engine = core::IoChoice::parse(io_engine).map_err(to_py_err)?;
         let options = core::StoreOptions {
@@ -100,6 +101,7 @@ impl Store {
             mmap_random_access,
             keep_checkpoints,
             background_repair,
+            pooled_cache_bytes,
             ..Default::default()
         };
         let store = Arc::new(detached(py, || core::Store::open(&path, options))?);
@@ -325,6 +327,33 @@ impl Table {
             detached(py, || self.inner.lookup_min(keys, rows, mask, min_checkpoint))?;
         }
         Ok((out, found))
+    }
+
+    /// Pooled rows of bags: `offsets` has one entry more than there are bags.
+    #[pyo3(signature = (ids, offsets, weights=None, mode="sum"))]
+    fn lookup_pooled<'py>(
+        &self,
+        py: Python<'py>,
+        ids: PyReadonlyArray1<'py, u64>,
+        offsets: PyReadonlyArray1<'py, u64>,
+        weights: Option<PyReadonlyArray1<'py, f32>>,
+        mode: &str,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let ids = slice(&ids, "ids")?;
+        let offsets: Vec<usize> = slice(&offsets, "offsets")?.iter().map(|&o| o as usize).collect();
+        let weights = match &weights {
+            Some(w) => Some(slice(w, "weights")?),
+            None => None,
+        };
+        let mode = core::Pooling::parse(mode).map_err(to_py_err)?;
+        let bags = offsets.len().saturating_sub(1);
+        let out = PyArray2::<f32>::zeros(py, [bags, self.dim()], false);
+        {
+            let mut rw = out.readwrite();
+            let rows = rw.as_slice_mut().expect("new array is contiguous");
+            detached(py, || self.inner.lookup_pooled(ids, &offsets, weights, mode, rows))?;
+        }
+        Ok(out)
     }
 
     fn push(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>, rows: PyReadonlyArray2<'_, f32>) -> PyResult<()> {

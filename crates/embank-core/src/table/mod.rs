@@ -44,6 +44,7 @@ mod export;
 mod grow;
 mod open;
 mod options;
+mod pooled;
 mod read;
 mod repair;
 mod serve;
@@ -54,6 +55,7 @@ mod write;
 pub use export::ExportCursor;
 pub(crate) use options::RepairMode;
 pub use options::{validate_name, RecoverStats, TableOptions, TableStats, DIM_MAX, NAME_BYTES_MAX};
+pub use pooled::check_bags;
 
 /// Writer stripes per table: writers of keys in different stripes never wait on each other.
 const STRIPES: usize = 1024;

@@ -145,6 +145,14 @@ impl Table {
     /// Creates the rows at `positions` with the initializer (written through to the
     /// medium, entering the tiers); a key another writer created first is read instead.
     fn create_missing(&self, keys: &[u64], positions: &[usize], out: &mut [f32]) -> Result<()> {
+        let created: Vec<u64> = positions.iter().map(|&i| keys[i]).collect();
+        let result = self.create_missing_rows(keys, positions, out);
+        // A cached bag pooled the missing default of these keys: it is stale now.
+        self.rows_changed(&created);
+        result
+    }
+
+    fn create_missing_rows(&self, keys: &[u64], positions: &[usize], out: &mut [f32]) -> Result<()> {
         let w = self.shared.layout.elems();
         for &i in positions {
             self.init_record(keys[i], &mut out[i * w..(i + 1) * w]);

@@ -31,6 +31,13 @@ const PIN_LOAD_CHUNK: usize = 4096;
 impl Table {
     /// Writes whole records (row and optimizer state).
     pub(super) fn push_records(&self, keys: &[u64], records: &[f32]) -> Result<()> {
+        let result = self.push_records_through_tiers(keys, records);
+        // After the rows changed (also after a failure: some may have).
+        self.rows_changed(keys);
+        result
+    }
+
+    fn push_records_through_tiers(&self, keys: &[u64], records: &[f32]) -> Result<()> {
         let _gate = self.shared.runtime.gate.batch();
         let w = self.shared.layout.elems();
         let tiers = self.tiers();

@@ -60,6 +60,12 @@ pub(super) enum Outcome {
 impl Table {
     /// Takes keys out of the index (and the tiers); returns how many were present.
     pub(super) fn remove(&self, keys: &[u64]) -> Result<u64> {
+        let result = self.remove_keys(keys);
+        self.rows_changed(keys);
+        result
+    }
+
+    fn remove_keys(&self, keys: &[u64]) -> Result<u64> {
         let _gate = self.shared.runtime.gate.batch();
         let st = self.state()?;
         let mut p = Publisher::new(self, st.as_ref().unwrap());

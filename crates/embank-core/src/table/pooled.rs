@@ -1,0 +1,119 @@
+//! `lookup_pooled`: inference bags pooled in the store, through the store's
+//! pooled-embedding cache when it has one (`pooled.rs` at the crate root), and the
+//! hook every write path calls so a cached bag never outlives a change of one of
+//! its rows.
+
+use super::Table;
+use crate::error::{Error, Result};
+use crate::pooled::{bag_hash, pool, Pooling};
+
+impl Table {
+    /// The rows of `keys` changed (written, created, deleted): drops the cached bags
+    /// holding them. Call after the change.
+    pub(super) fn rows_changed(&self, keys: &[u64]) {
+        if let Some(p) = &self.shared.runtime.pooled {
+            p.invalidate(self.shared.id, keys);
+        }
+    }
+
+    /// Pooled rows of bags, as `torch.nn.EmbeddingBag` computes them: bag `b` is
+    /// `ids[offsets[b]..offsets[b + 1]]` (`offsets` has one entry more than there are
+    /// bags, starts at 0, ends at `ids.len()`, never decreases), pooled by `mode` —
+    /// the sum (weighted by `weights`, one per id, if given) or the mean (no weights;
+    /// an empty bag pools to zeros) — into `out[b * dim..]`. Rows are read as
+    /// [`lookup`](Self::lookup) reads them: a missing id contributes the table's
+    /// missing-row default and nothing is created.
+    ///
+    /// With a pooled-embedding cache (`StoreOptions::pooled_cache_bytes`), a bag whose
+    /// whole id sequence (and weights and mode) was pooled before is answered from it;
+    /// the others are looked up in one batch and cached.
+    pub fn lookup_pooled(
+        &self,
+        ids: &[u64],
+        offsets: &[usize],
+        weights: Option<&[f32]>,
+        mode: Pooling,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let dim = self.dim();
+        check_bags(ids, offsets, weights, mode)?;
+        let bags = offsets.len() - 1;
+        if out.len() != bags * dim {
+            return Err(Error::invalid(format!(
+                "lookup_pooled: {bags} bags of dim {dim} need {} output elements, got {}",
+                bags * dim,
+                out.len()
+            )));
+        }
+        let table = self.shared.id;
+        let cache = self.shared.runtime.pooled.as_deref();
+        let mut hit = vec![false; bags];
+        let (hashes, epoch) = match cache {
+            Some(c) => {
+                let hashes: Vec<u128> = (0..bags)
+                    .map(|b| {
+                        let (lo, hi) = (offsets[b], offsets[b + 1]);
+                        bag_hash(table, mode, &ids[lo..hi], weights.map(|w| &w[lo..hi]))
+                    })
+                    .collect();
+                let epoch = c.get_batch(table, mode, ids, offsets, weights, &hashes, dim, out, &mut hit);
+                (hashes, epoch)
+            }
+            None => (Vec::new(), 0),
+        };
+        let missed: Vec<usize> = (0..bags).filter(|&b| !hit[b]).collect();
+        if missed.is_empty() {
+            return Ok(());
+        }
+        // One lookup of the distinct ids of every missed bag.
+        let mut uniq: Vec<u64> = missed.iter().flat_map(|&b| ids[offsets[b]..offsets[b + 1]].iter().copied()).collect();
+        uniq.sort_unstable();
+        uniq.dedup();
+        let mut rows = vec![0f32; uniq.len() * dim];
+        let mut found = vec![false; uniq.len()];
+        self.lookup(&uniq, &mut rows, &mut found)?;
+        let mut members: Vec<&[f32]> = Vec::new();
+        for &b in &missed {
+            let (lo, hi) = (offsets[b], offsets[b + 1]);
+            members.clear();
+            members.extend(ids[lo..hi].iter().map(|k| {
+                let j = uniq.binary_search(k).expect("every id was looked up");
+                &rows[j * dim..(j + 1) * dim]
+            }));
+            pool(mode, &members, weights.map(|w| &w[lo..hi]), &mut out[b * dim..(b + 1) * dim]);
+        }
+        if let Some(c) = cache {
+            c.insert_batch(table, mode, epoch, &missed, ids, offsets, weights, &hashes, dim, out);
+        }
+        Ok(())
+    }
+}
+
+/// Checks the shape of a batch of bags; the error names what is wrong.
+pub fn check_bags(ids: &[u64], offsets: &[usize], weights: Option<&[f32]>, mode: Pooling) -> Result<()> {
+    let bad = |why: String| Err(Error::invalid(format!("lookup_pooled: {why}")));
+    if offsets.first() != Some(&0) || offsets.last() != Some(&ids.len()) {
+        return bad(format!(
+            "offsets must start at 0 and end at the number of ids ({}), one entry more than there are bags; got {} entries from {:?} to {:?}",
+            ids.len(),
+            offsets.len(),
+            offsets.first(),
+            offsets.last()
+        ));
+    }
+    if let Some(b) = offsets.windows(2).position(|w| w[0] > w[1]) {
+        return bad(format!("offsets decrease at bag {b} ({} then {})", offsets[b], offsets[b + 1]));
+    }
+    if let Some(w) = weights {
+        if mode != Pooling::Sum {
+            return bad("weights need mode \"sum\"".into());
+        }
+        if w.len() != ids.len() {
+            return bad(format!("{} weights for {} ids", w.len(), ids.len()));
+        }
+        if let Some(i) = w.iter().position(|x| !x.is_finite()) {
+            return bad(format!("weight {i} is not finite ({})", w[i]));
+        }
+    }
+    Ok(())
+}
