@@ -115,3 +115,50 @@ def test_import_quantizes_dequantizes_and_deprunes(tmp_path: Path) -> None:
         want = np.where((mapping >= 0)[:, None], rows[np.maximum(mapping, 0)], np.float32(-1))
         np.testing.assert_array_equal(got, want)
         assert "dp2" not in s.tables()
+
+
+def test_lookup_pooled_matches_torch_embedding_bag_and_the_cache_hits(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import embank.torch as et
+
+    rng = np.random.default_rng(9)
+    with embank.open(tmp_path / "s", pooled_cache_bytes=1 << 20) as s:
+        t = s.create_table("items", dim=8, missing="init", init=embank.init.uniform(-1, 1), seed=3)
+        keys = np.arange(300, dtype=np.uint64)
+        rows = rng.standard_normal((300, 8)).astype(np.float32)
+        t.push(keys, rows)
+        ids = rng.integers(0, 300, 60).astype(np.uint64)
+        offsets = np.array([0, 5, 5, 17, 40], dtype=np.int64)  # bag 1 is empty
+        weights = rng.random(60).astype(np.float32)
+        for mode, w in (("sum", None), ("sum", weights), ("mean", None)):
+            bag = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(rows), mode=mode)
+            want = bag(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(offsets),
+                       per_sample_weights=None if w is None else torch.from_numpy(w)).numpy()  # fmt: skip
+            for _ in range(3):  # first sight, cached, hit
+                got = t.lookup_pooled(ids, offsets, w, mode)
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        st = s.stats()["pooled"]
+        assert st["hits"] == 3 * 5 and st["entries"] == 3 * 5, st
+        # A write to a member row is seen by the next call, never the cached bag.
+        t.push(ids[:1], np.full((1, 8), 100.0, dtype=np.float32))
+        got = t.lookup_pooled(ids, offsets)
+        rows2 = rows.copy()
+        rows2[int(ids[0])] = 100.0
+        want = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(rows2), mode="sum")(
+            torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(offsets)
+        ).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert s.stats()["pooled"]["invalidated"] >= 1
+        # The module in eval mode pools in the store and matches the training path.
+        m = et.EmbeddingBag(t, mode="sum", pooled=True)
+        plain = et.EmbeddingBag(t, mode="sum")
+        m.eval()
+        plain.eval()
+        x = torch.from_numpy(ids.astype(np.int64))
+        o = torch.from_numpy(offsets)
+        with torch.no_grad():
+            np.testing.assert_allclose(m(x, o).numpy(), plain(x, o).numpy(), rtol=1e-5, atol=1e-5)
+        with pytest.raises(errors.InvalidInputError, match="weights need mode"):
+            t.lookup_pooled(ids, offsets, weights, "mean")
+        with pytest.raises(errors.InvalidInputError, match="offsets decrease"):
+            t.lookup_pooled(ids, np.array([0, 9, 3]))

@@ -51,3 +51,48 @@ fn smoke_runs_or_explains_every_engine() {
         assert!(stdout.contains("vs hash"), "{stdout}");
     }
 }
+
+/// `--workload bags` measures the pooled-embedding cache against none, and
+/// `--dtype` runs the embank engines on compact rows.
+#[test]
+fn smoke_bags_and_compact_dtypes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("bags.json");
+    let run = Command::new(env!("CARGO_BIN_EXE_embank"))
+        .args(["bench", "--smoke", "--workload", "bags", "--bag-repeat", "0.5", "--warmup", "0.2", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert!(r["without"]["bags_per_second"].as_f64().unwrap() > 0.0);
+    assert!(r["without"]["hit_rate"].is_null());
+    let hit = r["with"]["hit_rate"].as_f64().unwrap();
+    assert!(hit > 0.2 && hit <= 0.5 + 0.05, "about half the bags repeat: {hit}");
+    assert!(r["speedup"].as_f64().unwrap() > 0.0);
+    for dtype in ["f16", "int8"] {
+        let out = dir.path().join(format!("{dtype}.json"));
+        let run = Command::new(env!("CARGO_BIN_EXE_embank"))
+            .args([
+                "bench",
+                "--smoke",
+                "--engines",
+                "embank-mmap,embank-block",
+                "--cache-bytes",
+                "300K",
+                "--dtype",
+                dtype,
+            ])
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{dtype}: {}", String::from_utf8_lossy(&run.stderr));
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+        assert_eq!(r["dtype"], dtype);
+        for e in r["engines"].as_array().unwrap() {
+            assert!(e["keys_per_second"].as_f64().unwrap() > 0.0, "{dtype}: {e}");
+            assert!(e["resident_bytes_per_row"].as_f64().is_some(), "{dtype}: {e}");
+        }
+    }
+}

@@ -302,7 +302,7 @@ mod tests {
         // SAFETY: u16 storage viewed as bytes.
         let aligned = unsafe { std::slice::from_raw_parts_mut(aligned.as_mut_ptr() as *mut u8, 74) };
         encode_f16(&row, aligned);
-        let mut buf = vec![0u8; 75];
+        let mut buf = [0u8; 75];
         let odd = if (buf.as_ptr() as usize).is_multiple_of(2) { &mut buf[1..] } else { &mut buf[..74] };
         encode_f16(&row, odd);
         assert_eq!(&odd[..], &aligned[..]);

@@ -4,6 +4,13 @@
 //! pooling. One per store (`StoreOptions::pooled_cache_bytes`, 0: none), shared
 //! by its tables, bounded in bytes, CLOCK replacement.
 //!
+//! **Admission on second sight.** Most bags never come back (the issue of an
+//! inference trace is the few that do), so a bag is cached the second time it is
+//! pooled: the first time only its hash enters a bounded FIFO of recently seen
+//! bags (a direct-mapped table of 8-byte fingerprints: a collision forgets a bag,
+//! which is then cached one sight later). One-off bags then cost one store of a
+//! fingerprint, not an entry, an eviction and reverse-map upkeep.
+//!
 //! An entry is keyed by `(table, mode, ids, weights)`: a 128-bit hash picks it and
 //! the stored ids and weights are compared on a hit, so a hash collision is a
 //! miss, never a wrong answer.
@@ -20,8 +27,11 @@
 //! per published checkpoint.)
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use parking_lot::Mutex;
+
+use crate::tier::dram::MixHasher;
 use serde::Serialize;
 
 /// Bytes an entry costs beyond its ids, weights and pooled vector (map entries,
@@ -77,6 +87,8 @@ pub struct PooledStats {
     pub inserts: u64,
     /// Bags pooled but not inserted: a write to their table came in between.
     pub inserts_skipped: u64,
+    /// Bags pooled for the first time (remembered by hash, cached when seen again).
+    pub first_seen: u64,
     pub evictions: u64,
     /// Entries dropped because a member row changed.
     pub invalidated: u64,
@@ -110,21 +122,45 @@ impl Entry {
     }
 }
 
+/// Hasher of keys that are hashes already: their low 64 bits.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | b as u64;
+        }
+    }
+    fn write_u128(&mut self, x: u128) {
+        self.0 = x as u64;
+    }
+}
+
+type ByHash<V> = HashMap<u128, V, BuildHasherDefault<Prehashed>>;
+
 #[derive(Default)]
 struct Inner {
-    map: HashMap<u128, usize>,
+    map: ByHash<usize>,
     slots: Vec<(u128, Entry)>,
     /// `(table, member key)` -> hashes of the entries holding it.
-    members: HashMap<(u32, u64), Vec<u128>>,
+    members: HashMap<(u32, u64), Vec<u128>, BuildHasherDefault<MixHasher>>,
     /// Per table: bumped by every invalidation.
     epochs: HashMap<u32, u64>,
     hand: usize,
     bytes: u64,
     stats: PooledStats,
+    /// Fingerprints of bags pooled once and not cached (yet), direct-mapped by hash.
+    seen: Vec<u64>,
 }
 
 pub struct PooledCache {
     budget: u64,
+    /// How many once-seen bag hashes are remembered.
+    seen_max: usize,
     inner: Mutex<Inner>,
 }
 
@@ -134,9 +170,8 @@ pub fn bag_hash(table: u32, mode: Pooling, ids: &[u64], weights: Option<&[f32]>)
     h.update(&table.to_le_bytes());
     h.update(&[mode.code(), weights.is_some() as u8]);
     h.update(&(ids.len() as u64).to_le_bytes());
-    for id in ids {
-        h.update(&id.to_le_bytes());
-    }
+    // SAFETY: u64s are 8 initialized bytes each (little-endian: see lib.rs).
+    h.update(unsafe { std::slice::from_raw_parts(ids.as_ptr() as *const u8, std::mem::size_of_val(ids)) });
     if let Some(w) = weights {
         h.update(crate::layout::f32_bytes(w));
     }
@@ -147,6 +182,7 @@ impl PooledCache {
     pub fn new(budget_bytes: u64) -> PooledCache {
         PooledCache {
             budget: budget_bytes,
+            seen_max: ((budget_bytes / 256) as usize).clamp(1024, 1 << 22),
             inner: Mutex::new(Inner {
                 stats: PooledStats { budget_bytes, ..Default::default() },
                 ..Default::default()
@@ -225,6 +261,17 @@ impl PooledCache {
             if inner.map.contains_key(&h) {
                 continue; // another reader inserted it (or a colliding bag holds the hash)
             }
+            if inner.seen.is_empty() {
+                inner.seen = vec![0; self.seen_max];
+            }
+            let (at, print) = ((h as u64 as usize) % self.seen_max, ((h >> 64) as u64) | 1);
+            if inner.seen[at] != print {
+                // First sight: remember the fingerprint only.
+                inner.seen[at] = print;
+                inner.stats.first_seen += 1;
+                continue;
+            }
+            inner.seen[at] = 0;
             let (lo, hi) = (offsets[b], offsets[b + 1]);
             let e = Entry {
                 table,
@@ -380,6 +427,8 @@ mod tests {
     fn put(c: &PooledCache, table: u32, epoch: u64, ids: &[u64], v: f32, dim: usize) {
         let offsets = [0, ids.len()];
         let h = [bag_hash(table, Pooling::Sum, ids, None)];
+        // Twice: a bag is cached the second time it is pooled.
+        c.insert_batch(table, Pooling::Sum, epoch, &[0], ids, &offsets, None, &h, dim, &vec![v; dim]);
         c.insert_batch(table, Pooling::Sum, epoch, &[0], ids, &offsets, None, &h, dim, &vec![v; dim]);
     }
 
@@ -397,7 +446,7 @@ mod tests {
         // A bag pooled before a write (old epoch) is not inserted after it.
         put(&c, 1, 0, &[1, 2, 3], 6.0, 4);
         assert_eq!(one(&c, 1, &[1, 2, 3], 4), None);
-        assert_eq!(c.stats().inserts_skipped, 1);
+        assert_eq!(c.stats().inserts_skipped, 2);
         let e = c.epoch(1);
         put(&c, 1, e, &[1, 2, 3], 7.0, 4);
         assert_eq!(one(&c, 1, &[1, 2, 3], 4), Some(vec![7.0; 4]));

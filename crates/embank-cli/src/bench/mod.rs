@@ -1,6 +1,7 @@
 //! `embank bench`: the DESIGN.md workloads against real baselines, side by side
 //! in one run, next to the physical limits of the machine measured in the same run.
 
+pub mod bags;
 #[cfg(feature = "baselines")]
 pub mod baselines;
 pub mod engines;
@@ -33,6 +34,9 @@ pub enum Workload {
     HpsA,
     /// Each batch pulls rows, then pushes updated rows for the same keys.
     Train,
+    /// Inference bags pooled in the store (`lookup_pooled`), some repeating whole:
+    /// without and with the pooled-embedding cache (embank only).
+    Bags,
 }
 
 impl Workload {
@@ -43,7 +47,7 @@ impl Workload {
 
     fn push_fraction(self) -> f64 {
         match self {
-            Workload::YcsbC | Workload::HpsA | Workload::Train => 0.0,
+            Workload::YcsbC | Workload::HpsA | Workload::Train | Workload::Bags => 0.0,
             Workload::YcsbB => 0.05,
             Workload::YcsbA => 0.5,
         }
@@ -77,6 +81,18 @@ pub struct BenchArgs {
     /// baselines store f32 rows either way).
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: embank_core::DType,
+    /// `bags`: ids per bag (a request holds `--batch / --bag-size` bags).
+    #[arg(long, default_value_t = 20)]
+    pub bag_size: usize,
+    /// `bags`: fraction of bags drawn whole from the pool of repeating bags.
+    #[arg(long, default_value_t = 0.05)]
+    pub bag_repeat: f64,
+    /// `bags`: distinct bags in that pool (drawn with Zipf 1.0 popularity).
+    #[arg(long, default_value_t = 10_000)]
+    pub bag_pool: usize,
+    /// `bags`: budget of the pooled-embedding cache in the measured run with it.
+    #[arg(long, default_value = "64M", value_parser = parse_bytes)]
+    pub pooled_cache_bytes: u64,
     /// Keys per request.
     #[arg(long, default_value_t = 500)]
     pub batch: usize,
@@ -289,8 +305,18 @@ fn streams(args: &BenchArgs, threads: usize, zipf: f64) -> Result<Streams, Strin
 }
 
 fn load(engine: &dyn Engine, keys: u64, dim: usize) -> Result<f64, String> {
-    let bar = progress(keys, engine.name());
     let t0 = Instant::now();
+    load_rows(keys, dim, &mut |ks, rows| engine.push(0, ks, rows))?;
+    engine.finish_load()?;
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+/// Where a load writes a chunk of keys and their rows.
+pub(crate) type RowSink<'a> = &'a mut dyn FnMut(&[u64], &[f32]) -> Result<(), String>;
+
+/// Writes every key's `row_for` row through `push`, in chunks, with a progress bar.
+pub(crate) fn load_rows(keys: u64, dim: usize, push: RowSink<'_>) -> Result<(), String> {
+    let bar = progress(keys, "load");
     let chunk = 10_000u64;
     let mut ks = Vec::with_capacity(chunk as usize);
     let mut rows = vec![0f32; chunk as usize * dim];
@@ -302,13 +328,12 @@ fn load(engine: &dyn Engine, keys: u64, dim: usize) -> Result<f64, String> {
         for (i, &key) in ks.iter().enumerate() {
             row_for(key, &mut rows[i * dim..(i + 1) * dim]);
         }
-        engine.push(0, &ks, &rows[..m as usize * dim])?;
+        push(&ks, &rows[..m as usize * dim])?;
         k += m;
         bar.set_position(k);
     }
     bar.finish_and_clear();
-    engine.finish_load()?;
-    Ok(t0.elapsed().as_secs_f64())
+    Ok(())
 }
 
 /// The measured phase: every thread replays its batches until the deadline or its share of `ops`.
@@ -463,11 +488,18 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         }
     };
     let machine = machine();
+    if args.workload == Workload::Bags {
+        if !(0.0..=1.0).contains(&args.bag_repeat) || args.bag_size == 0 || args.pooled_cache_bytes == 0 {
+            return Err("--bag-repeat must be in [0, 1], --bag-size and --pooled-cache-bytes at least 1".into());
+        }
+        return bags::run(&args, &dir, threads, zipf, machine);
+    }
     println!(
-        "embank bench {}: {} keys x dim {} f32, batch {}, Zipf {}, {} threads, {} per engine{}; {}",
+        "embank bench {}: {} keys x dim {} {}, batch {}, Zipf {}, {} threads, {} per engine{}; {}",
         args.workload.name(),
         args.keys,
         dim,
+        args.dtype,
         args.batch,
         zipf,
         threads,
