@@ -441,6 +441,12 @@ impl Index {
         key_hash(key, self.seed)
     }
 
+    /// The home bucket of a hash: where a lookup reads first.
+    #[inline(always)]
+    pub fn home_of(&self, hash: u64) -> u64 {
+        home_bucket(hash, self.bucket_mask)
+    }
+
     /// Hints the CPU to load the home bucket of a hash.
     #[inline(always)]
     pub fn prefetch(&self, hash: u64) {

@@ -17,6 +17,9 @@
 //! being repaired and the free list rebuilt; the row count is checked once the
 //! repair is done.
 //!
+//! The child also places hot keys every few generations (an index rebuild with
+//! them first), so kills land inside those rebuilds too.
+//!
 //! Compact element types run the same test (fewer kills): `f16` and `int8` rows
 //! are checked against the expected row passed through the same rounding.
 //!
@@ -134,6 +137,10 @@ fn crash_child() {
         if g >= WINDOW {
             let gone: Vec<u64> = late_keys(g - WINDOW).collect();
             table.delete(&gone).unwrap();
+        }
+        if g % 4 == 2 {
+            // Hot placement rebuilds the index: kills land inside rebuilds too.
+            table.place_hot(&steady[..300]).unwrap();
         }
         if g.is_multiple_of(FLUSH_EVERY) {
             table.flush().unwrap();

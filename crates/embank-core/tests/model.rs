@@ -1,6 +1,7 @@
 //! Model-based test: random sequences of pull / lookup / push / delete / flush /
 //! close-reopen against a `HashMap` reference, for every medium, placement and
-//! I/O engine (the block medium under a row cache of a few rows, so eviction,
+//! I/O engine, with hot placement (index rebuilds) among the operations (the
+//! block medium under a row cache of a few rows, so eviction,
 //! dirty write-back and writer back-pressure happen all the time), each for
 //! every element type: the `f32` run compares exactly against the reference,
 //! `f16` and `int8` against the reference passed through the same rounding
@@ -29,6 +30,8 @@ enum Op {
     Flush,
     Reopen,
     Lookahead(Vec<u64>),
+    /// Hot placement of these keys (an index rebuild with them first).
+    PlaceHot(Vec<u64>),
 }
 
 fn keys() -> impl Strategy<Value = Vec<u64>> {
@@ -45,6 +48,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Flush),
         1 => Just(Op::Reopen),
         1 => keys().prop_map(Op::Lookahead),
+        1 => keys().prop_map(Op::PlaceHot),
     ]
 }
 
@@ -176,6 +180,16 @@ fn check_one(ops: &[Op], cfg: Config) -> Result<(), TestCaseError> {
             Op::Lookahead(keys) => {
                 // A hint only: nothing may change that a later read can see.
                 table.lookahead(keys).unwrap();
+            }
+            Op::PlaceHot(keys) => {
+                // Moves keys between index buckets: nothing a read can see changes, and
+                // every placed key the table holds is then in its home bucket.
+                let r = table.place_hot(keys).unwrap();
+                let mut held: Vec<u64> = keys.iter().copied().filter(|k| model.contains_key(k)).collect();
+                held.sort_unstable();
+                held.dedup();
+                prop_assert_eq!(r.held, keys.iter().filter(|k| model.contains_key(k)).count() as u64);
+                prop_assert!(r.home_after == 1.0 || held.len() > 14, "step {}: {:?}", step, r);
             }
         }
         prop_assert_eq!(store.table("t").unwrap().len().unwrap(), model.len() as u64, "step {} len", step);

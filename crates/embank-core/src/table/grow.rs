@@ -1,6 +1,7 @@
 //! Room in the index: the load check every insert makes, the rebuild into an index
 //! twice the size (rows never move), and the retry loop of writers that ran out of
-//! room mid-batch.
+//! room mid-batch. Also hot placement, which is the same rebuild at the same size
+//! with the hot keys inserted first.
 
 use std::time::Instant;
 
@@ -67,42 +68,9 @@ impl Table {
         }
         let t0 = Instant::now();
         let old_buckets = st.index.bucket_count();
-        let mut buckets = buckets_for(rows.max(1) * 2, LOAD_FACTOR_TARGET).max(old_buckets * 2);
-        let generation = self.shared.meta.lock().index_generation + 1;
-        let path = super::open::index_path(&self.shared.dir, generation);
-        let index = loop {
-            let _ = std::fs::remove_file(&path);
-            let index = Index::create(&path, buckets, st.index.seed())?;
-            let mut ok = true;
-            st.index.for_each(0, st.index.bucket_count(), |key, ptr| {
-                ok = ok && index.insert_new(key, index.hash(key), ptr);
-            });
-            if ok {
-                break index;
-            }
-            buckets *= 2;
-        };
-        if index.len() != rows {
-            return Err(Error::corrupt(format!(
-                "rebuild of table {:?} saw {} rows, expected {rows}",
-                self.shared.name,
-                index.len()
-            )));
-        }
-        index.flush()?;
-        crate::fsutil::sync_dir(&self.shared.dir)?;
-        // The catalog names the new index first: a crash from here on opens it. (The state's
-        // write lock is held, so nobody sees the new generation before the new index.)
-        self.update_meta(|m| {
-            m.index_generation = generation;
-            m.grow_count += 1;
-        })?;
-        let old_path = st.index.path().to_owned();
-        if self.shared.runtime.mmap_random {
-            index.advise_random();
-        }
-        st.index = index;
-        let _ = std::fs::remove_file(&old_path);
+        let buckets = buckets_for(rows.max(1) * 2, LOAD_FACTOR_TARGET).max(old_buckets * 2);
+        let (index, buckets, generation) = self.build_index(&st.index, buckets, &[])?;
+        self.install_index(st, index, generation, true)?;
         tracing::info!(
             table = %self.shared.name,
             rows,
@@ -113,4 +81,141 @@ impl Table {
         );
         Ok(())
     }
+
+    /// Builds the next generation of the index from `old` with at least `buckets`
+    /// buckets (doubled until every key fits): the keys of `first` that `old` holds are
+    /// inserted first, so each lands in its home bucket unless that fills with other
+    /// `first` keys; then every other key. Returns the index, its bucket count and
+    /// generation. The caller keeps writers out (the state's write lock, or the gate).
+    fn build_index(&self, old: &Index, mut buckets: u64, first: &[u64]) -> Result<(Index, u64, u64)> {
+        let rows = old.len();
+        let generation = self.shared.meta.lock().index_generation + 1;
+        let path = super::open::index_path(&self.shared.dir, generation);
+        let placed: std::collections::HashSet<u64> = first.iter().copied().collect();
+        let index = loop {
+            let _ = std::fs::remove_file(&path);
+            let index = Index::create(&path, buckets, old.seed())?;
+            let mut ok = true;
+            for &key in first {
+                if let Some(ptr) = old.get(key, old.hash(key)) {
+                    if index.get(key, index.hash(key)).is_none() {
+                        ok = ok && index.insert_new(key, index.hash(key), ptr);
+                    }
+                }
+            }
+            old.for_each(0, old.bucket_count(), |key, ptr| {
+                if !placed.contains(&key) {
+                    ok = ok && index.insert_new(key, index.hash(key), ptr);
+                }
+            });
+            if ok {
+                break index;
+            }
+            buckets *= 2;
+        };
+        if index.len() != rows {
+            let _ = std::fs::remove_file(&path);
+            return Err(Error::corrupt(format!(
+                "rebuild of table {:?} saw {} rows, expected {rows}",
+                self.shared.name,
+                index.len()
+            )));
+        }
+        Ok((index, buckets, generation))
+    }
+
+    /// Makes a built index the table's: durable, named by the catalog (a crash from
+    /// then on opens it; before, the open removes it as a left-over), swapped in. Needs
+    /// the state's write lock.
+    fn install_index(&self, st: &mut State, index: Index, generation: u64, grown: bool) -> Result<()> {
+        index.flush()?;
+        crate::fsutil::sync_dir(&self.shared.dir)?;
+        // The catalog names the new index first: a crash from here on opens it. (The state's
+        // write lock is held, so nobody sees the new generation before the new index.)
+        self.update_meta(|m| {
+            m.index_generation = generation;
+            if grown {
+                m.grow_count += 1;
+            }
+        })?;
+        let old_path = st.index.path().to_owned();
+        if self.shared.runtime.mmap_random {
+            index.advise_random();
+        }
+        st.index = index;
+        let _ = std::fs::remove_file(&old_path);
+        Ok(())
+    }
+
+    /// Hot placement: moves `keys` (the hot set, hottest first) into their home index
+    /// buckets, so each is found with one bucket read (PETHash's hotness-aware
+    /// placement). The index is rebuilt at its size with these keys inserted first, as a
+    /// growth rebuilds it, so a crash at any moment reopens the old index or the new one,
+    /// whole. `lookup`s go on during the rebuild; writes and pulls of every table of the
+    /// store wait for it (it holds the checkpoint gate, as a checkpoint does), about the
+    /// time of one pass over the index (see `docs/BENCHMARKS.md`). Keys the table does
+    /// not hold are ignored; at most 14 hot keys share a home bucket, the rest land next.
+    pub fn place_hot(&self, keys: &[u64]) -> Result<PlaceReport> {
+        self.wait_repaired();
+        let t0 = Instant::now();
+        let _gate = self.shared.runtime.gate.lock.write();
+        let (index, generation, before) = {
+            let st = self.state()?;
+            let old = &st.as_ref().unwrap().index;
+            let before = home_fraction(old, keys);
+            let (index, _, generation) = self.build_index(old, old.bucket_count(), keys)?;
+            (index, generation, before)
+        };
+        let after = home_fraction(&index, keys);
+        {
+            let mut guard = self.shared.state.write();
+            let st = guard
+                .as_mut()
+                .ok_or_else(|| Error::new(ErrorKind::Closed, format!("table {:?} is closed", self.shared.name)))?;
+            self.install_index(st, index, generation, false)?;
+        }
+        self.shared.counters.placements.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let report = PlaceReport {
+            keys: keys.len() as u64,
+            home_before: before.0,
+            home_after: after.0,
+            held: after.1,
+            seconds: t0.elapsed().as_secs_f64(),
+        };
+        tracing::info!(table = %self.shared.name, ?report, "hot keys placed");
+        Ok(report)
+    }
+
+    /// Of `keys` the table holds, the fraction found in their home index bucket (one
+    /// bucket read), and how many it holds.
+    pub fn home_fraction(&self, keys: &[u64]) -> Result<(f64, u64)> {
+        let st = self.state()?;
+        Ok(home_fraction(&st.as_ref().unwrap().index, keys))
+    }
+}
+
+/// What a [`Table::place_hot`] did.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PlaceReport {
+    /// Hot keys given.
+    pub keys: u64,
+    /// Of those the table holds: the fraction in their home bucket before and after.
+    pub home_before: f64,
+    pub home_after: f64,
+    /// Hot keys the table holds.
+    pub held: u64,
+    pub seconds: f64,
+}
+
+fn home_fraction(index: &Index, keys: &[u64]) -> (f64, u64) {
+    let (mut held, mut home) = (0u64, 0u64);
+    for &k in keys {
+        if let Some(f) = index.find(k, index.hash(k)) {
+            held += 1;
+            if f.bucket == index.home_of(index.hash(k)) {
+                home += 1;
+            }
+        }
+    }
+    (if held == 0 { 1.0 } else { home as f64 / held as f64 }, held)
 }

@@ -53,6 +53,7 @@ mod tiered;
 mod write;
 
 pub use export::ExportCursor;
+pub use grow::PlaceReport;
 pub(crate) use options::RepairMode;
 pub use options::{validate_name, RecoverStats, TableOptions, TableStats, DIM_MAX, NAME_BYTES_MAX};
 pub use pooled::check_bags;
@@ -74,6 +75,8 @@ struct ReadCounters {
     misses: AtomicU64,
     rows_read: AtomicU64,
     lookahead_rows: AtomicU64,
+    /// Hot placements done ([`Table::place_hot`]).
+    placements: AtomicU64,
 }
 
 struct Shared {

@@ -207,6 +207,8 @@ pub struct TableStats {
     /// Rows read from the medium by pulls, lookups and lookaheads.
     pub medium_rows_read: u64,
     pub lookahead_rows: u64,
+    /// Hot placements done since the table was opened.
+    pub hot_placements: u64,
     /// Staleness bound (`None`: ASP), holds outstanding and workers holding any.
     pub staleness_bound: Option<u32>,
     pub holds_outstanding: u64,

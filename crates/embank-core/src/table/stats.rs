@@ -51,6 +51,7 @@ impl Table {
                 .then(|| hits as f64 / (hits + misses) as f64),
             medium_rows_read: c.rows_read.load(Ordering::Relaxed),
             lookahead_rows: c.lookahead_rows.load(Ordering::Relaxed),
+            hot_placements: c.placements.load(Ordering::Relaxed),
             staleness_bound: self.staleness_bound(),
             holds_outstanding: self.shared.holds.as_ref().map_or(0, |h| h.outstanding().0),
             holding_workers: self.shared.holds.as_ref().map_or(0, |h| h.outstanding().1),
