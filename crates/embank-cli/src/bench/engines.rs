@@ -35,6 +35,14 @@ pub trait Engine: Sync {
     }
     /// Called between the load and the measured phase (resets counters).
     fn start_measure(&self) {}
+    /// Of `keys` (lookups of the stream), the fraction found in their home index bucket.
+    fn home_fraction(&self, _keys: &[u64]) -> Option<f64> {
+        None
+    }
+    /// Seconds a hot placement after the load took, where the engine did one.
+    fn placement_seconds(&self) -> Option<f64> {
+        None
+    }
     /// A batch-aware checkpoint (`--checkpoint-every`), where the engine has them.
     fn checkpoint(&self) -> Result<(), String> {
         Err(format!("{} has no checkpoints (--checkpoint-every is an embank feature)", self.name()))
@@ -42,6 +50,8 @@ pub trait Engine: Sync {
 }
 
 /// The embedded embank store: `embank-mmap` (the mmap medium, no row cache),
+/// `embank-mmap-hot` (the same with the workload's hottest keys placed in their home
+/// index buckets after the load),
 /// `embank-block` (block medium through io_uring under the row cache) and
 /// `embank-block-pread` (the same through the pread pool).
 pub struct Embank {
@@ -54,6 +64,9 @@ pub struct Embank {
     io_base: parking_lot::Mutex<(u64, u64)>,
     /// Batch id of the next checkpoint.
     checkpoints: std::sync::atomic::AtomicU64,
+    /// Keys to place in their home buckets after the load (`embank-mmap-hot`).
+    hot: Vec<u64>,
+    placement_seconds: parking_lot::Mutex<Option<f64>>,
 }
 
 impl Embank {
@@ -67,7 +80,7 @@ impl Embank {
         mmap_random_access: bool,
     ) -> Result<Self, String> {
         let (medium, io) = match name {
-            "embank-mmap" => (MediumKind::Mmap, IoChoice::Auto),
+            "embank-mmap" | "embank-mmap-hot" => (MediumKind::Mmap, IoChoice::Auto),
             "embank-block" => (MediumKind::Block, IoChoice::Uring),
             "embank-block-pread" => (MediumKind::Block, IoChoice::Pread),
             other => return Err(format!("not an embank engine: {other}")),
@@ -86,7 +99,14 @@ impl Embank {
             base: parking_lot::Mutex::new((0, 0)),
             io_base: parking_lot::Mutex::new((0, 0)),
             checkpoints: std::sync::atomic::AtomicU64::new(1),
+            hot: Vec::new(),
+            placement_seconds: parking_lot::Mutex::new(None),
         })
+    }
+
+    /// Keys to place in their home index buckets once loaded.
+    pub fn set_hot(&mut self, hot: Vec<u64>) {
+        self.hot = hot;
     }
 
     fn hits_misses(&self) -> (u64, u64) {
@@ -105,7 +125,26 @@ impl Engine for Embank {
     /// Rows reach the medium before the measured phase (the page cache holds no
     /// dirty pages of the load; the row cache no dirty rows).
     fn finish_load(&self) -> Result<(), String> {
-        self.table.flush().map_err(|e| e.to_string())
+        self.table.flush().map_err(|e| e.to_string())?;
+        if !self.hot.is_empty() {
+            let r = self.table.place_hot(&self.hot).map_err(|e| e.to_string())?;
+            println!(
+                "{:<18} placed {} hot keys in {:.2}s: {:.1} % of them in their home bucket before, {:.1} % after",
+                self.name,
+                r.held,
+                r.seconds,
+                r.home_before * 100.0,
+                r.home_after * 100.0
+            );
+            *self.placement_seconds.lock() = Some(r.seconds);
+        }
+        Ok(())
+    }
+    fn home_fraction(&self, keys: &[u64]) -> Option<f64> {
+        self.table.home_fraction(keys).ok().map(|(f, _)| f)
+    }
+    fn placement_seconds(&self) -> Option<f64> {
+        *self.placement_seconds.lock()
     }
     fn start_measure(&self) {
         *self.base.lock() = self.hits_misses();
@@ -114,13 +153,13 @@ impl Engine for Embank {
     fn io_ops(&self) -> Option<(u64, u64)> {
         let (r0, w0) = *self.io_base.lock();
         let (r, w) = self.reads_writes();
-        (self.name != "embank-mmap").then_some((r - r0, w - w0))
+        (!self.name.starts_with("embank-mmap")).then_some((r - r0, w - w0))
     }
     fn hit_rate(&self) -> Option<f64> {
         let (h0, m0) = *self.base.lock();
         let (h, m) = self.hits_misses();
         let (h, m) = (h - h0, m - m0);
-        (self.name != "embank-mmap" && h + m > 0).then(|| h as f64 / (h + m) as f64)
+        (!self.name.starts_with("embank-mmap") && h + m > 0).then(|| h as f64 / (h + m) as f64)
     }
     fn push(&self, _: usize, keys: &[u64], rows: &[f32]) -> Result<(), String> {
         self.table.push(keys, rows).map_err(|e| e.to_string())

@@ -63,8 +63,17 @@ impl Workload {
 }
 
 /// Every engine this build knows, in report order.
-pub const ENGINES: [&str; 8] =
-    ["embank-tcp", "embank-mmap", "embank-block", "embank-block-pread", "hashmap", "rocksdb", "lmdb", "redis"];
+pub const ENGINES: [&str; 9] = [
+    "embank-tcp",
+    "embank-mmap",
+    "embank-mmap-hot",
+    "embank-block",
+    "embank-block-pread",
+    "hashmap",
+    "rocksdb",
+    "lmdb",
+    "redis",
+];
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -81,6 +90,15 @@ pub struct BenchArgs {
     /// baselines store f32 rows either way).
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: embank_core::DType,
+    /// `embank-mmap-hot`: the hottest keys of the workload's popularity order placed in
+    /// their home index buckets after the load (`Table::place_hot`).
+    #[arg(long, default_value_t = 10_000)]
+    pub hot_keys: u64,
+    /// Capacity the embedded embank tables are created with (default: --keys). Fewer
+    /// than --keys loads the index fuller (up to its load_factor_max of 0.9 before it
+    /// grows): e.g. --keys 1650000 --capacity 1000000 fills it to 0.9.
+    #[arg(long)]
+    pub capacity: Option<u64>,
     /// `bags`: ids per bag (a request holds `--batch / --bag-size` bags).
     #[arg(long, default_value_t = 20)]
     pub bag_size: usize,
@@ -208,6 +226,11 @@ pub struct EngineResult {
     /// Block-medium engines: device reads and writes per second in the measured phase.
     pub device_reads_per_second: Option<f64>,
     pub device_writes_per_second: Option<f64>,
+    /// embank engines: of the measured stream's lookups (a sample), the fraction that
+    /// find their key in its home index bucket (one bucket read).
+    pub home_bucket_fraction: Option<f64>,
+    /// `embank-mmap-hot`: seconds the hot placement took after the load.
+    pub placement_seconds: Option<f64>,
     /// Latency CDF: (microseconds, fraction of batches at or below).
     pub latency_cdf: Vec<(f64, f64)>,
 }
@@ -258,6 +281,8 @@ fn skipped(engine: &str, why: String) -> EngineResult {
         fraction_of_device_io: None,
         device_reads_per_second: None,
         device_writes_per_second: None,
+        home_bucket_fraction: None,
+        placement_seconds: None,
         latency_cdf: Vec::new(),
     }
 }
@@ -427,17 +452,23 @@ fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usi
             }
             None => Err("embank-tcp runs against servers: give --target tcp://host:port[,host:port]".into()),
         },
-        "embank-mmap" | "embank-block" | "embank-block-pread" => {
+        "embank-mmap" | "embank-mmap-hot" | "embank-block" | "embank-block-pread" => {
             let name = ENGINES.iter().find(|e| **e == name).expect("known engine");
-            Ok(Box::new(engines::Embank::open(
+            let mut e = engines::Embank::open(
                 name,
                 dir,
-                args.keys,
+                args.capacity.unwrap_or(args.keys),
                 args.dim,
                 args.dtype,
                 dram_bytes,
                 args.mmap_random_access,
-            )?))
+            )?;
+            if name == &"embank-mmap-hot" {
+                let zipf = args.zipf.unwrap_or(args.workload.default_zipf());
+                let ranks = KeyStream::new(args.keys, zipf, args.seed)?;
+                e.set_hot((0..args.hot_keys.min(args.keys)).map(|r| ranks.key_of_rank(r)).collect());
+            }
+            Ok(Box::new(e))
         }
         "hashmap" => Ok(Box::new(engines::ShardedHashMap::new(args.keys, dim))),
         #[cfg(feature = "baselines")]
@@ -556,6 +587,8 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             }
         };
         let outcome = load(engine.as_ref(), args.keys, dim).and_then(|load_s| {
+            let sample = &streams.batches[0][..streams.batches[0].len().min(200_000)];
+            let home = engine.home_fraction(sample);
             if args.warmup > 0.0 {
                 let warm = BenchArgs { duration: args.warmup, ops: None, ..args.clone() };
                 measure(engine.as_ref(), &warm, threads, &streams)?;
@@ -565,12 +598,12 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             // Resident after the measured phase, so caches filled by it count.
             let resident = rss_bytes().saturating_sub(rss0) + engine.external_resident_bytes().unwrap_or(0);
             let io = engine.io_ops().map(|(r, w)| (r as f64 / secs, w as f64 / secs));
-            Ok((load_s, resident, secs, lat, engine.hit_rate(), io))
+            Ok((load_s, resident, secs, lat, engine.hit_rate(), io, home, engine.placement_seconds()))
         });
         drop(engine);
         // Free the disk before the next engine loads.
         let _ = std::fs::remove_dir_all(dir.join(name.as_str()));
-        let (load_s, resident, secs, lat, hit_rate, io) = match outcome {
+        let (load_s, resident, secs, lat, hit_rate, io, home, placement) = match outcome {
             Ok(x) => x,
             Err(why) => {
                 println!("{name:<18} failed: {why}");
@@ -602,6 +635,8 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             },
             device_reads_per_second: io.map(|(r, _)| r),
             device_writes_per_second: io.map(|(_, w)| w),
+            home_bucket_fraction: home,
+            placement_seconds: placement,
             latency_cdf: cdf,
         });
         match io {
@@ -690,5 +725,13 @@ fn print_table(r: &Report) {
             e.fraction_of_copy_bound * 100.0,
             e.fraction_of_device_io.map_or("-".into(), |f| format!("{:.0}%", f * 100.0))
         );
+    }
+    let home: Vec<String> = r
+        .engines
+        .iter()
+        .filter_map(|e| e.home_bucket_fraction.map(|f| format!("{} {:.2} %", e.engine, f * 100.0)))
+        .collect();
+    if !home.is_empty() {
+        println!("lookups answered from their home index bucket: {}", home.join(", "));
     }
 }
