@@ -151,6 +151,21 @@ class Table:
             rows[~found] = fill
         return rows, found
 
+    def place_hot(self, keys: KeysLike) -> dict[str, Any]:
+        """Hot placement: moves ``keys`` (the hot set) into their home index buckets, so
+        each is found with one bucket read. The index is rebuilt at its size with these
+        keys first (crash-safe as a growth is); lookups go on meanwhile, writes and pulls
+        of the store wait for it, about one pass over the index. Returns the fraction of
+        the held keys at home before and after, how many the table holds, and seconds.
+        Embedded stores only."""
+        report: dict[str, Any] = json.loads(self._t.place_hot(_keys(keys)))
+        return report
+
+    def home_fraction(self, keys: KeysLike) -> float:
+        """Of ``keys`` the table holds, the fraction found in their home index bucket."""
+        frac, _held = self._t.home_fraction(_keys(keys))
+        return float(frac)
+
     def lookup_pooled(
         self,
         ids: KeysLike,
@@ -693,6 +708,7 @@ def open(
     keep_checkpoints: int = 2,
     background_repair: bool = True,
     pooled_cache_bytes: int = 0,
+    hot_placement: dict[str, Any] | None = None,
 ) -> Store:
     """Opens (or creates) the store in directory ``path``.
 
@@ -720,6 +736,11 @@ def open(
             For inference: :meth:`Table.lookup_pooled` (and ``embank.torch``'s bags in
             eval mode) answer a bag whose whole id sequence was pooled before from it,
             skipping the lookup and pooling; a write to any member row drops the bag.
+        hot_placement: automatic hot placement (off by default): tables sample the keys
+            their reads ask for, and now and then each table's hot set is moved into its
+            home index buckets (one bucket read per lookup; see :meth:`Table.place_hot`).
+            A dict of ``keys`` (hot-set size, 10000), ``every_seconds`` (600),
+            ``sample_every`` (16) and ``min_home_fraction`` (0.99); ``{}`` takes them all.
 
     Raises:
         StoreLockedError: another process or handle has the store open.
@@ -741,6 +762,7 @@ def open(
             int(keep_checkpoints),
             bool(background_repair),
             int(pooled_cache_bytes),
+            None if hot_placement is None else json.dumps(hot_placement),
         )
     )
 

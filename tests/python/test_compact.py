@@ -162,3 +162,27 @@ def test_lookup_pooled_matches_torch_embedding_bag_and_the_cache_hits(tmp_path: 
             t.lookup_pooled(ids, offsets, weights, "mean")
         with pytest.raises(errors.InvalidInputError, match="offsets decrease"):
             t.lookup_pooled(ids, np.array([0, 9, 3]))
+
+
+def test_place_hot_on_demand_and_automatically(tmp_path: Path) -> None:
+    with embank.open(tmp_path / "s", hot_placement={"keys": 64, "every_seconds": 0.1, "sample_every": 1}) as s:
+        t = s.create_table("t", dim=4, capacity=10_000)
+        keys = np.arange(12_000, dtype=np.uint64)
+        t.push(keys, np.repeat(keys.astype(np.float32)[:, None], 4, axis=1))
+        away = np.array([k for k in range(12_000) if t.home_fraction([k]) == 0.0][:64], dtype=np.uint64)
+        assert len(away) == 64
+        r = t.place_hot(away[:32])
+        assert r["held"] == 32 and r["home_before"] == 0.0 and r["home_after"] == 1.0, r
+        assert t.home_fraction(away[:32]) == 1.0
+        # The other 32 are found by the table's own sample of reads.
+        import time
+
+        deadline = time.monotonic() + 20
+        while t.home_fraction(away[32:]) < 1.0:
+            assert time.monotonic() < deadline, t.stats()["hot_placements"]
+            t.lookup(away[32:])
+            time.sleep(0.005)
+        rows, found = t.lookup(keys)
+        assert found.all() and (rows[:, 0] == keys.astype(np.float32)).all()
+    with pytest.raises(errors.ConfigError, match="hot_placement"):
+        embank.open(tmp_path / "t", hot_placement={"keys": 0})

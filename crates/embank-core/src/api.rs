@@ -90,6 +90,14 @@ pub trait TableApi: Send + Sync {
     /// Statistics as JSON (the embedded table's fields; remote tables add per-shard ones).
     fn stats_json(&self) -> Result<serde_json::Value>;
     fn export(&self, chunk_keys: usize, f: ChunkSink<'_>) -> Result<()>;
+    /// Hot placement ([`Table::place_hot`]); its report as JSON. Embedded tables only.
+    fn place_hot(&self, _keys: &[u64]) -> Result<serde_json::Value> {
+        Err(Error::new(ErrorKind::Unsupported, "hot placement runs where the store is (embank serve places its own)"))
+    }
+    /// Of `keys` the table holds, the fraction in their home index bucket, and how many it holds.
+    fn home_fraction(&self, _keys: &[u64]) -> Result<(f64, u64)> {
+        Err(Error::new(ErrorKind::Unsupported, "home_fraction runs where the store is"))
+    }
 }
 
 /// True when stats JSON (a table's, or a remote table's with its shards') says a
@@ -222,6 +230,12 @@ impl TableApi for Table {
     }
     fn export(&self, chunk_keys: usize, f: ChunkSink<'_>) -> Result<()> {
         Table::export(self, chunk_keys, f)
+    }
+    fn place_hot(&self, keys: &[u64]) -> Result<serde_json::Value> {
+        Ok(serde_json::to_value(Table::place_hot(self, keys)?).expect("report serializes"))
+    }
+    fn home_fraction(&self, keys: &[u64]) -> Result<(f64, u64)> {
+        Table::home_fraction(self, keys)
     }
 }
 

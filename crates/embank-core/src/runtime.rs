@@ -39,6 +39,9 @@ pub(crate) trait Maintained: Send + Sync {
     fn has_ttl(&self) -> bool;
     /// Evicts the rows past their TTL.
     fn evict_expired(self: Arc<Self>) -> Result<u64>;
+    /// Automatic hot placement: places the sampled hot set if its interval has passed
+    /// and too little of it is home; true if it placed.
+    fn hot_round(self: Arc<Self>, opts: &crate::hot::HotOptions) -> Result<bool>;
     /// Loads rows into the row cache (the work behind `lookahead`).
     fn warm(self: Arc<Self>, keys: &[u64]) -> Result<()>;
     /// After a checkpoint: deletes the journals of dropped checkpoints, prepares a spare.
@@ -59,6 +62,8 @@ pub(crate) struct Runtime {
     pub cache: Option<Arc<RowCache>>,
     /// The pooled-embedding cache of inference bags (absent when its budget is 0).
     pub pooled: Option<Arc<PooledCache>>,
+    /// Automatic hot placement (absent: off).
+    pub hot: Option<crate::hot::HotOptions>,
     pub io: Arc<dyn IoEngine>,
     /// Map mmap-medium files with `MADV_RANDOM`.
     pub mmap_random: bool,
@@ -75,6 +80,7 @@ impl Runtime {
     pub fn new(
         cache: Option<Arc<RowCache>>,
         pooled: Option<Arc<PooledCache>>,
+        hot: Option<crate::hot::HotOptions>,
         io: Arc<dyn IoEngine>,
         mmap_random: bool,
     ) -> Arc<Runtime> {
@@ -82,6 +88,7 @@ impl Runtime {
         let tier = Arc::new(Runtime {
             cache,
             pooled,
+            hot,
             io,
             mmap_random,
             tables: Mutex::new(Vec::new()),
@@ -163,6 +170,21 @@ impl Runtime {
         }
     }
 
+    /// Automatic hot placement, table by table.
+    fn hot_round(&self) {
+        let Some(opts) = &self.hot else { return };
+        let tables: Vec<Arc<dyn Maintained>> = self.tables.lock().iter().filter_map(|t| t.upgrade()).collect();
+        for table in tables {
+            let name = table.name();
+            match table.hot_round(opts) {
+                Ok(true) => tracing::debug!(table = name, "hot keys placed automatically"),
+                Ok(false) => {}
+                Err(e) if e.kind() == ErrorKind::Closed => {}
+                Err(e) => tracing::warn!(table = name, error = %e, "automatic hot placement failed"),
+            }
+        }
+    }
+
     fn write_back_round(&self) {
         let Some(cache) = &self.cache else { return };
         if cache.dirty_bytes() <= cache.dirty_target() {
@@ -212,6 +234,7 @@ fn maintenance(tier: Weak<Runtime>, rx: Receiver<Job>) {
         if last_sweep.elapsed() >= TTL_SWEEP {
             last_sweep = std::time::Instant::now();
             tier.ttl_round();
+            tier.hot_round();
         }
     }
 }

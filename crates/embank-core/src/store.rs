@@ -47,6 +47,10 @@ pub struct StoreOptions {
     /// whole id sequences that repeat are answered with their pooled vector. Default 0
     /// (none): a serving option.
     pub pooled_cache_bytes: u64,
+    /// Automatic hot placement: tables sample what their reads ask for and the
+    /// maintenance thread places each table's hot set in its home index buckets now
+    /// and then ([`crate::hot`]). Default `None` (off): [`Table::place_hot`] places on demand.
+    pub hot_placement: Option<crate::hot::HotOptions>,
     /// I/O engine of block media. Default `auto`: io_uring if the kernel allows, else pread.
     pub io_engine: IoChoice,
     /// Most block-medium requests in flight per batch. Default 128.
@@ -80,6 +84,7 @@ impl Default for StoreOptions {
             verify: false,
             cache_bytes: CACHE_BYTES_DEFAULT,
             pooled_cache_bytes: 0,
+            hot_placement: None,
             io_engine: IoChoice::Auto,
             io_depth: IO_DEPTH_DEFAULT,
             mmap_random_access: true,
@@ -179,7 +184,10 @@ impl Store {
         let cache = (options.cache_bytes > 0).then(|| Arc::new(RowCache::new(options.cache_bytes)));
         let pooled = (options.pooled_cache_bytes > 0)
             .then(|| Arc::new(crate::pooled::PooledCache::new(options.pooled_cache_bytes)));
-        let runtime = Runtime::new(cache, pooled, io, options.mmap_random_access);
+        if let Some(h) = &options.hot_placement {
+            h.validate()?;
+        }
+        let runtime = Runtime::new(cache, pooled, options.hot_placement.clone(), io, options.mmap_random_access);
         let catalog = Arc::new(if exists { Catalog::open(&dir)? } else { Catalog::create(&dir)? });
         let data = catalog.snapshot();
         // Directories of tables the catalog does not know are left-overs of an

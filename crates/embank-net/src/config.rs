@@ -58,6 +58,8 @@ pub struct StoreSection {
     pub io_depth: u32,
     pub mmap_random_access: bool,
     pub verify: bool,
+    /// Automatic hot placement (`[store_options.hot_placement]`; absent: off).
+    pub hot_placement: Option<embank_core::HotOptions>,
 }
 
 impl Default for StoreSection {
@@ -69,6 +71,7 @@ impl Default for StoreSection {
             io_depth: d.io_depth,
             mmap_random_access: d.mmap_random_access,
             verify: d.verify,
+            hot_placement: None,
         }
     }
 }
@@ -229,6 +232,7 @@ impl ServeConfig {
             io_depth: s.io_depth,
             mmap_random_access: s.mmap_random_access,
             verify: s.verify,
+            hot_placement: s.hot_placement.clone(),
             ..StoreOptions::default()
         })
     }
@@ -362,6 +366,22 @@ mod tests {
         assert_eq!((life.admit_after, life.max_rows), (3, Some(50_000_000)));
         assert_eq!(life.evict, embank_core::EvictPolicy::Lfu);
         assert_eq!(c.server_options().unwrap().keys_per_request_max, 65_536);
+        assert_eq!(tables[1].1.dtype, embank_core::DType::Int8);
+        assert!(c.store_options().unwrap().hot_placement.is_none());
+    }
+
+    #[test]
+    fn the_sample_hot_placement_section_parses_uncommented() {
+        let block: String = SAMPLE
+            .lines()
+            .skip_while(|l| !l.starts_with("# [store_options.hot_placement]"))
+            .take_while(|l| l.starts_with('#'))
+            .map(|l| l.trim_start_matches("# ").to_string() + "\n")
+            .collect();
+        let c = ServeConfig::parse(&format!("store = 'x'\n{block}")).unwrap();
+        let h = c.store_options().unwrap().hot_placement.unwrap();
+        assert_eq!((h.keys, h.every_seconds, h.sample_every), (10_000, 600.0, 16));
+        assert!(err("store = 'x'\n[[tables]]\nname = 't'\ndim = 4\ndtype = 'bf16'").contains("bf16"));
     }
 
     fn err(text: &str) -> String {

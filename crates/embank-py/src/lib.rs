@@ -77,7 +77,7 @@ fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, core::Error> 
 impl Store {
     #[staticmethod]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.open
-    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true, keep_checkpoints=2, background_repair=true, pooled_cache_bytes=0))]
+    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true, keep_checkpoints=2, background_repair=true, pooled_cache_bytes=0, hot_placement_json=None))]
     fn open(
         py: Python<'_>,
         path: PathBuf,
@@ -90,7 +90,15 @@ impl Store {
         keep_checkpoints: usize,
         background_repair: bool,
         pooled_cache_bytes: u64,
+        hot_placement_json: Option<&str>,
     ) -> PyResult<Store> {
+        let hot_placement = match hot_placement_json {
+            Some(j) => Some(
+                serde_json::from_str::<core::HotOptions>(j)
+                    .map_err(|e| to_py_err(core::Error::config(format!("bad hot_placement: {e}"))))?,
+            ),
+            None => None,
+        };
         let io_engine = core::IoChoice::parse(io_engine).map_err(to_py_err)?;
         let options = core::StoreOptions {
             create,
@@ -102,6 +110,7 @@ impl Store {
             keep_checkpoints,
             background_repair,
             pooled_cache_bytes,
+            hot_placement,
             ..Default::default()
         };
         let store = Arc::new(detached(py, || core::Store::open(&path, options))?);
@@ -327,6 +336,18 @@ impl Table {
             detached(py, || self.inner.lookup_min(keys, rows, mask, min_checkpoint))?;
         }
         Ok((out, found))
+    }
+
+    /// Hot placement of `keys`; the report as JSON.
+    fn place_hot(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<String> {
+        let keys = slice(&keys, "keys")?;
+        let r = detached(py, || self.inner.place_hot(keys))?;
+        Ok(r.to_string())
+    }
+
+    fn home_fraction(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<(f64, u64)> {
+        let keys = slice(&keys, "keys")?;
+        detached(py, || self.inner.home_fraction(keys))
     }
 
     /// Pooled rows of bags: `offsets` has one entry more than there are bags.

@@ -115,6 +115,8 @@ struct Shared {
     holds: Option<Holds>,
     /// Admission and eviction state (`None`: the table has neither).
     lifecycle: Option<Lifecycle>,
+    /// Sample of the keys reads ask for (automatic hot placement; `None`: off).
+    hot: Option<crate::hot::HotSampler>,
 }
 
 /// A handle to one table; cheap to clone, usable from many threads.
@@ -188,6 +190,9 @@ impl Table {
     /// Rows of `keys` into `out` (`keys.len() * dim` elements); creates missing rows with the initializer.
     pub fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
         self.check_rows("pull", keys.len(), out.len())?;
+        if let Some(h) = &self.shared.hot {
+            h.observe(keys);
+        }
         if let Some(life) = &self.shared.lifecycle {
             return self.pull_lifecycle(life, keys, out);
         }
@@ -203,6 +208,9 @@ impl Table {
     /// Like [`pull`](Self::pull) but never creates rows: missing keys get the table's
     /// missing-row default and `found[i] = false`.
     pub fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        if let Some(h) = &self.shared.hot {
+            h.observe(keys);
+        }
         self.check_rows("lookup", keys.len(), out.len())?;
         if found.len() != keys.len() {
             return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));

@@ -283,6 +283,7 @@ impl Table {
                 repair,
                 holds,
                 lifecycle,
+                hot: runtime.hot.as_ref().map(crate::hot::HotSampler::new),
             }),
         };
         runtime.register(table.maintained());
@@ -366,6 +367,28 @@ impl Maintained for Shared {
 
     fn warm(self: Arc<Self>, keys: &[u64]) -> Result<()> {
         Table { shared: self }.warm(keys)
+    }
+
+    fn hot_round(self: Arc<Self>, opts: &crate::hot::HotOptions) -> Result<bool> {
+        let Some(sampler) = &self.hot else { return Ok(false) };
+        {
+            let mut last = sampler.last_round.lock();
+            if last.is_some_and(|t| t.elapsed().as_secs_f64() < opts.every_seconds) {
+                return Ok(false);
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        let top = sampler.top(opts.keys);
+        if top.is_empty() {
+            return Ok(false);
+        }
+        let table = Table { shared: self };
+        let (home, _) = table.home_fraction(&top)?;
+        if home >= opts.min_home_fraction {
+            return Ok(false);
+        }
+        table.place_hot(&top)?;
+        Ok(true)
     }
 
     fn housekeep(self: Arc<Self>, dropped: &[u64]) {
