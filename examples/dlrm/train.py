@@ -574,10 +574,16 @@ def serve_compact(
         m = evaluate(model, test())
         st = served.stats()["tables"]
         rows_bytes = sum(t["rows"] * t["record_bytes"] for t in st)
-        out[dt] = {**m, "auc_delta": m["auc"] - trained["auc"], "record_bytes": st[0]["record_bytes"], "rows_bytes": rows_bytes}
+        out[dt] = {
+            **m,
+            "auc_delta": m["auc"] - trained["auc"],
+            "record_bytes": st[0]["record_bytes"],
+            "rows_bytes": rows_bytes,
+        }
         print(
             f"served as {dt}: auc {m['auc']:.4f} ({m['auc'] - trained['auc']:+.5f} against f32), "
-            f"logloss {m['logloss']:.4f}, {st[0]['record_bytes']} B records, {rows_bytes / 2**20:.1f} MiB of rows",
+            f"logloss {m['logloss']:.4f}, {st[0]['record_bytes']} B records, "
+            f"{rows_bytes / 2**20:.1f} MiB of rows",
             file=sys.stderr,
         )
         served.close()

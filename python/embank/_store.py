@@ -186,12 +186,16 @@ class Table:
         same order, same weights and mode) is answered from the pooled-embedding cache.
         """
         keys = _keys(ids)
-        offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        offs: npt.NDArray[np.int64] = np.asarray(offsets, dtype=np.int64).reshape(-1)
         if not include_last_offset:
             offs = np.append(offs, len(keys))
         if (offs < 0).any():
             raise InvalidInputError("offsets must be >= 0")
-        w = None if weights is None else np.ascontiguousarray(np.asarray(weights, dtype=np.float32).reshape(-1))
+        w = (
+            None
+            if weights is None
+            else np.ascontiguousarray(np.asarray(weights, dtype=np.float32).reshape(-1))
+        )
         return self._t.lookup_pooled(keys, offs.astype(np.uint64), w, mode)
 
     def push(self, keys: KeysLike, rows: Rows) -> None:

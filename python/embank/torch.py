@@ -226,7 +226,11 @@ class EmbeddingBag(_Lookup):
             raise InvalidInputError('per_sample_weights need mode="sum" (as in torch.nn.EmbeddingBag)')
         if self.pooled and not (torch.is_grad_enabled() and self.training):
             keys = _to_keys(input.reshape(-1).to("cpu"), "ids")
-            w = None if per_sample_weights is None else per_sample_weights.detach().to("cpu", torch.float32).numpy()
+            w = (
+                None
+                if per_sample_weights is None
+                else per_sample_weights.detach().to("cpu", torch.float32).numpy()
+            )
             out = self.table.lookup_pooled(keys, offsets.to("cpu").numpy(), w, self.mode)
             return torch.from_numpy(out).to(input.device)
         rows, inverse = self.unique_rows(input, input.device)

@@ -9,18 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
-
 import embank
+import numpy as np
+import numpy.typing as npt
+import pytest
 from embank import errors
 
 
-def as_f16(rows: np.ndarray) -> np.ndarray:
+def as_f16(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     return rows.astype(np.float16).astype(np.float32)
 
 
-def as_int8(rows: np.ndarray) -> np.ndarray:
+def as_int8(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     """The documented formula (docs/FORMAT.md), in numpy."""
     lo = rows.min(axis=1, keepdims=True)
     scale = ((rows.max(axis=1, keepdims=True) - lo) / np.float32(255)).astype(np.float32)
@@ -28,10 +28,11 @@ def as_int8(rows: np.ndarray) -> np.ndarray:
         q = np.where(scale > 0, np.clip(np.round((rows - lo) / scale), 0, 255), 0)
     # numpy rounds half to even, the format half away from zero: equal except at exact
     # halves, which random rows do not hit.
-    return (q.astype(np.float32) * scale + lo).astype(np.float32)
+    out: npt.NDArray[np.float32] = (q.astype(np.float32) * scale + lo).astype(np.float32)
+    return out
 
 
-def fused8(rows: np.ndarray) -> np.ndarray:
+def fused8(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
     """Rows in the fused 8-bit row-wise layout: q bytes, then f32 scale and f32 bias."""
     lo = rows.min(axis=1, keepdims=True).astype(np.float32)
     scale = ((rows.max(axis=1, keepdims=True) - lo) / np.float32(255)).astype(np.float32)
@@ -69,7 +70,9 @@ def test_int8_refuses_training_and_says_why(store: embank.Store) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "embank", *args], capture_output=True, text=True, env=dict(os.environ))
+    return subprocess.run(
+        [sys.executable, "-m", "embank", *args], capture_output=True, text=True, env=dict(os.environ)
+    )
 
 
 def test_import_quantizes_dequantizes_and_deprunes(tmp_path: Path) -> None:
@@ -80,28 +83,79 @@ def test_import_quantizes_dequantizes_and_deprunes(tmp_path: Path) -> None:
     np.save(tmp_path / "r.npy", rows)
     store = tmp_path / "s"
     # Quantize an f32 export into an int8 table.
-    r = cli("import", str(store), "--table", "q", "--keys", str(tmp_path / "k.npy"), "--rows", str(tmp_path / "r.npy"), "--dtype", "int8")
+    r = cli(
+        "import",
+        str(store),
+        "--table",
+        "q",
+        "--keys",
+        str(tmp_path / "k.npy"),
+        "--rows",
+        str(tmp_path / "r.npy"),
+        "--dtype",
+        "int8",
+    )
     assert r.returncode == 0 and "stored as int8" in r.stdout, r.stderr
     # De-quantize fused 8-bit rows into an f32 table: exactly q * scale + bias.
     np.save(tmp_path / "r8.npy", fused8(rows))
-    r = cli("import", str(store), "--table", "dq", "--keys", str(tmp_path / "k.npy"), "--rows", str(tmp_path / "r8.npy"))
+    r = cli(
+        "import",
+        str(store),
+        "--table",
+        "dq",
+        "--keys",
+        str(tmp_path / "k.npy"),
+        "--rows",
+        str(tmp_path / "r8.npy"),
+    )
     assert r.returncode == 0 and "stored as f32" in r.stdout, r.stderr
     r = cli("inspect", str(store))
     assert "dtype int8" in r.stdout and "dtype f32" in r.stdout, r.stdout
     # --dtype on an existing table of another type is refused.
-    r = cli("import", str(store), "--table", "q", "--keys", str(tmp_path / "k.npy"), "--rows", str(tmp_path / "r.npy"), "--dtype", "f16")
+    r = cli(
+        "import",
+        str(store),
+        "--table",
+        "q",
+        "--keys",
+        str(tmp_path / "k.npy"),
+        "--rows",
+        str(tmp_path / "r.npy"),
+        "--dtype",
+        "f16",
+    )
     assert r.returncode == 1 and "exists with dtype int8" in r.stderr
     # De-pruning: 5000 original ids, every third pruned, the rest mapped to pruned rows.
     mapping = np.full(5000, -1, dtype=np.int64)
     kept = np.array([i for i in range(5000) if i % 3], dtype=np.int64)
     mapping[kept] = rng.permutation(len(kept)) % 2000
     np.save(tmp_path / "map.npy", mapping)
-    r = cli("import", str(store), "--table", "dp", "--remap", str(tmp_path / "map.npy"), "--rows", str(tmp_path / "r.npy"), "--missing", "-1")
+    r = cli(
+        "import",
+        str(store),
+        "--table",
+        "dp",
+        "--remap",
+        str(tmp_path / "map.npy"),
+        "--rows",
+        str(tmp_path / "r.npy"),
+        "--missing",
+        "-1",
+    )
     assert r.returncode == 0 and f"{5000 - len(kept)} pruned ids" in r.stdout, r.stderr
     bad = mapping.copy()
     bad[7] = 2000
     np.save(tmp_path / "bad.npy", bad)
-    r = cli("import", str(store), "--table", "dp2", "--remap", str(tmp_path / "bad.npy"), "--rows", str(tmp_path / "r.npy"))
+    r = cli(
+        "import",
+        str(store),
+        "--table",
+        "dp2",
+        "--remap",
+        str(tmp_path / "bad.npy"),
+        "--rows",
+        str(tmp_path / "r.npy"),
+    )
     assert r.returncode == 1 and "original id 7 maps to row 2000" in r.stderr
     with embank.open(store) as s:
         got, found = s.table("q").lookup(keys)
@@ -165,7 +219,9 @@ def test_lookup_pooled_matches_torch_embedding_bag_and_the_cache_hits(tmp_path: 
 
 
 def test_place_hot_on_demand_and_automatically(tmp_path: Path) -> None:
-    with embank.open(tmp_path / "s", hot_placement={"keys": 64, "every_seconds": 0.1, "sample_every": 1}) as s:
+    with embank.open(
+        tmp_path / "s", hot_placement={"keys": 64, "every_seconds": 0.1, "sample_every": 1}
+    ) as s:
         t = s.create_table("t", dim=4, capacity=10_000)
         keys = np.arange(12_000, dtype=np.uint64)
         t.push(keys, np.repeat(keys.astype(np.float32)[:, None], 4, axis=1))
