@@ -14,6 +14,7 @@ from __future__ import annotations
 from . import errors, init, optim
 from ._native import __version__
 from ._store import Publisher, Store, Table, Worker, connect, open
+from ._plan import plan
 from .errors import (
     ConfigError,
     CorruptStoreError,
@@ -54,4 +55,5 @@ __all__ = [
     "init",
     "open",
     "optim",
+    "plan",
 ]

@@ -11,6 +11,7 @@ pub mod brokers;
 pub mod cert;
 pub mod demo;
 pub mod npy;
+pub mod plan;
 pub mod publish;
 pub mod recovery;
 pub mod serve;
@@ -70,6 +71,10 @@ enum Command {
     /// from checkpoint() to serving, and what publishing costs training.
     #[command(name = "bench-stream")]
     BenchStream(stream_bench::StreamBenchArgs),
+    /// Size every tier from a key trace before buying memory: hit-rate curves of the row
+    /// cache and a GPU cache over sizes, bytes per tier, a placement per table, and what a
+    /// DRAM or GPU budget buys.
+    Plan(plan::PlanArgs),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -104,6 +109,7 @@ where
         Command::BenchRecovery(args) => recovery::run(args),
         Command::Publish(args) => publish::run(args),
         Command::BenchStream(args) => stream_bench::run(args),
+        Command::Plan(args) => plan::run(args),
     };
     match result {
         Ok(()) => 0,

@@ -44,6 +44,7 @@ pub mod layout;
 pub mod lifecycle;
 pub mod medium;
 pub mod optim;
+pub mod plan;
 pub mod pooled;
 mod prefetch;
 mod runtime;

@@ -261,3 +261,37 @@ fn compact_tables_checkpoint_restore_export_and_train_as_their_type_allows() {
         }
     }
 }
+
+/// `embank plan`'s byte model against what a loaded table reports: the index exactly,
+/// the medium's records within 5 %, for both media and every type.
+#[test]
+fn planned_tier_bytes_match_a_loaded_table() {
+    use embank_core::plan::{tier_bytes, TableShape};
+    use embank_core::{DType, MediumKind, Optimizer};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    let n = 30_000u64;
+    for (i, (medium, dtype, optimizer)) in [
+        (MediumKind::Mmap, DType::F32, Optimizer::None),
+        (MediumKind::Mmap, DType::F16, Optimizer::Adagrad { lr: 0.1, eps: 1e-8, initial_accumulator_value: 0.0 }),
+        (MediumKind::Block, DType::Int8, Optimizer::None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut o = TableOptions::new(24);
+        o.capacity = n;
+        o.medium = medium;
+        o.dtype = dtype;
+        o.optimizer = optimizer;
+        let t = store.create_table(&format!("t{i}"), o).unwrap();
+        let keys: Vec<u64> = (0..n).collect();
+        t.push(&keys, &vec![0.5; keys.len() * 24]).unwrap();
+        let s = t.stats().unwrap();
+        let plan = tier_bytes(&TableShape { name: "t".into(), dim: 24, dtype, optimizer, medium }, n);
+        assert_eq!(plan.index, s.index_bytes, "{medium:?} {dtype}");
+        assert_eq!(plan.record_bytes, s.record_bytes, "{medium:?} {dtype}");
+        let used = s.records_used * s.record_bytes;
+        assert!((plan.medium as f64 - used as f64).abs() <= 0.05 * used as f64, "{medium:?} {dtype}: {} vs {used}", plan.medium);
+    }
+}

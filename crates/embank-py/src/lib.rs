@@ -552,6 +552,12 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
     py.detach(|| embank_cli::run(argv))
 }
 
+/// `embank plan` with `argv` (its options); the plan as JSON.
+#[pyfunction]
+fn plan_json(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
+    py.detach(|| embank_cli::plan::plan_json(&argv)).map_err(|e| to_py_err(core::Error::config(e)))
+}
+
 /// A publisher of an embedded store's checkpoints to an update stream.
 #[pyclass(module = "embank._native", frozen)]
 struct Publisher {
@@ -611,6 +617,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Publisher>()?;
     m.add_function(wrap_pyfunction!(client_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_json, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

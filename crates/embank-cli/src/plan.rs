@@ -1,0 +1,468 @@
+//! `embank plan`: sizes every tier from the real key stream before memory is
+//! bought. Per table: the hit-rate curve of the DRAM row cache and of a GPU
+//! cache over sizes (Mattson stack distances, SHARDS-sampled for long traces:
+//! `embank_core::plan`), the bytes of each tier from the store's own layouts, a
+//! recommended placement, and answers for a DRAM or GPU budget or a target hit
+//! rate. Text, JSON (`--out`) and a PNG of the curves (`--png`).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use embank_core::plan::{tier_bytes, StackDistances, TableShape, TierBytes};
+use embank_core::{DType, MediumKind, Optimizer};
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::bench::{parse_bytes, parse_dtype};
+use crate::npy::NpyReader;
+use crate::tools::human_bytes;
+use crate::workload::KeyStream;
+
+#[derive(Args, Debug, Clone)]
+pub struct PlanArgs {
+    /// A key trace per table: `NAME=keys.npy` or `keys.npy` (the table named after the
+    /// file); 1-D uint64/int64, in access order. Repeat for several tables.
+    #[arg(long = "trace")]
+    pub traces: Vec<String>,
+    /// Or a DESIGN.md workload (`ycsb-c`, `hps-a`) generated as `embank bench` does:
+    /// --keys, --zipf, --batch, --threads, --stream-batches, --seed; the bench's threads'
+    /// batches interleaved and replayed, the first replay left out (its warm-up).
+    #[arg(long)]
+    pub workload: Option<String>,
+    #[arg(long, default_value_t = 1_000_000)]
+    pub keys: u64,
+    #[arg(long)]
+    pub zipf: Option<f64>,
+    #[arg(long, default_value_t = 500)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    #[arg(long, default_value_t = 1000)]
+    pub stream_batches: usize,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Row elements of the tables.
+    #[arg(long, default_value_t = 128)]
+    pub dim: usize,
+    /// Element type: f32, f16 or int8.
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: DType,
+    /// Server-side optimizer (its state is stored with each row): none, sgd, adagrad, adam.
+    #[arg(long, default_value = "none")]
+    pub optimizer: String,
+    /// Medium of the tables: mmap or block.
+    #[arg(long, default_value = "block")]
+    pub medium: String,
+    /// Row-cache sizes to predict the hit rate at (bytes, e.g. 10M,100M).
+    #[arg(long, value_delimiter = ',', value_parser = parse_bytes)]
+    pub cache_bytes: Vec<u64>,
+    /// DRAM for the store (index and row cache): what hit rate does it buy?
+    #[arg(long, value_parser = parse_bytes)]
+    pub budget_dram: Option<u64>,
+    /// GPU memory for a GPU cache: what hit rate does it buy?
+    #[arg(long, value_parser = parse_bytes)]
+    pub budget_gpu: Option<u64>,
+    /// Hit rate to size the row cache for.
+    #[arg(long, default_value_t = 0.9)]
+    pub target_hit_rate: f64,
+    /// Fraction of keys tracked (SHARDS sampling); default: all for traces up to
+    /// --max-tracked accesses, fewer beyond.
+    #[arg(long)]
+    pub sample_rate: Option<f64>,
+    /// Sampled accesses tracked at most (memory: about 30 bytes each).
+    #[arg(long, default_value_t = 4_000_000)]
+    pub max_tracked: usize,
+    /// Write the plan as JSON here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Draw the hit-rate curves here (PNG).
+    #[arg(long)]
+    pub png: Option<PathBuf>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CurvePoint {
+    pub cache_bytes: u64,
+    pub rows: f64,
+    pub hit_rate: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TablePlan {
+    pub name: String,
+    pub shape: TableShape,
+    pub accesses: u64,
+    pub distinct_keys: f64,
+    pub sample_rate: f64,
+    pub tracked_bytes: u64,
+    pub bytes: TierBytes,
+    /// Row cache: predicted hit rate over sizes (log-spaced up to the whole table).
+    pub row_cache_curve: Vec<CurvePoint>,
+    /// GPU cache: predicted hit rate over sizes.
+    pub gpu_curve: Vec<CurvePoint>,
+    /// At the sizes asked for with --cache-bytes.
+    pub at_cache_bytes: Vec<CurvePoint>,
+    /// Row-cache bytes for --target-hit-rate (None: the stream never gets there).
+    pub cache_bytes_for_target: Option<u64>,
+    pub placement: String,
+    pub why: String,
+    pub at_budget_dram: Option<CurvePoint>,
+    pub at_budget_gpu: Option<CurvePoint>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Plan {
+    pub target_hit_rate: f64,
+    pub budget_dram: Option<u64>,
+    pub budget_gpu: Option<u64>,
+    pub tables: Vec<TablePlan>,
+    /// Bytes of the whole store: index, medium.
+    pub total_index_bytes: u64,
+    pub total_medium_bytes: u64,
+    pub seconds: f64,
+}
+
+/// Streams the accesses of one table into `f`.
+fn each_access(args: &PlanArgs, source: &Source, f: &mut dyn FnMut(u64, bool)) -> Result<(), String> {
+    match source {
+        Source::File(path) => {
+            let mut r = NpyReader::open(path)?;
+            if r.shape.len() != 1 || (r.descr != "<u8" && r.descr != "<i8") {
+                return Err(format!("{}: a trace is a 1-D uint64/int64 array", path.display()));
+            }
+            let n = r.shape[0];
+            let mut buf = Vec::new();
+            let mut done = 0;
+            while done < n {
+                let m = (n - done).min(1 << 20);
+                r.read_keys(m, &mut buf)?;
+                for &k in &buf {
+                    f(k, true);
+                }
+                done += m;
+            }
+        }
+        Source::Workload(zipf) => {
+            let streams: Vec<Vec<u64>> = (0..args.threads.max(1))
+                .map(|t| {
+                    let seed = args.seed.wrapping_add(t as u64 * 7919);
+                    Ok(KeyStream::new(args.keys, *zipf, seed)?.batches(args.stream_batches, args.batch))
+                })
+                .collect::<Result<_, String>>()?;
+            // Three replays of the interleaved batches; the first is the warm-up.
+            for replay in 0..3 {
+                for b in 0..args.stream_batches {
+                    for s in &streams {
+                        for &k in &s[b * args.batch..(b + 1) * args.batch] {
+                            f(k, replay > 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+enum Source {
+    File(PathBuf),
+    Workload(f64),
+}
+
+fn accesses_of(args: &PlanArgs, source: &Source) -> Result<u64, String> {
+    Ok(match source {
+        Source::File(p) => NpyReader::open(p)?.shape.first().copied().unwrap_or(0) as u64,
+        Source::Workload(_) => 3 * (args.threads.max(1) * args.stream_batches * args.batch) as u64,
+    })
+}
+
+fn log_sizes(max_rows: f64, entry: u64) -> Vec<(u64, f64)> {
+    let mut out = Vec::new();
+    let top = (max_rows.max(1.0) * entry as f64).max(entry as f64);
+    let mut bytes = (entry as f64 * 16.0).min(top);
+    while bytes < top * 1.0001 {
+        out.push((bytes as u64, bytes / entry as f64));
+        bytes *= 1.6;
+    }
+    out.push((top as u64, top / entry as f64));
+    out
+}
+
+pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
+    let t0 = Instant::now();
+    let optimizer = match args.optimizer.as_str() {
+        "none" => Optimizer::None,
+        "sgd" => Optimizer::Sgd { lr: 0.01 },
+        "adagrad" => Optimizer::Adagrad { lr: 0.01, eps: 1e-10, initial_accumulator_value: 0.0 },
+        "adam" => Optimizer::Adam { lr: 0.001, beta1: 0.9, beta2: 0.999, eps: 1e-8 },
+        other => return Err(format!("unknown optimizer {other:?}: none, sgd, adagrad or adam")),
+    };
+    let medium = MediumKind::parse(&args.medium).map_err(|e| e.to_string())?;
+    if !(0.0..=1.0).contains(&args.target_hit_rate) {
+        return Err("--target-hit-rate must be in [0, 1]".into());
+    }
+    let mut sources: Vec<(String, Source)> = Vec::new();
+    for t in &args.traces {
+        let (name, path) = match t.split_once('=') {
+            Some((n, p)) => (n.to_owned(), PathBuf::from(p)),
+            None => {
+                let p = PathBuf::from(t);
+                let stem = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "table".into());
+                (stem.trim_end_matches(".keys").to_owned(), p)
+            }
+        };
+        sources.push((name, Source::File(path)));
+    }
+    if let Some(w) = &args.workload {
+        let zipf = match w.as_str() {
+            "ycsb-c" => args.zipf.unwrap_or(0.99),
+            "hps-a" => args.zipf.unwrap_or(1.2),
+            other => return Err(format!("--workload {other:?}: ycsb-c or hps-a (read-only workloads)")),
+        };
+        sources.push((w.clone(), Source::Workload(zipf)));
+    }
+    if sources.is_empty() {
+        return Err("give --trace NAME=keys.npy (one per table) or --workload ycsb-c|hps-a".into());
+    }
+    let mut tables = Vec::new();
+    for (name, source) in &sources {
+        let accesses = accesses_of(args, source)?;
+        let rate = args.sample_rate.unwrap_or_else(|| (args.max_tracked as f64 / accesses.max(1) as f64).min(1.0));
+        let capacity = ((accesses as f64 * rate * 1.2) as usize + 1024).min(args.max_tracked.max(1024) * 2);
+        let mut sd = StackDistances::new(rate, capacity);
+        let bar = crate::tools::progress(accesses, name);
+        let mut n = 0u64;
+        each_access(args, source, &mut |k, counting| {
+            sd.set_counting(counting);
+            sd.access(k);
+            n += 1;
+            if n.is_multiple_of(1 << 20) {
+                bar.set_position(n);
+            }
+        })?;
+        bar.finish_and_clear();
+        let shape = TableShape { name: name.clone(), dim: args.dim, dtype: args.dtype, optimizer, medium };
+        let distinct = sd.distinct();
+        let bytes = tier_bytes(&shape, distinct.round() as u64);
+        let curve = |entry: u64| -> Vec<CurvePoint> {
+            log_sizes(distinct, entry)
+                .into_iter()
+                .map(|(b, rows)| CurvePoint { cache_bytes: b, rows, hit_rate: sd.hit_rate(rows) })
+                .collect()
+        };
+        let at = |b: u64, entry: u64| {
+            let rows = b as f64 / entry as f64;
+            CurvePoint { cache_bytes: b, rows, hit_rate: sd.hit_rate(rows) }
+        };
+        let row_cache_curve = curve(bytes.cache_entry_bytes);
+        let gpu_curve = curve(bytes.gpu_entry_bytes);
+        let at_cache_bytes = args.cache_bytes.iter().map(|&b| at(b, bytes.cache_entry_bytes)).collect();
+        let cache_bytes_for_target =
+            sd.rows_for(args.target_hit_rate).map(|r| (r * bytes.cache_entry_bytes as f64).ceil() as u64);
+        // DRAM for the row cache: the budget less the index (which must be resident).
+        let at_budget_dram = args.budget_dram.map(|b| at(b.saturating_sub(bytes.index), bytes.cache_entry_bytes));
+        let at_budget_gpu = args.budget_gpu.map(|b| at(b, bytes.gpu_entry_bytes));
+        let whole = distinct * bytes.cache_entry_bytes as f64;
+        let dram = args.budget_dram.map(|b| b.saturating_sub(bytes.index) as f64);
+        let (placement, why) = recommend(&sd, whole, dram, cache_bytes_for_target, args.target_hit_rate, &bytes);
+        tables.push(TablePlan {
+            name: name.clone(),
+            shape,
+            accesses: sd.accesses(),
+            distinct_keys: distinct,
+            sample_rate: sd.rate(),
+            tracked_bytes: sd.bytes(),
+            bytes,
+            row_cache_curve,
+            gpu_curve,
+            at_cache_bytes,
+            cache_bytes_for_target,
+            placement,
+            why,
+            at_budget_dram,
+            at_budget_gpu,
+        });
+    }
+    Ok(Plan {
+        target_hit_rate: args.target_hit_rate,
+        budget_dram: args.budget_dram,
+        budget_gpu: args.budget_gpu,
+        total_index_bytes: tables.iter().map(|t| t.bytes.index).sum(),
+        total_medium_bytes: tables.iter().map(|t| t.bytes.medium).sum(),
+        tables,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Pin a table that fits in a small share of the DRAM, cache a skewed one, bypass one
+/// whose stream has little locality.
+fn recommend(
+    sd: &StackDistances,
+    whole: f64,
+    dram: Option<f64>,
+    for_target: Option<u64>,
+    target: f64,
+    bytes: &TierBytes,
+) -> (String, String) {
+    let share = dram.unwrap_or(256.0 * 1024.0 * 1024.0);
+    if whole <= share * 0.25 {
+        return (
+            "pin".into(),
+            format!("the whole table ({}) fits in a quarter of the row-cache budget", human_bytes(whole as u64)),
+        );
+    }
+    let tenth = sd.hit_rate(whole / bytes.cache_entry_bytes as f64 * 0.1);
+    if tenth < 0.2 {
+        return (
+            "bypass".into(),
+            format!("a cache of 10 % of the rows hits only {:.0} %: little locality to cache", tenth * 100.0),
+        );
+    }
+    match for_target {
+        Some(b) => (
+            "cache".into(),
+            format!(
+                "{} of row cache ({:.1} % of the rows) reaches a {:.0} % hit rate",
+                human_bytes(b),
+                b as f64 / whole * 100.0,
+                target * 100.0
+            ),
+        ),
+        None => ("cache".into(), format!("skewed (10 % of the rows hit {:.0} %)", tenth * 100.0)),
+    }
+}
+
+/// `embank plan`'s arguments (without the program and command names) to the plan as
+/// JSON: what the Python package's `embank.plan` calls.
+pub fn plan_json(argv: &[String]) -> Result<String, String> {
+    #[derive(clap::Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        args: PlanArgs,
+    }
+    use clap::Parser;
+    let w = Wrapper::try_parse_from(std::iter::once("plan".to_owned()).chain(argv.iter().cloned()))
+        .map_err(|e| e.to_string())?;
+    let p = plan(&w.args)?;
+    Ok(serde_json::to_string(&p).expect("serializes"))
+}
+
+pub fn run(args: PlanArgs) -> Result<(), String> {
+    let p = plan(&args)?;
+    for t in &p.tables {
+        println!(
+            "table {}: {} accesses, {:.0} distinct keys (sampled at {:.4}, {} tracked), dim {} {} on {}",
+            t.name,
+            t.accesses,
+            t.distinct_keys,
+            t.sample_rate,
+            human_bytes(t.tracked_bytes),
+            t.shape.dim,
+            t.shape.dtype,
+            t.shape.medium.name()
+        );
+        println!(
+            "  bytes: index {}, rows on the medium {} ({} B records), row-cache entry {} B, GPU-cache entry {} B",
+            human_bytes(t.bytes.index),
+            human_bytes(t.bytes.medium),
+            t.bytes.record_bytes,
+            t.bytes.cache_entry_bytes,
+            t.bytes.gpu_entry_bytes
+        );
+        println!("  {:>12} {:>14} {:>9} {:>9}", "cache", "rows", "row cache", "GPU");
+        for (r, g) in t.row_cache_curve.iter().zip(&t.gpu_curve) {
+            println!(
+                "  {:>12} {:>14.0} {:>8.1}% {:>8.1}%",
+                human_bytes(r.cache_bytes),
+                r.rows,
+                r.hit_rate * 100.0,
+                g.hit_rate * 100.0
+            );
+        }
+        for c in &t.at_cache_bytes {
+            println!("  --cache-bytes {}: {:.1} % predicted row-cache hits", human_bytes(c.cache_bytes), c.hit_rate * 100.0);
+        }
+        match t.cache_bytes_for_target {
+            Some(b) => println!("  a {:.0} % hit rate takes {} of row cache", p.target_hit_rate * 100.0, human_bytes(b)),
+            None => println!("  the stream never reaches a {:.0} % hit rate", p.target_hit_rate * 100.0),
+        }
+        if let Some(c) = &t.at_budget_dram {
+            println!(
+                "  with --budget-dram: {} of row cache beside the index, {:.1} % hits",
+                human_bytes(c.cache_bytes),
+                c.hit_rate * 100.0
+            );
+        }
+        if let Some(c) = &t.at_budget_gpu {
+            println!("  with --budget-gpu: {:.0} rows on the GPU, {:.1} % hits", c.rows, c.hit_rate * 100.0);
+        }
+        println!("  placement: {} ({})", t.placement, t.why);
+    }
+    println!(
+        "store: index {}, medium {}; planned in {:.2}s",
+        human_bytes(p.total_index_bytes),
+        human_bytes(p.total_medium_bytes),
+        p.seconds
+    );
+    if let Some(out) = &args.out {
+        std::fs::write(out, serde_json::to_string_pretty(&p).expect("serializes"))
+            .map_err(|e| format!("{}: {e}", out.display()))?;
+        println!("wrote {}", out.display());
+    }
+    if let Some(png) = &args.png {
+        draw(&p, png)?;
+        println!("wrote {}", png.display());
+    }
+    Ok(())
+}
+
+fn draw(p: &Plan, path: &std::path::Path) -> Result<(), String> {
+    crate::bench::plot::register_font()?;
+    let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
+    let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let max_bytes = p
+        .tables
+        .iter()
+        .flat_map(|t| t.row_cache_curve.iter().map(|c| c.cache_bytes))
+        .max()
+        .unwrap_or(1 << 20)
+        .max(1 << 20) as f64;
+    let min_bytes = p
+        .tables
+        .iter()
+        .flat_map(|t| t.gpu_curve.iter().map(|c| c.cache_bytes))
+        .min()
+        .unwrap_or(1 << 10)
+        .max(1024) as f64;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("predicted hit rate by cache size (embank plan)", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(60)
+        .build_cartesian_2d((min_bytes..max_bytes).log_scale(), 0f64..100f64)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("cache bytes")
+        .y_desc("hit rate %")
+        .x_label_formatter(&|b| human_bytes(*b as u64))
+        .draw()
+        .map_err(|e| err(&e))?;
+    let colors = [RGBColor(31, 119, 180), RGBColor(255, 127, 14), RGBColor(44, 160, 44), RGBColor(214, 39, 40)];
+    for (i, t) in p.tables.iter().enumerate() {
+        let c = colors[i % colors.len()];
+        for (curve, what, dashed) in [(&t.row_cache_curve, "row cache", false), (&t.gpu_curve, "GPU cache", true)] {
+            let pts: Vec<(f64, f64)> = curve.iter().map(|x| (x.cache_bytes.max(1024) as f64, x.hit_rate * 100.0)).collect();
+            let style = if dashed { c.mix(0.5).stroke_width(2) } else { c.stroke_width(3) };
+            chart
+                .draw_series(LineSeries::new(pts, style))
+                .map_err(|e| err(&e))?
+                .label(format!("{} ({what})", t.name))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+        }
+    }
+    chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw().map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))
+}

@@ -1,0 +1,320 @@
+//! Sizing tiers from a key stream before buying memory: the miss-ratio curve of
+//! an LRU-like cache of every size at once (Mattson stack distances), sampled
+//! spatially as SHARDS does so a billion-id trace plans in bounded memory, and
+//! the store's own byte costs (index, records, cache entries) per table.
+//!
+//! A key's *stack distance* at an access is the number of distinct keys accessed
+//! since its previous access; an LRU cache of `C` rows hits exactly the accesses
+//! whose distance is below `C`. embank's row cache is CLOCK (second chance), which
+//! tracks LRU closely on skewed streams; `docs/BENCHMARKS.md` compares the
+//! prediction with measured hit rates.
+//!
+//! Sampling (SHARDS): only keys whose hash falls below `rate * 2^64` are tracked;
+//! their distances, scaled by `1 / rate`, estimate the full stream's. Memory is
+//! that of the sampled keys and accesses, so `rate = budget / accesses` bounds it.
+//! As SHARDS-adj does, the difference between the accesses the rate should have
+//! sampled and those it did goes to the smallest distance: a sample that drew a
+//! very hot key (or missed one) would otherwise skew small caches most. A cache
+//! of `C` rows is resolved by `C * rate` sampled rows: keep that above ~50.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::format::{block_stride, record_stride, DType};
+use crate::index::{buckets_for, BUCKET_BYTES};
+use crate::layout::RecordLayout;
+use crate::medium::MediumKind;
+use crate::optim::Optimizer;
+use crate::table::LOAD_FACTOR_TARGET;
+use crate::tier::dram::ENTRY_OVERHEAD_BYTES;
+
+/// Stack-distance histogram of a (sampled) key stream.
+pub struct StackDistances {
+    rate: f64,
+    threshold: u64,
+    /// Fenwick tree over access times: 1 where an access is its key's latest so far.
+    tree: Vec<u32>,
+    now: usize,
+    last: HashMap<u64, usize>,
+    /// `hist[d]`: sampled accesses at distance `d` (in sampled keys); cold misses apart.
+    hist: Vec<u64>,
+    cold: u64,
+    accesses: u64,
+    /// Whether accesses count toward the hit rates (off during a warm-up).
+    counting: bool,
+    /// Sampled accesses counted.
+    counted: u64,
+    /// Accesses counted, sampled or not.
+    counted_all: u64,
+}
+
+impl StackDistances {
+    /// `rate` in (0, 1]: the fraction of keys tracked; `capacity`: sampled accesses at
+    /// most (the tree's size; more are counted as seen but not tracked).
+    pub fn new(rate: f64, capacity: usize) -> StackDistances {
+        let rate = rate.clamp(1e-9, 1.0);
+        StackDistances {
+            rate,
+            threshold: if rate >= 1.0 { u64::MAX } else { (rate * u64::MAX as f64) as u64 },
+            tree: vec![0; capacity + 1],
+            now: 0,
+            last: HashMap::new(),
+            hist: Vec::new(),
+            cold: 0,
+            accesses: 0,
+            counting: true,
+            counted: 0,
+            counted_all: 0,
+        }
+    }
+
+    fn add(&mut self, mut i: usize, delta: i32) {
+        i += 1;
+        while i < self.tree.len() {
+            self.tree[i] = (self.tree[i] as i64 + delta as i64) as u32;
+            i += i & i.wrapping_neg();
+        }
+    }
+
+    fn prefix(&self, mut i: usize) -> u64 {
+        // Sum of [0, i).
+        let mut s = 0u64;
+        while i > 0 {
+            s += self.tree[i] as u64;
+            i -= i & i.wrapping_neg();
+        }
+        s
+    }
+
+    /// Whether the next accesses count toward the hit rates (they always update the
+    /// recency order): off while a warm-up part of a trace goes by.
+    pub fn set_counting(&mut self, on: bool) {
+        self.counting = on;
+    }
+
+    /// Counts one access of `key`.
+    #[inline]
+    pub fn access(&mut self, key: u64) {
+        self.accesses += 1;
+        if self.counting {
+            self.counted_all += 1;
+        }
+        if crate::hash::splitmix64(key ^ 0x5eed_9a11) > self.threshold {
+            return;
+        }
+        if self.now + 1 >= self.tree.len() {
+            return; // past the capacity: counted, not tracked
+        }
+        let t = self.now;
+        self.now += 1;
+        match self.last.insert(key, t) {
+            Some(prev) => {
+                if self.counting {
+                    let d = (self.prefix(t) - self.prefix(prev + 1)) as usize;
+                    if d >= self.hist.len() {
+                        self.hist.resize(d + 1, 0);
+                    }
+                    self.hist[d] += 1;
+                }
+                self.add(prev, -1);
+            }
+            None => {
+                if self.counting {
+                    self.cold += 1;
+                }
+            }
+        }
+        if self.counting {
+            self.counted += 1;
+        }
+        self.add(t, 1);
+    }
+
+    /// Accesses seen (sampled or not).
+    pub fn accesses(&self) -> u64 {
+        self.accesses
+    }
+
+    /// Distinct keys, estimated (sampled distinct keys / rate).
+    pub fn distinct(&self) -> f64 {
+        self.last.len() as f64 / self.rate
+    }
+
+    /// The sampling rate.
+    pub fn rate(&self) -> f64 {
+        self.rate
+    }
+
+    /// Bytes this histogram holds (tree, map, histogram).
+    pub fn bytes(&self) -> u64 {
+        (self.tree.len() * 4 + self.last.capacity() * 24 + self.hist.len() * 8) as u64
+    }
+
+    /// Predicted hit rate of an LRU cache of `rows` rows.
+    pub fn hit_rate(&self, rows: f64) -> f64 {
+        let (expected, adjust) = self.adjusted();
+        if expected <= 0.0 {
+            return 0.0;
+        }
+        // A sampled distance d stands for d / rate keys.
+        let limit = (rows * self.rate).floor() as usize;
+        if limit == 0 {
+            return 0.0;
+        }
+        let hits: u64 = self.hist.iter().take(limit.min(self.hist.len())).sum();
+        ((hits as f64 + adjust) / expected).clamp(0.0, 1.0)
+    }
+
+    /// The sampled accesses the rate should have drawn, and the correction (expected
+    /// less drawn) added at the smallest distance (SHARDS-adj).
+    fn adjusted(&self) -> (f64, f64) {
+        if self.rate >= 1.0 {
+            return (self.counted as f64, 0.0);
+        }
+        let expected = self.counted_all as f64 * self.rate;
+        (expected, expected - self.counted as f64)
+    }
+
+    /// The least rows giving hit rate `target` (None if the stream never reaches it).
+    pub fn rows_for(&self, target: f64) -> Option<f64> {
+        let (expected, adjust) = self.adjusted();
+        if expected <= 0.0 {
+            return None;
+        }
+        let need = target * expected;
+        let mut sum = adjust;
+        for (d, &n) in self.hist.iter().enumerate() {
+            sum += n as f64;
+            if sum >= need - 1e-9 {
+                return Some(((d + 1) as f64 / self.rate).ceil());
+            }
+        }
+        None
+    }
+}
+
+/// What a table stores, for its byte costs.
+#[derive(Clone, Debug, Serialize)]
+pub struct TableShape {
+    pub name: String,
+    pub dim: usize,
+    pub dtype: DType,
+    pub optimizer: Optimizer,
+    pub medium: MediumKind,
+}
+
+/// Bytes per tier of one table of `rows` rows.
+#[derive(Clone, Debug, Serialize)]
+pub struct TierBytes {
+    /// The index file (grown to keep the load at most 0.7 as rows were created).
+    pub index: u64,
+    /// Rows on the medium: records of `record_bytes` each.
+    pub medium: u64,
+    pub record_bytes: u64,
+    /// One row in the DRAM row cache (encoded record and the entry's overhead).
+    pub cache_entry_bytes: u64,
+    /// One row in a GPU cache (the row in its type, key, score and digest).
+    pub gpu_entry_bytes: u64,
+}
+
+/// The byte costs of a table of `rows` rows, from the store's own layouts.
+pub fn tier_bytes(shape: &TableShape, rows: u64) -> TierBytes {
+    let layout = RecordLayout::new(shape.dim, shape.optimizer.state_len(shape.dim), shape.dtype);
+    let payload = layout.payload_bytes();
+    let record = match shape.medium {
+        MediumKind::Mmap => record_stride(payload, shape.dtype) as u64,
+        MediumKind::Block => block_stride(payload, 512) as u64,
+    };
+    let buckets = buckets_for(rows.max(1), LOAD_FACTOR_TARGET);
+    TierBytes {
+        index: crate::format::INDEX_HEADER_BYTES as u64 + buckets * BUCKET_BYTES as u64,
+        medium: rows * record,
+        record_bytes: record,
+        cache_entry_bytes: crate::tier::dram::entry_bytes(payload),
+        gpu_entry_bytes: shape.dtype.row_bytes(shape.dim) as u64 + 8 + 4 + 1,
+    }
+}
+
+/// The entry overhead the cache model uses (re-exported for reports).
+pub const CACHE_ENTRY_OVERHEAD_BYTES: u64 = ENTRY_OVERHEAD_BYTES;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Brute-force LRU hit rate of a trace for a cache of `c` rows.
+    fn lru(trace: &[u64], c: usize) -> f64 {
+        let mut stack: Vec<u64> = Vec::new();
+        let mut hits = 0;
+        for &k in trace {
+            if let Some(p) = stack.iter().position(|&x| x == k) {
+                if p < c {
+                    hits += 1;
+                }
+                stack.remove(p);
+            }
+            stack.insert(0, k);
+        }
+        hits as f64 / trace.len() as f64
+    }
+
+    #[test]
+    fn exact_distances_match_a_brute_force_lru() {
+        let mut x = 7u64;
+        let trace: Vec<u64> = (0..5000)
+            .map(|_| {
+                x = crate::hash::splitmix64(x);
+                // Skewed: small keys far more often.
+                (x % 1000) * (x % 1000) / 1000
+            })
+            .collect();
+        let mut sd = StackDistances::new(1.0, trace.len());
+        for &k in &trace {
+            sd.access(k);
+        }
+        for c in [1, 5, 20, 100, 400] {
+            let want = lru(&trace, c);
+            let got = sd.hit_rate(c as f64);
+            assert!((want - got).abs() < 1e-12, "c={c}: {got} vs {want}");
+        }
+        let r = sd.rows_for(0.5).unwrap();
+        assert!(sd.hit_rate(r) >= 0.5 && sd.hit_rate(r - 1.0) < 0.5);
+    }
+
+    #[test]
+    fn sampled_distances_stay_close_and_small() {
+        let mut x = 11u64;
+        let trace: Vec<u64> = (0..400_000)
+            .map(|_| {
+                x = crate::hash::splitmix64(x);
+                let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+                (100_000f64.powf(u) as u64) * 7919 // log-uniform popularity
+            })
+            .collect();
+        let mut exact = StackDistances::new(1.0, trace.len());
+        let mut sampled = StackDistances::new(0.05, trace.len() / 10);
+        for &k in &trace {
+            exact.access(k);
+            sampled.access(k);
+        }
+        // Sampling at 5 % resolves caches of 20 rows and more; from 50 sampled rows on it
+        // is within 2 points here.
+        for c in [1000.0, 5000.0, 20_000.0, 60_000.0] {
+            let (e, s) = (exact.hit_rate(c), sampled.hit_rate(c));
+            assert!((e - s).abs() < 0.02, "c={c}: sampled {s} vs exact {e}");
+        }
+        assert!(sampled.bytes() < exact.bytes() / 5);
+    }
+
+    #[test]
+    fn tier_bytes_follow_the_layouts() {
+        let shape =
+            TableShape { name: "t".into(), dim: 16, dtype: DType::F32, optimizer: Optimizer::None, medium: MediumKind::Mmap };
+        let b = tier_bytes(&shape, 1000);
+        assert_eq!(b.record_bytes, 128); // 16 + 64, rounded to 64 once past 64
+        assert_eq!(b.cache_entry_bytes, 64 + ENTRY_OVERHEAD_BYTES);
+        let block = tier_bytes(&TableShape { medium: MediumKind::Block, dtype: DType::Int8, ..shape }, 10);
+        assert_eq!(block.record_bytes, 512);
+    }
+}
