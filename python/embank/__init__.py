@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from . import errors, init, optim
 from ._native import __version__
-from ._store import Publisher, Store, Table, Worker, connect, open
 from ._plan import plan
+from ._store import Publisher, Store, Table, Worker, connect, open
 from .errors import (
     ConfigError,
     CorruptStoreError,

@@ -381,10 +381,16 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
             );
         }
         for c in &t.at_cache_bytes {
-            println!("  --cache-bytes {}: {:.1} % predicted row-cache hits", human_bytes(c.cache_bytes), c.hit_rate * 100.0);
+            println!(
+                "  --cache-bytes {}: {:.1} % predicted row-cache hits",
+                human_bytes(c.cache_bytes),
+                c.hit_rate * 100.0
+            );
         }
         match t.cache_bytes_for_target {
-            Some(b) => println!("  a {:.0} % hit rate takes {} of row cache", p.target_hit_rate * 100.0, human_bytes(b)),
+            Some(b) => {
+                println!("  a {:.0} % hit rate takes {} of row cache", p.target_hit_rate * 100.0, human_bytes(b))
+            }
             None => println!("  the stream never reaches a {:.0} % hit rate", p.target_hit_rate * 100.0),
         }
         if let Some(c) = &t.at_budget_dram {
@@ -429,13 +435,9 @@ fn draw(p: &Plan, path: &std::path::Path) -> Result<(), String> {
         .max()
         .unwrap_or(1 << 20)
         .max(1 << 20) as f64;
-    let min_bytes = p
-        .tables
-        .iter()
-        .flat_map(|t| t.gpu_curve.iter().map(|c| c.cache_bytes))
-        .min()
-        .unwrap_or(1 << 10)
-        .max(1024) as f64;
+    let min_bytes =
+        p.tables.iter().flat_map(|t| t.gpu_curve.iter().map(|c| c.cache_bytes)).min().unwrap_or(1 << 10).max(1024)
+            as f64;
     let mut chart = ChartBuilder::on(&root)
         .caption("predicted hit rate by cache size (embank plan)", ("sans-serif", 22))
         .margin(12)
@@ -454,7 +456,8 @@ fn draw(p: &Plan, path: &std::path::Path) -> Result<(), String> {
     for (i, t) in p.tables.iter().enumerate() {
         let c = colors[i % colors.len()];
         for (curve, what, dashed) in [(&t.row_cache_curve, "row cache", false), (&t.gpu_curve, "GPU cache", true)] {
-            let pts: Vec<(f64, f64)> = curve.iter().map(|x| (x.cache_bytes.max(1024) as f64, x.hit_rate * 100.0)).collect();
+            let pts: Vec<(f64, f64)> =
+                curve.iter().map(|x| (x.cache_bytes.max(1024) as f64, x.hit_rate * 100.0)).collect();
             let style = if dashed { c.mix(0.5).stroke_width(2) } else { c.stroke_width(3) };
             chart
                 .draw_series(LineSeries::new(pts, style))

@@ -13,9 +13,27 @@ fn plans_a_workload_and_a_trace() {
     let out = dir.path().join("plan.json");
     let png = dir.path().join("plan.png");
     let run = embank(&[
-        "plan", "--workload", "hps-a", "--keys", "50000", "--stream-batches", "40", "--batch", "250", "--dim", "16",
-        "--cache-bytes", "100K,1M", "--budget-dram", "4M", "--budget-gpu", "1M", "--out",
-        out.to_str().unwrap(), "--png", png.to_str().unwrap(),
+        "plan",
+        "--workload",
+        "hps-a",
+        "--keys",
+        "50000",
+        "--stream-batches",
+        "40",
+        "--batch",
+        "250",
+        "--dim",
+        "16",
+        "--cache-bytes",
+        "100K,1M",
+        "--budget-dram",
+        "4M",
+        "--budget-gpu",
+        "1M",
+        "--out",
+        out.to_str().unwrap(),
+        "--png",
+        png.to_str().unwrap(),
     ]);
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     let p: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
@@ -35,7 +53,7 @@ fn plans_a_workload_and_a_trace() {
     let trace = dir.path().join("two.npy");
     let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
     let mut header = "{'descr': '<u8', 'fortran_order': False, 'shape': (1000,), }".to_owned();
-    while (10 + header.len() + 1) % 64 != 0 {
+    while !(10 + header.len() + 1).is_multiple_of(64) {
         header.push(' ');
     }
     header.push('\n');
@@ -45,7 +63,8 @@ fn plans_a_workload_and_a_trace() {
         bytes.extend(k.to_le_bytes());
     }
     std::fs::write(&trace, bytes).unwrap();
-    let run = embank(&["plan", "--trace", &format!("two={}", trace.display()), "--dim", "8", "--out", out.to_str().unwrap()]);
+    let run =
+        embank(&["plan", "--trace", &format!("two={}", trace.display()), "--dim", "8", "--out", out.to_str().unwrap()]);
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     let p: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
     let t = &p["tables"][0];

@@ -309,8 +309,13 @@ mod tests {
 
     #[test]
     fn tier_bytes_follow_the_layouts() {
-        let shape =
-            TableShape { name: "t".into(), dim: 16, dtype: DType::F32, optimizer: Optimizer::None, medium: MediumKind::Mmap };
+        let shape = TableShape {
+            name: "t".into(),
+            dim: 16,
+            dtype: DType::F32,
+            optimizer: Optimizer::None,
+            medium: MediumKind::Mmap,
+        };
         let b = tier_bytes(&shape, 1000);
         assert_eq!(b.record_bytes, 128); // 16 + 64, rounded to 64 once past 64
         assert_eq!(b.cache_entry_bytes, 64 + ENTRY_OVERHEAD_BYTES);

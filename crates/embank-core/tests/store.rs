@@ -292,6 +292,10 @@ fn planned_tier_bytes_match_a_loaded_table() {
         assert_eq!(plan.index, s.index_bytes, "{medium:?} {dtype}");
         assert_eq!(plan.record_bytes, s.record_bytes, "{medium:?} {dtype}");
         let used = s.records_used * s.record_bytes;
-        assert!((plan.medium as f64 - used as f64).abs() <= 0.05 * used as f64, "{medium:?} {dtype}: {} vs {used}", plan.medium);
+        assert!(
+            (plan.medium as f64 - used as f64).abs() <= 0.05 * used as f64,
+            "{medium:?} {dtype}: {} vs {used}",
+            plan.medium
+        );
     }
 }
