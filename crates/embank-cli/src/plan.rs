@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
-use embank_core::plan::{tier_bytes, StackDistances, TableShape, TierBytes};
+use embank_core::plan::{row_cache_shards, tier_bytes, SampledStream, StackDistances, TableShape, TierBytes};
 use embank_core::{DType, MediumKind, Optimizer};
 use plotters::prelude::*;
 use serde::Serialize;
@@ -97,8 +97,11 @@ pub struct TablePlan {
     pub sample_rate: f64,
     pub tracked_bytes: u64,
     pub bytes: TierBytes,
-    /// Row cache: predicted hit rate over sizes (log-spaced up to the whole table).
+    /// Row cache: predicted hit rate over sizes (log-spaced up to the whole table),
+    /// from miniature simulations of its CLOCK policy on the sampled stream.
     pub row_cache_curve: Vec<CurvePoint>,
+    /// An LRU cache of the same sizes (the stack-distance curve), for reference.
+    pub lru_curve: Vec<CurvePoint>,
     /// GPU cache: predicted hit rate over sizes.
     pub gpu_curve: Vec<CurvePoint>,
     /// At the sizes asked for with --cache-bytes.
@@ -231,11 +234,13 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
         let rate = args.sample_rate.unwrap_or_else(|| (args.max_tracked as f64 / accesses.max(1) as f64).min(1.0));
         let capacity = ((accesses as f64 * rate * 1.2) as usize + 1024).min(args.max_tracked.max(1024) * 2);
         let mut sd = StackDistances::new(rate, capacity);
+        let mut sample = SampledStream::new(rate);
         let bar = crate::tools::progress(accesses, name);
         let mut n = 0u64;
         each_access(args, source, &mut |k, counting| {
             sd.set_counting(counting);
             sd.access(k);
+            sample.access(k, counting, capacity);
             n += 1;
             if n.is_multiple_of(1 << 20) {
                 bar.set_position(n);
@@ -245,24 +250,26 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
         let shape = TableShape { name: name.clone(), dim: args.dim, dtype: args.dtype, optimizer, medium };
         let distinct = sd.distinct();
         let bytes = tier_bytes(&shape, distinct.round() as u64);
-        let curve = |entry: u64| -> Vec<CurvePoint> {
-            log_sizes(distinct, entry)
-                .into_iter()
-                .map(|(b, rows)| CurvePoint { cache_bytes: b, rows, hit_rate: sd.hit_rate(rows) })
-                .collect()
+        let entry = bytes.cache_entry_bytes;
+        let clock = |b: u64| -> CurvePoint {
+            let rows = b as f64 / entry as f64;
+            CurvePoint { cache_bytes: b, rows, hit_rate: sample.clock_hit_rate(rows, row_cache_shards(b)) }
         };
-        let at = |b: u64, entry: u64| {
+        let lru = |b: u64, entry: u64| -> CurvePoint {
             let rows = b as f64 / entry as f64;
             CurvePoint { cache_bytes: b, rows, hit_rate: sd.hit_rate(rows) }
         };
-        let row_cache_curve = curve(bytes.cache_entry_bytes);
-        let gpu_curve = curve(bytes.gpu_entry_bytes);
-        let at_cache_bytes = args.cache_bytes.iter().map(|&b| at(b, bytes.cache_entry_bytes)).collect();
-        let cache_bytes_for_target =
-            sd.rows_for(args.target_hit_rate).map(|r| (r * bytes.cache_entry_bytes as f64).ceil() as u64);
+        let row_cache_curve: Vec<CurvePoint> = log_sizes(distinct, entry).into_iter().map(|(b, _)| clock(b)).collect();
+        let lru_curve = log_sizes(distinct, entry).into_iter().map(|(b, _)| lru(b, entry)).collect();
+        let gpu_curve = log_sizes(distinct, bytes.gpu_entry_bytes)
+            .into_iter()
+            .map(|(b, _)| lru(b, bytes.gpu_entry_bytes))
+            .collect();
+        let at_cache_bytes = args.cache_bytes.iter().map(|&b| clock(b)).collect();
+        let cache_bytes_for_target = bytes_for(&clock, distinct * entry as f64, args.target_hit_rate);
         // DRAM for the row cache: the budget less the index (which must be resident).
-        let at_budget_dram = args.budget_dram.map(|b| at(b.saturating_sub(bytes.index), bytes.cache_entry_bytes));
-        let at_budget_gpu = args.budget_gpu.map(|b| at(b, bytes.gpu_entry_bytes));
+        let at_budget_dram = args.budget_dram.map(|b| clock(b.saturating_sub(bytes.index)));
+        let at_budget_gpu = args.budget_gpu.map(|b| lru(b, bytes.gpu_entry_bytes));
         let whole = distinct * bytes.cache_entry_bytes as f64;
         let dram = args.budget_dram.map(|b| b.saturating_sub(bytes.index) as f64);
         let (placement, why) = recommend(&sd, whole, dram, cache_bytes_for_target, args.target_hit_rate, &bytes);
@@ -275,6 +282,7 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
             tracked_bytes: sd.bytes(),
             bytes,
             row_cache_curve,
+            lru_curve,
             gpu_curve,
             at_cache_bytes,
             cache_bytes_for_target,
@@ -293,6 +301,24 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
         tables,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The least cache bytes (within 1 %) whose simulated hit rate reaches `target`.
+fn bytes_for(sim: &dyn Fn(u64) -> CurvePoint, whole: f64, target: f64) -> Option<u64> {
+    let mut hi = whole.max(1.0);
+    if sim(hi as u64).hit_rate < target {
+        return None;
+    }
+    let mut lo = 1.0f64;
+    while hi / lo > 1.01 {
+        let mid = (lo * hi).sqrt();
+        if sim(mid as u64).hit_rate >= target {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Some(hi.ceil() as u64)
 }
 
 /// Pin a table that fits in a small share of the DRAM, cache a skewed one, bypass one

@@ -194,6 +194,100 @@ impl StackDistances {
     }
 }
 
+/// The sampled part of a stream, kept for miniature simulations of the row cache's
+/// own policy (CLOCK): the keys SHARDS keeps, in order, and whether each counts.
+#[derive(Default)]
+pub struct SampledStream {
+    pub keys: Vec<u64>,
+    pub counting: Vec<bool>,
+    /// Accesses counted, sampled or not (for the SHARDS-adj correction).
+    pub counted_all: u64,
+    pub rate: f64,
+}
+
+impl SampledStream {
+    pub fn new(rate: f64) -> SampledStream {
+        SampledStream { rate: rate.clamp(1e-9, 1.0), ..Default::default() }
+    }
+
+    /// Keeps `key` if the sample takes it.
+    #[inline]
+    pub fn access(&mut self, key: u64, counting: bool, max: usize) {
+        if counting {
+            self.counted_all += 1;
+        }
+        let threshold = if self.rate >= 1.0 { u64::MAX } else { (self.rate * u64::MAX as f64) as u64 };
+        if crate::hash::splitmix64(key ^ 0x5eed_9a11) <= threshold && self.keys.len() < max {
+            self.keys.push(key);
+            self.counting.push(counting);
+        }
+    }
+
+    /// Hit rate of embank's row cache (CLOCK with a reference bit per entry, new
+    /// entries unreferenced, a hit sets the bit, the hand gives referenced entries a
+    /// second chance; sharded as the store shards it) holding `rows` rows, simulated
+    /// on the sample with `rows * rate` rows (SHARDS for policies other than LRU).
+    pub fn clock_hit_rate(&self, rows: f64, shards: usize) -> f64 {
+        let cap = (rows * self.rate).floor() as usize;
+        let shards = shards.clamp(1, cap.max(1));
+        let per = cap / shards;
+        if per == 0 {
+            return 0.0;
+        }
+        struct Shard {
+            map: HashMap<u64, usize>,
+            slots: Vec<(u64, bool)>,
+            hand: usize,
+        }
+        let mut sh: Vec<Shard> =
+            (0..shards).map(|_| Shard { map: HashMap::new(), slots: Vec::with_capacity(per), hand: 0 }).collect();
+        let (mut hits, mut counted) = (0u64, 0u64);
+        for (&k, &c) in self.keys.iter().zip(&self.counting) {
+            let s = &mut sh[(crate::hash::splitmix64(k) % shards as u64) as usize];
+            if c {
+                counted += 1;
+            }
+            if let Some(&i) = s.map.get(&k) {
+                s.slots[i].1 = true;
+                if c {
+                    hits += 1;
+                }
+                continue;
+            }
+            while s.slots.len() >= per {
+                if s.hand >= s.slots.len() {
+                    s.hand = 0;
+                }
+                let h = s.hand;
+                if std::mem::take(&mut s.slots[h].1) {
+                    s.hand += 1;
+                    continue;
+                }
+                let (gone, _) = s.slots.swap_remove(h);
+                s.map.remove(&gone);
+                if h < s.slots.len() {
+                    let moved = s.slots[h].0;
+                    s.map.insert(moved, h);
+                }
+            }
+            s.map.insert(k, s.slots.len());
+            s.slots.push((k, false));
+        }
+        let expected = if self.rate >= 1.0 { counted as f64 } else { self.counted_all as f64 * self.rate };
+        if expected <= 0.0 {
+            return 0.0;
+        }
+        let adjust = expected - counted as f64;
+        ((hits as f64 + adjust) / expected).clamp(0.0, 1.0)
+    }
+}
+
+/// Shards the row cache of a store with `budget` bytes uses (the same rule as the
+/// cache: at least 256 KiB each, a power of two up to 64).
+pub fn row_cache_shards(budget: u64) -> usize {
+    ((budget / (256 << 10)) as usize).clamp(1, 64).next_power_of_two().min(64)
+}
+
 /// What a table stores, for its byte costs.
 #[derive(Clone, Debug, Serialize)]
 pub struct TableShape {
