@@ -71,13 +71,14 @@ def redis(tmp_path: Path) -> Iterator[Redis]:
 
 
 def replica(
-    d: Path, url: str, topic: str, partition: int, tls_dir: Path
+    d: Path, url: str, topic: str, partition: int, tls_dir: Path, tables: str = ""
 ) -> tuple[subprocess.Popen[str], str]:
     config = d / f"replica-{partition}-{len(list(d.glob('*.toml')))}.toml"
     config.write_text(
         f'store = "{config.with_suffix(".store")}"\nlisten = "127.0.0.1:0"\n'
         f'[updates]\ntransport = "redis"\nbrokers = "{url}"\ntopic = "{topic}"\npartition = {partition}\n'
         + tls_section(tls_dir)
+        + tables
     )
     p = subprocess.Popen(
         [sys.executable, "-m", "embank", "serve", "--config", str(config)],
@@ -167,6 +168,46 @@ def test_replica_groups_serve_the_published_checkpoint_and_fail_over(
         for p, _ in procs:
             p.kill()
             p.wait()
+        pub.close()
+        trainer.close()
+
+
+def test_a_replica_serves_the_stream_as_int8_rows(tmp_path: Path, redis: Redis, tls_dir: Path) -> None:
+    """Training in f32, serving int8: the replica's table (from its [[tables]]) stores the
+    published rows quantized, and a reset keeps its type."""
+    rng = np.random.default_rng(8)
+    trainer = embank.open(tmp_path / "trainer")
+    trainer.create_table("emb", dim=DIM, init=embank.init.normal(0, 0.1), optimizer=embank.optim.SGD(lr=0.1))
+    pub = trainer.publisher("redis", redis.url, topic="q8", partitions=1)
+    train(trainer, range(1, 4), rng)
+    pub.flush(timeout=30)
+    tables = f'[[tables]]\nname = "emb"\ndim = {DIM}\ndtype = "int8"\n'
+    proc, addr = replica(tmp_path, redis.url, "q8", 0, tls_dir, tables)
+    try:
+        remote = embank.connect([addr], tls_ca_file=str(tls_dir / "ca.pem"), min_checkpoint=3)
+        keys = np.arange(2000, dtype=np.uint64)
+        deadline = time.time() + 30
+        while True:
+            try:
+                rows, found = remote.table("emb").lookup(keys)
+                break
+            except (ShardUnavailableError, embank.NotFoundError):
+                assert time.time() < deadline, "the replica never served checkpoint 3"
+                time.sleep(0.05)
+        assert remote.table("emb").stored_dtype == "int8"
+        want = {}
+        for k, r in trainer.export_checkpoint("emb", 3):
+            want.update(zip(k.tolist(), r))
+        assert int(found.sum()) == len(want)
+        for i in np.flatnonzero(found):
+            w = want[int(keys[i])]
+            lo, hi = float(w.min()), float(w.max())
+            step = (hi - lo) / 255
+            assert np.abs(rows[i] - w).max() <= step / 2 + 1e-6, (rows[i], w)
+        remote.close()
+    finally:
+        proc.kill()
+        proc.wait()
         pub.close()
         trainer.close()
 
