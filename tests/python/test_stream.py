@@ -195,7 +195,7 @@ def test_a_replica_serves_the_stream_as_int8_rows(tmp_path: Path, redis: Redis, 
                 assert time.time() < deadline, "the replica never served checkpoint 3"
                 time.sleep(0.05)
         assert remote.table("emb").stored_dtype == "int8"
-        want = {}
+        want: dict[int, np.ndarray[tuple[int, ...], np.dtype[np.float32]]] = {}
         for k, r in trainer.export_checkpoint("emb", 3):
             want.update(zip(k.tolist(), r))
         assert int(found.sum()) == len(want)
