@@ -25,6 +25,17 @@ pub struct PlanArgs {
     /// file); 1-D uint64/int64, in access order. Repeat for several tables.
     #[arg(long = "trace")]
     pub traces: Vec<String>,
+    /// Or Criteo-format TSV files (label, 13 integer and 26 categorical features): each
+    /// categorical feature of --features is a table `c<N>` whose keys are its hex ids
+    /// (a missing value is id 2^32), as `embank.datasets.read_criteo` reads them.
+    #[arg(long = "criteo")]
+    pub criteo: Vec<PathBuf>,
+    /// Categorical features to plan (1 to 26) with --criteo. Default: all 26.
+    #[arg(long, value_delimiter = ',')]
+    pub features: Vec<usize>,
+    /// Categorical ids modulo this (as the DLRM example's --hash-size).
+    #[arg(long)]
+    pub hash_size: Option<u64>,
     /// Or a DESIGN.md workload (`ycsb-c`, `hps-a`) generated as `embank bench` does:
     /// --keys, --zipf, --batch, --threads, --stream-batches, --seed; the bench's threads'
     /// batches interleaved and replayed, the first replay left out (its warm-up).
@@ -146,6 +157,21 @@ fn each_access(args: &PlanArgs, source: &Source, f: &mut dyn FnMut(u64, bool)) -
                 done += m;
             }
         }
+        Source::Criteo(n) => {
+            use std::io::BufRead;
+            for path in &args.criteo {
+                let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+                for (i, line) in std::io::BufReader::with_capacity(1 << 20, file).lines().enumerate() {
+                    let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
+                    let field = line.split('\t').nth(13 + n).ok_or_else(|| {
+                        format!("{} line {}: fewer than 40 tab-separated fields", path.display(), i + 1)
+                    })?;
+                    let id = criteo_id(field, args.hash_size)
+                        .map_err(|e| format!("{} line {}: {e}", path.display(), i + 1))?;
+                    f(id, true);
+                }
+            }
+        }
         Source::Workload(zipf) => {
             let streams: Vec<Vec<u64>> = (0..args.threads.max(1))
                 .map(|t| {
@@ -171,12 +197,34 @@ fn each_access(args: &PlanArgs, source: &Source, f: &mut dyn FnMut(u64, bool)) -
 enum Source {
     File(PathBuf),
     Workload(f64),
+    /// Categorical feature `n` (1-based) of Criteo files.
+    Criteo(usize),
+}
+
+/// The id a Criteo categorical value stands for (`embank.datasets` reads it the same way).
+fn criteo_id(field: &str, hash_size: Option<u64>) -> Result<u64, String> {
+    let id = if field.is_empty() {
+        1u64 << 32
+    } else {
+        u64::from_str_radix(field, 16).map_err(|_| format!("categorical value {field:?} is not hex"))?
+    };
+    Ok(hash_size.map_or(id, |h| id % h))
 }
 
 fn accesses_of(args: &PlanArgs, source: &Source) -> Result<u64, String> {
     Ok(match source {
         Source::File(p) => NpyReader::open(p)?.shape.first().copied().unwrap_or(0) as u64,
         Source::Workload(_) => 3 * (args.threads.max(1) * args.stream_batches * args.batch) as u64,
+        Source::Criteo(_) => {
+            // Lines of the files: one access per line per feature.
+            let mut n = 0u64;
+            for path in &args.criteo {
+                use std::io::BufRead;
+                let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+                n += std::io::BufReader::with_capacity(1 << 20, file).lines().count() as u64;
+            }
+            n
+        }
     })
 }
 
@@ -225,8 +273,17 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
         };
         sources.push((w.clone(), Source::Workload(zipf)));
     }
+    if !args.criteo.is_empty() {
+        let features: Vec<usize> = if args.features.is_empty() { (1..=26).collect() } else { args.features.clone() };
+        for n in features {
+            if !(1..=26).contains(&n) {
+                return Err(format!("--features: Criteo has categorical features 1 to 26, not {n}"));
+            }
+            sources.push((format!("c{n}"), Source::Criteo(n)));
+        }
+    }
     if sources.is_empty() {
-        return Err("give --trace NAME=keys.npy (one per table) or --workload ycsb-c|hps-a".into());
+        return Err("give --trace NAME=keys.npy (one per table), --criteo FILE or --workload ycsb-c|hps-a".into());
     }
     let mut tables = Vec::new();
     for (name, source) in &sources {

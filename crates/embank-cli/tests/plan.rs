@@ -74,6 +74,30 @@ fn plans_a_workload_and_a_trace() {
     assert!((full - 998.0 / 1000.0).abs() < 1e-9, "{full}");
     assert_eq!(t["placement"], "pin");
 
+    // Criteo-format lines: feature 1 takes ids a, b, a, (missing), a; feature 2 is 7 always.
+    let tsv = dir.path().join("day.tsv");
+    let line = |c1: &str| format!("1\t{}\t{c1}\t7{}\n", "\t".repeat(12), "\tff".repeat(24));
+    let text: String = ["a", "b", "a", "", "a"].iter().map(|c| line(c)).collect();
+    std::fs::write(&tsv, text).unwrap();
+    let run = embank(&[
+        "plan",
+        "--criteo",
+        tsv.to_str().unwrap(),
+        "--features",
+        "1,2",
+        "--dim",
+        "8",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let p: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(p["tables"][0]["name"], "c1");
+    assert_eq!(p["tables"][0]["distinct_keys"].as_f64().unwrap(), 3.0, "a, b and the missing id");
+    assert_eq!(p["tables"][1]["distinct_keys"].as_f64().unwrap(), 1.0);
+    let run = embank(&["plan", "--criteo", tsv.to_str().unwrap(), "--features", "27"]);
+    assert!(String::from_utf8_lossy(&run.stderr).contains("1 to 26"));
+
     let run = embank(&["plan"]);
     assert!(!run.status.success());
     assert!(String::from_utf8_lossy(&run.stderr).contains("--trace"));
