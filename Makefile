@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export CARGO_TERM_PROGRESS_WHEN = never
 
-.PHONY: demo test test-rust test-python lint develop test-long bench clean fuzz fuzz-smoke fuzz-tools kafka-jars
+.PHONY: demo test test-rust test-python lint develop test-long bench clean fuzz fuzz-smoke fuzz-tools kafka-jars kge-data
 
 $(VENV)/.installed: requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -33,7 +33,7 @@ test-rust: kafka-jars
 	cargo test --workspace --exclude embank-py --locked
 	cargo test -p embank-cli --features baselines --locked --test bench_smoke
 
-test-python: develop
+test-python: develop kge-data
 	$(BIN)/pytest -q
 
 # The SIGKILL crash tests at 1,000 kills each (store on both media, the server process,
@@ -76,6 +76,11 @@ clean:
 	rm -rf $(VENV)
 
 # The Kafka broker's jars (Maven Central) for the update-stream tests and bench-stream.
+# The Nations and UMLS graphs of examples/kge (read out of the pykeen wheel on PyPI).
+kge-data: tools/kge/data/.fetched
+tools/kge/data/.fetched: tools/kge/fetch.py $(VENV)/.installed
+	$(BIN)/python tools/kge/fetch.py
+
 kafka-jars: tools/kafka/lib/.fetched
 tools/kafka/lib/.fetched: tools/kafka/pom.xml
 	cd tools/kafka && mvn -q -B dependency:copy-dependencies -DoutputDirectory=lib
