@@ -299,3 +299,39 @@ fn planned_tier_bytes_match_a_loaded_table() {
         );
     }
 }
+
+/// Rows read ahead (`lookahead`) start referenced in the row cache, so the reader's own
+/// traffic between the hint and the pull does not evict them first.
+#[test]
+fn rows_read_ahead_survive_the_traffic_before_their_pull() {
+    use embank_core::MediumKind;
+    let dir = tempfile::tempdir().unwrap();
+    // About 2,000 rows of dim 32 (128 B + 96 B each) fit.
+    let store = Store::open(dir.path().join("s"), StoreOptions { cache_bytes: 448_000, ..Default::default() }).unwrap();
+    let mut o = opts(32);
+    o.medium = MediumKind::Block;
+    o.capacity = 20_000;
+    let t = store.create_table("t", o).unwrap();
+    let all: Vec<u64> = (0..20_000).collect();
+    t.push(&all, &vec![1.0; all.len() * 32]).unwrap();
+    store.flush().unwrap();
+    // A full cache first (pushes write around it).
+    let mut out = vec![0f32; 2500 * 32];
+    t.pull(&(5_000..7_500).collect::<Vec<u64>>(), &mut out).unwrap();
+    let ahead: Vec<u64> = (0..800).collect();
+    assert!(t.lookahead(&ahead).unwrap());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while t.stats().unwrap().lookahead_rows < 800 {
+        assert!(std::time::Instant::now() < deadline, "lookahead never loaded");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // Other traffic: a pull of 1,000 other rows (half the cache) before the hinted pull.
+    let mut out = vec![0f32; 1000 * 32];
+    t.pull(&(10_000..11_000).collect::<Vec<u64>>(), &mut out).unwrap();
+    let before = t.stats().unwrap();
+    let mut out = vec![0f32; ahead.len() * 32];
+    t.pull(&ahead, &mut out).unwrap();
+    let after = t.stats().unwrap();
+    let hits = after.cache_hits - before.cache_hits;
+    assert!(hits >= 790, "only {hits} of 800 rows read ahead were still cached");
+}

@@ -95,7 +95,8 @@ impl Table {
         st.medium.read(&items, out)?;
         // A read admitted only if the index still points at the record read: a stale
         // read never lands in a tier.
-        tiers.admit(&items, out, &mut |it| index.get(it.key, index.hash(it.key)) == Some(it.ptr));
+        // Reads that are not counted (lookahead, a re-read) are ahead of their use.
+        tiers.admit(&items, out, !count, &mut |it| index.get(it.key, index.hash(it.key)) == Some(it.ptr));
         if let Some(found) = found {
             found.fill(true);
             for &i in &absent {

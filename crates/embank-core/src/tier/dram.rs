@@ -293,6 +293,7 @@ impl super::Tier for RowCache {
         layout: &RecordLayout,
         out: &mut [f32],
         pinned: bool,
+        referenced: bool,
         current: &mut dyn FnMut(&crate::medium::ReadItem) -> bool,
     ) {
         let elems = layout.elems();
@@ -304,6 +305,12 @@ impl super::Tier for RowCache {
                 layout.decode(&e.row, row);
             } else if current(it) {
                 l.insert(table, it.key, layout, row, false, pinned);
+                if referenced {
+                    // Read ahead of its use: survives one sweep of the hand.
+                    if let Some(e) = l.get(table, it.key) {
+                        e.referenced.store(true, Ordering::Relaxed);
+                    }
+                }
             }
         }
     }

@@ -28,7 +28,9 @@ pub trait Tier: Send + Sync {
     /// Admits records just read from below (`items`, rows in `out`), each under its key's
     /// lock: a key the tier got meanwhile keeps the tier's copy (copied into `out`, it is
     /// at least as new), and a record `current` calls stale (the index moved on) is not
-    /// admitted.
+    /// admitted. `referenced`: rows read ahead of their use (lookahead) start with their
+    /// reference bit set, so the reader's own traffic does not evict them first.
+    #[allow(clippy::too_many_arguments)]
     fn admit_batch(
         &self,
         table: u32,
@@ -36,6 +38,7 @@ pub trait Tier: Send + Sync {
         layout: &RecordLayout,
         out: &mut [f32],
         pinned: bool,
+        referenced: bool,
         current: &mut dyn FnMut(&ReadItem) -> bool,
     );
     /// The keys of `keys` the tier does not hold.
@@ -98,9 +101,9 @@ impl<'a> TierStack<'a> {
     }
 
     /// Admits rows read from the medium (see [`Tier::admit_batch`]).
-    pub fn admit(&self, items: &[ReadItem], out: &mut [f32], current: &mut dyn FnMut(&ReadItem) -> bool) {
+    pub fn admit(&self, items: &[ReadItem], out: &mut [f32], ahead: bool, current: &mut dyn FnMut(&ReadItem) -> bool) {
         if let Some(c) = self.dram {
-            c.admit_batch(self.table, items, &self.layout, out, self.pinned, current);
+            c.admit_batch(self.table, items, &self.layout, out, self.pinned, ahead, current);
         }
     }
 
