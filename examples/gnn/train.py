@@ -62,7 +62,9 @@ class Batch:
         return np.unique(np.concatenate([self.nodes, self.sampled.reshape(-1)]))
 
 
-def batches(offsets: np.ndarray, nbrs: np.ndarray, n: int, size: int, fanout: int, steps: int, seed: int) -> Iterator[Batch]:
+def batches(
+    offsets: np.ndarray, nbrs: np.ndarray, n: int, size: int, fanout: int, steps: int, seed: int
+) -> Iterator[Batch]:
     rng = np.random.default_rng(seed)
     deg = np.diff(offsets)
     for _ in range(steps):
@@ -73,7 +75,9 @@ def batches(offsets: np.ndarray, nbrs: np.ndarray, n: int, size: int, fanout: in
         ends = np.concatenate([u, v, u, neg])
         nodes, inv = np.unique(ends, return_inverse=True)
         d = deg[nodes]
-        sampled = nbrs[offsets[nodes][:, None] + (rng.random((len(nodes), fanout)) * d[:, None]).astype(np.int64)]
+        sampled = nbrs[
+            offsets[nodes][:, None] + (rng.random((len(nodes), fanout)) * d[:, None]).astype(np.int64)
+        ]
         pairs = inv.reshape(4, size)
         pairs = np.concatenate([np.stack([pairs[0], pairs[1]], 1), np.stack([pairs[2], pairs[3]], 1)])
         labels = np.concatenate([np.ones(size, np.float32), np.zeros(size, np.float32)])
@@ -107,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=512, help="positive edges per step (as many negatives)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--cache-fraction", type=float, default=0.05, help="row cache as this fraction of the table")
+    ap.add_argument(
+        "--cache-fraction", type=float, default=0.05, help="row cache as this fraction of the table"
+    )
     ap.add_argument("--no-lookahead", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
@@ -146,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     dense = torch.optim.Adagrad(model.lin.parameters(), lr=args.lr)
     sparse = et.SparseOptimizer(model)
     loss_fn = nn.BCEWithLogitsLoss()
-    it: Iterator[Batch] = batches(offsets, nbrs, args.nodes, args.batch_size, args.fanout, args.steps, args.seed)
+    it: Iterator[Batch] = batches(
+        offsets, nbrs, args.nodes, args.batch_size, args.fanout, args.steps, args.seed
+    )
     if not args.no_lookahead:
         it = et.lookahead(it, lambda b: {x: b.all_ids()})
     losses: list[float] = []
@@ -169,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     k = max(1, len(losses) // 10)
     result: dict[str, Any] = {
         "nodes": args.nodes,
-        "edges": int(len(nbrs)),
+        "edges": len(nbrs),
         "graph_seconds": graph_s,
         "load_seconds": load_s,
         "lookahead": not args.no_lookahead,
