@@ -24,9 +24,9 @@ TRAIN = Path(__file__).resolve().parents[2] / "examples" / "gnn" / "train.py"
 def run(work: Path, *extra: str) -> dict[str, Any]:
     out = work / "metrics.json"
     r = subprocess.run(
-        [sys.executable, str(TRAIN), "--work", str(work), "--nodes", "50000", "--steps", "40", "--fanout", "5",
-         "--batch-size", "256", "--cache-fraction", "0.5", "--threads", "1", "--quiet", "--metrics-out", str(out),
-         *extra],
+        [sys.executable, str(TRAIN), "--work", str(work), "--nodes", "50000", "--steps", "40",
+         "--fanout", "5", "--batch-size", "256", "--cache-fraction", "0.5", "--threads", "1", "--quiet",
+         "--metrics-out", str(out), *extra],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
