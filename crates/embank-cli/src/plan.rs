@@ -84,6 +84,15 @@ pub struct PlanArgs {
     /// Sampled accesses tracked at most (memory: about 30 bytes each).
     #[arg(long, default_value_t = 4_000_000)]
     pub max_tracked: usize,
+    /// Measure this machine's limits (memory copy bandwidth; with the block medium, the
+    /// device's random read rate at the record size, on a scratch file in --dir) and
+    /// turn each predicted hit rate into the keys/s to expect: hits at the copy bound,
+    /// misses at the device's read rate.
+    #[arg(long)]
+    pub limits: bool,
+    /// Scratch directory for --limits' device measurement (default: the system's temp).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
     /// Write the plan as JSON here.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -97,6 +106,27 @@ pub struct CurvePoint {
     pub cache_bytes: u64,
     pub rows: f64,
     pub hit_rate: f64,
+    /// With --limits: keys/s to expect at this hit rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keys_per_second: Option<f64>,
+}
+
+/// What --limits measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Limits {
+    pub copy_gb_per_second: f64,
+    /// Keys/s a hit can be served at: copy bandwidth over the row's bytes read and written.
+    pub hit_keys_per_second: f64,
+    /// Keys/s a miss can be served at: the device's random reads/s at the record size
+    /// (block medium), or the copy bound (mmap: the rows are in memory).
+    pub miss_keys_per_second: f64,
+}
+
+impl Limits {
+    /// Keys/s at hit rate `h`: the time of a key is the mix of a hit's and a miss's.
+    pub fn keys_per_second(&self, h: f64) -> f64 {
+        1.0 / (h / self.hit_keys_per_second + (1.0 - h) / self.miss_keys_per_second)
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -128,6 +158,8 @@ pub struct TablePlan {
 #[derive(Debug, Serialize)]
 pub struct Plan {
     pub target_hit_rate: f64,
+    /// With --limits: the machine's limits the keys/s come from.
+    pub limits: Option<Limits>,
     pub budget_dram: Option<u64>,
     pub budget_gpu: Option<u64>,
     pub tables: Vec<TablePlan>,
@@ -286,6 +318,7 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
         return Err("give --trace NAME=keys.npy (one per table), --criteo FILE or --workload ycsb-c|hps-a".into());
     }
     let mut tables = Vec::new();
+    let mut measured: Option<(f64, Option<f64>)> = None; // (copy GB/s, device reads/s)
     for (name, source) in &sources {
         let accesses = accesses_of(args, source)?;
         let rate = args.sample_rate.unwrap_or_else(|| (args.max_tracked as f64 / accesses.max(1) as f64).min(1.0));
@@ -307,14 +340,35 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
         let shape = TableShape { name: name.clone(), dim: args.dim, dtype: args.dtype, optimizer, medium };
         let distinct = sd.distinct();
         let bytes = tier_bytes(&shape, distinct.round() as u64);
+        if args.limits && measured.is_none() {
+            let copy = crate::bench::limits::copy_bandwidth();
+            let device = if medium == MediumKind::Block {
+                let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+                let file = (distinct as u64 * bytes.record_bytes).clamp(64 << 20, 1 << 30);
+                let d = crate::bench::limits::device(
+                    &dir,
+                    bytes.record_bytes as u32,
+                    file,
+                    embank_core::store::IO_DEPTH_DEFAULT,
+                    3.0,
+                )?;
+                Some(d.random_reads_per_second)
+            } else {
+                None
+            };
+            measured = Some((copy, device));
+        }
+        let limits = measured.map(|m| limits_of(m, args));
+        let kps = |h: f64| limits.as_ref().map(|l| l.keys_per_second(h));
         let entry = bytes.cache_entry_bytes;
         let clock = |b: u64| -> CurvePoint {
             let rows = b as f64 / entry as f64;
-            CurvePoint { cache_bytes: b, rows, hit_rate: sample.clock_hit_rate(rows, row_cache_shards(b)) }
+            let hit_rate = sample.clock_hit_rate(rows, row_cache_shards(b));
+            CurvePoint { cache_bytes: b, rows, hit_rate, keys_per_second: kps(hit_rate) }
         };
         let lru = |b: u64, entry: u64| -> CurvePoint {
             let rows = b as f64 / entry as f64;
-            CurvePoint { cache_bytes: b, rows, hit_rate: sd.hit_rate(rows) }
+            CurvePoint { cache_bytes: b, rows, hit_rate: sd.hit_rate(rows), keys_per_second: None }
         };
         let row_cache_curve: Vec<CurvePoint> = log_sizes(distinct, entry).into_iter().map(|(b, _)| clock(b)).collect();
         let lru_curve = log_sizes(distinct, entry).into_iter().map(|(b, _)| lru(b, entry)).collect();
@@ -351,6 +405,7 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
     }
     Ok(Plan {
         target_hit_rate: args.target_hit_rate,
+        limits: measured.map(|m| limits_of(m, args)),
         budget_dram: args.budget_dram,
         budget_gpu: args.budget_gpu,
         total_index_bytes: tables.iter().map(|t| t.bytes.index).sum(),
@@ -358,6 +413,13 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
         tables,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The limits in keys/s: a hit copies the row out (read and write: twice its f32 bytes);
+/// a miss is one device read on the block medium, a copy on mmap.
+fn limits_of((copy, device): (f64, Option<f64>), args: &PlanArgs) -> Limits {
+    let hit = copy * 1e9 / (2.0 * (args.dim * 4) as f64);
+    Limits { copy_gb_per_second: copy, hit_keys_per_second: hit, miss_keys_per_second: device.unwrap_or(hit) }
 }
 
 /// The least cache bytes (within 1 %) whose simulated hit rate reaches `target`.
@@ -465,9 +527,10 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
         }
         for c in &t.at_cache_bytes {
             println!(
-                "  --cache-bytes {}: {:.1} % predicted row-cache hits",
+                "  --cache-bytes {}: {:.1} % predicted row-cache hits{}",
                 human_bytes(c.cache_bytes),
-                c.hit_rate * 100.0
+                c.hit_rate * 100.0,
+                c.keys_per_second.map_or(String::new(), |k| format!(", about {:.2} M keys/s", k / 1e6))
             );
         }
         match t.cache_bytes_for_target {
@@ -487,6 +550,14 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
             println!("  with --budget-gpu: {:.0} rows on the GPU, {:.1} % hits", c.rows, c.hit_rate * 100.0);
         }
         println!("  placement: {} ({})", t.placement, t.why);
+    }
+    if let Some(l) = &p.limits {
+        println!(
+            "limits: copy {:.1} GB/s (hits at {:.1} M keys/s), misses at {:.0} k keys/s",
+            l.copy_gb_per_second,
+            l.hit_keys_per_second / 1e6,
+            l.miss_keys_per_second / 1e3
+        );
     }
     println!(
         "store: index {}, medium {}; planned in {:.2}s",

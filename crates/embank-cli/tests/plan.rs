@@ -30,6 +30,9 @@ fn plans_a_workload_and_a_trace() {
         "4M",
         "--budget-gpu",
         "1M",
+        "--limits",
+        "--dir",
+        dir.path().to_str().unwrap(),
         "--out",
         out.to_str().unwrap(),
         "--png",
@@ -44,6 +47,11 @@ fn plans_a_workload_and_a_trace() {
     let at = t["at_cache_bytes"].as_array().unwrap();
     assert!(at[0]["hit_rate"].as_f64().unwrap() < at[1]["hit_rate"].as_f64().unwrap());
     assert!(t["at_budget_dram"]["hit_rate"].as_f64().unwrap() > 0.0);
+    // --limits: keys/s from the machine's copy bandwidth and device read rate.
+    let l = &p["limits"];
+    assert!(l["copy_gb_per_second"].as_f64().unwrap() > 0.0 && l["miss_keys_per_second"].as_f64().unwrap() > 0.0);
+    let k: Vec<f64> = at.iter().map(|c| c["keys_per_second"].as_f64().unwrap()).collect();
+    assert!(k[1] > k[0], "more hits, more keys/s: {k:?}");
     assert!(["pin", "cache", "bypass"].contains(&t["placement"].as_str().unwrap()));
     assert!(std::fs::metadata(&png).unwrap().len() > 1000);
 
