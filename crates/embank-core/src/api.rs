@@ -46,33 +46,10 @@ pub trait TableApi: Send + Sync {
         mode: crate::pooled::Pooling,
         out: &mut [f32],
     ) -> Result<()> {
-        crate::table::check_bags(ids, offsets, weights, mode)?;
         let dim = self.dim();
-        let bags = offsets.len() - 1;
-        if out.len() != bags * dim {
-            return Err(Error::invalid(format!(
-                "lookup_pooled: {bags} bags of dim {dim} need {} output elements, got {}",
-                bags * dim,
-                out.len()
-            )));
-        }
-        let mut uniq = ids.to_vec();
-        uniq.sort_unstable();
-        uniq.dedup();
-        let mut rows = vec![0f32; uniq.len() * dim];
-        let mut found = vec![false; uniq.len()];
-        self.lookup(&uniq, &mut rows, &mut found)?;
-        let mut members: Vec<&[f32]> = Vec::new();
-        for b in 0..bags {
-            let (lo, hi) = (offsets[b], offsets[b + 1]);
-            members.clear();
-            members.extend(ids[lo..hi].iter().map(|k| {
-                let j = uniq.binary_search(k).expect("every id was looked up");
-                &rows[j * dim..(j + 1) * dim]
-            }));
-            crate::pooled::pool(mode, &members, weights.map(|w| &w[lo..hi]), &mut out[b * dim..(b + 1) * dim]);
-        }
-        Ok(())
+        let bags = crate::pooled::check_batch(ids, offsets, weights, mode, dim, out)?;
+        let lookup = |keys: &[u64], rows: &mut [f32]| self.lookup(keys, rows, &mut vec![false; keys.len()]);
+        crate::pooled::pool_bags(ids, offsets, weights, mode, dim, 0..bags, lookup, out)
     }
     fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()>;
     fn delete(&self, keys: &[u64]) -> Result<u64>;

@@ -384,6 +384,58 @@ impl PooledCache {
     }
 }
 
+/// Checks a batch of bags and its output (`bags * dim` elements); returns the bag count.
+pub fn check_batch(
+    ids: &[u64],
+    offsets: &[usize],
+    weights: Option<&[f32]>,
+    mode: Pooling,
+    dim: usize,
+    out: &[f32],
+) -> crate::Result<usize> {
+    crate::table::check_bags(ids, offsets, weights, mode)?;
+    let bags = offsets.len() - 1;
+    if out.len() != bags * dim {
+        return Err(crate::Error::invalid(format!(
+            "lookup_pooled: {bags} bags of dim {dim} need {} output elements, got {}",
+            bags * dim,
+            out.len()
+        )));
+    }
+    Ok(bags)
+}
+
+/// Pools the bags numbered in `bags` into `out[b * dim..]`, reading the distinct ids of
+/// all of them with one `lookup(keys, rows)` call.
+#[allow(clippy::too_many_arguments)]
+pub fn pool_bags(
+    ids: &[u64],
+    offsets: &[usize],
+    weights: Option<&[f32]>,
+    mode: Pooling,
+    dim: usize,
+    bags: impl Iterator<Item = usize> + Clone,
+    lookup: impl FnOnce(&[u64], &mut [f32]) -> crate::Result<()>,
+    out: &mut [f32],
+) -> crate::Result<()> {
+    let mut uniq: Vec<u64> = bags.clone().flat_map(|b| ids[offsets[b]..offsets[b + 1]].iter().copied()).collect();
+    uniq.sort_unstable();
+    uniq.dedup();
+    let mut rows = vec![0f32; uniq.len() * dim];
+    lookup(&uniq, &mut rows)?;
+    let mut members: Vec<&[f32]> = Vec::new();
+    for b in bags {
+        let (lo, hi) = (offsets[b], offsets[b + 1]);
+        members.clear();
+        members.extend(ids[lo..hi].iter().map(|k| {
+            let j = uniq.binary_search(k).expect("every id was looked up");
+            &rows[j * dim..(j + 1) * dim]
+        }));
+        pool(mode, &members, weights.map(|w| &w[lo..hi]), &mut out[b * dim..(b + 1) * dim]);
+    }
+    Ok(())
+}
+
 /// Pools `rows` (one per id, `dim` wide) into `out` (`dim`): the (weighted) sum, or
 /// the mean (zeros for an empty bag).
 pub fn pool(mode: Pooling, rows: &[&[f32]], weights: Option<&[f32]>, out: &mut [f32]) {

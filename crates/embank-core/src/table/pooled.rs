@@ -5,7 +5,7 @@
 
 use super::Table;
 use crate::error::{Error, Result};
-use crate::pooled::{bag_hash, pool, Pooling};
+use crate::pooled::{bag_hash, check_batch, pool_bags, Pooling};
 
 impl Table {
     /// The rows of `keys` changed (written, created, deleted): drops the cached bags
@@ -36,15 +36,7 @@ impl Table {
         out: &mut [f32],
     ) -> Result<()> {
         let dim = self.dim();
-        check_bags(ids, offsets, weights, mode)?;
-        let bags = offsets.len() - 1;
-        if out.len() != bags * dim {
-            return Err(Error::invalid(format!(
-                "lookup_pooled: {bags} bags of dim {dim} need {} output elements, got {}",
-                bags * dim,
-                out.len()
-            )));
-        }
+        let bags = check_batch(ids, offsets, weights, mode, dim, out)?;
         let table = self.shared.id;
         let cache = self.shared.runtime.pooled.as_deref();
         let mut hit = vec![false; bags];
@@ -66,22 +58,8 @@ impl Table {
             return Ok(());
         }
         // One lookup of the distinct ids of every missed bag.
-        let mut uniq: Vec<u64> = missed.iter().flat_map(|&b| ids[offsets[b]..offsets[b + 1]].iter().copied()).collect();
-        uniq.sort_unstable();
-        uniq.dedup();
-        let mut rows = vec![0f32; uniq.len() * dim];
-        let mut found = vec![false; uniq.len()];
-        self.lookup(&uniq, &mut rows, &mut found)?;
-        let mut members: Vec<&[f32]> = Vec::new();
-        for &b in &missed {
-            let (lo, hi) = (offsets[b], offsets[b + 1]);
-            members.clear();
-            members.extend(ids[lo..hi].iter().map(|k| {
-                let j = uniq.binary_search(k).expect("every id was looked up");
-                &rows[j * dim..(j + 1) * dim]
-            }));
-            pool(mode, &members, weights.map(|w| &w[lo..hi]), &mut out[b * dim..(b + 1) * dim]);
-        }
+        let lookup = |keys: &[u64], rows: &mut [f32]| self.lookup(keys, rows, &mut vec![false; keys.len()]);
+        pool_bags(ids, offsets, weights, mode, dim, missed.iter().copied(), lookup, out)?;
         if let Some(c) = cache {
             c.insert_batch(table, mode, epoch, &missed, ids, offsets, weights, &hashes, dim, out);
         }
