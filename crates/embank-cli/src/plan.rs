@@ -243,20 +243,26 @@ fn criteo_id(field: &str, hash_size: Option<u64>) -> Result<u64, String> {
     Ok(hash_size.map_or(id, |h| id % h))
 }
 
-fn accesses_of(args: &PlanArgs, source: &Source) -> Result<u64, String> {
+/// Accesses of a source (the Criteo files' line count, counted once for all features,
+/// is kept in `criteo_lines`).
+fn accesses_of(args: &PlanArgs, source: &Source, criteo_lines: &mut Option<u64>) -> Result<u64, String> {
     Ok(match source {
         Source::File(p) => NpyReader::open(p)?.shape.first().copied().unwrap_or(0) as u64,
         Source::Workload(_) => 3 * (args.threads.max(1) * args.stream_batches * args.batch) as u64,
-        Source::Criteo(_) => {
-            // Lines of the files: one access per line per feature.
-            let mut n = 0u64;
-            for path in &args.criteo {
-                use std::io::BufRead;
-                let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-                n += std::io::BufReader::with_capacity(1 << 20, file).lines().count() as u64;
+        Source::Criteo(_) => match criteo_lines {
+            Some(n) => *n,
+            None => {
+                // Lines of the files: one access per line per feature.
+                let mut n = 0u64;
+                for path in &args.criteo {
+                    use std::io::BufRead;
+                    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+                    n += std::io::BufReader::with_capacity(1 << 20, file).lines().count() as u64;
+                }
+                *criteo_lines = Some(n);
+                n
             }
-            n
-        }
+        },
     })
 }
 
@@ -319,8 +325,9 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
     }
     let mut tables = Vec::new();
     let mut measured: Option<(f64, Option<f64>)> = None; // (copy GB/s, device reads/s)
+    let mut criteo_lines: Option<u64> = None;
     for (name, source) in &sources {
-        let accesses = accesses_of(args, source)?;
+        let accesses = accesses_of(args, source, &mut criteo_lines)?;
         let rate = args.sample_rate.unwrap_or_else(|| (args.max_tracked as f64 / accesses.max(1) as f64).min(1.0));
         let capacity = ((accesses as f64 * rate * 1.2) as usize + 1024).min(args.max_tracked.max(1024) * 2);
         let mut sd = StackDistances::new(rate, capacity);
