@@ -265,6 +265,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="after training, serve the tables as these element types (e.g. f16,int8) and "
         "report each one's test AUC next to the f32 tables'",
     )
+    st.add_argument(
+        "--no-lookahead",
+        action="store_true",
+        help="do not read the next batch's rows ahead of its step (embank.torch.lookahead is on by default)",
+    )
     st.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N batches (0: never)")
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work")
     st.add_argument("--metrics-out", type=Path, default=None, help="write the final metrics here as JSON")
@@ -466,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         skip = start_skip if epoch == start_epoch else 0
         in_epoch = skip
         it: Iterator[ds.Batch] = batches(train_files, skip)
-        if tables:
+        if tables and not args.no_lookahead:
             it = et.lookahead(it, lambda b: {t: b.sparse[:, j] for j, t in enumerate(tables)})
         bar = None
         if tqdm is not None and not args.quiet:
@@ -524,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"] = st["rows"]
         result["cache_budget_bytes"] = st["cache"]["budget_bytes"] if args.medium == "block" else 0
         result["cache_hit_rate"] = hits / (hits + misses) if hits + misses else None
+        result["cache_hits"], result["cache_misses"] = hits, misses
+        result["lookahead_rows"] = sum(t["lookahead_rows"] for t in st["tables"])
+        result["medium_rows_read"] = sum(t["medium_rows_read"] for t in st["tables"])
     if test_files:
         result.update(evaluate(model, batches(test_files)))
         print(

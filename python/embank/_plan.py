@@ -26,6 +26,10 @@ def plan(
     traces: Mapping[str, npt.ArrayLike | str | os.PathLike[str]] | None = None,
     *,
     workload: str | None = None,
+    criteo: Sequence[str | os.PathLike[str]] = (),
+    features: Sequence[int] = (),
+    training: bool = False,
+    lookahead: bool = False,
     dim: int = 128,
     dtype: str = "f32",
     optimizer: str = "none",
@@ -48,6 +52,12 @@ def plan(
         traces: table name -> keys in access order (a 1-D integer array, or a ``.npy`` path).
         workload: or ``"ycsb-c"``/``"hps-a"`` generated as ``embank bench`` generates it
             (``keys=``, ``zipf=``, ``batch=``, ``threads=``, ``stream_batches=``, ``seed=``).
+        criteo: or Criteo-format TSV files: each categorical feature of ``features``
+            (default all 26) a table; the result's ``store`` is then the store-wide row
+            cache they share, over batches of ``batch=`` lines (``hash_size=`` as the
+            DLRM example's).
+        training: model steps that pull each batch's distinct ids and push them back.
+        lookahead: the next batch's rows are read ahead of each step.
         cache_bytes: row-cache sizes to predict the hit rate at.
         budget_dram, budget_gpu: budgets in bytes (``"8G"`` works too).
     """
@@ -63,6 +73,14 @@ def plan(
         argv += ["--sample-rate", str(sample_rate)]
     if workload is not None:
         argv += ["--workload", workload]
+    for f in criteo:
+        argv += ["--criteo", os.fspath(f)]
+    if features:
+        argv += ["--features", ",".join(str(f) for f in features)]
+    if training:
+        argv.append("--training")
+    if lookahead:
+        argv.append("--lookahead")
     for k, v in workload_options.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     with tempfile.TemporaryDirectory(prefix="embank-plan-") as tmp:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import embank
 import numpy as np
@@ -35,3 +36,55 @@ def test_plan_function_matches_the_command_and_a_known_trace(tmp_path: Path) -> 
     assert abs(full - (1 - len(np.unique(keys)) / len(keys))) < 1e-4
     assert t["at_cache_bytes"][0]["hit_rate"] < t["at_cache_bytes"][1]["hit_rate"] <= full + 1e-3
     assert 0 < t["at_budget_gpu"]["hit_rate"] <= full + 1e-3
+
+
+def test_store_wide_prediction_matches_training_steps_on_the_store(tmp_path: Path) -> None:
+    """The DLRM example's access pattern, on the real store: 26 tables share one row
+    cache on the block medium; each step pulls every table's distinct ids of a batch
+    and pushes gradients back, the next batch read ahead. The planner's store-wide
+    prediction (`--criteo --training --lookahead`) must land within 3 points of the
+    hit rate the store counts, and count exactly the reads the store counts."""
+    from embank import datasets as ds
+    from embank import torch as et
+
+    data = tmp_path / "train.tsv"
+    ds.write_synthetic(data, 12_000, seed=3, scale=20_000)
+    batch, dim = 256, 16
+    batches = [b.sparse.copy() for b in ds.read_criteo([data], batch)]
+    results = {}
+    # With lookahead, a size well above two steps' rows (about 1.1 MiB here): nearer to
+    # it, the rows read ahead and the ones in use contend, and how much depends on how
+    # far ahead the maintenance thread gets (this loop has no compute to hide it behind:
+    # at 2 MiB it measures about 4 points under the prediction, the DLRM example 1-3).
+    for budget, ahead in ((4 << 20, True), (1 << 20, False), (2 << 20, False), (4 << 20, False)):
+        p = embank.plan(
+            criteo=[data], training=True, lookahead=ahead, batch=batch, dim=dim,
+            optimizer="adagrad", cache_bytes=[budget],
+        )  # fmt: skip
+        store = embank.open(tmp_path / f"store-{budget}-{ahead}", cache_bytes=budget)
+        tables = [
+            store.create_table(f"c{j + 1}", dim=dim, optimizer=embank.optim.Adagrad(lr=0.05), medium="block")
+            for j in range(ds.NUM_SPARSE)
+        ]
+
+        def keys_of(s: Any, tables: list[embank.Table] = tables) -> dict[embank.Table, Any]:
+            return {t: s[:, j] for j, t in enumerate(tables)}
+
+        steps = et.lookahead(batches, keys_of) if ahead else batches
+        for sparse in steps:
+            for j, t in enumerate(tables):
+                keys = np.unique(sparse[:, j].astype(np.uint64))
+                t.pull(keys)
+            for j, t in enumerate(tables):
+                keys = np.unique(sparse[:, j].astype(np.uint64))
+                t.push_grad(keys, np.full((len(keys), dim), 1e-3, dtype=np.float32))
+        st = store.stats()
+        hits = sum(t["cache_hits"] for t in st["tables"])
+        misses = sum(t["cache_misses"] for t in st["tables"])
+        store.close()
+        assert p["store"]["accesses"] == hits + misses
+        predicted = p["store"]["at_cache_bytes"][0]["hit_rate"]
+        results[(budget, ahead)] = (predicted, hits / (hits + misses))
+    for (budget, ahead), (predicted, measured) in results.items():
+        # Without lookahead nothing is left to timing but write-back (modelled): tighter.
+        assert abs(predicted - measured) < (0.03 if ahead else 0.015), (budget, ahead, results)

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
-use embank_core::plan::{row_cache_shards, tier_bytes, SampledStream, StackDistances, TableShape, TierBytes};
+use embank_core::plan::{row_cache_shards, tier_bytes, Access, SampledStream, StackDistances, TableShape, TierBytes};
 use embank_core::{DType, MediumKind, Optimizer};
 use plotters::prelude::*;
 use serde::Serialize;
@@ -36,9 +36,21 @@ pub struct PlanArgs {
     /// Categorical ids modulo this (as the DLRM example's --hash-size).
     #[arg(long)]
     pub hash_size: Option<u64>,
+    /// With --criteo: model training steps for the store-wide row cache, as the DLRM
+    /// example makes them: per batch of --batch lines, each table's distinct ids are
+    /// pulled, then pushed back (`push_grad` re-reads the rows it updates; the store
+    /// counts both reads).
+    #[arg(long)]
+    pub training: bool,
+    /// With --criteo: the next batch's ids are read ahead of each step
+    /// (`embank.torch.lookahead`): rows that exist enter the cache before their pull.
+    #[arg(long)]
+    pub lookahead: bool,
     /// Or a DESIGN.md workload (`ycsb-c`, `hps-a`) generated as `embank bench` does:
     /// --keys, --zipf, --batch, --threads, --stream-batches, --seed; the bench's threads'
     /// batches interleaved and replayed, the first replay left out (its warm-up).
+    /// (--batch is also the lines of a batch of --criteo input: the DLRM example's
+    /// --batch-size.)
     #[arg(long)]
     pub workload: Option<String>,
     #[arg(long, default_value_t = 1_000_000)]
@@ -155,6 +167,28 @@ pub struct TablePlan {
     pub at_budget_gpu: Option<CurvePoint>,
 }
 
+/// The store's one row cache shared by every table (Criteo input: the tables' ids
+/// interleaved as batches make them).
+#[derive(Debug, Serialize)]
+pub struct StorePlan {
+    /// Steps modelled: pulls and pushes (--training), reads ahead (--lookahead).
+    pub training: bool,
+    pub lookahead: bool,
+    pub batch: usize,
+    /// Reads the store counts (hits and misses) over all tables.
+    pub accesses: u64,
+    /// Distinct rows of a step over all tables (mean): with --lookahead the cache must
+    /// hold two steps' rows (the one training and the one read ahead) or they thrash.
+    pub rows_per_step: f64,
+    /// Row-cache bytes of two steps' rows.
+    pub lookahead_floor_bytes: u64,
+    pub sample_rate: f64,
+    pub row_cache_curve: Vec<CurvePoint>,
+    pub at_cache_bytes: Vec<CurvePoint>,
+    pub cache_bytes_for_target: Option<u64>,
+    pub at_budget_dram: Option<CurvePoint>,
+}
+
 #[derive(Debug, Serialize)]
 pub struct Plan {
     pub target_hit_rate: f64,
@@ -163,6 +197,8 @@ pub struct Plan {
     pub budget_dram: Option<u64>,
     pub budget_gpu: Option<u64>,
     pub tables: Vec<TablePlan>,
+    /// The shared row cache over all tables (Criteo input).
+    pub store: Option<StorePlan>,
     /// Bytes of the whole store: index, medium.
     pub total_index_bytes: u64,
     pub total_medium_bytes: u64,
@@ -320,6 +356,12 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
             sources.push((format!("c{n}"), Source::Criteo(n)));
         }
     }
+    if (args.training || args.lookahead) && args.criteo.is_empty() {
+        return Err("--training and --lookahead model steps over batches of --criteo input".into());
+    }
+    if args.batch == 0 {
+        return Err("--batch must be at least 1".into());
+    }
     if sources.is_empty() {
         return Err("give --trace NAME=keys.npy (one per table), --criteo FILE or --workload ycsb-c|hps-a".into());
     }
@@ -410,8 +452,26 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
             at_budget_gpu,
         });
     }
+    let store = if args.criteo.is_empty() {
+        None
+    } else {
+        let features: Vec<usize> =
+            sources.iter().filter_map(|(_, s)| if let Source::Criteo(n) = s { Some(*n) } else { None }).collect();
+        let lines = criteo_lines.unwrap_or(0);
+        let entry = tables.iter().map(|t| t.bytes.cache_entry_bytes).max().unwrap_or(1);
+        let distinct: f64 = tables
+            .iter()
+            .zip(&sources)
+            .filter(|(_, (_, s))| matches!(s, Source::Criteo(_)))
+            .map(|(t, _)| t.distinct_keys)
+            .sum();
+        let index: u64 = tables.iter().map(|t| t.bytes.index).sum();
+        let limits = measured.map(|m| limits_of(m, args));
+        Some(store_plan(args, &features, lines, entry, distinct, index, limits.as_ref())?)
+    };
     Ok(Plan {
         target_hit_rate: args.target_hit_rate,
+        store,
         limits: measured.map(|m| limits_of(m, args)),
         budget_dram: args.budget_dram,
         budget_gpu: args.budget_gpu,
@@ -419,6 +479,122 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
         total_medium_bytes: tables.iter().map(|t| t.bytes.medium).sum(),
         tables,
         seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// The store-wide row cache over Criteo input: one more pass over the files, in batches
+/// of `--batch` lines, every table's distinct ids of a batch (tables keep apart: the
+/// table's number goes in the key's top bits) read as the training steps read them.
+fn store_plan(
+    args: &PlanArgs,
+    features: &[usize],
+    lines: u64,
+    entry: u64,
+    distinct: f64,
+    index: u64,
+    limits: Option<&Limits>,
+) -> Result<StorePlan, String> {
+    use std::io::BufRead;
+    let per_id = 1 + args.training as u64 + args.lookahead as u64;
+    let events = lines * features.len() as u64 * per_id;
+    let rate = args.sample_rate.unwrap_or_else(|| (args.max_tracked as f64 / events.max(1) as f64).min(1.0));
+    let max = args.max_tracked.max(1024) * 2;
+    let mut sample = SampledStream::new(rate);
+    // A step: the maintenance thread reads the next batch's rows ahead while the step
+    // pulls, table by table (it got the hints just before the step began).
+    let step = |sample: &mut SampledStream, batch: &[Vec<u64>], ahead: Option<&[Vec<u64>]>| {
+        for (j, ids) in batch.iter().enumerate() {
+            for &k in ahead.map_or(&[][..], |a| &a[j][..]) {
+                sample.access_as(k, Access::Ahead, max);
+            }
+            for &k in ids {
+                sample.access_as(k, Access::Counted, max);
+            }
+        }
+        if args.training {
+            for ids in batch {
+                for &k in ids {
+                    sample.access_as(k, Access::Push, max);
+                }
+            }
+        }
+        sample.access_as(0, Access::StepEnd, max);
+    };
+    let mut batch: Vec<Vec<u64>> = vec![Vec::new(); features.len()];
+    let mut current: Option<Vec<Vec<u64>>> = None;
+    let (mut steps, mut step_rows) = (0u64, 0u64);
+    let mut in_batch = 0usize;
+    let bar = crate::tools::progress(lines, "store");
+    let mut n = 0u64;
+    let mut end_batch = |batch: &mut Vec<Vec<u64>>, sample: &mut SampledStream| {
+        let mut next: Vec<Vec<u64>> = std::mem::replace(batch, vec![Vec::new(); features.len()]);
+        for ids in next.iter_mut() {
+            ids.sort_unstable();
+            ids.dedup();
+            if args.lookahead && current.is_none() {
+                // The first batch is read ahead before any step.
+                for &k in ids.iter() {
+                    sample.access_as(k, Access::Ahead, max);
+                }
+            }
+        }
+        steps += 1;
+        step_rows += next.iter().map(|ids| ids.len() as u64).sum::<u64>();
+        if let Some(cur) = current.take() {
+            step(sample, &cur, args.lookahead.then_some(&next[..]));
+        }
+        current = Some(next);
+    };
+    for path in &args.criteo {
+        let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        for (i, line) in std::io::BufReader::with_capacity(1 << 20, file).lines().enumerate() {
+            let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
+            let fields: Vec<&str> = line.split('\t').collect();
+            if fields.len() < 40 {
+                return Err(format!("{} line {}: fewer than 40 tab-separated fields", path.display(), i + 1));
+            }
+            for (j, &f) in features.iter().enumerate() {
+                let id = criteo_id(fields[13 + f], args.hash_size)
+                    .map_err(|e| format!("{} line {}: {e}", path.display(), i + 1))?;
+                batch[j].push(((j as u64 + 1) << 48) ^ id);
+            }
+            in_batch += 1;
+            if in_batch == args.batch {
+                end_batch(&mut batch, &mut sample);
+                in_batch = 0;
+            }
+            n += 1;
+            if n.is_multiple_of(1 << 16) {
+                bar.set_position(n);
+            }
+        }
+    }
+    if in_batch > 0 {
+        end_batch(&mut batch, &mut sample);
+    }
+    if let Some(cur) = current.take() {
+        step(&mut sample, &cur, None);
+    }
+    bar.finish_and_clear();
+    let rows_per_step = step_rows as f64 / steps.max(1) as f64;
+    let kps = |h: f64| limits.map(|l| l.keys_per_second(h));
+    let clock = |b: u64| -> CurvePoint {
+        let rows = b as f64 / entry as f64;
+        let hit_rate = sample.clock_hit_rate(rows, row_cache_shards(b));
+        CurvePoint { cache_bytes: b, rows, hit_rate, keys_per_second: kps(hit_rate) }
+    };
+    Ok(StorePlan {
+        training: args.training,
+        lookahead: args.lookahead,
+        batch: args.batch,
+        accesses: sample.counted_all,
+        rows_per_step,
+        lookahead_floor_bytes: (2.0 * rows_per_step * entry as f64).ceil() as u64,
+        sample_rate: sample.rate,
+        row_cache_curve: log_sizes(distinct, entry).into_iter().map(|(b, _)| clock(b)).collect(),
+        at_cache_bytes: args.cache_bytes.iter().map(|&b| clock(b)).collect(),
+        cache_bytes_for_target: bytes_for(&clock, distinct * entry as f64, args.target_hit_rate),
+        at_budget_dram: args.budget_dram.map(|b| clock(b.saturating_sub(index))),
     })
 }
 
@@ -557,6 +733,47 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
             println!("  with --budget-gpu: {:.0} rows on the GPU, {:.1} % hits", c.rows, c.hit_rate * 100.0);
         }
         println!("  placement: {} ({})", t.placement, t.why);
+    }
+    if let Some(s) = &p.store {
+        println!(
+            "store-wide row cache (all tables share it; batches of {} lines{}{}): {} counted reads, sampled at {:.4}",
+            s.batch,
+            if s.training { ", pulled and pushed" } else { "" },
+            if s.lookahead { ", read ahead" } else { "" },
+            s.accesses,
+            s.sample_rate
+        );
+        println!("  {:>12} {:>14} {:>9}", "cache", "rows", "row cache");
+        for r in &s.row_cache_curve {
+            println!("  {:>12} {:>14.0} {:>8.1}%", human_bytes(r.cache_bytes), r.rows, r.hit_rate * 100.0);
+        }
+        for c in &s.at_cache_bytes {
+            println!(
+                "  --cache-bytes {}: {:.1} % predicted row-cache hits{}",
+                human_bytes(c.cache_bytes),
+                c.hit_rate * 100.0,
+                c.keys_per_second.map_or(String::new(), |k| format!(", about {:.2} M keys/s", k / 1e6))
+            );
+        }
+        println!(
+            "  {:.0} distinct rows a step: reading ahead needs more than {} of row cache (two steps' rows), or \
+             the rows read ahead evict the ones in use",
+            s.rows_per_step,
+            human_bytes(s.lookahead_floor_bytes)
+        );
+        match s.cache_bytes_for_target {
+            Some(b) => {
+                println!("  a {:.0} % hit rate takes {} of row cache", p.target_hit_rate * 100.0, human_bytes(b))
+            }
+            None => println!("  the stream never reaches a {:.0} % hit rate", p.target_hit_rate * 100.0),
+        }
+        if let Some(c) = &s.at_budget_dram {
+            println!(
+                "  with --budget-dram: {} of row cache beside the indexes, {:.1} % hits",
+                human_bytes(c.cache_bytes),
+                c.hit_rate * 100.0
+            );
+        }
     }
     if let Some(l) = &p.limits {
         println!(

@@ -194,12 +194,34 @@ impl StackDistances {
     }
 }
 
+/// What an access of a stream is to the row cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// A read that warms the cache but is not counted (a warm-up pass).
+    Warmup,
+    /// A read the store counts as a hit or a miss (a pull, or a push's re-read).
+    Counted,
+    /// A read ahead of use (`lookahead`): an absent row that exists enters the cache
+    /// referenced; a present row is left as it is; a row never written is skipped (a
+    /// read ahead creates nothing). Never counted.
+    Ahead,
+    /// A push: counted like a pull (`push_grad` re-reads the row), then the row is
+    /// dirty in the cache, which never evicts a dirty row (a shard whose rows are all
+    /// dirty runs over budget) until it is written back: by the writer itself past
+    /// half the budget, by the maintenance thread past an eighth.
+    Push,
+    /// A training step ends (the key is not used; never sampled out): the maintenance
+    /// thread, which runs a write-back round after each request and every 20 ms, has
+    /// brought the dirty rows down to an eighth of the budget.
+    StepEnd,
+}
+
 /// The sampled part of a stream, kept for miniature simulations of the row cache's
-/// own policy (CLOCK): the keys SHARDS keeps, in order, and whether each counts.
+/// own policy (CLOCK): the keys SHARDS keeps, in order, and what each access is.
 #[derive(Default)]
 pub struct SampledStream {
     pub keys: Vec<u64>,
-    pub counting: Vec<bool>,
+    pub kinds: Vec<Access>,
     /// Accesses counted, sampled or not (for the SHARDS-adj correction).
     pub counted_all: u64,
     pub rate: f64,
@@ -210,23 +232,36 @@ impl SampledStream {
         SampledStream { rate: rate.clamp(1e-9, 1.0), ..Default::default() }
     }
 
-    /// Keeps `key` if the sample takes it.
+    /// Keeps `key` if the sample takes it: a counted read, or a warm-up one.
     #[inline]
     pub fn access(&mut self, key: u64, counting: bool, max: usize) {
-        if counting {
+        self.access_as(key, if counting { Access::Counted } else { Access::Warmup }, max)
+    }
+
+    /// Keeps `key` if the sample takes it (SHARDS: by a hash of the key, so a key is
+    /// kept in all its accesses or none).
+    #[inline]
+    pub fn access_as(&mut self, key: u64, kind: Access, max: usize) {
+        if kind == Access::StepEnd {
+            self.keys.push(0);
+            self.kinds.push(kind);
+            return;
+        }
+        if matches!(kind, Access::Counted | Access::Push) {
             self.counted_all += 1;
         }
         let threshold = if self.rate >= 1.0 { u64::MAX } else { (self.rate * u64::MAX as f64) as u64 };
         if crate::hash::splitmix64(key ^ 0x5eed_9a11) <= threshold && self.keys.len() < max {
             self.keys.push(key);
-            self.counting.push(counting);
+            self.kinds.push(kind);
         }
     }
 
     /// Hit rate of embank's row cache (CLOCK with a reference bit per entry, new
-    /// entries unreferenced, a hit sets the bit, the hand gives referenced entries a
-    /// second chance; sharded as the store shards it) holding `rows` rows, simulated
-    /// on the sample with `rows * rate` rows (SHARDS for policies other than LRU).
+    /// entries unreferenced unless read ahead, a hit sets the bit, the hand gives
+    /// referenced entries a second chance; sharded as the store shards it) holding
+    /// `rows` rows, simulated on the sample with `rows * rate` rows (SHARDS for
+    /// policies other than LRU).
     pub fn clock_hit_rate(&self, rows: f64, shards: usize) -> f64 {
         let cap = (rows * self.rate).floor() as usize;
         let shards = shards.clamp(1, cap.max(1));
@@ -236,34 +271,80 @@ impl SampledStream {
         }
         struct Shard {
             map: HashMap<u64, usize>,
-            slots: Vec<(u64, bool)>,
+            /// (key, referenced, dirty)
+            slots: Vec<(u64, bool, bool)>,
             hand: usize,
         }
         let mut sh: Vec<Shard> =
             (0..shards).map(|_| Shard { map: HashMap::new(), slots: Vec::with_capacity(per), hand: 0 }).collect();
+        // Rows written so far (only needed to skip reads ahead of rows never created).
+        let any_ahead = self.kinds.contains(&Access::Ahead);
+        let mut written: std::collections::HashSet<u64> = std::collections::HashSet::new();
+        // Dirty rows, oldest first (a key may be listed again after a write-back).
+        let mut dirty: std::collections::VecDeque<u64> = std::collections::VecDeque::new();
+        let mut dirty_rows = 0usize;
+        let shard_of = |k: u64| (crate::hash::splitmix64(k) % shards as u64) as usize;
+        let write_back = |sh: &mut Vec<Shard>,
+                          dirty: &mut std::collections::VecDeque<u64>,
+                          dirty_rows: &mut usize,
+                          down_to: usize| {
+            while *dirty_rows > down_to {
+                let Some(k) = dirty.pop_front() else { break };
+                let s = &mut sh[shard_of(k)];
+                if let Some(&i) = s.map.get(&k) {
+                    if std::mem::take(&mut s.slots[i].2) {
+                        *dirty_rows -= 1;
+                    }
+                }
+            }
+        };
         let (mut hits, mut counted) = (0u64, 0u64);
-        for (&k, &c) in self.keys.iter().zip(&self.counting) {
-            let s = &mut sh[(crate::hash::splitmix64(k) % shards as u64) as usize];
+        for (&k, &kind) in self.keys.iter().zip(&self.kinds) {
+            if kind == Access::StepEnd {
+                write_back(&mut sh, &mut dirty, &mut dirty_rows, cap / 8);
+                continue;
+            }
+            let c = matches!(kind, Access::Counted | Access::Push);
             if c {
                 counted += 1;
             }
+            let s = &mut sh[shard_of(k)];
             if let Some(&i) = s.map.get(&k) {
-                s.slots[i].1 = true;
-                if c {
-                    hits += 1;
+                if kind != Access::Ahead {
+                    s.slots[i].1 = true;
+                    if c {
+                        hits += 1;
+                    }
+                }
+                if kind == Access::Push && !std::mem::replace(&mut s.slots[i].2, true) {
+                    dirty_rows += 1;
+                    dirty.push_back(k);
+                    if dirty_rows > cap / 2 {
+                        write_back(&mut sh, &mut dirty, &mut dirty_rows, cap / 2);
+                    }
                 }
                 continue;
             }
-            while s.slots.len() >= per {
+            if kind == Access::Ahead {
+                if !written.contains(&k) {
+                    continue;
+                }
+            } else if any_ahead {
+                written.insert(k);
+            }
+            // CLOCK, skipping dirty rows; after two sweeps the shard runs over budget.
+            let mut steps = 2 * s.slots.len();
+            while s.slots.len() >= per && steps > 0 {
+                steps -= 1;
                 if s.hand >= s.slots.len() {
                     s.hand = 0;
                 }
                 let h = s.hand;
-                if std::mem::take(&mut s.slots[h].1) {
+                if s.slots[h].2 || std::mem::take(&mut s.slots[h].1) {
                     s.hand += 1;
                     continue;
                 }
-                let (gone, _) = s.slots.swap_remove(h);
+                let (gone, _, _) = s.slots.swap_remove(h);
                 s.map.remove(&gone);
                 if h < s.slots.len() {
                     let moved = s.slots[h].0;
@@ -271,7 +352,15 @@ impl SampledStream {
                 }
             }
             s.map.insert(k, s.slots.len());
-            s.slots.push((k, false));
+            // A pushed row that missed is read, updated and written to the cache dirty.
+            s.slots.push((k, kind == Access::Ahead, kind == Access::Push));
+            if kind == Access::Push {
+                dirty_rows += 1;
+                dirty.push_back(k);
+                if dirty_rows > cap / 2 {
+                    write_back(&mut sh, &mut dirty, &mut dirty_rows, cap / 2);
+                }
+            }
         }
         let expected = if self.rate >= 1.0 { counted as f64 } else { self.counted_all as f64 * self.rate };
         if expected <= 0.0 {
@@ -399,6 +488,49 @@ mod tests {
             assert!((e - s).abs() < 0.02, "c={c}: sampled {s} vs exact {e}");
         }
         assert!(sampled.bytes() < exact.bytes() / 5);
+    }
+
+    #[test]
+    fn reads_ahead_enter_referenced_and_create_nothing() {
+        let run = |events: &[(u64, Access)]| {
+            let mut s = SampledStream::new(1.0);
+            for &(k, a) in events {
+                s.access_as(k, a, usize::MAX);
+            }
+            s.clock_hit_rate(2.0, 1)
+        };
+        use Access::*;
+        let base = [(1, Counted), (2, Counted), (3, Counted)];
+        // Without a read ahead, 1 was evicted: its pull misses.
+        assert_eq!(run(&[&base[..], &[(1, Counted)]].concat()), 0.0);
+        // Read ahead, it is back before its pull: a hit, and the read is not counted.
+        assert_eq!(run(&[&base[..], &[(1, Ahead), (1, Counted)]].concat()), 0.25);
+        // A key never written is not created by a read ahead: its pull misses.
+        assert_eq!(run(&[&base[..], &[(9, Ahead), (9, Counted)]].concat()), 0.0);
+        // A read ahead of a present row does not reference it: 2 (unreferenced) goes
+        // when 4 comes in, as it would without the read ahead.
+        let with = run(&[&base[..], &[(2, Ahead), (4, Counted), (2, Counted)]].concat());
+        let without = run(&[&base[..], &[(4, Counted), (2, Counted)]].concat());
+        assert_eq!(with, without);
+    }
+
+    #[test]
+    fn dirty_rows_stay_until_written_back() {
+        let run = |events: &[(u64, Access)]| {
+            let mut s = SampledStream::new(1.0);
+            for &(k, a) in events {
+                s.access_as(k, a, usize::MAX);
+            }
+            s.clock_hit_rate(4.0, 1)
+        };
+        use Access::*;
+        let tail = [(3, Counted), (4, Counted), (5, Counted), (1, Counted)];
+        // Pushed rows 1 and 2 are dirty: 5 evicts 3, and 1 is still there.
+        assert_eq!(run(&[&[(1, Push), (2, Push)][..], &tail].concat()), 1.0 / 6.0);
+        // Read only, 1 is the oldest unreferenced row: 5 evicts it.
+        assert_eq!(run(&[&[(1, Counted), (2, Counted)][..], &tail].concat()), 0.0);
+        // Written back at the step's end, they are clean again.
+        assert_eq!(run(&[&[(1, Push), (2, Push), (0, StepEnd)][..], &tail].concat()), 0.0);
     }
 
     #[test]
