@@ -266,6 +266,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "report each one's test AUC next to the f32 tables'",
     )
     st.add_argument(
+        "--gpu-cache-rows",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after training, also evaluate through an embank.gpu.GpuCache of N rows per table "
+        "(sync inserts; on CUDA if present, else the CPU) and report its AUC and hit rate",
+    )
+    st.add_argument(
         "--no-lookahead",
         action="store_true",
         help="do not read the next batch's rows ahead of its step (embank.torch.lookahead is on by default)",
@@ -541,10 +549,47 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.serve_dtypes and test_files:
         result["serve"] = serve_compact(args, model, tables, lambda: batches(test_files), result)
+    if args.gpu_cache_rows and test_files and tables:
+        result["gpu_cache"] = eval_gpu_cache(args, model, tables, lambda: batches(test_files), result)
     if args.metrics_out:
         args.metrics_out.write_text(json.dumps(result, indent=1))
     store.close()
     return 0
+
+
+def eval_gpu_cache(
+    args: argparse.Namespace,
+    model: DLRM,
+    tables: list[embank.Table],
+    test: Any,
+    trained: dict[str, Any],
+) -> dict[str, Any]:
+    """Evaluates with every table behind an ``embank.gpu.GpuCache`` (sync inserts, so
+    every row is the table's): the AUC must be the plain evaluation's."""
+    from embank.gpu import GpuCache
+
+    trained_bags = model.bags
+    caches = [GpuCache(t, rows_max=args.gpu_cache_rows, insert="sync") for t in tables]
+    model.bags = nn.ModuleList([et.EmbeddingBag(c, mode="sum") for c in caches])
+    m = evaluate(model, test())
+    st = [c.stats() for c in caches]
+    hits, misses = sum(s["hits"] for s in st), sum(s["misses"] for s in st)
+    out = {
+        **m,
+        "auc_delta": m["auc"] - trained["auc"],
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "device": st[0]["device"],
+        "kernels": st[0]["kernels"],
+    }
+    print(
+        f"through the GPU cache ({out['device']}, {out['kernels']} kernels): auc {m['auc']:.4f} "
+        f"({out['auc_delta']:+.5f}), hit rate {out['hit_rate'] or 0:.3f}",
+        file=sys.stderr,
+    )
+    for c in caches:
+        c.close()
+    model.bags = trained_bags
+    return out
 
 
 def serve_compact(

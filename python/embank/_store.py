@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any, Union
@@ -88,14 +90,42 @@ def _lifecycle_json(
     )
 
 
+class _WriteListeners:
+    """Callbacks told the keys of every write made through a store's :class:`Table`
+    objects of one table (what keeps a :class:`embank.gpu.GpuCache` consistent). Held
+    weakly: a dropped listener's object is forgotten."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._methods: list[weakref.WeakMethod[Any]] = []
+
+    def add(self, method: Any) -> None:
+        with self._lock:
+            self._methods.append(weakref.WeakMethod(method))
+
+    def discard(self, method: Any) -> None:
+        with self._lock:
+            self._methods = [m for m in self._methods if m() is not None and m() != method]
+
+    def notify(self, keys: npt.NDArray[np.uint64]) -> None:
+        with self._lock:
+            live = [f for f in (m() for m in self._methods) if f is not None]
+        for f in live:
+            f(keys)
+
+
 class Table:
     """One embedding table. Obtain it from :meth:`Store.create_table` or :meth:`Store.table`.
 
     Every method takes a batch of keys; the GIL is released while the engine works.
     """
 
-    def __init__(self, native: _native.Table) -> None:
+    def __init__(self, native: _native.Table, listeners: _WriteListeners | None = None) -> None:
         self._t = native
+        self._listeners = listeners if listeners is not None else _WriteListeners()
+
+    def _write_listeners(self) -> _WriteListeners:
+        return self._listeners
 
     @property
     def name(self) -> str:
@@ -202,11 +232,18 @@ class Table:
         """Writes rows (insert or replace). With duplicate keys the last row wins.
         Non-finite values are refused and nothing is written."""
         k = _keys(keys)
-        self._t.push(k, _rows(rows, len(k), self.dim, self.name))
+        try:
+            self._t.push(k, _rows(rows, len(k), self.dim, self.name))
+        finally:
+            self._listeners.notify(k)
 
     def delete(self, keys: KeysLike) -> int:
         """Deletes keys; returns how many were present."""
-        return self._t.delete(_keys(keys))
+        k = _keys(keys)
+        try:
+            return self._t.delete(k)
+        finally:
+            self._listeners.notify(k)
 
     def push_grad(self, keys: KeysLike, grads: Rows) -> None:
         """Applies the table's optimizer to the rows of ``keys`` with gradients ``grads``
@@ -214,7 +251,10 @@ class Table:
         gets one update per call; missing rows are created with the initializer, then
         updated. Raises :class:`~embank.errors.ConfigError` if the table has no optimizer."""
         k = _keys(keys)
-        self._t.push_grad(k, _rows(grads, len(k), self.dim, self.name))
+        try:
+            self._t.push_grad(k, _rows(grads, len(k), self.dim, self.name))
+        finally:
+            self._listeners.notify(k)
 
     def worker(self, timeout: float = 60.0) -> Worker:
         """A training worker's view of this table, for bounded staleness.
@@ -293,7 +333,10 @@ class Worker:
     def push_grad(self, keys: KeysLike, grads: Rows) -> None:
         """Like :meth:`Table.push_grad`, then gives back this worker's holds of ``keys``."""
         k = _keys(keys)
-        self.table._t.push_grad_held(self.id, k, _rows(grads, len(k), self.table.dim, self.table.name))
+        try:
+            self.table._t.push_grad_held(self.id, k, _rows(grads, len(k), self.table.dim, self.table.name))
+        finally:
+            self.table._listeners.notify(k)
 
     def release(self) -> int:
         """Gives back every hold of this worker; returns how many it had."""
@@ -322,6 +365,10 @@ class Store:
     def __init__(self, native: _native.Store) -> None:
         self._s = native
         self._publishers: list[Publisher] = []
+        self._listeners: dict[str, _WriteListeners] = {}
+
+    def _listeners_of(self, name: str) -> _WriteListeners:
+        return self._listeners.setdefault(name, _WriteListeners())
 
     @property
     def path(self) -> str:
@@ -456,11 +503,11 @@ class Store:
         if lifecycle is not None:
             options["lifecycle"] = json.loads(lifecycle)
         native = self._s.create_table(name, json.dumps(options))
-        return Table(native)
+        return Table(native, self._listeners_of(name))
 
     def table(self, name: str) -> Table:
         """The table called ``name``; raises :class:`~embank.errors.NotFoundError` (a ``KeyError``)."""
-        return Table(self._s.table(name))
+        return Table(self._s.table(name), self._listeners_of(name))
 
     def __getitem__(self, name: str) -> Table:
         return self.table(name)

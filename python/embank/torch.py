@@ -31,8 +31,9 @@ How gradients reach the store (``push=``):
   the table). Only right when each table is looked up once per step.
 
 A module may wrap a :class:`~embank.Table` or a :class:`~embank.Worker` (bounded
-staleness: its pulls hold keys until their gradients are pushed). torch is an optional
-dependency, imported when this module is.
+staleness: its pulls hold keys until their gradients are pushed), or for inference an
+:class:`embank.gpu.GpuCache` (eval mode: rows answered from the cache's device, misses
+fetched from its table). torch is an optional dependency, imported when this module is.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 
 from ._store import Table, Worker
 from .errors import InvalidInputError
+from .gpu import GpuCache
 
 __all__ = [
     "Embedding",
@@ -133,8 +135,12 @@ def _to_keys(ids: torch.Tensor, what: str) -> npt.NDArray[np.uint64]:
 class _Lookup(torch.nn.Module):
     """Pulls the unique rows of a batch as a leaf tensor whose gradient goes to the store."""
 
-    def __init__(self, source: Source, push: str) -> None:
+    def __init__(self, source: Source | GpuCache, push: str) -> None:
         super().__init__()
+        self.cache: GpuCache | None = None
+        if isinstance(source, GpuCache):
+            # Eval-mode lookups answered on the cache's device (see embank.gpu).
+            self.cache, source = source, source.table
         if push not in ("step", "backward"):
             raise InvalidInputError(f'push must be "step" or "backward", got {push!r}')
         if not isinstance(source, (Table, Worker)):
@@ -148,9 +154,17 @@ class _Lookup(torch.nn.Module):
     def unique_rows(self, ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Unique rows ``(u, dim)`` (requires grad when training) and the inverse index of ``ids``."""
         flat = ids.reshape(-1)
+        training = torch.is_grad_enabled() and self.training
+        if self.cache is not None:
+            if training:
+                raise InvalidInputError(
+                    "a GpuCache answers lookups in eval mode or under torch.no_grad(); "
+                    "train through the table"
+                )
+            uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+            return self.cache.lookup(uniq).to(device), inverse.to(device)
         uniq, inverse = torch.unique(flat.to("cpu"), sorted=True, return_inverse=True)
         keys = _to_keys(uniq, "ids")
-        training = torch.is_grad_enabled() and self.training
         # A worker's pull holds keys until their gradient is pushed: only when training.
         rows = torch.from_numpy((self.source if training else self.table).pull(keys))
         if device.type != "cpu":
@@ -179,7 +193,7 @@ class Embedding(_Lookup):
     """``torch.nn.Embedding`` over an embank table: ``forward(ids)`` of any shape returns
     ``(*ids.shape, dim)``. Each unique id is pulled once per call."""
 
-    def __init__(self, table: Source, *, push: str = "step") -> None:
+    def __init__(self, table: Source | GpuCache, *, push: str = "step") -> None:
         super().__init__(table, push)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -199,8 +213,12 @@ class EmbeddingBag(_Lookup):
     table's missing default (create the table with ``missing="init"`` to match what a
     pull would create) and nothing is stored."""
 
-    def __init__(self, table: Source, mode: str = "sum", *, push: str = "step", pooled: bool = False) -> None:
+    def __init__(
+        self, table: Source | GpuCache, mode: str = "sum", *, push: str = "step", pooled: bool = False
+    ) -> None:
         super().__init__(table, push)
+        if pooled and self.cache is not None:
+            raise InvalidInputError("pooled=True pools in the store: it does not combine with a GpuCache")
         if mode not in ("sum", "mean"):
             raise InvalidInputError(f'mode must be "sum" or "mean", got {mode!r}')
         self.mode = mode
@@ -255,7 +273,12 @@ class EmbeddingBagCollection(torch.nn.Module):
     """
 
     def __init__(
-        self, features: Mapping[str, Source], mode: str = "sum", *, push: str = "step", pooled: bool = False
+        self,
+        features: Mapping[str, Source | GpuCache],
+        mode: str = "sum",
+        *,
+        push: str = "step",
+        pooled: bool = False,
     ) -> None:
         super().__init__()
         if not features:

@@ -1,0 +1,189 @@
+"""The GPU cache (`embank.gpu`): its PyTorch path against a model of what it must hold,
+its Triton kernels (through Triton's interpreter on the CPU) against the PyTorch path,
+and, where CUDA exists, on the device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import embank
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from embank import gpu  # noqa: E402
+from embank import torch as et  # noqa: E402
+from embank.errors import InvalidInputError  # noqa: E402
+
+DIM = 8
+
+
+def _table(tmp: Path, n: int = 300) -> tuple[embank.Store, embank.Table]:
+    store = embank.open(tmp / "s")
+    t = store.create_table("t", dim=DIM)
+    keys = np.arange(n, dtype=np.uint64) * 7
+    t.push(keys, np.random.default_rng(0).standard_normal((n, DIM)).astype(np.float32))
+    return store, t
+
+
+def _cached(cache: gpu.GpuCache) -> dict[int, Any]:
+    k = cache.keys.reshape(-1)
+    at = (k != gpu.EMPTY).nonzero().squeeze(1)
+    return {int(x): cache.values[i].float().numpy() for x, i in zip(k[at].tolist(), at.tolist())}
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_reference_path_against_a_model(tmp_path: Path, policy: str) -> None:
+    store, t = _table(tmp_path)
+    rng = np.random.default_rng(1)
+    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch", policy=policy)
+    truth = {int(k): r for ks, rs in t.export() for k, r in zip(ks.tolist(), rs)}  # the model: the table
+    for step in range(300):
+        op = rng.integers(0, 10)
+        if op < 6:  # a lookup: ids drawn Zipf-like, some the table lacks
+            ids = (rng.zipf(1.3, 40) % 330) * 7
+            out = cache.lookup(torch.as_tensor(ids, dtype=torch.int64)).numpy()
+            for i, k in enumerate(ids.tolist()):
+                want = truth.get(k, np.zeros(DIM, np.float32))
+                np.testing.assert_array_equal(out[i], want, err_msg=f"step {step} key {k}")
+        elif op < 8:  # a write through the table (invalidates)
+            ks = (rng.integers(0, 330, 5) * 7).astype(np.uint64)
+            rows = rng.standard_normal((5, DIM)).astype(np.float32)
+            t.push(ks, rows)
+            truth.update({int(k): r for k, r in zip(ks.tolist(), rows)})
+        elif op < 9:  # a write the cache is not told of (another process), then a refresh
+            ks = (rng.integers(0, 330, 5) * 7).astype(np.uint64)
+            rows = rng.standard_normal((5, DIM)).astype(np.float32)
+            t._t.push(ks, rows)
+            truth.update({int(k): r for k, r in zip(ks.tolist(), rows)})
+            before = cache.stats()["rows_cached"]
+            assert cache.refresh(batch=16)["rows"] == before
+        else:
+            ks = (rng.integers(0, 330, 4) * 7).astype(np.uint64)
+            cache.invalidate(ks)
+            held = _cached(cache)
+            assert not any(int(k) in held for k in ks)
+        held = _cached(cache)
+        assert len(held) <= 64
+        for k, row in held.items():  # every cached row is the table's row
+            np.testing.assert_array_equal(row, truth[k], err_msg=f"step {step}: cached key {k} is stale")
+    s = cache.stats()
+    assert s["hits"] > 0 and s["misses"] > 0 and s["evictions"] > 0 and s["sync_inserts"] > 0
+    assert 0 < s["hit_rate"] < 1 and s["refreshes"] > 0 and s["invalidated"] > 0
+    cache.close()
+    store.close()
+
+
+def test_lru_keeps_the_recent_rows(tmp_path: Path) -> None:
+    store, t = _table(tmp_path)
+    cache = gpu.GpuCache(t, rows_max=8, slots=8, device="cpu", insert="sync", kernels="torch")
+    cache.lookup(torch.tensor([0, 7, 14, 21, 28, 35, 42, 49]))  # fills the one bucket
+    cache.lookup(torch.tensor([0, 7]))  # used again
+    cache.lookup(torch.tensor([56, 63]))  # two new: evict two of the oldest, not 0 or 7
+    held = set(_cached(cache))
+    assert {0, 7, 56, 63} <= held and len(held) == 8
+    cache.close()
+    store.close()
+
+
+def test_async_answers_the_default_then_inserts(tmp_path: Path) -> None:
+    store, t = _table(tmp_path)
+    cache = gpu.GpuCache(t, rows_max=64, device="cpu", insert="async", default=-1.0)
+    out = cache.lookup(torch.tensor([7, 14]))
+    assert (out == -1.0).all()
+    cache.wait()
+    out = cache.lookup(torch.tensor([7, 14]))
+    np.testing.assert_array_equal(out.numpy(), t.lookup([7, 14])[0])
+    s = cache.stats()
+    assert s["default_answers"] == 2 and s["async_inserts"] == 2 and s["hits"] == 2
+    # auto: sync while cold, async once the window's hit rate reaches the threshold
+    auto = gpu.GpuCache(t, rows_max=64, device="cpu", insert="auto", hit_rate_threshold=0.5, window=2)
+    first = auto.lookup(torch.tensor([21]))
+    np.testing.assert_array_equal(first.numpy(), t.lookup([21])[0])  # sync: the real row
+    auto.lookup(torch.tensor([21]))
+    auto.lookup(torch.tensor([21]))  # window hit rate 1.0 now
+    assert (auto.lookup(torch.tensor([28])) == 0).all()  # async: the default
+    auto.close()
+    cache.close()
+    store.close()
+
+
+def test_modules_use_the_cache_in_eval_mode_only(tmp_path: Path) -> None:
+    store, t = _table(tmp_path)
+    cache = gpu.GpuCache(t, rows_max=128, device="cpu", insert="sync")
+    bag, plain = et.EmbeddingBag(cache, mode="sum"), et.EmbeddingBag(t, mode="sum")
+    ids, offsets = torch.tensor([7, 14, 14, 21]), torch.tensor([0, 2])
+    bag.eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(bag(ids, offsets).numpy(), plain(ids, offsets).numpy(), rtol=1e-6)
+    bag.train()
+    with pytest.raises(InvalidInputError, match="eval mode"):
+        bag(ids, offsets)
+    with pytest.raises(InvalidInputError, match="GpuCache"):
+        et.EmbeddingBag(cache, pooled=True)
+    with pytest.raises(InvalidInputError, match="power of two"):
+        gpu.GpuCache(t, rows_max=8, slots=6)
+    cache.close()
+    store.close()
+
+
+_KERNELS_SCRIPT = r"""
+import numpy as np, torch, embank
+from embank import gpu
+store = embank.open(__import__("sys").argv[1])
+t = store.create_table("t", dim=5)
+keys = np.arange(200, dtype=np.uint64) * 3
+t.push(keys, np.random.default_rng(0).standard_normal((200, 5)).astype(np.float32))
+for dtype in (torch.float32, torch.float16):
+    for policy in ("lru", "lfu"):
+        caches = [gpu.GpuCache(t, rows_max=32, slots=8, device="cpu", insert="sync", kernels=k,
+                               dtype=dtype, policy=policy) for k in ("torch", "triton")]
+        rng = np.random.default_rng(2)
+        for step in range(25):
+            ids = torch.as_tensor((rng.zipf(1.2, 30) % 220) * 3, dtype=torch.int64)
+            outs = [c.lookup(ids) for c in caches]
+            assert torch.equal(outs[0], outs[1]), (step, "lookup")
+            if step % 7 == 3:
+                for c in caches:
+                    c.invalidate(ids[:3].numpy())
+            a, b = caches
+            for name in ("keys", "digests", "scores", "values"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), (step, name, dtype, policy)
+        sa, sb = (c.stats() for c in caches)
+        assert sa["evictions"] == sb["evictions"] > 0 and sa["hits"] == sb["hits"]
+        for c in caches:
+            c.close()
+print("kernels agree")
+"""
+
+
+def test_triton_kernels_match_the_reference_in_the_interpreter(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run(
+        [sys.executable, "-c", _KERNELS_SCRIPT, str(tmp_path / "s")], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "kernels agree" in r.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_kernels_match_the_reference(tmp_path: Path) -> None:
+    store, t = _table(tmp_path)
+    caches = [
+        gpu.GpuCache(t, rows_max=64, slots=8, device="cuda", insert="sync", kernels=k)
+        for k in ("torch", "triton")
+    ]
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        ids = torch.as_tensor((rng.zipf(1.2, 100) % 330) * 7, dtype=torch.int64, device="cuda")
+        a, b = (c.lookup(ids) for c in caches)
+        assert torch.equal(a, b)
+    assert torch.equal(caches[0].keys, caches[1].keys)
+    for c in caches:
+        c.close()
+    store.close()
