@@ -187,3 +187,23 @@ def test_on_cuda_the_kernels_match_the_reference(tmp_path: Path) -> None:
     for c in caches:
         c.close()
     store.close()
+
+
+def test_the_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    """`examples/gpu_cache/bench.py` at small sizes: what a GPU machine runs at full size."""
+    bench = Path(__file__).resolve().parents[2] / "examples" / "gpu_cache" / "bench.py"
+    r = subprocess.run(
+        [sys.executable, str(bench), "--out", str(tmp_path), "--device", "cpu", "--rows", "20000",
+         "--hit-rows", "5000", "--hit-batch", "20000", "--batches", "20", "--repeats", "2", "--dims", "32"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    res = json.loads((tmp_path / "gpu_cache.json").read_text())
+    assert res["hit_path"][0]["rows_cached"] > 0
+    for z in ("zipf_0.99", "zipf_1.2"):
+        e = res["end_to_end"][z]
+        assert e["gpu_cache_threshold_1.0"]["default_answers"] == 0  # sync until every id hits
+        assert 0 < e["gpu_cache_threshold_1.0"]["hit_rate"] < 1
+    assert (tmp_path / "warmup.png").stat().st_size > 1000
