@@ -9,6 +9,15 @@ feature (an embank table each, Adagrad in the store), pairwise dot interaction, 
 Every ``--checkpoint-every`` batches the dense part is saved with ``torch.save`` and the
 tables with ``store.checkpoint`` under the same batch id; ``--resume`` (after a crash or
 a kill) restores both to the last such batch and continues with the next one.
+Many trainers: ``torchrun --nproc_per_node N examples/dlrm/train.py --local-shards 2 ...``
+(or ``--connect host:port,...`` to running ``embank serve`` shards) splits every global
+batch of ``--batch-size`` across the ranks, keeps the dense part under
+``DistributedDataParallel`` (gloo) and the tables on the shards; each step every row gets
+one update with the global batch's gradient (``SparseOptimizer(distributed=True)``), so
+the run reproduces one process training the same batches. Checkpoints are coordinated
+(``embank.torch.checkpoint``: a barrier, every shard at the same batch id, the dense
+part saved once); a rank killed and restarted by ``torchrun --max-restarts`` resumes
+every rank and shard from the last one.
 ``--baseline`` trains the same model with ``torch.nn.EmbeddingBag(sparse=True)`` and
 ``torch.optim.Adagrad`` in DRAM, starting from the same rows. ``--serve-dtypes f16,int8``
 then serves the trained tables as compact rows (exported, loaded into tables of each
@@ -155,7 +164,10 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
-def evaluate(model: DLRM, batches: Iterator[ds.Batch]) -> dict[str, float]:
+def evaluate(model: DLRM, batches: Iterator[ds.Batch], dist: Any = None) -> dict[str, float]:
+    """AUC and log loss; with ``dist`` (torch.distributed) every rank scores its share of
+    each batch and the scores of all ranks are gathered, in the order one process
+    would have them."""
     model.eval()
     labels, scores = [], []
     with torch.no_grad():
@@ -163,6 +175,12 @@ def evaluate(model: DLRM, batches: Iterator[ds.Batch]) -> dict[str, float]:
             scores.append(torch.sigmoid(model(torch.from_numpy(b.dense), torch.from_numpy(b.sparse))).numpy())
             labels.append(b.labels)
     model.train()
+    if dist is not None:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (labels, scores))
+        # Batch by batch, rank by rank: a batch's rows in their order.
+        labels = [part for i in range(len(labels)) for part in (r[0][i] for r in every)]
+        scores = [part for i in range(len(scores)) for part in (r[1][i] for r in every)]
     y, p = np.concatenate(labels), np.concatenate(scores).astype(np.float64)
     pc = np.clip(p, 1e-7, 1 - 1e-7)
     return {
@@ -246,6 +264,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     st.add_argument("--medium", choices=["mmap", "block"], default="mmap", help="embank medium of the tables")
     st.add_argument(
+        "--connect",
+        default=None,
+        metavar="ADDRS",
+        help="tables on these running `embank serve` shards (host:port,host:port) instead of a local store",
+    )
+    st.add_argument(
+        "--local-shards",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N local `embank serve` shards under --work and keep the tables there "
+        "(what several torchrun processes share); stopped at the end unless --keep-shards",
+    )
+    st.add_argument("--keep-shards", action="store_true", help="leave --local-shards running at the end")
+    st.add_argument(
         "--cache-fraction",
         type=float,
         default=None,
@@ -300,6 +333,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--serve-dtypes serves embank tables and needs test data")
     if args.baseline and (args.staleness is not None or args.medium != "mmap"):
         p.error("--staleness and --medium apply to embank tables, not --baseline")
+    if args.connect and args.local_shards:
+        p.error("give --connect or --local-shards, not both")
+    remote = bool(args.connect or args.local_shards)
+    if remote and args.baseline:
+        p.error("--connect/--local-shards hold embank tables: not with --baseline or --torchrec")
+    if remote and (args.cache_fraction is not None or args.medium != "mmap"):
+        p.error("--medium and --cache-fraction are the shards' own settings (their serve config)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        if not remote:
+            p.error(
+                f"{world} processes (torchrun) share the tables on embank serve shards: "
+                "give --local-shards N or --connect ADDRS"
+            )
+        if args.staleness is not None:
+            p.error("under torchrun every step updates each row once for all ranks: no --staleness")
+        if args.serve_dtypes or args.gpu_cache_rows:
+            p.error("--serve-dtypes and --gpu-cache-rows are single-process evaluations")
     return args
 
 
@@ -323,11 +374,40 @@ class Vocab:
             sparse[:, j] = [m.get(int(x), miss) for x in sparse[:, j].tolist()]
 
 
+def split(b: ds.Batch, rank: int, world: int) -> ds.Batch:
+    """This rank's contiguous share of a global batch."""
+    lo, hi = len(b) * rank // world, len(b) * (rank + 1) // world
+    return ds.Batch(b.dense[lo:hi], b.sparse[lo:hi], b.labels[lo:hi])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    dist: Any = None
+    if world > 1:
+        import datetime
+        import faulthandler
+        import signal
+
+        import torch.distributed as dist
+
+        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints a stuck rank's stacks
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=5)
+        )
+    # A rank restarted by torchrun (--max-restarts) resumes from the last checkpoint.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        args.resume = True
+    if rank != 0:
+        args.quiet = True
+
+    def barrier() -> None:
+        if dist is not None:
+            dist.barrier()
+
     args.work.mkdir(parents=True, exist_ok=True)
     train_files, test_files = [Path(x) for x in args.train], [Path(x) for x in args.test]
     cards: list[int] = []
@@ -338,9 +418,10 @@ def main(argv: list[str] | None = None) -> int:
             (train_files[0], args.synthetic, 0),
             (test_files[0], max(args.synthetic // 5, 1), 1),
         ):
-            if not f.exists():
+            if not f.exists() and rank == 0:
                 print(f"writing {rows} synthetic examples to {f}", file=sys.stderr)
                 ds.write_synthetic(f, rows, seed=args.seed, part=part, scale=args.synthetic_scale)
+        barrier()
         cards = ds.synthetic_cardinalities(args.synthetic_scale)
     hash_size = None if args.synthetic else args.hash_size
 
@@ -350,28 +431,51 @@ def main(argv: list[str] | None = None) -> int:
     state = torch.load(ckpt_file, weights_only=False) if args.resume and ckpt_file.exists() else None
     if args.resume and state is None:
         print("no checkpoint to resume from: starting afresh", file=sys.stderr)
-    if state is None:
+    remote = bool(args.connect or args.local_shards)
+    if state is None and rank == 0:
         import shutil
 
-        shutil.rmtree(store_dir, ignore_errors=True)
+        if not remote:
+            shutil.rmtree(store_dir, ignore_errors=True)
         ckpt_file.unlink(missing_ok=True)
+    barrier()
     vocab_rows = sum(cards) if cards else ds.NUM_SPARSE * (hash_size or 10_000_000)
     opts: dict[str, Any] = {}
     if args.medium == "block" and args.cache_fraction is not None:
         # A table's bytes: each row and its Adagrad state (dim floats each).
         opts["cache_bytes"] = max(1 << 20, int(vocab_rows * args.dim * 8 * args.cache_fraction))
-    store = embank.open(store_dir, **opts)
+    if remote:
+        import shards
+
+        if args.local_shards:
+            if rank == 0:
+                shards.start(args.work, args.local_shards, fresh=state is None)
+            barrier()
+            addrs = shards.running(args.work)
+            if addrs is None:
+                raise RuntimeError(f"the local shards under {args.work} are not running")
+        else:
+            addrs = args.connect.split(",")
+        store = embank.connect(addrs)
+        if state is None and rank == 0:
+            for name in [f"c{j + 1}" for j in range(ds.NUM_SPARSE)]:
+                if name in store.tables():
+                    store.drop_table(name)  # a fresh run on shards that trained before
+    else:
+        store = embank.open(store_dir, **opts)
     start_batch, start_epoch, start_skip = 0, 0, 0
     if state is not None:
         start_batch = int(state["batch"])
         start_epoch, start_skip = int(state["epoch"]), int(state["in_epoch"])
-        if not args.baseline:
+        if not args.baseline and rank == 0:
             # The tables reopen at their last checkpoint; a kill between the tables' and the
             # dense part's checkpoint leaves them one ahead: go back to the dense part's.
+            # Running shards kept every push since: return them to it in any case.
             kept = store.checkpoints()
-            if kept and kept[-1] != start_batch:
+            if remote or (kept and kept[-1] != start_batch):
                 store.restore(start_batch)
         print(f"resuming after batch {start_batch}", file=sys.stderr, flush=True)
+    barrier()
 
     # --- the model ---
     bags: list[nn.Module] = []
@@ -386,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         collection = TorchRecTables(
             [len(k) for k in keyss], args.dim, args.lr, [init_rows(store, args.dim, k, args) for k in keyss]
         )
+    if rank != 0:
+        barrier()  # rank 0 creates the tables on the shards first
     for j in range(ds.NUM_SPARSE if collection is None else 0):
         if args.baseline:
             keys = vocab.keys[j] if vocab else np.arange(hash_size, dtype=np.int64)  # type: ignore[arg-type]
@@ -410,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         tables.append(t)
         bags.append(et.EmbeddingBag(t.worker(timeout=60) if args.staleness is not None else t, mode="sum"))
+    if rank == 0:
+        barrier()
     torch.manual_seed(args.seed)  # the dense layers start alike whichever tables were built
     model = DLRM(
         bags,
@@ -427,40 +535,51 @@ def main(argv: list[str] | None = None) -> int:
     elif args.baseline:
         sparse_opt = torch.optim.Adagrad([b.weight for b in bags], lr=args.lr, eps=1e-10)  # type: ignore[union-attr]
     else:
-        sparse_opt = et.SparseOptimizer(model, delay=args.staleness or 0)
+        sparse_opt = et.SparseOptimizer(model, delay=args.staleness or 0, distributed=world > 1)
     if state is not None:
         model.load_state_dict(state["model"])
         dense_opt.load_state_dict(state["dense_opt"])
         torch.set_rng_state(state["rng"])
         if args.baseline:
             sparse_opt.load_state_dict(state["sparse_opt"])
+    # Many ranks: the dense part under DDP (its gradients averaged), the tables shared.
+    train_model: nn.Module = model
+    if world > 1:
+        train_model = nn.parallel.DistributedDataParallel(model)
+    # A test hook: EMBANK_DLRM_KILL=RANK:BATCH SIGKILLs that rank after that batch, once.
+    kill_at = None
+    if os.environ.get("EMBANK_DLRM_KILL") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        kr, kb = os.environ["EMBANK_DLRM_KILL"].split(":")
+        kill_at = (int(kr), int(kb))
 
     def flush() -> None:
         if not args.baseline:
             sparse_opt.flush()
 
     def checkpoint(batch: int, epoch: int, in_epoch: int) -> None:
-        flush()
-        if not args.baseline:
-            store.checkpoint(batch)  # the tables first: a kill before the next line resumes from here - 1
-        extra = {"sparse_opt": sparse_opt.state_dict()} if args.baseline else {}
-        atomic_save(
-            {
-                "model": model.state_dict(),
-                "dense_opt": dense_opt.state_dict(),
-                "batch": batch,
-                "epoch": epoch,
-                "in_epoch": in_epoch,
-                "rng": torch.get_rng_state(),
-                **extra,
-            },
-            ckpt_file,
-        )
+        dense = {
+            "model": model.state_dict(),
+            "dense_opt": dense_opt.state_dict(),
+            "batch": batch,
+            "epoch": epoch,
+            "in_epoch": in_epoch,
+            "rng": torch.get_rng_state(),
+        }
+        if args.baseline:
+            atomic_save({**dense, "sparse_opt": sparse_opt.state_dict()}, ckpt_file)
+        else:
+            # Every rank calls it: a barrier, the tables (every shard) at this batch id, then
+            # the dense part once; a kill between the two resumes from here - 1.
+            et.checkpoint(store, batch, dense, ckpt_file, sparse=sparse_opt)
 
     def parsed(files: list[Path], skip: int = 0) -> Iterator[ds.Batch]:
         for b in ds.read_criteo(files, args.batch_size, hash_size=hash_size, skip_batches=skip):
             if vocab is not None:
                 vocab.apply(b.sparse)
+            if world > 1:
+                if len(b) < world:
+                    continue  # a last batch too small to give every rank a row
+                b = split(b, rank, world)
             yield b
 
     preloaded = list(parsed(train_files)) if args.preload else None
@@ -494,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             it = iter(bar)
         for b in it:
-            logits = model(torch.from_numpy(b.dense), torch.from_numpy(b.sparse))
+            logits = train_model(torch.from_numpy(b.dense), torch.from_numpy(b.sparse))
             loss = loss_fn(logits, torch.from_numpy(b.labels))
             dense_opt.zero_grad()
             sparse_opt.zero_grad()
@@ -509,18 +628,32 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_postfix(loss=f"{loss.item():.4f}", ex_per_s=f"{rate:,.0f}", refresh=False)
             if args.checkpoint_every and batch_no % args.checkpoint_every == 0:
                 checkpoint(batch_no, epoch, in_epoch)
-                if args.quiet:
+                if args.quiet and rank == 0:
                     print(f"checkpoint {batch_no}", flush=True)
+            if kill_at is not None and kill_at == (rank, batch_no):
+                import signal
+
+                print(
+                    f"rank {rank}: killed after batch {batch_no} (EMBANK_DLRM_KILL)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
             if args.eval_every and batch_no % args.eval_every == 0 and test_files:
                 flush()
-                m = evaluate(model, batches(test_files))
+                m = evaluate(model, batches(test_files), dist)
                 history.append({"batch": batch_no, **m})
                 print(f"batch {batch_no}: auc {m['auc']:.4f} logloss {m['logloss']:.4f}", file=sys.stderr)
         if bar is not None:
             bar.close()
         per_epoch = in_epoch
     flush()
+    barrier()
     elapsed = time.perf_counter() - t_start
+    if dist is not None:
+        total = torch.tensor([examples], dtype=torch.int64)
+        dist.all_reduce(total)
+        examples = int(total.item())
     result: dict[str, Any] = {
         "mode": "torchrec" if args.torchrec else "baseline" if args.baseline else f"embank-{args.medium}",
         "staleness": args.staleness,
@@ -529,8 +662,9 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": elapsed,
         "examples_per_s": examples / elapsed if elapsed > 0 else 0.0,
         "history": history,
+        "world_size": world,
     }
-    if not args.baseline:
+    if not args.baseline and not remote:
         st = store.stats()
         hits = sum(t["cache_hits"] for t in st["tables"])
         misses = sum(t["cache_misses"] for t in st["tables"])
@@ -540,8 +674,12 @@ def main(argv: list[str] | None = None) -> int:
         result["cache_hits"], result["cache_misses"] = hits, misses
         result["lookahead_rows"] = sum(t["lookahead_rows"] for t in st["tables"])
         result["medium_rows_read"] = sum(t["medium_rows_read"] for t in st["tables"])
+    if remote:
+        result["rows"] = store.stats()["rows"]
+        result["shards"] = len(store.served())
     if test_files:
-        result.update(evaluate(model, batches(test_files)))
+        result.update(evaluate(model, batches(test_files), dist))
+    if test_files and rank == 0:
         print(
             f"test: auc {result['auc']:.4f} logloss {result['logloss']:.4f} "
             f"({result['examples_per_s']:,.0f} examples/s)",
@@ -551,9 +689,16 @@ def main(argv: list[str] | None = None) -> int:
         result["serve"] = serve_compact(args, model, tables, lambda: batches(test_files), result)
     if args.gpu_cache_rows and test_files and tables:
         result["gpu_cache"] = eval_gpu_cache(args, model, tables, lambda: batches(test_files), result)
-    if args.metrics_out:
+    if args.metrics_out and rank == 0:
         args.metrics_out.write_text(json.dumps(result, indent=1))
     store.close()
+    barrier()
+    if args.local_shards and not args.keep_shards and rank == 0:
+        import shards
+
+        shards.stop(args.work)
+    if dist is not None:
+        dist.destroy_process_group()
     return 0
 
 

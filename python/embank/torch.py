@@ -38,6 +38,7 @@ fetched from its table). torch is an optional dependency, imported when this mod
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -49,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ._store import Table, Worker
-from .errors import InvalidInputError
+from .errors import EmbankError, InvalidInputError
 from .gpu import GpuCache
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "EmbeddingBag",
     "EmbeddingBagCollection",
     "SparseOptimizer",
+    "checkpoint",
     "lookahead",
 ]
 
@@ -334,9 +336,23 @@ class SparseOptimizer:
     :class:`~embank.Worker` objects of tables whose ``staleness_bound`` is at least k the store
     enforces the bound. :meth:`flush` pushes everything still delayed (before a
     checkpoint, an evaluation, the end).
+
+    ``distributed=True`` (many trainer processes under ``torch.distributed``, e.g.
+    ``torchrun``, the tables on shared ``embank serve`` shards): each step gathers every
+    rank's gradients of each table, averages them as ``DistributedDataParallel``
+    averages the dense ones, and pushes each row once, from the rank that owns it (key
+    modulo world size), then waits at a barrier: every row gets one update per step
+    with the whole global batch's gradient, whatever the ranks' timing, so a run is
+    reproducible and matches one process training on the global batch.
     """
 
-    def __init__(self, modules: torch.nn.Module | Sequence[torch.nn.Module], *, delay: int = 0) -> None:
+    def __init__(
+        self,
+        modules: torch.nn.Module | Sequence[torch.nn.Module],
+        *,
+        delay: int = 0,
+        distributed: bool = False,
+    ) -> None:
         mods = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         lookups = _lookups(mods)
         if not lookups:
@@ -344,6 +360,16 @@ class SparseOptimizer:
         if delay < 0:
             raise InvalidInputError(f"delay must be >= 0, got {delay}")
         self.delay = delay
+        self.distributed = distributed
+        if distributed:
+            import torch.distributed as dist
+
+            if not dist.is_available() or not dist.is_initialized():
+                raise InvalidInputError(
+                    "distributed=True needs torch.distributed initialized (init_process_group)"
+                )
+            if delay:
+                raise InvalidInputError("distributed=True pushes every step: no delay")
         self._pending: list[_Pending] = []
         for lk in lookups:
             if lk.push == "step" and lk.pending not in self._pending:
@@ -353,11 +379,34 @@ class SparseOptimizer:
     def step(self) -> int:
         """One ``push_grad`` per table of everything gathered since the last step (or,
         with a delay, since the step ``delay`` steps ago); returns how many keys were pushed."""
+        if self.distributed:
+            return self._step_distributed()
         gathered = [(p, got) for p in self._pending if (got := p.take()) is not None]
         self._late.append(gathered)
         n = 0
         while len(self._late) > self.delay:
             n += self._push(self._late.pop(0))
+        return n
+
+    def _step_distributed(self) -> int:
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mine = [p.take() for p in self._pending]
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine)
+        n = 0
+        for i, p in enumerate(self._pending):
+            parts = [r[i] for r in every if r[i] is not None]
+            if not parts:
+                continue
+            keys = np.concatenate([k for k, _ in parts])
+            grads = np.concatenate([g for _, g in parts]) / np.float32(world)
+            own = (keys % np.uint64(world)) == np.uint64(rank)
+            if own.any():
+                p.source.push_grad(keys[own], np.ascontiguousarray(grads[own]))
+                n += int(own.sum())
+        dist.barrier()  # no rank pulls the next batch before every row is updated
         return n
 
     def flush(self) -> int:
@@ -383,6 +432,52 @@ class SparseOptimizer:
     @property
     def tables(self) -> list[str]:
         return [_table_of(p.source).name for p in self._pending]
+
+
+def checkpoint(
+    store: Any,
+    batch_id: int,
+    dense_state: Mapping[str, Any] | None = None,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    sparse: SparseOptimizer | None = None,
+) -> None:
+    """A coordinated checkpoint of a training run, in one call from every rank.
+
+    Pushes what ``sparse`` still delays, waits for every rank (a barrier when
+    ``torch.distributed`` is initialized), then rank 0 checkpoints the store at
+    ``batch_id`` (on a networked store every shard checkpoints at that batch id; one
+    that fails fails the call and is named) and saves ``dense_state`` to ``path``
+    (written to a temporary file, then renamed) — the tables first, so a kill between
+    the two leaves the tables one checkpoint ahead, which a resume undoes with
+    ``store.restore``. Rank 0 then tells every rank how it went: no rank trains on
+    before the checkpoint is whole, and if it failed every rank raises (rank 0 the
+    store's own error, the others :class:`~embank.errors.EmbankError` quoting it).
+    """
+    import torch.distributed as dist
+
+    if sparse is not None:
+        sparse.flush()
+    on = dist.is_available() and dist.is_initialized()
+    if on:
+        dist.barrier()
+    failure: BaseException | None = None
+    if not on or dist.get_rank() == 0:
+        try:
+            store.checkpoint(batch_id)
+            if dense_state is not None and path is not None:
+                tmp = f"{os.fspath(path)}.tmp"
+                torch.save(dict(dense_state), tmp)
+                os.replace(tmp, path)
+        except Exception as e:  # told to every rank below
+            failure = e
+    if on:
+        box: list[str | None] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(box, src=0)
+        if failure is None and box[0] is not None:
+            raise EmbankError(f"the checkpoint at batch {batch_id} failed on rank 0: {box[0]}")
+    if failure is not None:
+        raise failure
 
 
 def lookahead(

@@ -4,6 +4,7 @@ whose answer is known."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,7 @@ def test_store_wide_prediction_matches_training_steps_on_the_store(tmp_path: Pat
         hits = sum(t["cache_hits"] for t in st["tables"])
         misses = sum(t["cache_misses"] for t in st["tables"])
         store.close()
+        shutil.rmtree(tmp_path / f"store-{budget}-{ahead}")  # 26 block tables each: keep the disk small
         assert p["store"]["accesses"] == hits + misses
         predicted = p["store"]["at_cache_bytes"][0]["hit_rate"]
         results[(budget, ahead)] = (predicted, hits / (hits + misses))
