@@ -20,6 +20,7 @@ class Store:
         background_repair: bool = True,
         pooled_cache_bytes: int = 0,
         hot_placement_json: str | None = None,
+        shared_tier_json: str | None = None,
     ) -> Store: ...
     @staticmethod
     def connect(

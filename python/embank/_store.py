@@ -760,6 +760,7 @@ def open(
     background_repair: bool = True,
     pooled_cache_bytes: int = 0,
     hot_placement: dict[str, Any] | None = None,
+    shared_tier: dict[str, Any] | None = None,
 ) -> Store:
     """Opens (or creates) the store in directory ``path``.
 
@@ -792,6 +793,13 @@ def open(
             home index buckets (one bucket read per lookup; see :meth:`Table.place_hot`).
             A dict of ``keys`` (hot-set size, 10000), ``every_seconds`` (600),
             ``sample_every`` (16) and ``min_home_fraction`` (0.99); ``{}`` takes them all.
+        shared_tier: a Redis Cluster shared with other serving stores, between the row
+            cache and the medium of cached tables (HPS's level 2): a dict of
+            ``redis_cluster`` (``["host:port", ...]``), ``ttl_seconds`` (None),
+            ``timeout_ms`` (250) and ``backoff_ms`` (1000), as ``embank serve``'s
+            ``[shared_tier]``. Misses of the row cache are fetched from the cluster,
+            the cluster's misses from the medium and stored there in the background;
+            a node down is counted (``stats()["shared_tier"]``), never an error.
 
     Raises:
         StoreLockedError: another process or handle has the store open.
@@ -814,6 +822,7 @@ def open(
             bool(background_repair),
             int(pooled_cache_bytes),
             None if hot_placement is None else json.dumps(hot_placement),
+            None if shared_tier is None else json.dumps(shared_tier),
         )
     )
 

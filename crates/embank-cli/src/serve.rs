@@ -70,6 +70,10 @@ fn serve(config: ServeConfig) -> Result<(), Error> {
         signal_hook::flag::register(sig, Arc::clone(&shutdown)).map_err(|e| Error::io("cannot handle signals", e))?;
     }
     let store = Arc::new(Store::open(&config.store, config.store_options()?)?);
+    if let Some(t) = &config.shared_tier {
+        let tier = embank_net::redis_tier::RedisClusterTier::new(t).map_err(Error::config)?;
+        store.set_shared_tier(Some(Arc::new(tier)))?;
+    }
     let mut created = Vec::new();
     for (name, options) in config.table_options()? {
         match store.table(&name) {

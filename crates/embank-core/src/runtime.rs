@@ -74,6 +74,8 @@ pub(crate) struct Runtime {
     pub lookahead_requests: AtomicU64,
     /// The store's checkpoint gate and current interval.
     pub gate: Gate,
+    /// A tier shared with other stores (set after open by the serving process).
+    pub shared: parking_lot::RwLock<Option<Arc<dyn crate::tier::SharedTier>>>,
 }
 
 impl Runtime {
@@ -97,6 +99,7 @@ impl Runtime {
             lookahead_dropped: AtomicU64::new(0),
             lookahead_requests: AtomicU64::new(0),
             gate: Gate::default(),
+            shared: parking_lot::RwLock::new(None),
         });
         let weak = Arc::downgrade(&tier);
         let handle = std::thread::Builder::new()

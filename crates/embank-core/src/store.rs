@@ -113,6 +113,9 @@ pub struct StoreStats {
     pub lookahead_requests: u64,
     /// Lookahead requests dropped because the queue was full.
     pub lookahead_dropped: u64,
+    /// The tier shared with other stores, if one is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shared_tier: Option<crate::tier::SharedTierStats>,
 }
 
 struct Inner {
@@ -617,6 +620,7 @@ impl Store {
         }
         let bytes_on_disk = dir_bytes(&inner.dir);
         let runtime = &inner.runtime;
+        let shared_tier = runtime.shared.read().as_ref().map(|s| s.stats());
         Ok(StoreStats {
             path: inner.dir.display().to_string(),
             rows: tables.iter().map(|t| t.rows).sum(),
@@ -628,7 +632,18 @@ impl Store {
             io: runtime.io.stats(),
             lookahead_requests: runtime.lookahead_requests.load(std::sync::atomic::Ordering::Relaxed),
             lookahead_dropped: runtime.lookahead_dropped.load(std::sync::atomic::Ordering::Relaxed),
+            shared_tier,
         })
+    }
+
+    /// Puts a tier shared with other stores (a Redis Cluster that serving nodes share)
+    /// between the row cache and the medium of every table that caches (placement
+    /// `cache`), or takes it away with `None`. See [`crate::tier::shared`].
+    pub fn set_shared_tier(&self, tier: Option<Arc<dyn crate::tier::SharedTier>>) -> Result<()> {
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        *inner.runtime.shared.write() = tier;
+        Ok(())
     }
 }
 

@@ -48,6 +48,11 @@ pub struct ServeConfig {
     /// (transport, brokers, topic, partition, start) and refuses writes from clients.
     #[serde(default)]
     pub updates: Option<crate::stream::ReplicaOptions>,
+    /// A Redis Cluster shared by serving nodes as the tier between each store's row
+    /// cache and its medium (`redis_cluster = ["host:port", ...]`, `ttl_seconds`,
+    /// `timeout_ms`, `backoff_ms`).
+    #[serde(default)]
+    pub shared_tier: Option<crate::redis_tier::RedisTierConfig>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -18,6 +18,7 @@ pub mod client;
 pub mod config;
 pub mod metrics;
 pub mod proto;
+pub mod redis_tier;
 pub mod server;
 pub mod stream;
 pub mod tls;

@@ -77,7 +77,7 @@ fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, core::Error> 
 impl Store {
     #[staticmethod]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.open
-    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true, keep_checkpoints=2, background_repair=true, pooled_cache_bytes=0, hot_placement_json=None))]
+    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true, keep_checkpoints=2, background_repair=true, pooled_cache_bytes=0, hot_placement_json=None, shared_tier_json=None))]
     fn open(
         py: Python<'_>,
         path: PathBuf,
@@ -91,6 +91,7 @@ impl Store {
         background_repair: bool,
         pooled_cache_bytes: u64,
         hot_placement_json: Option<&str>,
+        shared_tier_json: Option<&str>,
     ) -> PyResult<Store> {
         let hot_placement = match hot_placement_json {
             Some(j) => Some(
@@ -113,7 +114,19 @@ impl Store {
             hot_placement,
             ..Default::default()
         };
+        let tier = match shared_tier_json {
+            Some(j) => {
+                let c: net::redis_tier::RedisTierConfig = serde_json::from_str(j)
+                    .map_err(|e| to_py_err(core::Error::config(format!("bad shared_tier: {e}"))))?;
+                let t = net::redis_tier::RedisClusterTier::new(&c).map_err(|e| to_py_err(core::Error::config(e)))?;
+                Some(Arc::new(t) as Arc<dyn core::tier::SharedTier>)
+            }
+            None => None,
+        };
         let store = Arc::new(detached(py, || core::Store::open(&path, options))?);
+        if tier.is_some() {
+            store.set_shared_tier(tier).map_err(to_py_err)?;
+        }
         Ok(Store { inner: store.clone(), embedded: Some(store) })
     }
 

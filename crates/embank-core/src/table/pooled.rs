@@ -14,6 +14,10 @@ impl Table {
         if let Some(p) = &self.shared.runtime.pooled {
             p.invalidate(self.shared.id, keys);
         }
+        // A shared tier's copies of these rows are older than this store's now.
+        if let Some(t) = self.shared.runtime.shared.read().as_ref() {
+            t.invalidate(&self.shared.name, keys);
+        }
     }
 
     /// Pooled rows of bags, as `torch.nn.EmbeddingBag` computes them: bag `b` is

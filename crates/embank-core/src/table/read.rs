@@ -92,7 +92,7 @@ impl Table {
                 None => absent.push(i),
             }
         }
-        st.medium.read(&items, out)?;
+        let shared_hits = self.read_through_shared(st, &mut items, out)?;
         // A read admitted only if the index still points at the record read: a stale
         // read never lands in a tier.
         // Reads that are not counted (lookahead, a re-read) are ahead of their use.
@@ -104,12 +104,54 @@ impl Table {
             }
         }
         let counters = &self.shared.counters;
-        counters.rows_read.fetch_add(items.len() as u64, Ordering::Relaxed);
+        counters.rows_read.fetch_add((items.len() - shared_hits) as u64, Ordering::Relaxed);
         if count && !tiers.is_empty() {
             counters.hits.fetch_add((keys.len() - miss.len()) as u64, Ordering::Relaxed);
             counters.misses.fetch_add(miss.len() as u64, Ordering::Relaxed);
         }
         Ok(absent)
+    }
+
+    /// Reads `items` (keys this table holds that no tier above had) into `out`: from the
+    /// shared tier when the store has one and the table caches, the rest from the
+    /// medium, which then fill the shared tier. Returns how many the shared tier gave.
+    fn read_through_shared(&self, st: &State, items: &mut [ReadItem], out: &mut [f32]) -> Result<usize> {
+        let shared = match self.shared.placement {
+            crate::table::Placement::Cache if !items.is_empty() => self.shared.runtime.shared.read().clone(),
+            _ => None,
+        };
+        let Some(tier) = shared else {
+            st.medium.read(items, out)?;
+            return Ok(0);
+        };
+        let layout = self.shared.layout;
+        let (w, enc) = (layout.elems(), layout.payload_bytes());
+        let keys: Vec<u64> = items.iter().map(|it| it.key).collect();
+        let got = tier.get(&self.shared.name, &keys);
+        // Shared hits first, then what the medium must give.
+        let mut hit = vec![false; items.len()];
+        for (j, g) in got.iter().enumerate() {
+            if let Some(bytes) = g.as_deref().filter(|b| b.len() == enc) {
+                let pos = items[j].pos;
+                layout.decode(bytes, &mut out[pos * w..(pos + 1) * w]);
+                hit[j] = true;
+            }
+        }
+        let hits = hit.iter().filter(|&&h| h).count();
+        let below: Vec<ReadItem> = items.iter().zip(&hit).filter(|(_, &h)| !h).map(|(it, _)| *it).collect();
+        st.medium.read(&below, out)?;
+        if !below.is_empty() {
+            let puts = below
+                .iter()
+                .map(|it| {
+                    let mut b = vec![0u8; enc];
+                    layout.encode(&out[it.pos * w..(it.pos + 1) * w], &mut b);
+                    (it.key, b)
+                })
+                .collect();
+            tier.put(&self.shared.name, puts);
+        }
+        Ok(hits)
     }
 
     /// Whole records of the keys that exist (never creates); `found[i]` tells which.

@@ -14,8 +14,10 @@
 //! remote) through the one table interface, so it needs nothing here.
 
 pub mod dram;
+pub mod shared;
 
 pub use dram::{CacheStats, DirtyRow, Locked, RowCache};
+pub use shared::{SharedTier, SharedTierStats};
 
 use crate::layout::RecordLayout;
 use crate::medium::ReadItem;
