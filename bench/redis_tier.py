@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,49 +29,10 @@ from typing import Any
 import embank
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "dlrm"))
-import shards
-
-
-def port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = int(s.getsockname()[1])
-        if p < 55000:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p + 10000))
-                    return p
-                except OSError:
-                    pass
-
-
-def cli(p: int, *args: str) -> str:
-    r = subprocess.run(["redis-cli", "-p", str(p), *args], capture_output=True, text=True)
-    return r.stdout + r.stderr
-
-
-def cluster(root: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
-    procs, ports = [], []
-    for i in range(3):
-        p, d = port(), root / f"redis{i}"
-        d.mkdir()
-        args = ["--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes", "--save", ""]
-        args += ["--cluster-config-file", "nodes.conf", "--appendonly", "no", "--dir", str(d)]
-        procs.append(subprocess.Popen(["redis-server", *args], stdout=subprocess.DEVNULL))
-        ports.append(p)
-    for p in ports:
-        while "PONG" not in cli(p, "ping"):
-            time.sleep(0.05)
-    addrs = [f"127.0.0.1:{p}" for p in ports]
-    subprocess.run(
-        ["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    while not all("cluster_state:ok" in cli(p, "cluster", "info") for p in ports):
-        time.sleep(0.1)
-    return procs, addrs
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "examples" / "dlrm"), str(ROOT / "tools")]
+import redis_cluster  # noqa: E402
+import shards  # noqa: E402
 
 
 def zipf_batches(rows: int, n: int, seed: int) -> list[np.ndarray]:
@@ -117,7 +76,7 @@ def main() -> int:
     args = ap.parse_args()
     cache = parse_bytes(args.cache)
     root = Path(tempfile.mkdtemp(prefix="embank-redis-tier-"))
-    procs, addrs = cluster(root)
+    procs, addrs = redis_cluster.start(root / "cluster")
     out: dict[str, Any] = {}
     try:
         batches = zipf_batches(args.rows, 2000, 1)
@@ -170,9 +129,7 @@ def main() -> int:
         finally:
             shards.stop(root / "shards")
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        redis_cluster.stop(procs)
         shutil.rmtree(root, ignore_errors=True)
     print(f"hps-a lookups, {args.rows} rows of dim {args.dim}, row cache {args.cache} per store")
     for name, (rates, hit, shared_hit) in out.items():

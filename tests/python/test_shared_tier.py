@@ -5,8 +5,7 @@ from its medium are cluster hits for the other, and a write drops the stale copy
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,56 +20,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = int(s.getsockname()[1])
-        if p < 55000:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p + 10000))  # the cluster bus port
-                    return p
-                except OSError:
-                    pass
-
-
-def _cli(port: int, *args: str) -> str:
-    r = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True)
-    return r.stdout + r.stderr
-
-
 @pytest.fixture
 def redis_cluster(tmp_path: Path) -> Iterator[list[str]]:
-    procs, ports = [], []
-    for i in range(3):
-        port, d = _port(), tmp_path / f"redis{i}"
-        d.mkdir()
-        args = ["--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes"]
-        args += ["--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no", "--dir", str(d)]
-        procs.append(subprocess.Popen(["redis-server", *args], stdout=subprocess.DEVNULL))
-        ports.append(port)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     try:
-        for p in ports:
-            deadline = time.monotonic() + 20
-            while "PONG" not in _cli(p, "ping"):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        addrs = [f"127.0.0.1:{p}" for p in ports]
-        r = subprocess.run(
-            ["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True, text=True,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stdout
-        deadline = time.monotonic() + 30
-        while not all("cluster_state:ok" in _cli(p, "cluster", "info") for p in ports):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        import redis_cluster as rc  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    procs, addrs = rc.start(tmp_path / "cluster")
+    try:
         yield addrs
     finally:
-        for pr in procs:
-            pr.kill()
-            pr.wait()
+        rc.stop(procs)
 
 
 def test_two_stores_share_the_cluster(tmp_path: Path, redis_cluster: list[str]) -> None:

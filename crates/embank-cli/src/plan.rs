@@ -225,21 +225,7 @@ fn each_access(args: &PlanArgs, source: &Source, f: &mut dyn FnMut(u64, bool)) -
                 done += m;
             }
         }
-        Source::Criteo(n) => {
-            use std::io::BufRead;
-            for path in &args.criteo {
-                let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-                for (i, line) in std::io::BufReader::with_capacity(1 << 20, file).lines().enumerate() {
-                    let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
-                    let field = line.split('\t').nth(13 + n).ok_or_else(|| {
-                        format!("{} line {}: fewer than 40 tab-separated fields", path.display(), i + 1)
-                    })?;
-                    let id = criteo_id(field, args.hash_size)
-                        .map_err(|e| format!("{} line {}: {e}", path.display(), i + 1))?;
-                    f(id, true);
-                }
-            }
-        }
+        Source::Criteo(n) => each_criteo_line(args, &[*n], &mut |ids| f(ids[0], true))?,
         Source::Workload(zipf) => {
             let streams: Vec<Vec<u64>> = (0..args.threads.max(1))
                 .map(|t| {
@@ -279,6 +265,29 @@ fn criteo_id(field: &str, hash_size: Option<u64>) -> Result<u64, String> {
     Ok(hash_size.map_or(id, |h| id % h))
 }
 
+/// Calls `f` with the ids of categorical `features` (1-based) of every line of the
+/// Criteo files, in file order; an error names the file and line.
+fn each_criteo_line(args: &PlanArgs, features: &[usize], f: &mut dyn FnMut(&[u64])) -> Result<(), String> {
+    use std::io::BufRead;
+    let mut ids = vec![0u64; features.len()];
+    for path in &args.criteo {
+        let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        for (i, line) in std::io::BufReader::with_capacity(1 << 20, file).lines().enumerate() {
+            let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
+            let fields: Vec<&str> = line.split('\t').collect();
+            if fields.len() < 40 {
+                return Err(format!("{} line {}: fewer than 40 tab-separated fields", path.display(), i + 1));
+            }
+            for (id, &n) in ids.iter_mut().zip(features) {
+                *id = criteo_id(fields[13 + n], args.hash_size)
+                    .map_err(|e| format!("{} line {}: {e}", path.display(), i + 1))?;
+            }
+            f(&ids);
+        }
+    }
+    Ok(())
+}
+
 /// Accesses of a source (the Criteo files' line count, counted once for all features,
 /// is kept in `criteo_lines`).
 fn accesses_of(args: &PlanArgs, source: &Source, criteo_lines: &mut Option<u64>) -> Result<u64, String> {
@@ -290,11 +299,7 @@ fn accesses_of(args: &PlanArgs, source: &Source, criteo_lines: &mut Option<u64>)
             None => {
                 // Lines of the files: one access per line per feature.
                 let mut n = 0u64;
-                for path in &args.criteo {
-                    use std::io::BufRead;
-                    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-                    n += std::io::BufReader::with_capacity(1 << 20, file).lines().count() as u64;
-                }
+                each_criteo_line(args, &[], &mut |_| n += 1)?;
                 *criteo_lines = Some(n);
                 n
             }
@@ -494,7 +499,6 @@ fn store_plan(
     index: u64,
     limits: Option<&Limits>,
 ) -> Result<StorePlan, String> {
-    use std::io::BufRead;
     let per_id = 1 + args.training as u64 + args.lookahead as u64;
     let events = lines * features.len() as u64 * per_id;
     let rate = args.sample_rate.unwrap_or_else(|| (args.max_tracked as f64 / events.max(1) as f64).min(1.0));
@@ -545,30 +549,20 @@ fn store_plan(
         }
         current = Some(next);
     };
-    for path in &args.criteo {
-        let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        for (i, line) in std::io::BufReader::with_capacity(1 << 20, file).lines().enumerate() {
-            let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
-            let fields: Vec<&str> = line.split('\t').collect();
-            if fields.len() < 40 {
-                return Err(format!("{} line {}: fewer than 40 tab-separated fields", path.display(), i + 1));
-            }
-            for (j, &f) in features.iter().enumerate() {
-                let id = criteo_id(fields[13 + f], args.hash_size)
-                    .map_err(|e| format!("{} line {}: {e}", path.display(), i + 1))?;
-                batch[j].push(((j as u64 + 1) << 48) ^ id);
-            }
-            in_batch += 1;
-            if in_batch == args.batch {
-                end_batch(&mut batch, &mut sample);
-                in_batch = 0;
-            }
-            n += 1;
-            if n.is_multiple_of(1 << 16) {
-                bar.set_position(n);
-            }
+    each_criteo_line(args, features, &mut |ids| {
+        for (j, &id) in ids.iter().enumerate() {
+            batch[j].push(((j as u64 + 1) << 48) ^ id);
         }
-    }
+        in_batch += 1;
+        if in_batch == args.batch {
+            end_batch(&mut batch, &mut sample);
+            in_batch = 0;
+        }
+        n += 1;
+        if n.is_multiple_of(1 << 16) {
+            bar.set_position(n);
+        }
+    })?;
     if in_batch > 0 {
         end_batch(&mut batch, &mut sample);
     }
