@@ -173,7 +173,8 @@ fn repeated_bags_hit_and_writers_racing_readers_leave_nothing_stale() {
     let s = store.stats().unwrap().pooled.unwrap();
     assert_eq!((s.hits, s.misses, s.entries, s.first_seen), (50, 100, 50, 50), "{s:?}");
     let stop = std::sync::atomic::AtomicBool::new(false);
-    let stop = &stop;
+    let pushes = std::sync::atomic::AtomicU64::new(0);
+    let (stop, pushes) = (&stop, &pushes);
     std::thread::scope(|scope| {
         for w in 0..2u64 {
             let t = t.clone();
@@ -182,12 +183,17 @@ fn repeated_bags_hit_and_writers_racing_readers_leave_nothing_stale() {
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     let k: Vec<u64> = (0..200).filter(|k| k % 3 == w).collect();
                     t.push(&k, &vec![v; k.len() * DIM]).unwrap();
+                    pushes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     v += 1.0;
                 }
             });
         }
-        for _ in 0..300 {
+        // At least 300 rounds of reads, and on until the writers really raced them (on a
+        // loaded machine the readers could otherwise finish before a writer ran).
+        let mut round = 0;
+        while round < 300 || pushes.load(std::sync::atomic::Ordering::Relaxed) < 20 {
             pooled(&t, &bags, Pooling::Sum);
+            round += 1;
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
     });
