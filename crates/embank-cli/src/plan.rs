@@ -702,27 +702,7 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
                 g.hit_rate * 100.0
             );
         }
-        for c in &t.at_cache_bytes {
-            println!(
-                "  --cache-bytes {}: {:.1} % predicted row-cache hits{}",
-                human_bytes(c.cache_bytes),
-                c.hit_rate * 100.0,
-                c.keys_per_second.map_or(String::new(), |k| format!(", about {:.2} M keys/s", k / 1e6))
-            );
-        }
-        match t.cache_bytes_for_target {
-            Some(b) => {
-                println!("  a {:.0} % hit rate takes {} of row cache", p.target_hit_rate * 100.0, human_bytes(b))
-            }
-            None => println!("  the stream never reaches a {:.0} % hit rate", p.target_hit_rate * 100.0),
-        }
-        if let Some(c) = &t.at_budget_dram {
-            println!(
-                "  with --budget-dram: {} of row cache beside the index, {:.1} % hits",
-                human_bytes(c.cache_bytes),
-                c.hit_rate * 100.0
-            );
-        }
+        print_answers(&t.at_cache_bytes, t.cache_bytes_for_target, t.at_budget_dram.as_ref(), p.target_hit_rate);
         if let Some(c) = &t.at_budget_gpu {
             println!("  with --budget-gpu: {:.0} rows on the GPU, {:.1} % hits", c.rows, c.hit_rate * 100.0);
         }
@@ -741,33 +721,13 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
         for r in &s.row_cache_curve {
             println!("  {:>12} {:>14.0} {:>8.1}%", human_bytes(r.cache_bytes), r.rows, r.hit_rate * 100.0);
         }
-        for c in &s.at_cache_bytes {
-            println!(
-                "  --cache-bytes {}: {:.1} % predicted row-cache hits{}",
-                human_bytes(c.cache_bytes),
-                c.hit_rate * 100.0,
-                c.keys_per_second.map_or(String::new(), |k| format!(", about {:.2} M keys/s", k / 1e6))
-            );
-        }
         println!(
             "  {:.0} distinct rows a step: reading ahead needs more than {} of row cache (two steps' rows), or \
              the rows read ahead evict the ones in use",
             s.rows_per_step,
             human_bytes(s.lookahead_floor_bytes)
         );
-        match s.cache_bytes_for_target {
-            Some(b) => {
-                println!("  a {:.0} % hit rate takes {} of row cache", p.target_hit_rate * 100.0, human_bytes(b))
-            }
-            None => println!("  the stream never reaches a {:.0} % hit rate", p.target_hit_rate * 100.0),
-        }
-        if let Some(c) = &s.at_budget_dram {
-            println!(
-                "  with --budget-dram: {} of row cache beside the indexes, {:.1} % hits",
-                human_bytes(c.cache_bytes),
-                c.hit_rate * 100.0
-            );
-        }
+        print_answers(&s.at_cache_bytes, s.cache_bytes_for_target, s.at_budget_dram.as_ref(), p.target_hit_rate);
     }
     if let Some(l) = &p.limits {
         println!(
@@ -793,6 +753,30 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
         println!("wrote {}", png.display());
     }
     Ok(())
+}
+
+/// What one row cache (a table's, or the store-wide one) gives at --cache-bytes, what
+/// the target hit rate takes, and what --budget-dram buys.
+fn print_answers(at: &[CurvePoint], for_target: Option<u64>, at_budget: Option<&CurvePoint>, target: f64) {
+    for c in at {
+        println!(
+            "  --cache-bytes {}: {:.1} % predicted row-cache hits{}",
+            human_bytes(c.cache_bytes),
+            c.hit_rate * 100.0,
+            c.keys_per_second.map_or(String::new(), |k| format!(", about {:.2} M keys/s", k / 1e6))
+        );
+    }
+    match for_target {
+        Some(b) => println!("  a {:.0} % hit rate takes {} of row cache", target * 100.0, human_bytes(b)),
+        None => println!("  the stream never reaches a {:.0} % hit rate", target * 100.0),
+    }
+    if let Some(c) = at_budget {
+        println!(
+            "  with --budget-dram: {} of row cache beside the index, {:.1} % hits",
+            human_bytes(c.cache_bytes),
+            c.hit_rate * 100.0
+        );
+    }
 }
 
 fn draw(p: &Plan, path: &std::path::Path) -> Result<(), String> {
