@@ -49,12 +49,24 @@ pub fn lock_exclusive(path: &Path) -> Result<File> {
         .truncate(false)
         .open(path)
         .map_err(|e| io_at("cannot open lock file", path, e))?;
-    // SAFETY: flock on a descriptor we own.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
+    // A lock this very process holds may be on its way out: a child forked by another
+    // thread keeps the lock's descriptor until it execs (or exits), so a store just
+    // closed here can look locked for a moment. Wait for that briefly; another
+    // process's lock fails at once.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    loop {
+        // SAFETY: flock on a descriptor we own.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc == 0 {
+            break;
+        }
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
             let holder = std::fs::read_to_string(path).unwrap_or_default();
+            if holder.trim() == std::process::id().to_string() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                continue;
+            }
             return Err(Error::new(
                 ErrorKind::Locked,
                 format!(
