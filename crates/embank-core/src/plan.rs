@@ -490,15 +490,18 @@ mod tests {
         assert!(sampled.bytes() < exact.bytes() / 5);
     }
 
+    /// The simulated hit rate of a cache of `rows` rows (one shard) over `events`.
+    fn clock_over(events: &[(u64, Access)], rows: f64) -> f64 {
+        let mut s = SampledStream::new(1.0);
+        for &(k, a) in events {
+            s.access_as(k, a, usize::MAX);
+        }
+        s.clock_hit_rate(rows, 1)
+    }
+
     #[test]
     fn reads_ahead_enter_referenced_and_create_nothing() {
-        let run = |events: &[(u64, Access)]| {
-            let mut s = SampledStream::new(1.0);
-            for &(k, a) in events {
-                s.access_as(k, a, usize::MAX);
-            }
-            s.clock_hit_rate(2.0, 1)
-        };
+        let run = |events: &[(u64, Access)]| clock_over(events, 2.0);
         use Access::*;
         let base = [(1, Counted), (2, Counted), (3, Counted)];
         // Without a read ahead, 1 was evicted: its pull misses.
@@ -516,13 +519,7 @@ mod tests {
 
     #[test]
     fn dirty_rows_stay_until_written_back() {
-        let run = |events: &[(u64, Access)]| {
-            let mut s = SampledStream::new(1.0);
-            for &(k, a) in events {
-                s.access_as(k, a, usize::MAX);
-            }
-            s.clock_hit_rate(4.0, 1)
-        };
+        let run = |events: &[(u64, Access)]| clock_over(events, 4.0);
         use Access::*;
         let tail = [(3, Counted), (4, Counted), (5, Counted), (1, Counted)];
         // Pushed rows 1 and 2 are dirty: 5 evicts 3, and 1 is still there.
