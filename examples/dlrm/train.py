@@ -90,6 +90,18 @@ class DLRM(nn.Module):
         return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
 
 
+class EmbankTables(nn.Module):
+    """The 26 embank tables as one fused ``embank.torch.EmbeddingBagCollection``: one
+    native call per step pulls and pools every feature, one reduces the gradients."""
+
+    def __init__(self, sources: list[Any]) -> None:
+        super().__init__()
+        self.ebc = et.EmbeddingBagCollection({f"c{j + 1}": s for j, s in enumerate(sources)}, mode="sum")
+
+    def forward(self, sparse: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.ebc(sparse).values())
+
+
 class TorchRecTables(nn.Module):
     """TorchRec's FusedEmbeddingBagCollection (fbgemm's CPU kernels, Adagrad fused into
     backward) over the same 26 features, for the --torchrec comparison."""
@@ -307,6 +319,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(sync inserts; on CUDA if present, else the CPU) and report its AUC and hit rate",
     )
     st.add_argument(
+        "--per-table",
+        action="store_true",
+        help="one embank.torch.EmbeddingBag per table (a pull and a push_grad each per step) instead "
+        "of the fused EmbeddingBagCollection (one native call each way)",
+    )
+    st.add_argument(
         "--no-lookahead",
         action="store_true",
         help="do not read the next batch's rows ahead of its step (embank.torch.lookahead is on by default)",
@@ -515,7 +533,13 @@ def main(argv: list[str] | None = None) -> int:
                 capacity=max(cards[j] if cards else (hash_size or 1 << 20), 1024),
             )
         tables.append(t)
-        bags.append(et.EmbeddingBag(t.worker(timeout=60) if args.staleness is not None else t, mode="sum"))
+        bags.append(t.worker(timeout=60) if args.staleness is not None else t)  # type: ignore[arg-type]
+    if tables:
+        # One fused collection (the default), or one EmbeddingBag module per table.
+        if args.per_table:
+            bags = [et.EmbeddingBag(s, mode="sum") for s in bags]
+        else:
+            collection, bags = EmbankTables(bags), []
     if rank == 0:
         barrier()
     torch.manual_seed(args.seed)  # the dense layers start alike whichever tables were built
@@ -599,7 +623,10 @@ def main(argv: list[str] | None = None) -> int:
         in_epoch = skip
         it: Iterator[ds.Batch] = batches(train_files, skip)
         if tables and not args.no_lookahead:
-            it = et.lookahead(it, lambda b: {t: b.sparse[:, j] for j, t in enumerate(tables)})
+            if isinstance(collection, EmbankTables):
+                it = collection.ebc.prefetch(it, lambda b: torch.from_numpy(b.sparse))
+            else:
+                it = et.lookahead(it, lambda b: {t: b.sparse[:, j] for j, t in enumerate(tables)})
         bar = None
         if tqdm is not None and not args.quiet:
             bar = tqdm(
@@ -713,7 +740,8 @@ def eval_gpu_cache(
     every row is the table's): the AUC must be the plain evaluation's."""
     from embank.gpu import GpuCache
 
-    trained_bags = model.bags
+    trained_bags, trained_collection = model.bags, model.collection
+    model.collection = None
     caches = [GpuCache(t, rows_max=args.gpu_cache_rows, insert="sync") for t in tables]
     model.bags = nn.ModuleList([et.EmbeddingBag(c, mode="sum") for c in caches])
     m = evaluate(model, test())
@@ -733,7 +761,7 @@ def eval_gpu_cache(
     )
     for c in caches:
         c.close()
-    model.bags = trained_bags
+    model.bags, model.collection = trained_bags, trained_collection
     return out
 
 
@@ -750,7 +778,8 @@ def serve_compact(
     import shutil
 
     out: dict[str, Any] = {}
-    trained_bags = model.bags
+    trained_bags, trained_collection = model.bags, model.collection
+    model.collection = None
     for dt in [d for d in args.serve_dtypes.split(",") if d]:
         path = args.work / f"serve-{dt}"
         shutil.rmtree(path, ignore_errors=True)
@@ -785,7 +814,7 @@ def serve_compact(
             file=sys.stderr,
         )
         served.close()
-    model.bags = trained_bags
+    model.bags, model.collection = trained_bags, trained_collection
     return out
 
 

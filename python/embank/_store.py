@@ -107,6 +107,10 @@ class _WriteListeners:
         with self._lock:
             self._methods = [m for m in self._methods if m() is not None and m() != method]
 
+    def __bool__(self) -> bool:
+        with self._lock:
+            return any(m() is not None for m in self._methods)
+
     def notify(self, keys: npt.NDArray[np.uint64]) -> None:
         with self._lock:
             live = [f for f in (m() for m in self._methods) if f is not None]

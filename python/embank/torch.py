@@ -49,6 +49,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from . import _native
 from ._store import Table, Worker
 from .errors import EmbankError, InvalidInputError
 from .gpu import GpuCache
@@ -262,16 +263,114 @@ class EmbeddingBag(_Lookup):
         return super().extra_repr() + f", mode={self.mode!r}" + (", pooled=True" if self.pooled else "")
 
 
-Jagged = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+Jagged = Mapping[str, Sequence[Any]]
+
+
+class _FusedPending:
+    """Per-row gradients gathered by a fused collection since the last step."""
+
+    def __init__(self, collection: EmbeddingBagCollection) -> None:
+        self._collection = weakref.ref(collection)
+        self.grads: list[Any] = []
+        self.lock = threading.Lock()
+
+    @property
+    def collection(self) -> EmbeddingBagCollection:
+        c = self._collection()
+        if c is None:
+            raise InvalidInputError("the EmbeddingBagCollection of this lookup was dropped")
+        return c
+
+    def add(self, grads: Any) -> None:
+        with self.lock:
+            self.grads.append(grads)
+
+    def take(self) -> list[Any] | None:
+        with self.lock:
+            got, self.grads = self.grads, []
+        return got or None
+
+    def clear(self) -> None:
+        with self.lock:
+            self.grads = []
+
+    def per_table(
+        self, got: list[Any]
+    ) -> list[tuple[Source, tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]]]:
+        """The gathered gradients as ``(source, (keys, grads))`` per table."""
+        c = self.collection
+        out = []
+        for t, src in enumerate(c._sources):
+            parts = [g.table(t) for g in got]
+            keys = np.concatenate([k for k, _ in parts])
+            if len(keys):
+                out.append((src, (keys, np.ascontiguousarray(np.concatenate([g for _, g in parts])))))
+        return out
+
+    def push(self, got: list[Any]) -> int:
+        """Pushes one step's gradients: one native call for every table, or (several
+        forwards in the step) one ``push_grad`` per table of their sum."""
+        c = self.collection
+        if len(got) == 1:
+            n = c._native.push(got[0])
+            c._notify(got[0])
+            return int(n)
+        n = 0
+        for src, (keys, grads) in self.per_table(got):
+            src.push_grad(keys, grads)
+            n += len(np.unique(keys))
+        return n
+
+
+class _FusedStep(torch.autograd.Function):
+    """One native call forward (pull and pool every feature), one backward (per-row
+    gradients of every table, handed to the collection's pending list or pushed)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        collection: EmbeddingBagCollection,
+        native: Any,
+        values: list[npt.NDArray[np.int64]],
+        offsets: list[npt.NDArray[np.int64]],
+        weights: list[npt.NDArray[np.float32] | None],
+    ) -> torch.Tensor:
+        flat, step = native.forward(values, offsets, weights)
+        ctx.collection, ctx.step = collection, step
+        return torch.from_numpy(flat)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        g = np.ascontiguousarray(grad.detach().to("cpu", torch.float32).numpy().reshape(-1))
+        ctx.collection._gathered(ctx.collection._native.backward(ctx.step, g))
+        return (None,) * 6
 
 
 class EmbeddingBagCollection(torch.nn.Module):
-    """Several pooled features over embank tables.
+    """Several pooled features over embank tables, trained with **one native call per
+    step each way**.
 
-    ``features``: feature name -> table (a table may serve several features: the
-    gradients of all of them are summed into one update per step). ``forward`` takes
-    TorchRec's ``KeyedJaggedTensor`` or a mapping ``name -> (values, offsets)`` and
-    returns ``name -> (batch, dim)`` pooled rows.
+    ``features``: feature name -> table (a :class:`~embank.Table` or
+    :class:`~embank.Worker`; a table may serve several features: the gradients of all
+    of them are summed into one update per step). ``forward`` takes TorchRec's
+    ``KeyedJaggedTensor``, a mapping ``name -> (values, offsets[, per_sample_weights])``,
+    or a ``(batch, features)`` integer tensor (one id per feature per example, features
+    in the collection's order), and returns ``name -> (batch, dim)`` pooled rows.
+
+    Fused (the default when every feature is a table or worker): forward hands every
+    feature's ids to the engine in one call, which deduplicates them per table, pulls
+    each table's distinct rows once (tables in parallel on up to ``threads`` threads)
+    and pools them (``mode`` sum, weighted sum or mean) into one tensor; backward
+    reduces the pooled gradient to one gradient per distinct row in one call, and
+    :meth:`SparseOptimizer.step` applies every table's optimizer in one call
+    (``push="backward"``: backward applies it). The results are the per-table
+    modules' up to the order floats are summed in. ``fused=False``, a
+    :class:`~embank.gpu.GpuCache` or ``pooled=True`` give one :class:`EmbeddingBag`
+    per feature instead. Gradients of ``per_sample_weights`` are not computed.
+
+    :meth:`prefetch` wraps a batch iterator so each batch's rows are read into the
+    store's row cache while the batch before it trains.
     """
 
     def __init__(
@@ -281,25 +380,172 @@ class EmbeddingBagCollection(torch.nn.Module):
         *,
         push: str = "step",
         pooled: bool = False,
+        fused: bool | None = None,
+        threads: int | None = None,
     ) -> None:
         super().__init__()
         if not features:
             raise InvalidInputError("an EmbeddingBagCollection needs at least one feature")
-        self.bags = torch.nn.ModuleDict(
-            {n: EmbeddingBag(s, mode, push=push, pooled=pooled) for n, s in features.items()}
-        )
+        if mode not in ("sum", "mean"):
+            raise InvalidInputError(f'mode must be "sum" or "mean", got {mode!r}')
+        if push not in ("step", "backward"):
+            raise InvalidInputError(f'push must be "step" or "backward", got {push!r}')
+        plain = all(isinstance(s, (Table, Worker)) for s in features.values())
+        if fused is None:
+            fused = plain and not pooled
+        if fused and not plain:
+            raise InvalidInputError("fused=True needs every feature on a Table or Worker (not a GpuCache)")
+        if fused and pooled:
+            raise InvalidInputError("pooled=True pools bags per table in the store: use fused=False with it")
         self.feature_names = list(features)
+        self.mode, self.push, self.fused = mode, push, fused
+        self.bags = torch.nn.ModuleDict()
+        if not fused:
+            self.bags.update(
+                {n: EmbeddingBag(s, mode, push=push, pooled=pooled) for n, s in features.items()}
+            )
+            return
+        # One entry per distinct source object (modules sharing a Table share its update).
+        self._sources: list[Source] = []
+        index: list[int] = []
+        for src in features.values():
+            assert isinstance(src, (Table, Worker))
+            hit = next((i for i, s in enumerate(self._sources) if s is src), None)
+            if hit is None:
+                self._sources.append(src)
+                hit = len(self._sources) - 1
+            index.append(hit)
+        self.dims = [_table_of(s).dim for s in features.values()]  # type: ignore[arg-type]
+        if threads is None:
+            threads = min(len(self._sources), max(4, os.cpu_count() or 1))
+        natives = [_table_of(s)._t for s in self._sources]
+        workers = [s.id if isinstance(s, Worker) else None for s in self._sources]
+        timeout = max([s.timeout for s in self._sources if isinstance(s, Worker)], default=60.0)
+        self._native = _native.Collection(natives, index, workers, mode, threads, timeout)
+        # Evaluation pulls through the tables, never a worker's holds.
+        self._native_eval = (
+            _native.Collection(natives, index, [None] * len(natives), mode, threads, timeout)
+            if any(w is not None for w in workers)
+            else self._native
+        )
+        self.pending = _FusedPending(self)
+        self._anchor = torch.zeros(0, requires_grad=True)
+
+    def _gathered(self, grads: Any) -> None:
+        if self.push == "backward":
+            self.pending.push([grads])
+        else:
+            self.pending.add(grads)
+
+    def _notify(self, grads: Any) -> None:
+        """Tells each table's write listeners (a GpuCache over it) the rows pushed."""
+        for t, src in enumerate(self._sources):
+            listeners = _table_of(src)._listeners
+            if listeners:
+                listeners.notify(grads.table(t)[0])
+
+    def _inputs(
+        self, features: Any
+    ) -> tuple[
+        list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[npt.NDArray[np.float32] | None]
+    ]:
+        if isinstance(features, torch.Tensor):
+            if features.dim() != 2 or features.shape[1] != len(self.feature_names):
+                raise InvalidInputError(
+                    f"a tensor of ids must be (batch, {len(self.feature_names)}): one id per feature "
+                    f"per example; got shape {tuple(features.shape)}"
+                )
+            ids = _ids64(features, "ids").T.copy()  # one contiguous row per feature
+            starts = np.arange(ids.shape[1], dtype=np.int64)
+            return list(ids), [starts] * len(ids), [None] * len(ids)
+        jagged = _as_jagged(features)
+        missing = [n for n in self.feature_names if n not in jagged]
+        if missing:
+            raise InvalidInputError(f"features missing from the input: {missing}")
+        values: list[npt.NDArray[np.int64]] = []
+        offsets: list[npt.NDArray[np.int64]] = []
+        weights: list[npt.NDArray[np.float32] | None] = []
+        for name in self.feature_names:
+            v, o, *w = jagged[name]
+            values.append(_ids64(v, f"values of {name!r}"))
+            offsets.append(_ids64(o, f"offsets of {name!r}"))
+            wt = w[0] if w else None
+            if wt is not None and self.mode != "sum":
+                raise InvalidInputError('per_sample_weights need mode="sum" (as in torch.nn.EmbeddingBag)')
+            weights.append(None if wt is None else np.ascontiguousarray(_np(wt, torch.float32), np.float32))
+        return values, offsets, weights
 
     def forward(self, features: Any) -> dict[str, torch.Tensor]:
+        if not self.fused:
+            return self._forward_per_table(features)
+        values, offsets, weights = self._inputs(features)
+        training = torch.is_grad_enabled() and self.training
+        if training:
+            flat = _FusedStep.apply(self._anchor, self, self._native, values, offsets, weights)
+        else:
+            flat = torch.from_numpy(self._native_eval.forward(values, offsets, weights)[0])
+        bags = len(offsets[0])
+        parts = flat.split([bags * d for d in self.dims])
+        return {n: p.view(bags, d) for n, p, d in zip(self.feature_names, parts, self.dims)}
+
+    def _forward_per_table(self, features: Any) -> dict[str, torch.Tensor]:
+        if isinstance(features, torch.Tensor):
+            n = features.shape[0]
+            offsets = torch.arange(n, dtype=torch.int64)
+            return {
+                name: self.bags[name](features[:, j].contiguous(), offsets)
+                for j, name in enumerate(self.feature_names)
+            }
         jagged = _as_jagged(features)
         missing = [n for n in self.feature_names if n not in jagged]
         if missing:
             raise InvalidInputError(f"features missing from the input: {missing}")
         out: dict[str, torch.Tensor] = {}
         for name in self.feature_names:
-            values, offsets = jagged[name]
-            out[name] = self.bags[name](values, offsets)
+            values, offsets, *w = jagged[name]
+            out[name] = self.bags[name](values, offsets, w[0] if w else None)
         return out
+
+    def lookahead(self, features: Any) -> None:
+        """Starts reading these features' rows into the store's row cache in the
+        background (one native call for every table); returns at once."""
+        values, offsets, _ = self._inputs(features)
+        if self.fused:
+            self._native.lookahead(values, offsets)
+            return
+        for name, v in zip(self.feature_names, values):
+            bag = self.bags[name]
+            assert isinstance(bag, EmbeddingBag)
+            bag.table.lookahead(np.unique(v).astype(np.uint64))
+
+    def prefetch(self, batches: Iterable[B], features_of: Callable[[B], Any]) -> Iterator[B]:
+        """Yields ``batches`` one behind: while batch *i* trains, the rows of batch *i+1*
+        are read into the row cache (``features_of(batch)``: what ``forward`` takes)."""
+        return lookahead(batches, lambda b: self.lookahead(features_of(b)))
+
+    def extra_repr(self) -> str:
+        return f"features={len(self.feature_names)}, mode={self.mode!r}, fused={self.fused}"
+
+
+def _np(t: Any, dtype: torch.dtype) -> Any:
+    if isinstance(t, torch.Tensor):
+        return t.detach().to("cpu", dtype).numpy()
+    return np.asarray(t)
+
+
+def _ids64(t: Any, what: str) -> npt.NDArray[np.int64]:
+    if isinstance(t, torch.Tensor) and t.dtype not in (
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.uint8,
+        torch.int8,
+    ):
+        raise InvalidInputError(f"{what} must be an integer tensor, got {t.dtype}")
+    a = _np(t, torch.int64)
+    if a.dtype.kind not in "iu":
+        raise InvalidInputError(f"{what} must be integers, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 def _as_jagged(features: Any) -> Jagged:
@@ -308,7 +554,7 @@ def _as_jagged(features: Any) -> Jagged:
     # TorchRec's KeyedJaggedTensor, without importing torchrec.
     if hasattr(features, "to_dict") and hasattr(features, "keys"):
         d = features.to_dict()
-        return {k: (jt.values(), jt.offsets()[:-1]) for k, jt in d.items()}
+        return {k: (jt.values(), jt.offsets()[:-1], jt.weights_or_none()) for k, jt in d.items()}
     raise InvalidInputError(
         f"expected a KeyedJaggedTensor or a mapping name -> (values, offsets), got {type(features).__name__}"
     )
@@ -355,8 +601,17 @@ class SparseOptimizer:
     ) -> None:
         mods = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         lookups = _lookups(mods)
-        if not lookups:
-            raise InvalidInputError("no embank Embedding/EmbeddingBag module found")
+        self._fused: list[_FusedPending] = []
+        for m in mods:
+            for sub in m.modules():
+                if isinstance(sub, EmbeddingBagCollection) and sub.fused and sub.push == "step":
+                    if sub.pending not in self._fused:
+                        self._fused.append(sub.pending)
+        fused_any = any(
+            isinstance(sub, EmbeddingBagCollection) and sub.fused for m in mods for sub in m.modules()
+        )
+        if not lookups and not fused_any:
+            raise InvalidInputError("no embank Embedding/EmbeddingBag/EmbeddingBagCollection module found")
         if delay < 0:
             raise InvalidInputError(f"delay must be >= 0, got {delay}")
         self.delay = delay
@@ -374,14 +629,15 @@ class SparseOptimizer:
         for lk in lookups:
             if lk.push == "step" and lk.pending not in self._pending:
                 self._pending.append(lk.pending)
-        self._late: list[list[tuple[_Pending, tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]]]] = []
+        self._late: list[list[tuple[Any, Any]]] = []
 
     def step(self) -> int:
         """One ``push_grad`` per table of everything gathered since the last step (or,
         with a delay, since the step ``delay`` steps ago); returns how many keys were pushed."""
         if self.distributed:
             return self._step_distributed()
-        gathered = [(p, got) for p in self._pending if (got := p.take()) is not None]
+        gathered: list[tuple[Any, Any]] = [(p, got) for p in self._pending if (got := p.take()) is not None]
+        gathered += [(f, fg) for f in self._fused if (fg := f.take()) is not None]
         self._late.append(gathered)
         n = 0
         while len(self._late) > self.delay:
@@ -392,11 +648,20 @@ class SparseOptimizer:
         import torch.distributed as dist
 
         world, rank = dist.get_world_size(), dist.get_rank()
-        mine = [p.take() for p in self._pending]
+        # One entry per table source, in an order every rank shares: the per-table
+        # modules', then each fused collection's tables.
+        sources: list[Source] = [p.source for p in self._pending]
+        mine: list[Any] = [p.take() for p in self._pending]
+        for f in self._fused:
+            got = f.take()
+            by_source = dict((id(s), kg) for s, kg in f.per_table(got)) if got else {}
+            for src in f.collection._sources:
+                sources.append(src)
+                mine.append(by_source.get(id(src)))
         every: list[Any] = [None] * world
         dist.all_gather_object(every, mine)
         n = 0
-        for i, p in enumerate(self._pending):
+        for i, source in enumerate(sources):
             parts = [r[i] for r in every if r[i] is not None]
             if not parts:
                 continue
@@ -404,7 +669,7 @@ class SparseOptimizer:
             grads = np.concatenate([g for _, g in parts]) / np.float32(world)
             own = (keys % np.uint64(world)) == np.uint64(rank)
             if own.any():
-                p.source.push_grad(keys[own], np.ascontiguousarray(grads[own]))
+                source.push_grad(keys[own], np.ascontiguousarray(grads[own]))
                 n += int(own.sum())
         dist.barrier()  # no rank pulls the next batch before every row is updated
         return n
@@ -417,9 +682,13 @@ class SparseOptimizer:
         return n
 
     @staticmethod
-    def _push(gathered: list[tuple[_Pending, tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]]]) -> int:
+    def _push(gathered: list[tuple[Any, Any]]) -> int:
         n = 0
-        for p, (keys, grads) in gathered:
+        for p, got in gathered:
+            if isinstance(p, _FusedPending):
+                n += p.push(got)
+                continue
+            keys, grads = got
             p.source.push_grad(keys, grads)
             n += len(keys)
         return n
@@ -428,10 +697,15 @@ class SparseOptimizer:
         """Drops gradients gathered since the last step (not the delayed ones)."""
         for p in self._pending:
             p.clear()
+        for f in self._fused:
+            f.clear()
 
     @property
     def tables(self) -> list[str]:
-        return [_table_of(p.source).name for p in self._pending]
+        names = [_table_of(p.source).name for p in self._pending]
+        for f in self._fused:
+            names += [_table_of(s).name for s in f.collection._sources]
+        return names
 
 
 def checkpoint(
@@ -481,13 +755,14 @@ def checkpoint(
 
 
 def lookahead(
-    batches: Iterable[B], keys_of: Callable[[B], Mapping[Table, npt.ArrayLike | torch.Tensor]]
+    batches: Iterable[B], keys_of: Callable[[B], Mapping[Table, npt.ArrayLike | torch.Tensor] | None]
 ) -> Iterator[B]:
     """Yields ``batches`` one behind: while batch *i* trains, the rows of batch *i+1* are
     already being loaded by the store (``Table.lookahead``: the maintenance thread reads
     them into the row cache, the caller never waits).
 
-    ``keys_of(batch)`` returns ``table -> keys`` of that batch.
+    ``keys_of(batch)`` returns ``table -> keys`` of that batch (or starts the reads
+    itself and returns None, as :meth:`EmbeddingBagCollection.prefetch` does).
     """
     it = iter(batches)
     try:
@@ -502,7 +777,9 @@ def lookahead(
     yield current
 
 
-def _hint(keys: Mapping[Table, npt.ArrayLike | torch.Tensor]) -> None:
+def _hint(keys: Mapping[Table, npt.ArrayLike | torch.Tensor] | None) -> None:
+    if keys is None:  # keys_of hinted itself (EmbeddingBagCollection.prefetch)
+        return
     for table, k in keys.items():
         if isinstance(k, torch.Tensor):
             k = _to_keys(k, "lookahead keys")

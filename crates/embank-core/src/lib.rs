@@ -34,6 +34,7 @@ pub mod checkpoint;
 pub mod error;
 pub mod format;
 mod fsutil;
+pub mod fused;
 pub mod hash;
 pub mod hot;
 pub mod index;

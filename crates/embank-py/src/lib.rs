@@ -18,6 +18,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
+mod fused;
+
 /// Maps an engine error to the matching class of `embank.errors`.
 fn to_py_err(e: core::Error) -> PyErr {
     let class = match e.kind() {
@@ -628,6 +630,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Table>()?;
     m.add_class::<Export>()?;
     m.add_class::<Publisher>()?;
+    m.add_class::<fused::Collection>()?;
+    m.add_class::<fused::Step>()?;
+    m.add_class::<fused::Grads>()?;
     m.add_function(wrap_pyfunction!(client_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
