@@ -413,8 +413,25 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints a stuck rank's stacks
+        timeout = datetime.timedelta(minutes=5)
+        # The process group's keys under a prefix of their own per torchrun restart: with
+        # the agent's store shared by every attempt, a restarted rank could otherwise read
+        # the address a killed rank published and fail to connect (seen with gloo).
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=rank == 0 and not agent,
+            timeout=timeout,
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
-            "nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=5)
+            "nccl" if torch.cuda.is_available() else "gloo",
+            store=dist.PrefixStore(f"embank-dlrm/attempt-{attempt}", store),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
         )
     # A rank restarted by torchrun (--max-restarts) resumes from the last checkpoint.
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
