@@ -327,7 +327,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     st.add_argument(
         "--no-lookahead",
         action="store_true",
-        help="do not read the next batch's rows ahead of its step (embank.torch.lookahead is on by default)",
+        help="do not read the next batch's rows ahead of its step (on by default with --medium block)",
     )
     st.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N batches (0: never)")
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work")
@@ -639,7 +639,9 @@ def main(argv: list[str] | None = None) -> int:
         skip = start_skip if epoch == start_epoch else 0
         in_epoch = skip
         it: Iterator[ds.Batch] = batches(train_files, skip)
-        if tables and not args.no_lookahead:
+        # Reading ahead pays where a row can be cold (a row cache over the block medium);
+        # on the mmap medium every row is already in DRAM.
+        if tables and not args.no_lookahead and args.medium == "block":
             if isinstance(collection, EmbankTables):
                 it = collection.ebc.prefetch(it, lambda b: torch.from_numpy(b.sparse))
             else:

@@ -360,7 +360,8 @@ class EmbeddingBagCollection(torch.nn.Module):
 
     Fused (the default when every feature is a table or worker): forward hands every
     feature's ids to the engine in one call, which deduplicates them per table, pulls
-    each table's distinct rows once (tables in parallel on up to ``threads`` threads)
+    each table's distinct rows once (remote tables in parallel on up to ``threads``
+    threads, 16 by default; embedded tables on the calling thread unless ``threads`` says)
     and pools them (``mode`` sum, weighted sum or mean) into one tensor; backward
     reduces the pooled gradient to one gradient per distinct row in one call, and
     :meth:`SparseOptimizer.step` applies every table's optimizer in one call
@@ -417,7 +418,10 @@ class EmbeddingBagCollection(torch.nn.Module):
             index.append(hit)
         self.dims = [_table_of(s).dim for s in features.values()]  # type: ignore[arg-type]
         if threads is None:
-            threads = min(len(self._sources), max(4, os.cpu_count() or 1))
+            # Embedded tables are CPU work: one thread (more compete with torch's own
+            # threads, which spin between ops). Remote tables wait on round trips: overlap them.
+            remote = any(_table_of(s)._t.remote for s in self._sources)
+            threads = min(len(self._sources), 16) if remote else 1
         natives = [_table_of(s)._t for s in self._sources]
         workers = [s.id if isinstance(s, Worker) else None for s in self._sources]
         timeout = max([s.timeout for s in self._sources if isinstance(s, Worker)], default=60.0)

@@ -61,6 +61,10 @@ pub trait TableApi: Send + Sync {
     fn lookahead(&self, keys: &[u64]) -> Result<bool>;
     fn evict_expired(&self) -> Result<u64>;
     fn len(&self) -> Result<u64>;
+    /// True for a table behind the network (its calls are round trips).
+    fn is_remote(&self) -> bool {
+        false
+    }
     fn is_empty(&self) -> Result<bool> {
         Ok(self.len()? == 0)
     }

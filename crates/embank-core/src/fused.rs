@@ -21,8 +21,6 @@
 //! rows pulled per table and pushing each table's summed gradients, up to the order
 //! floats are summed in.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -107,26 +105,7 @@ impl std::fmt::Debug for Collection {
     }
 }
 
-/// A fast hasher for u64 keys (a multiply and a fold: keys are ids, not attacker input).
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_u64(&mut self, k: u64) {
-        let x = (k ^ (k >> 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.0 = x ^ (x >> 29);
-    }
-}
-
-type IdMap = HashMap<u64, u32, BuildHasherDefault<IdHasher>>;
+type IdMap = crate::hash::IdMap<u32>;
 
 /// Runs `f(i)` for `i` in `0..n` on up to `threads` threads (this one included),
 /// returning the results in order; the first error (lowest `i`) wins.

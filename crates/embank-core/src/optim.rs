@@ -155,7 +155,7 @@ impl Optimizer {
 /// Sums the gradients of duplicate keys: returns the unique keys (first-seen order)
 /// and one summed gradient row per unique key.
 pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> (Vec<u64>, Vec<f32>) {
-    let mut at: std::collections::HashMap<u64, usize> = std::collections::HashMap::with_capacity(keys.len());
+    let mut at = crate::hash::IdMap::<usize>::with_capacity_and_hasher(keys.len(), Default::default());
     let mut uniq = Vec::with_capacity(keys.len());
     let mut sums: Vec<f32> = Vec::with_capacity(grads.len());
     for (i, &k) in keys.iter().enumerate() {

@@ -1233,6 +1233,9 @@ impl embank_core::TableApi for RemoteTable {
     fn pull(&self, keys: &[u64], out: &mut [f32]) -> Result<()> {
         RemoteTable::pull(self, keys, out)
     }
+    fn is_remote(&self) -> bool {
+        true
+    }
     fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
         RemoteTable::lookup(self, keys, out, found)
     }

@@ -317,6 +317,12 @@ impl Table {
         self.inner.dim()
     }
 
+    /// True for a table of a remote store.
+    #[getter]
+    fn remote(&self) -> bool {
+        self.inner.is_remote()
+    }
+
     /// Creation options as a JSON document.
     fn meta_json(&self) -> String {
         serde_json::to_string(&self.inner.meta()).expect("meta serializes")
