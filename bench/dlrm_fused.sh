@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # DLRM training throughput, --preload (training only, parsing excluded), 3 rounds of
 # alternating runs: embank's fused collection (tables in DRAM, and on the block medium
-# with a row cache of 10 % of the tables' bytes), the per-table modules, torch's
+# with a row cache of 10 % of the tables' bytes; and checkpointing every 100 batches:
+# ONLY="fused fused-ckpt100"), the per-table modules, torch's
 # nn.EmbeddingBag (--baseline) and, when torchrec is installed, TorchRec's
 # FusedEmbeddingBagCollection. Prints every run and the median of each.
 #
@@ -22,6 +23,7 @@ declare -A RUNS=(
   [fused]=""
   [fused-block10]="--medium block --cache-fraction 0.1"
   [per-table]="--per-table"
+  [fused-ckpt100]="--checkpoint-every 100"
   [baseline]="--baseline"
 )
 ORDER=(fused per-table baseline fused-block10)
