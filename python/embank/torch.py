@@ -448,6 +448,13 @@ class EmbeddingBagCollection(torch.nn.Module):
             if listeners:
                 listeners.notify(grads.table(t)[0])
 
+    def _jagged(self, features: Any) -> Jagged:
+        jagged = _as_jagged(features)
+        missing = [n for n in self.feature_names if n not in jagged]
+        if missing:
+            raise InvalidInputError(f"features missing from the input: {missing}")
+        return jagged
+
     def _inputs(
         self, features: Any
     ) -> tuple[
@@ -462,10 +469,7 @@ class EmbeddingBagCollection(torch.nn.Module):
             ids = _ids64(features, "ids").T.copy()  # one contiguous row per feature
             starts = np.arange(ids.shape[1], dtype=np.int64)
             return list(ids), [starts] * len(ids), [None] * len(ids)
-        jagged = _as_jagged(features)
-        missing = [n for n in self.feature_names if n not in jagged]
-        if missing:
-            raise InvalidInputError(f"features missing from the input: {missing}")
+        jagged = self._jagged(features)
         values: list[npt.NDArray[np.int64]] = []
         offsets: list[npt.NDArray[np.int64]] = []
         weights: list[npt.NDArray[np.float32] | None] = []
@@ -500,10 +504,7 @@ class EmbeddingBagCollection(torch.nn.Module):
                 name: self.bags[name](features[:, j].contiguous(), offsets)
                 for j, name in enumerate(self.feature_names)
             }
-        jagged = _as_jagged(features)
-        missing = [n for n in self.feature_names if n not in jagged]
-        if missing:
-            raise InvalidInputError(f"features missing from the input: {missing}")
+        jagged = self._jagged(features)
         out: dict[str, torch.Tensor] = {}
         for name in self.feature_names:
             values, offsets, *w = jagged[name]
@@ -605,16 +606,14 @@ class SparseOptimizer:
     ) -> None:
         mods = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         lookups = _lookups(mods)
+        collections = [
+            sub for m in mods for sub in m.modules() if isinstance(sub, EmbeddingBagCollection) and sub.fused
+        ]
         self._fused: list[_FusedPending] = []
-        for m in mods:
-            for sub in m.modules():
-                if isinstance(sub, EmbeddingBagCollection) and sub.fused and sub.push == "step":
-                    if sub.pending not in self._fused:
-                        self._fused.append(sub.pending)
-        fused_any = any(
-            isinstance(sub, EmbeddingBagCollection) and sub.fused for m in mods for sub in m.modules()
-        )
-        if not lookups and not fused_any:
+        for c in collections:
+            if c.push == "step" and c.pending not in self._fused:
+                self._fused.append(c.pending)
+        if not lookups and not collections:
             raise InvalidInputError("no embank Embedding/EmbeddingBag/EmbeddingBagCollection module found")
         if delay < 0:
             raise InvalidInputError(f"delay must be >= 0, got {delay}")

@@ -195,7 +195,7 @@ def test_prefetched_training_ends_on_exactly_the_unprefetched_rows(tmp_path: Any
             for b in it:
                 out = fused(b)
                 so.zero_grad()
-                sum(((v - 1.0) ** 2).sum() for v in out.values()).backward()  # type: ignore[union-attr]
+                sum(((v - 1.0) ** 2).sum() for v in out.values()).backward()
                 so.step()
             finals.append(np.stack([t.pull(np.arange(keys, dtype=np.uint64)) for t in ts]))
             if ahead:

@@ -377,27 +377,15 @@ impl Collection {
     }
 }
 
-/// Pools one feature's bags from its table's distinct `rows` into `out` (`bags x dim`).
+/// Pools one feature's bags from its table's distinct `rows` into `out` (`bags x dim`)
+/// with the store's one pooling routine (`pooled::pool`).
 fn pool_feature(mode: Pooling, bags: &Bags<'_>, inverse: &[u32], rows: &[f32], dim: usize, out: &mut [f32]) {
-    let n = bags.offsets.len() - 1;
-    for b in 0..n {
+    let mut members: Vec<&[f32]> = Vec::new();
+    for (b, o) in out.chunks_exact_mut(dim).enumerate().take(bags.offsets.len() - 1) {
         let (lo, hi) = (bags.offsets[b], bags.offsets[b + 1]);
-        let o = &mut out[b * dim..(b + 1) * dim];
-        o.fill(0.0);
-        for j in lo..hi {
-            let r = &rows[inverse[j] as usize * dim..][..dim];
-            match bags.weights {
-                Some(w) => {
-                    let wj = w[j];
-                    o.iter_mut().zip(r).for_each(|(x, y)| *x += wj * y);
-                }
-                None => o.iter_mut().zip(r).for_each(|(x, y)| *x += y),
-            }
-        }
-        if mode == Pooling::Mean && hi > lo {
-            let n = (hi - lo) as f32;
-            o.iter_mut().for_each(|x| *x /= n);
-        }
+        members.clear();
+        members.extend(inverse[lo..hi].iter().map(|&r| &rows[r as usize * dim..][..dim]));
+        crate::pooled::pool(mode, &members, bags.weights.map(|w| &w[lo..hi]), o);
     }
 }
 
