@@ -361,7 +361,7 @@ class EmbeddingBagCollection(torch.nn.Module):
     Fused (the default when every feature is a table or worker): forward hands every
     feature's ids to the engine in one call, which deduplicates them per table, pulls
     each table's distinct rows once (remote tables in parallel on up to ``threads``
-    threads, 16 by default; embedded tables on the calling thread unless ``threads`` says)
+    threads, 4 by default; embedded tables on the calling thread unless ``threads`` says)
     and pools them (``mode`` sum, weighted sum or mean) into one tensor; backward
     reduces the pooled gradient to one gradient per distinct row in one call, and
     :meth:`SparseOptimizer.step` applies every table's optimizer in one call
@@ -419,9 +419,12 @@ class EmbeddingBagCollection(torch.nn.Module):
         self.dims = [_table_of(s).dim for s in features.values()]  # type: ignore[arg-type]
         if threads is None:
             # Embedded tables are CPU work: one thread (more compete with torch's own
-            # threads, which spin between ops). Remote tables wait on round trips: overlap them.
+            # threads, which spin between ops). Remote tables wait on round trips: overlap
+            # a few. Each thread may open a connection per shard at once, and a server takes
+            # at most 16 unauthenticated connections per peer address (`pending_per_peer_max`):
+            # several trainer processes on one host opening 16 each were refused.
             remote = any(_table_of(s)._t.remote for s in self._sources)
-            threads = min(len(self._sources), 16) if remote else 1
+            threads = min(len(self._sources), 4) if remote else 1
         natives = [_table_of(s)._t for s in self._sources]
         workers = [s.id if isinstance(s, Worker) else None for s in self._sources]
         timeout = max([s.timeout for s in self._sources if isinstance(s, Worker)], default=60.0)
