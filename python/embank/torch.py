@@ -127,9 +127,7 @@ def _pending_for(source: Source) -> _Pending:
 
 
 def _to_keys(ids: torch.Tensor, what: str) -> npt.NDArray[np.uint64]:
-    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise InvalidInputError(f"{what} must be an integer tensor, got {ids.dtype}")
-    a = ids.detach().to("cpu", torch.int64).numpy()
+    a = _ids64(ids, what)
     if a.size and a.min() < 0:
         raise InvalidInputError(f"{what} holds a negative id ({int(a.min())}); embank keys are >= 0")
     return a.astype(np.uint64)
