@@ -305,13 +305,20 @@ impl TableCheckpoints {
         Ok(self.journal.write().replace(Arc::new(j)))
     }
 
-    /// After a checkpoint, off the caller's thread: deletes the journals of dropped
-    /// checkpoints and, while the table is open, prepares the next spare journal.
+    /// After a checkpoint, off the caller's thread: while the table is open, prepares the
+    /// next spare journal — the journal of a dropped checkpoint, recycled, or a new one —
+    /// and deletes the other dropped journals.
     pub fn housekeep(&self, dropped: &[u64], open: bool, table: &str) {
+        let mut spare = self.spare.lock();
         for &seq in dropped {
+            if spare.is_none() && open {
+                if let Some(j) = Journal::recycle(&self.dir, seq) {
+                    *spare = Some(j);
+                    continue;
+                }
+            }
             let _ = std::fs::remove_file(journal::path_of(&self.dir, seq));
         }
-        let mut spare = self.spare.lock();
         if spare.is_none() && open {
             match Journal::create_spare(&self.dir) {
                 Ok(j) => *spare = Some(j),

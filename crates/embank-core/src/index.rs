@@ -463,10 +463,17 @@ impl Index {
         self.find(key, hash).map(|f| f.ptr)
     }
 
-    /// Lock-free lookup, returning where the key sits.
-    #[inline]
+    /// Hints the CPU to load the line of the home bucket's checkpoint marks (the last of
+    /// the bucket's four), which a write's first-change check reads after its lookup.
+    #[inline(always)]
+    pub fn prefetch_marks(&self, hash: u64) {
+        let b = self.raw_bucket(home_bucket(hash, self.bucket_mask));
+        crate::prefetch::prefetch_read(&b.marks as *const AtomicU64 as *const u8);
+    }
+
     /// Whether the key at `(bucket, slot)` is marked journaled in the interval `tag`
     /// (50 bits). Callers hold the key's writer lock, so its slot does not change.
+    #[inline]
     pub fn journaled(&self, bucket: u64, slot: usize, tag: u64) -> bool {
         let m = self.bucket(bucket).marks.load(Ordering::Acquire);
         m >> MARK_SLOT_BITS == tag & MARK_TAG_MASK && m & (1 << slot) != 0
@@ -487,6 +494,8 @@ impl Index {
         }
     }
 
+    /// Lock-free lookup, returning where the key sits.
+    #[inline]
     pub fn find(&self, key: u64, hash: u64) -> Option<Found> {
         let fp = fingerprint(hash);
         let step = probe_step(hash, self.bucket_mask);

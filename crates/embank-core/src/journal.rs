@@ -36,6 +36,10 @@ const RESERVE: u64 = 64 << 30;
 /// The file grows by this much at a time.
 const GROW: u64 = 1 << 20;
 
+/// A dropped checkpoint's journal up to this size becomes the next spare (see
+/// [`Journal::recycle`]); a larger one is deleted.
+const RECYCLE_BYTES_MAX: u64 = 64 << 20;
+
 /// Slots a batch reserves at a time.
 const SLOTS_PER_RESERVE: u64 = 32;
 
@@ -157,6 +161,27 @@ impl Journal {
         std::fs::rename(&j.path, &spare).map_err(|e| io_at("cannot name spare undo journal", &spare, e))?;
         j.path = spare;
         Ok(j)
+    }
+
+    /// Turns the journal of a dropped checkpoint into the spare: renamed to
+    /// `undo.spare.ebj`, its header's counters zeroed. Its file keeps its size and its
+    /// pages stay in the page cache, so the next interval's appends write into memory
+    /// the kernel already has (a fresh file faults in and zero-fills every page). The old
+    /// entries stay behind the new ones but carry the old seq, which every check word
+    /// covers: a reader of the adopted journal skips them. `None` if the file is larger
+    /// than is worth keeping, or cannot be opened (the caller deletes it).
+    pub fn recycle(dir: &Path, seq: u64) -> Option<Journal> {
+        let mut j = Self::open(dir, seq).ok()?;
+        if j.len.load(Ordering::Acquire) > RECYCLE_BYTES_MAX {
+            return None;
+        }
+        let spare = dir.join("undo.spare.ebj");
+        std::fs::rename(&j.path, &spare).ok()?;
+        j.path = spare;
+        // Renamed first: a process killed from here on leaves a spare, deleted at open.
+        j.rolled_back_word().store(0, Ordering::Release);
+        j.next().store(0, Ordering::Release);
+        Some(j)
     }
 
     /// Makes a spare (empty) journal the journal of checkpoint `seq`.
@@ -346,6 +371,33 @@ mod tests {
         assert!(j.entries().is_empty());
         j.append(1, 0).unwrap();
         assert_eq!(j.entries(), vec![Entry { key: 1, old: 0, seq: 3 }]);
+    }
+
+    #[test]
+    fn a_recycled_journal_shows_only_the_entries_of_its_new_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::create(dir.path(), 4).unwrap();
+        for k in 0..100 {
+            j.append(k, k + 1).unwrap();
+        }
+        j.mark_rolled_back();
+        j.append(500, 0).unwrap();
+        drop(j);
+        let spare = Journal::recycle(dir.path(), 4).unwrap();
+        assert!(list(dir.path()).is_empty(), "the dropped journal is renamed to the spare");
+        assert!(dir.path().join("undo.spare.ebj").exists());
+        let j = spare.adopt(dir.path(), 9).unwrap();
+        assert_eq!(j.rolled_back(), 0);
+        assert!(j.entries().is_empty(), "old entries carry the old seq");
+        j.append(7, 70).unwrap();
+        // A slot reserved over an old entry and never written (a killed writer).
+        j.next().fetch_add(1, Ordering::AcqRel);
+        j.append(8, 0).unwrap();
+        drop(j);
+        let j = Journal::open(dir.path(), 9).unwrap();
+        assert_eq!(j.entries(), vec![Entry { key: 7, old: 70, seq: 9 }, Entry { key: 8, old: 0, seq: 9 }]);
+        assert_eq!(j.entries_since_rollback().len(), 2);
+        assert_eq!(list(dir.path()), vec![9]);
     }
 
     #[test]

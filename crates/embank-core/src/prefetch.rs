@@ -10,3 +10,16 @@ pub fn prefetch_read(ptr: *const u8) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = ptr;
 }
+
+/// Hints the CPU to fetch a line for writing (`prefetchw` where the CPU has it), so a
+/// store to a line not in the cache need not wait for it.
+#[inline(always)]
+pub fn prefetch_write(ptr: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch never faults, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(ptr as *const i8, std::arch::x86_64::_MM_HINT_ET0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = ptr;
+}

@@ -407,6 +407,10 @@ impl Store {
         }
         file.save(&inner.dir)?;
         inner.runtime.gate.interval.store(seq, std::sync::atomic::Ordering::Release);
+        // Batches may go on: freeing what the dropped checkpoints held needs no gate (no
+        // writer holds records for them any more).
+        drop(file);
+        drop(_gate);
         for &old in &dropped {
             for t in inner.tables.values() {
                 t.drop_interval(old)?;

@@ -40,6 +40,9 @@ pub struct MmapMedium {
 unsafe impl Send for MmapMedium {}
 unsafe impl Sync for MmapMedium {}
 
+/// How many records ahead [`MmapMedium::write`] prefetches the one it will write.
+const WRITE_PREFETCH_AHEAD: usize = 4;
+
 impl MmapMedium {
     pub fn create(path: &Path, layout: RecordLayout) -> Result<MmapMedium> {
         let file = OpenOptions::new()
@@ -197,10 +200,27 @@ impl MmapMedium {
 
     /// Writes unpublished records `(key, ptr, record)`.
     pub fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
-        for &(key, ptr, record) in items {
+        for (i, &(key, ptr, record)) in items.iter().enumerate() {
+            // Fresh records are often cold (a free one long unused): ask for the lines of
+            // a record a few ahead, so the misses overlap instead of stalling each copy.
+            if let Some(&(_, ahead, _)) = items.get(i + WRITE_PREFETCH_AHEAD) {
+                self.prefetch_for_write(ahead);
+            }
             self.write_row(ptr, key, record);
         }
         Ok(())
+    }
+
+    /// Hints the CPU to fetch a record's lines for writing.
+    #[inline(always)]
+    fn prefetch_for_write(&self, ptr: u64) {
+        let p = self.record_ptr(ptr);
+        let mut off = 0;
+        while off < self.stride() as usize {
+            // SAFETY: within the record.
+            crate::prefetch::prefetch_write(unsafe { p.add(off) });
+            off += 64;
+        }
     }
 
     /// Writes every record handed out so far and the header to the file (msync).

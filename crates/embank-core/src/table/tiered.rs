@@ -27,6 +27,8 @@ use crate::tier::DirtyRow;
 const WRITE_BACK_BATCH: usize = 4096;
 /// Rows per medium read while loading a pinned table.
 const PIN_LOAD_CHUNK: usize = 4096;
+/// How many keys ahead a publish loop prefetches the index lines of the key it will publish.
+const PUBLISH_AHEAD: usize = super::read::PREFETCH_KEYS_AHEAD;
 
 impl Table {
     /// Writes whole records (row and optimizer state).
@@ -76,6 +78,9 @@ impl Table {
             let ptrs = self.write_records(st, todo.iter().map(|&i| (keys[i], &records[i * w..(i + 1) * w])))?;
             let mut p = Publisher::new(self, st);
             for (j, &i) in todo.iter().enumerate() {
+                if let Some(&ahead) = todo.get(j + PUBLISH_AHEAD) {
+                    p.prefetch(keys[ahead]);
+                }
                 let record = &records[i * w..(i + 1) * w];
                 if p.publish(keys[i], Change::Upsert(ptrs[j]), |_| false, |tiers| tiers.written(record))?
                     == Outcome::NoRoom
@@ -113,6 +118,9 @@ impl Table {
             let ptrs = self.write_records(st, todo.iter().map(|r| (r.key, &r.row[..])))?;
             let mut p = Publisher::new(self, st);
             for (j, r) in todo.iter().enumerate() {
+                if let Some(ahead) = todo.get(j + PUBLISH_AHEAD) {
+                    p.prefetch(ahead.key);
+                }
                 // Deleted, or pushed again since it was copied: the newer state wins.
                 let outcome = p.publish(
                     r.key,
