@@ -590,10 +590,11 @@ impl Store {
     /// Makes every write before this call durable.
     pub fn flush(&self) -> Result<()> {
         let guard = self.inner.read();
-        for table in guard.as_ref().ok_or_else(|| self.closed())?.tables.values() {
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        for table in inner.tables.values() {
             table.flush()?;
         }
-        Ok(())
+        CheckpointFile::sync(&inner.dir)
     }
 
     /// Flushes and closes every table and releases the lock. Idempotent.
