@@ -208,12 +208,9 @@ impl CheckpointFile {
         use std::os::unix::fs::FileExt;
         let generation = self.generation + 1;
         let body = serde_json::to_vec(&*self).expect("checkpoints serialize");
-        let mut bytes = format!(
-            "{SLOT_MAGIC} {SLOT_VERSION} {generation} {} {:08x}\n",
-            body.len(),
-            crc32c::crc32c(&body)
-        )
-        .into_bytes();
+        let mut bytes =
+            format!("{SLOT_MAGIC} {SLOT_VERSION} {generation} {} {:08x}\n", body.len(), crc32c::crc32c(&body))
+                .into_bytes();
         bytes.extend_from_slice(&body);
         let path = dir.join(SLOT_FILES[(generation % 2) as usize]);
         std::fs::OpenOptions::new()
