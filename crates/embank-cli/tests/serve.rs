@@ -552,6 +552,56 @@ fn idle_sockets_cannot_lock_out_a_client_with_the_token() {
     assert!(metrics.contains("embank_connections_evicted_total"), "{metrics}");
 }
 
+/// Many processes' worth of clients connecting at once past `pending_per_peer_max`: the
+/// server closes the oldest connections that have not said hello, and each client
+/// connects again instead of failing its call.
+#[test]
+fn connections_closed_before_their_hello_are_opened_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let shard = Shard::start(dir.path(), "a", "[limits]\npending_per_peer_max = 1\n");
+    {
+        let c = Client::connect(std::slice::from_ref(&shard.addr), ClientOptions::default()).unwrap();
+        c.create_table("t", TableOptions::new(4)).unwrap().push(&[1], &[1.0; 4]).unwrap();
+    }
+    let evicted = || -> u64 {
+        let m = http_get(&shard.admin, "/metrics");
+        m.lines()
+            .find(|l| l.starts_with("embank_connections_evicted_total"))
+            .and_then(|l| l.split_whitespace().last())
+            .map_or(0, |v| v.parse().unwrap())
+    };
+    let before = evicted();
+    let start = std::sync::Barrier::new(16);
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..16)
+            .map(|_| {
+                let (addr, start) = (shard.addr.clone(), &start);
+                s.spawn(move || -> Result<(), String> {
+                    start.wait();
+                    // Each round a new client: new connections, each with its hello.
+                    for _ in 0..5 {
+                        let c =
+                            Client::connect(&[addr.clone()], ClientOptions::default()).map_err(|e| e.to_string())?;
+                        let t = c.table("t").map_err(|e| e.to_string())?;
+                        let mut out = vec![0f32; 4];
+                        t.pull(&[1], &mut out).map_err(|e| e.to_string())?;
+                        assert_eq!(out, vec![1.0; 4]);
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        threads.into_iter().filter_map(|t| t.join().unwrap().err()).collect()
+    });
+    let closed = evicted() - before;
+    assert!(
+        failures.is_empty(),
+        "{} of 16 clients failed ({closed} connections closed unanswered): {failures:?}",
+        failures.len()
+    );
+    assert!(closed > 0, "no connection was closed before its hello: the test did not test the retry");
+}
+
 fn tls_config(files: &embank_cli::cert::CertFiles, mutual: bool) -> String {
     let mut c = format!(
         "token = \"s3cret\"\n[tls]\ncert_file = {:?}\nkey_file = {:?}\n",

@@ -250,13 +250,54 @@ impl Client {
         shard.replicas[r].pool.lock().clear();
     }
 
+    /// A new authenticated connection. A server closes connections that have not said
+    /// hello yet when too many from one address (or in all) wait (`pending_per_peer_max`,
+    /// `pending_max`): many trainer processes on one host that connect at once can lose a
+    /// fresh connection that way before its hello is read. A hello answered by a closed
+    /// connection is therefore tried again on a new one, up to 8 times with a pause drawn
+    /// from a range that doubles each time (1-11 ms, ..., at most ~1.3 s) (a hello changes nothing, so trying again is safe); a hello that
+    /// times out is not (the server may hang, and the call has its timeout).
     fn open_conn(&self, shard: &Shard, r: usize) -> Result<Stream> {
+        let mut tries = 0;
+        loop {
+            match self.open_conn_once(shard, r) {
+                Err((e, true)) if tries < HELLO_RETRIES => {
+                    tries += 1;
+                    // Full jitter: clients closed together must not come back together.
+                    let nanos = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.subsec_nanos());
+                    let seed = embank_core::hash::splitmix64(
+                        u64::from(nanos) ^ self.inner.next_id.fetch_add(1, Ordering::Relaxed),
+                    );
+                    let pause = Duration::from_micros(1_000 + seed % (5_000u64 << tries.min(8)));
+                    tracing::debug!(replica = %shard.replica_name(r), tries, error = %e, "hello closed unanswered; connecting again");
+                    std::thread::sleep(pause);
+                }
+                Err((e, _)) => return Err(e),
+                Ok(s) => return Ok(s),
+            }
+        }
+    }
+
+    /// One try of [`open_conn`](Self::open_conn); the flag says the server closed the
+    /// connection before answering the hello.
+    fn open_conn_once(&self, shard: &Shard, r: usize) -> std::result::Result<Stream, (Error, bool)> {
+        let closed = |e: &io::Error| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::BrokenPipe
+            )
+        };
         let opts = &self.inner.opts;
         let ep = &shard.replicas[r];
         let addrs: Vec<SocketAddr> = ep
             .addr
             .to_socket_addrs()
-            .map_err(|e| Error::config(format!("{}: address does not resolve: {e}", shard.replica_name(r))))?
+            .map_err(|e| (Error::config(format!("{}: address does not resolve: {e}", shard.replica_name(r))), false))?
             .collect();
         let mut last = None;
         let mut stream = None;
@@ -273,9 +314,9 @@ impl Client {
             Some(s) => s,
             None => {
                 let e = last.unwrap_or_else(|| io::Error::other("no address"));
-                return Err(Error::new(
-                    ErrorKind::Unavailable,
-                    format!("{} is unreachable: {e}", shard.replica_name(r)),
+                return Err((
+                    Error::new(ErrorKind::Unavailable, format!("{} is unreachable: {e}", shard.replica_name(r))),
+                    false,
                 ));
             }
         };
@@ -288,11 +329,11 @@ impl Client {
             s.set_read_timeout(Some(attempt))?;
             s.set_write_timeout(Some(attempt))
         };
-        setup(&tcp).map_err(|e| shard.unavailable(r, "socket setup failed", &e))?;
+        setup(&tcp).map_err(|e| (shard.unavailable(r, "socket setup failed", &e), false))?;
         let mut s = match &opts.tls {
             Some(tls) => tls.connect(tcp, &ep.addr).map_err(|e| {
                 let hint = if e.to_string().contains("corrupt message") { " (does the server speak TLS?)" } else { "" };
-                shard.unavailable(r, &format!("TLS handshake failed{hint}"), &e)
+                (shard.unavailable(r, &format!("TLS handshake failed{hint}"), &e), closed(&e))
             })?,
             None => Stream::Plain(tcp),
         };
@@ -300,19 +341,23 @@ impl Client {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let h = Header::request(Op::Hello, id, 0, 0, token.len() as u32);
         write_all_vectored(&mut s, &mut [IoSlice::new(&h.encode()), IoSlice::new(token.as_bytes())])
-            .map_err(|e| shard.unavailable(r, "refused the hello", &e))?;
+            .map_err(|e| (shard.unavailable(r, "refused the hello", &e), closed(&e)))?;
         if !s.is_tls() {
             // A TLS server answers clear text with an alert record (content type 21).
             let mut first = [0u8; 1];
             if matches!(s.tcp().peek(&mut first), Ok(1)) && first[0] == 0x15 {
-                return Err(Error::new(
-                    ErrorKind::Unavailable,
-                    format!("{} requires TLS: connect with its CA file (tls_ca_file)", shard.replica_name(r)),
+                return Err((
+                    Error::new(
+                        ErrorKind::Unavailable,
+                        format!("{} requires TLS: connect with its CA file (tls_ca_file)", shard.replica_name(r)),
+                    ),
+                    false,
                 ));
             }
         }
-        let (rh, body) = read_reply(&mut s).map_err(|e| shard.unavailable(r, "did not answer the hello", &e))?;
-        let body = check_reply(shard, r, &h, &rh, body)?;
+        let (rh, body) =
+            read_reply(&mut s).map_err(|e| (shard.unavailable(r, "did not answer the hello", &e), closed(&e)))?;
+        let body = check_reply(shard, r, &h, &rh, body).map_err(|e| (e, false))?;
         if let Ok(info) = serde_json::from_slice::<serde_json::Value>(&body) {
             ep.read_only.store(info["read_only"].as_bool() == Some(true), Ordering::Relaxed);
         }
@@ -758,6 +803,9 @@ fn check_reply(shard: &Shard, r: usize, req: &Header, reply: &Header, body: Vec<
     }
     Ok(body)
 }
+
+/// New connections tried again after a server closed them before answering the hello.
+const HELLO_RETRIES: u32 = 8;
 
 /// Whether a failed attempt may be tried on another replica: the replica was unreachable
 /// or timed out (an error reply is the answer).
