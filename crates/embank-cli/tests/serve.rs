@@ -580,8 +580,8 @@ fn connections_closed_before_their_hello_are_opened_again() {
                     start.wait();
                     // Each round a new client: new connections, each with its hello.
                     for _ in 0..5 {
-                        let c =
-                            Client::connect(&[addr.clone()], ClientOptions::default()).map_err(|e| e.to_string())?;
+                        let c = Client::connect(std::slice::from_ref(&addr), ClientOptions::default())
+                            .map_err(|e| e.to_string())?;
                         let t = c.table("t").map_err(|e| e.to_string())?;
                         let mut out = vec![0f32; 4];
                         t.pull(&[1], &mut out).map_err(|e| e.to_string())?;
