@@ -169,11 +169,23 @@ impl MmapMedium {
     /// Hints the CPU to load a record.
     #[inline(always)]
     pub fn prefetch(&self, ptr: u64) {
+        self.each_line(ptr, crate::prefetch::prefetch_read)
+    }
+
+    /// Hints the CPU to fetch a record's lines for writing.
+    #[inline(always)]
+    fn prefetch_for_write(&self, ptr: u64) {
+        self.each_line(ptr, crate::prefetch::prefetch_write)
+    }
+
+    /// Calls `hint` with the address of each cache line of a record.
+    #[inline(always)]
+    fn each_line(&self, ptr: u64, hint: fn(*const u8)) {
         let p = self.record_ptr(ptr);
         let mut off = 0;
         while off < self.stride() as usize {
             // SAFETY: within the record.
-            crate::prefetch::prefetch_read(unsafe { p.add(off) });
+            hint(unsafe { p.add(off) });
             off += 64;
         }
     }
@@ -211,17 +223,6 @@ impl MmapMedium {
         Ok(())
     }
 
-    /// Hints the CPU to fetch a record's lines for writing.
-    #[inline(always)]
-    fn prefetch_for_write(&self, ptr: u64) {
-        let p = self.record_ptr(ptr);
-        let mut off = 0;
-        while off < self.stride() as usize {
-            // SAFETY: within the record.
-            crate::prefetch::prefetch_write(unsafe { p.add(off) });
-            off += 64;
-        }
-    }
 
     /// Writes every record handed out so far and the header to the file (msync).
     pub fn flush(&self) -> Result<()> {
