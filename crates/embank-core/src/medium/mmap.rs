@@ -223,7 +223,6 @@ impl MmapMedium {
         Ok(())
     }
 
-
     /// Writes every record handed out so far and the header to the file (msync).
     pub fn flush(&self) -> Result<()> {
         let used = (ROWS_HEADER_BYTES as u64 + self.alloc.next_record() * self.stride()).min(self.alloc.file_bytes());
