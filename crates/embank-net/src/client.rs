@@ -254,9 +254,10 @@ impl Client {
     /// hello yet when too many from one address (or in all) wait (`pending_per_peer_max`,
     /// `pending_max`): many trainer processes on one host that connect at once can lose a
     /// fresh connection that way before its hello is read. A hello answered by a closed
-    /// connection is therefore tried again on a new one, up to 8 times with a pause drawn
-    /// from a range that doubles each time (1-11 ms, ..., at most ~1.3 s) (a hello changes nothing, so trying again is safe); a hello that
-    /// times out is not (the server may hang, and the call has its timeout).
+    /// connection is therefore tried again on a new one (a hello changes nothing), up to
+    /// 8 times, each pause drawn from a range that doubles (1-11 ms, ..., 1-1,281 ms). A
+    /// hello that times out is not tried again: the server may hang, and the call has
+    /// its timeout. A server at `max_connections` answers BUSY, which is final.
     fn open_conn(&self, shard: &Shard, r: usize) -> Result<Stream> {
         let mut tries = 0;
         loop {
