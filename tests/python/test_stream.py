@@ -221,6 +221,12 @@ def test_publisher_raises_when_the_broker_stays_down(tmp_path: Path, redis: Redi
             pub.flush(timeout=30)
             redis.kill()
             train(trainer, range(2, 3), rng)
+            # A checkpoint raises once an attempt has failed: wait for the publisher
+            # thread's first one (on a busy machine it may not have run yet).
+            deadline = time.monotonic() + 30
+            while not pub.status()["last_error"]:
+                assert time.monotonic() < deadline, "no publish attempt failed with the broker down"
+                time.sleep(0.01)
             with pytest.raises(PublishError, match="2 checkpoints wait to be published"):
                 train(trainer, range(3, 4), rng)
             assert trainer.checkpoints()[-1] == 3  # the checkpoint itself was taken

@@ -315,6 +315,14 @@ fn publisher_fails_loudly_while_the_broker_is_down_then_catches_up() {
     publisher.flush(Duration::from_secs(30)).unwrap();
     broker.kill();
     checkpoint(&mut rng).unwrap();
+    // A checkpoint fails loudly once an attempt has failed: wait for the publisher
+    // thread's first failed attempt (on a busy machine it may not have run yet, and
+    // checkpoints are quick enough to get ahead of it).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while publisher.status().last_error.is_none() {
+        assert!(std::time::Instant::now() < deadline, "no publish attempt failed with the broker down");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     checkpoint(&mut rng).unwrap();
     let err = checkpoint(&mut rng).unwrap_err();
     let msg = err.to_string();
