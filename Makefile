@@ -34,6 +34,7 @@ test-rust: kafka-jars
 	cargo test -p embank-cli --features baselines --locked --test bench_smoke
 
 test-python: develop kge-data
+	@$(BIN)/python -c 'import shutil, tempfile; t = tempfile.gettempdir(); print(f"pytest: {shutil.disk_usage(t).free / 2**30:.1f} GiB free in {t}")'
 	$(BIN)/pytest -q
 
 # The SIGKILL crash tests at 1,000 kills each (store on both media, the server process,
