@@ -17,7 +17,7 @@ torch runs on 2 threads (``--threads``). Reports examples/s per round, the media
 their ratio. Needs TorchRec and fbgemm-gpu-cpu (``pip install --no-deps torchrec
 fbgemm-gpu-cpu``; only for this comparison)::
 
-    python bench/ebc_vs_torchrec.py [--rounds 7] [--steps 150] [--threads 2]
+    python bench/ebc_vs_torchrec.py [--rounds 7] [--steps 150] [--threads 2] [--ids zipf|dlrm]
 """
 
 from __future__ import annotations
@@ -32,14 +32,28 @@ import embank
 import embank.torch as et
 import numpy as np
 import torch
+from embank.datasets import synthetic_cardinalities
 
 TABLES, DIM, BATCH, ROWS, LR = 26, 16, 512, 100_000, 0.05
 
 
-def batches(n: int, seed: int) -> list[torch.Tensor]:
-    """``n`` batches of (BATCH, TABLES) ids: Zipf 1.2 folded onto ROWS rows per feature."""
+def batches(n: int, seed: int, ids: str = "zipf") -> list[torch.Tensor]:
+    """``n`` batches of (BATCH, TABLES) ids. ``zipf``: Zipf 1.2 folded onto ROWS rows per
+    feature. ``dlrm``: as the DLRM example's synthetic set draws them, a power law of
+    exponent 1.1 over each feature's cardinality (from ROWS down to 10, like Criteo's)."""
     rng = np.random.default_rng(seed)
-    return [torch.from_numpy((rng.zipf(1.2, (BATCH, TABLES)) % ROWS).astype(np.int64)) for _ in range(n)]
+    if ids == "zipf":
+        return [torch.from_numpy((rng.zipf(1.2, (BATCH, TABLES)) % ROWS).astype(np.int64)) for _ in range(n)]
+    cards = synthetic_cardinalities(ROWS)
+    a = 1.0 - 1.1
+    out = []
+    for _ in range(n):
+        cols = []
+        for card in cards:
+            x = ((float(card + 1) ** a - 1.0) * rng.random(BATCH) + 1.0) ** (1.0 / a)
+            cols.append(np.clip(np.floor(x).astype(np.int64) - 1, 0, card - 1))
+        out.append(torch.from_numpy(np.stack(cols, axis=1)))
+    return out
 
 
 class Embank:
@@ -102,9 +116,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds of each (default 7)")
     p.add_argument("--steps", type=int, default=150, help="steps per round (default 150)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument(
+        "--ids",
+        choices=["zipf", "dlrm"],
+        default="zipf",
+        help="zipf: Zipf 1.2 over 100,000 rows per feature (default); dlrm: the DLRM example's "
+        "synthetic draw (power law 1.1 over cardinalities from 100,000 down to 10)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    data = batches(50, seed=0)
+    data = batches(50, seed=0, ids=args.ids)
     proj = torch.randn(BATCH, TABLES, DIM, generator=torch.Generator().manual_seed(1))
     emb = Embank(os.path.join(tempfile.mkdtemp(), "s"))
     sides: dict[str, Embank | TorchRec] = {"embank": emb, "torchrec": TorchRec()}
