@@ -54,6 +54,11 @@ pub trait TableApi: Send + Sync {
     fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()>;
     fn delete(&self, keys: &[u64]) -> Result<u64>;
     fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()>;
+    /// `push_grad` of keys the caller knows are distinct (a fused collection's
+    /// backward). The default is `push_grad`; an embedded table skips summing duplicates.
+    fn push_grad_distinct(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        self.push_grad(keys, grads)
+    }
     fn pull_held(&self, worker: u64, keys: &[u64], out: &mut [f32], timeout: Duration) -> Result<()>;
     fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()>;
     fn release(&self, worker: u64) -> Result<u64>;
@@ -184,6 +189,9 @@ impl TableApi for Table {
     }
     fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
         Table::push_grad(self, keys, grads)
+    }
+    fn push_grad_distinct(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        Table::push_grad_distinct(self, keys, grads)
     }
     fn pull_held(&self, worker: u64, keys: &[u64], out: &mut [f32], timeout: Duration) -> Result<()> {
         Table::pull_held(self, worker, keys, out, timeout)

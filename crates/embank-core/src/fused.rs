@@ -294,7 +294,7 @@ impl Collection {
                 grad.len()
             )));
         }
-        if let Some(i) = grad.iter().position(|x| !x.is_finite()) {
+        if let Some(i) = crate::optim::first_non_finite(grad) {
             return Err(Error::invalid(format!(
                 "the gradient holds a non-finite value ({}) at element {i}; nothing was pushed",
                 grad[i]
@@ -352,7 +352,8 @@ impl Collection {
             }
             match ct.worker {
                 Some(w) => ct.table.push_grad_held(w, keys, g),
-                None => ct.table.push_grad(keys, g),
+                // The backward's keys are each table's distinct rows.
+                None => ct.table.push_grad_distinct(keys, g),
             }
             .map_err(|e| e.context(format!("push_grad of table {:?}", ct.table.name())))?;
             Ok(keys.len())

@@ -126,10 +126,12 @@ impl Optimizer {
                 }
             }
             Optimizer::Adagrad { lr, eps, .. } => {
+                // Zipped (no index bounds checks), so the loop vectorizes; the same
+                // operations in the same order as the scalar form, so the same bits.
                 let (w, s) = record.split_at_mut(dim);
-                for i in 0..dim {
-                    s[i] += g[i] * g[i];
-                    w[i] -= lr * g[i] / (s[i].sqrt() + eps);
+                for ((w, s), &g) in w.iter_mut().zip(&mut s[..dim]).zip(g) {
+                    *s += g * g;
+                    *w -= lr * g / (s.sqrt() + eps);
                 }
             }
             Optimizer::Adam { lr, beta1, beta2, eps } => {
@@ -140,16 +142,30 @@ impl Optimizer {
                 let step = t[0];
                 let bc1 = 1.0 - beta1.powf(step);
                 let bc2 = 1.0 - beta2.powf(step);
-                for i in 0..dim {
-                    m[i] = beta1 * m[i] + (1.0 - beta1) * g[i];
-                    v[i] = beta2 * v[i] + (1.0 - beta2) * g[i] * g[i];
-                    let mhat = m[i] / bc1;
-                    let vhat = v[i] / bc2;
-                    w[i] -= lr * mhat / (vhat.sqrt() + eps);
+                for (((w, m), v), &g) in w.iter_mut().zip(&mut m[..dim]).zip(&mut v[..dim]).zip(g) {
+                    *m = beta1 * *m + (1.0 - beta1) * g;
+                    *v = beta2 * *v + (1.0 - beta2) * g * g;
+                    let mhat = *m / bc1;
+                    let vhat = *v / bc2;
+                    *w -= lr * mhat / (vhat.sqrt() + eps);
                 }
             }
         }
     }
+}
+
+/// The position of the first value of `xs` that is not finite (NaN or ±inf).
+///
+/// The common answer is None over a large batch (every gradient and updated record of
+/// a push is checked), so the scan tests blocks with a branch-free fold that the
+/// compiler vectorizes and looks inside a block only when it holds one.
+pub fn first_non_finite(xs: &[f32]) -> Option<usize> {
+    const BLOCK: usize = 256;
+    // Not finite: every exponent bit set.
+    let bad = |x: &f32| (x.to_bits() & 0x7f80_0000 == 0x7f80_0000) as u32;
+    xs.chunks(BLOCK)
+        .position(|c| c.iter().fold(0u32, |acc, x| acc | bad(x)) != 0)
+        .map(|b| b * BLOCK + xs[b * BLOCK..].iter().position(|x| bad(x) != 0).expect("the block holds one"))
 }
 
 /// Sums the gradients of duplicate keys: returns the unique keys (first-seen order)
@@ -179,6 +195,21 @@ pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> (Vec<u64>, Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn first_non_finite_finds_the_first() {
+        assert_eq!(first_non_finite(&[]), None);
+        assert_eq!(first_non_finite(&vec![1.5f32; 1000]), None);
+        for (at, bad) in [(0, f32::NAN), (255, f32::INFINITY), (256, f32::NEG_INFINITY), (999, f32::NAN)] {
+            let mut xs = vec![-2.0f32; 1000];
+            xs[at] = bad;
+            // Later ones are not the answer.
+            xs.iter_mut().skip(at + 300).for_each(|x| *x = f32::NAN);
+            assert_eq!(first_non_finite(&xs), Some(at), "{bad} at {at}");
+        }
+        // Large finite values, subnormals and negative zero are finite.
+        assert_eq!(first_non_finite(&[f32::MAX, f32::MIN, f32::MIN_POSITIVE / 2.0, -0.0]), None);
+    }
 
     #[test]
     fn adagrad_by_hand() {

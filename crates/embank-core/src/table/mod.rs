@@ -235,7 +235,7 @@ impl Table {
     /// Writes rows (insert or replace). With duplicate keys the last row wins.
     pub fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
         self.check_rows("push", keys.len(), rows.len())?;
-        if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
+        if let Some(i) = crate::optim::first_non_finite(rows) {
             return Err(Error::invalid(format!(
                 "push: row of key {} holds a non-finite value ({}); nothing was written",
                 keys[i / self.dim()],
@@ -278,11 +278,25 @@ impl Table {
     /// each row gets one update per call. Missing rows are created with the
     /// initializer, then updated. Non-finite gradients are refused with nothing written.
     pub fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        self.push_grad_with(keys, grads, false)
+    }
+
+    /// [`push_grad`](Self::push_grad) of keys the caller knows are distinct (a fused
+    /// collection's backward deduplicates them): no pass to sum duplicates.
+    pub fn push_grad_distinct(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        strict_assert!(
+            keys.iter().collect::<std::collections::HashSet<_>>().len() == keys.len(),
+            "push_grad_distinct of keys with duplicates"
+        );
+        self.push_grad_with(keys, grads, true)
+    }
+
+    fn push_grad_with(&self, keys: &[u64], grads: &[f32], distinct: bool) -> Result<()> {
         // Read, update and write as one step for checkpoints.
         let _gate = self.shared.runtime.gate.batch();
         self.check_rows("push_grad", keys.len(), grads.len())?;
         let d = self.dim();
-        if let Some(i) = grads.iter().position(|x| !x.is_finite()) {
+        if let Some(i) = crate::optim::first_non_finite(grads) {
             return Err(Error::invalid(format!(
                 "push_grad: gradient of key {} holds a non-finite value ({}); nothing was written",
                 keys[i / d],
@@ -306,9 +320,16 @@ impl Table {
                 self.shared.name
             )));
         }
-        let (uniq, sums) = sum_duplicates(keys, grads, d);
+        let summed;
+        let (uniq, sums) = if distinct {
+            (keys, grads)
+        } else {
+            summed = sum_duplicates(keys, grads, d);
+            (&summed.0[..], &summed.1[..])
+        };
         let _one = self.shared.grad_lock.lock();
-        let Some(life) = &self.shared.lifecycle else { return self.apply_grads(&uniq, &sums, opt) };
+        let Some(life) = &self.shared.lifecycle else { return self.apply_grads(uniq, sums, opt) };
+        let (uniq, sums) = (uniq.to_vec(), sums.to_vec());
         let (uniq, sums) = self.grads_lifecycle(life, uniq, sums)?;
         self.apply_grads(&uniq, &sums, opt)?;
         // A step ends: its rows are touched at the new step (TTL ages count from it).
@@ -325,7 +346,7 @@ impl Table {
         for (rec, g) in records.chunks_exact_mut(w).zip(sums.chunks_exact(d)) {
             opt.apply(rec, g);
         }
-        if let Some(i) = records.iter().position(|x| !x.is_finite()) {
+        if let Some(i) = crate::optim::first_non_finite(&records) {
             return Err(Error::invalid(format!(
                 "push_grad: the update of key {} is not finite (learning rate too large?); nothing was written",
                 uniq[i / w]

@@ -93,7 +93,7 @@ pub fn check_bags(ids: &[u64], offsets: &[usize], weights: Option<&[f32]>, mode:
         if w.len() != ids.len() {
             return bad(format!("{} weights for {} ids", w.len(), ids.len()));
         }
-        if let Some(i) = w.iter().position(|x| !x.is_finite()) {
+        if let Some(i) = crate::optim::first_non_finite(w) {
             return bad(format!("weight {i} is not finite ({})", w[i]));
         }
     }
