@@ -242,12 +242,12 @@ impl BlockMedium {
             let mut buf = cell.borrow_mut();
             buf.reserve(items.len() * stride);
             let bytes = buf.as_mut_slice();
-            for (i, &o) in order.iter().enumerate() {
+            let recs = bytes[..order.len() * stride].chunks_exact_mut(stride);
+            self.codec.encode_each(recs.zip(&order).map(|(rec, &o)| {
                 let (key, _, record) = items[o as usize];
-                let rec = &mut bytes[i * stride..(i + 1) * stride];
-                self.codec.encode(rec, key, record);
                 rec[self.codec.record_bytes()..].fill(0);
-            }
+                (rec, key, record)
+            }));
             let ptrs: Vec<u64> = order.iter().map(|&i| items[i as usize].1).collect();
             let reqs = merged_requests(&ptrs, stride, buf.as_mut_ptr());
             self.io.submit(self.file.as_raw_fd(), Dir::Write, &reqs).map_err(|e| e.context(self.where_()))

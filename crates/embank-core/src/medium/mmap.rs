@@ -41,7 +41,7 @@ unsafe impl Send for MmapMedium {}
 unsafe impl Sync for MmapMedium {}
 
 /// How many records ahead [`MmapMedium::write`] prefetches the one it will write.
-const WRITE_PREFETCH_AHEAD: usize = 4;
+const WRITE_PREFETCH_AHEAD: usize = 8;
 
 impl MmapMedium {
     pub fn create(path: &Path, layout: RecordLayout) -> Result<MmapMedium> {
@@ -212,14 +212,17 @@ impl MmapMedium {
 
     /// Writes unpublished records `(key, ptr, record)`.
     pub fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
-        for (i, &(key, ptr, record)) in items.iter().enumerate() {
+        let bytes = self.codec.record_bytes();
+        self.codec.encode_each(items.iter().enumerate().map(|(i, &(key, ptr, record))| {
             // Fresh records are often cold (a free one long unused): ask for the lines of
             // a record a few ahead, so the misses overlap instead of stalling each copy.
             if let Some(&(_, ahead, _)) = items.get(i + WRITE_PREFETCH_AHEAD) {
                 self.prefetch_for_write(ahead);
             }
-            self.write_row(ptr, key, record);
-        }
+            // SAFETY: the record is ours alone until published (the allocator handed it
+            // out once, so the batch's records are distinct); it holds header and payload.
+            (unsafe { std::slice::from_raw_parts_mut(self.record_ptr(ptr), bytes) }, key, record)
+        }));
         Ok(())
     }
 
