@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # DLRM training throughput, --preload (training only, parsing excluded), 3 rounds of
-# alternating runs: embank's fused collection (tables in DRAM, and on the block medium
+# alternating runs: embank's fused collection (tables in DRAM; with every row created
+# before training, as TorchRec's and nn.EmbeddingBag's are: fused-mat; on the block medium
 # with a row cache of 10 % of the tables' bytes; and checkpointing every 100 batches:
 # ONLY="fused fused-ckpt100"), the per-table modules, torch's
 # nn.EmbeddingBag (--baseline) and, when torchrec is installed, TorchRec's
@@ -21,6 +22,7 @@ rm -rf "$WORK" && mkdir -p "$WORK/data"
 $PY examples/dlrm/train.py --synthetic "$N" --work "$WORK/data" --epochs 0 --quiet >/dev/null
 declare -A RUNS=(
   [fused]=""
+  [fused-mat]="--materialize"
   [fused-block10]="--medium block --cache-fraction 0.1"
   [per-table]="--per-table"
   [fused-ckpt100]="--checkpoint-every 100"

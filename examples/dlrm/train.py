@@ -217,6 +217,25 @@ def init_rows(store: embank.Store, dim: int, keys: np.ndarray, args: argparse.Na
     return torch.from_numpy(rows)
 
 
+def materialize(tables: list[embank.Table], batches: Iterator[ds.Batch], quiet: bool) -> None:
+    """Creates every row ``batches`` touch (feature ``j``'s ids in ``tables[j]``) with a
+    pull, which creates missing rows with the table's initializer: the rows the training
+    steps' own first pulls would create, so the run's results do not change."""
+    t0 = time.perf_counter()
+    ids: list[list[np.ndarray]] = [[] for _ in tables]
+    for b in batches:
+        for j in range(len(tables)):
+            ids[j].append(b.sparse[:, j])
+    rows = 0
+    for t, parts in zip(tables, ids):
+        keys = np.unique(np.concatenate(parts)).astype(np.uint64)
+        for lo in range(0, len(keys), 1 << 16):
+            t.pull(keys[lo : lo + (1 << 16)])
+        rows += len(keys)
+    if not quiet:
+        print(f"materialized {rows:,} rows in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+
+
 def atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
@@ -329,6 +348,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="do not read the next batch's rows ahead of its step (on by default with --medium block)",
     )
+    st.add_argument(
+        "--materialize",
+        action="store_true",
+        help="create every row the training set touches before training starts, as TorchRec and "
+        "nn.EmbeddingBag allocate theirs up front (the rows a first pull would create: same results); "
+        "by default embank creates a row at its first pull, inside the timed steps",
+    )
     st.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N batches (0: never)")
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work")
     st.add_argument("--metrics-out", type=Path, default=None, help="write the final metrics here as JSON")
@@ -339,6 +365,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="parse the training files into memory first: examples/s then times training only",
     )
     args = p.parse_args(argv)
+    if args.materialize and (args.torchrec or args.baseline):
+        p.error("--materialize applies to embank tables (--torchrec, --baseline allocate every row up front)")
     if args.torchrec:
         if args.checkpoint_every or args.resume:
             p.error("--torchrec is for comparison runs: no --checkpoint-every or --resume")
@@ -630,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
             return iter(preloaded[skip:])
         return parsed(files, skip)
 
+    if args.materialize and tables and state is None:
+        materialize(tables, batches(train_files), quiet=args.quiet)
     loss_fn = nn.BCEWithLogitsLoss()
     history: list[dict[str, Any]] = []
     batch_no, examples = start_batch, 0
