@@ -77,6 +77,10 @@ def test_baseline_learns_the_same_data(tmp_path: Path) -> None:
     # Same model, same start, same data: apart from float rounding the same training
     # (docs/BENCHMARKS.md has the runs at a size where AUCs are measured precisely).
     assert abs(base["auc"] - ours["auc"]) < 0.02, (ours, base)
+    # Rows created up front (--materialize, as the baseline's are) are the ones the
+    # steps' first pulls create: the same run, to the bit.
+    made = run(tmp_path / "m", "--materialize")
+    assert (made["auc"], made["logloss"]) == (ours["auc"], ours["logloss"]), (made, ours)
 
 
 def test_served_as_f16_and_int8_keeps_the_auc_of_f32_serving(tmp_path: Path) -> None:
