@@ -157,19 +157,18 @@ unsafe fn crcs4_sse42(keys: [u64; 4], payloads: [&[u8]; 4]) -> [u32; 4] {
     use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
     // CRC-32C as the crc32c crate computes it: state !0, the bytes, then inverted.
     let mut c = keys.map(|k| _mm_crc32_u64(u64::from(u32::MAX), k));
-    let words = payloads.map(|p| p.chunks_exact(8));
-    let [w0, w1, w2, w3] = words;
-    for (((a, b), d), e) in w0.clone().zip(w1.clone()).zip(w2.clone()).zip(w3.clone()) {
-        let le = |x: &[u8]| u64::from_le_bytes(x.try_into().expect("8 bytes"));
+    let [w0, w1, w2, w3] = payloads.map(|p| p.chunks_exact(8));
+    let tails = [w0.remainder(), w1.remainder(), w2.remainder(), w3.remainder()];
+    let le = |x: &[u8]| u64::from_le_bytes(x.try_into().expect("8 bytes"));
+    for (((a, b), d), e) in w0.zip(w1).zip(w2).zip(w3) {
         c[0] = _mm_crc32_u64(c[0], le(a));
         c[1] = _mm_crc32_u64(c[1], le(b));
         c[2] = _mm_crc32_u64(c[2], le(d));
         c[3] = _mm_crc32_u64(c[3], le(e));
     }
-    let tails = [w0.remainder(), w1.remainder(), w2.remainder(), w3.remainder()];
-    for j in 0..4 {
-        for &byte in tails[j] {
-            c[j] = u64::from(_mm_crc32_u8(c[j] as u32, byte));
+    for (c, tail) in c.iter_mut().zip(tails) {
+        for &byte in tail {
+            *c = u64::from(_mm_crc32_u8(*c as u32, byte));
         }
     }
     c.map(|x| !(x as u32))

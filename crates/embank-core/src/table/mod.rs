@@ -320,17 +320,16 @@ impl Table {
                 self.shared.name
             )));
         }
-        let summed;
-        let (uniq, sums) = if distinct {
-            (keys, grads)
+        use std::borrow::Cow;
+        let (uniq, sums): (Cow<'_, [u64]>, Cow<'_, [f32]>) = if distinct {
+            (Cow::Borrowed(keys), Cow::Borrowed(grads))
         } else {
-            summed = sum_duplicates(keys, grads, d);
-            (&summed.0[..], &summed.1[..])
+            let (u, s) = sum_duplicates(keys, grads, d);
+            (Cow::Owned(u), Cow::Owned(s))
         };
         let _one = self.shared.grad_lock.lock();
-        let Some(life) = &self.shared.lifecycle else { return self.apply_grads(uniq, sums, opt) };
-        let (uniq, sums) = (uniq.to_vec(), sums.to_vec());
-        let (uniq, sums) = self.grads_lifecycle(life, uniq, sums)?;
+        let Some(life) = &self.shared.lifecycle else { return self.apply_grads(&uniq, &sums, opt) };
+        let (uniq, sums) = self.grads_lifecycle(life, uniq.into_owned(), sums.into_owned())?;
         self.apply_grads(&uniq, &sums, opt)?;
         // A step ends: its rows are touched at the new step (TTL ages count from it).
         life.step();
