@@ -1,6 +1,7 @@
 //! Admission and eviction against a model of the policy: a `BTreeMap` of rows, the
 //! candidate counts and the last touch of every row, driven by the same random
-//! pulls, lookups, pushes, gradient pushes, deletes, TTL sweeps and reopens, on the
+//! pulls, lookups, pushes, gradient pushes (`push_grad`, and `push_grad_distinct` for
+//! batches of distinct keys), deletes, TTL sweeps and reopens, on the
 //! mmap medium and on the block medium under the row cache. After every operation
 //! the table (export, counters) must equal the model exactly.
 
@@ -271,7 +272,12 @@ fn run(o: LifecycleOptions, medium: MediumKind, seed: u64, ops: usize) {
             }
             55..=89 => {
                 let grads: Vec<f32> = (0..n * DIM).map(|_| (rng.next() % 5) as f32 - 2.0).collect();
-                t.push_grad(&keys, &grads).unwrap();
+                // Distinct keys take the fused collection's entry half the time.
+                if keys.iter().collect::<HashSet<_>>().len() == n && rng.next().is_multiple_of(2) {
+                    t.push_grad_distinct(&keys, &grads).unwrap();
+                } else {
+                    t.push_grad(&keys, &grads).unwrap();
+                }
                 m.push_grad(&keys, &grads);
                 // The TTL sweep right away (the maintenance thread would find the same rows).
                 t.evict_expired().unwrap();

@@ -1,4 +1,5 @@
-//! `push_grad` against an independent reference: f64 formulas applied to a
+//! `push_grad` (and `push_grad_distinct`, for batches of distinct keys) against an
+//! independent reference: f64 formulas applied to a
 //! `HashMap` of rows and optimizer state, with duplicate keys in batches,
 //! pulls, plain pushes (which restart a row's state), a learning-rate change,
 //! flush and close/reopen (state persists with the row), on every medium.
@@ -108,7 +109,13 @@ fn check(opt: Optimizer, medium: MediumKind, ops: &[Op]) -> Result<(), TestCaseE
     for (n, op) in ops.iter().enumerate() {
         match op {
             Op::Grad(keys, grads) => {
-                table(&store).push_grad(keys, grads).unwrap();
+                // Distinct keys take the fused collection's entry every other op.
+                let distinct = keys.iter().collect::<std::collections::HashSet<_>>().len() == keys.len();
+                if distinct && n % 2 == 1 {
+                    table(&store).push_grad_distinct(keys, grads).unwrap();
+                } else {
+                    table(&store).push_grad(keys, grads).unwrap();
+                }
                 let mut summed: Vec<(u64, Vec<f64>)> = Vec::new();
                 for (i, k) in keys.iter().enumerate() {
                     let g: Vec<f64> = grads[i * DIM..(i + 1) * DIM].iter().map(|&x| x as f64).collect();
