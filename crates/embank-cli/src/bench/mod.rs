@@ -6,6 +6,7 @@ pub mod bags;
 pub mod baselines;
 pub mod engines;
 pub mod limits;
+pub mod pattern;
 pub mod plot;
 
 use std::path::PathBuf;
@@ -160,8 +161,9 @@ pub struct BenchArgs {
     /// measures the read-optimised setting of a read-only, resident table.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub mmap_random_access: bool,
-    /// Skip measuring the copy bandwidth and the index-free gather (the gather allocates
-    /// a flat array of all rows: skip it in a memory-limited run).
+    /// Skip measuring the physical limits: the copy bandwidth, the index-free gather (it
+    /// allocates a flat array of all rows: skip it in a memory-limited run), the device's
+    /// I/O rates and the checkpoint pattern.
     #[arg(long)]
     pub skip_limits: bool,
     /// Running `embank serve` shards (`tcp://host:port[,host:port...]`): adds the
@@ -170,7 +172,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub target: Option<String>,
     /// Thread 0 takes a batch-aware checkpoint after every N of its batches (embank
-    /// engines; its time counts in that batch). 0: never.
+    /// engines; its time counts in that batch). 0: never. With `--workload train` the
+    /// limits then include the workload's memory pattern without a store, with and
+    /// without keeping the old rows: the most any store can keep of its speed here.
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: usize,
     /// Token of the `--target` servers (default: $EMBANK_TOKEN).
@@ -259,6 +263,9 @@ pub struct Report {
     /// The device's random read and mixed read/write rates at the block medium's record
     /// size (measured when a block-medium engine runs).
     pub device: Option<limits::DeviceLimits>,
+    /// `train` with `--checkpoint-every`: the workload's memory pattern without a store,
+    /// without checkpoints and with the old rows kept two ways (`bench::pattern`).
+    pub checkpoint_pattern: Option<pattern::CheckpointPattern>,
     pub engines: Vec<EngineResult>,
 }
 
@@ -575,6 +582,13 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         Some(d)
     };
 
+    // What keeping a checkpoint's old rows costs on this access pattern, whoever keeps them.
+    let checkpoint_pattern = if args.skip_limits || args.workload != Workload::Train || args.checkpoint_every == 0 {
+        None
+    } else {
+        checkpoint_floor(&args, threads, &streams)
+    };
+
     let mut results = Vec::new();
     for name in &args.engines {
         let rss0 = rss_bytes();
@@ -672,6 +686,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         copy_bound_keys_per_second: copy_bound,
         gather_keys_per_second: gather,
         device,
+        checkpoint_pattern,
         engines: results,
     };
     print_table(&report);
@@ -686,6 +701,55 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Measures [`pattern::checkpoint_pattern`] for the bench's streams at embank's f32
+/// record stride, when it fits in half of the memory available.
+fn checkpoint_floor(args: &BenchArgs, threads: usize, streams: &Streams) -> Option<pattern::CheckpointPattern> {
+    let dim = args.dim as usize;
+    let stride = embank_core::format::record_stride(args.dtype.row_bytes(dim), args.dtype) as usize;
+    let need = pattern::bytes_needed(args.keys, stride, args.checkpoint_every, args.batch, threads);
+    let available = mem_available_bytes().unwrap_or(u64::MAX);
+    if need > available / 2 {
+        println!(
+            "limits: checkpoint pattern skipped: it needs {} and {} of memory is available",
+            human_bytes(need),
+            human_bytes(available)
+        );
+        return None;
+    }
+    let Some(p) = pattern::checkpoint_pattern(
+        args.keys,
+        stride,
+        &streams.batches,
+        args.batch,
+        args.checkpoint_every,
+        1.0,
+        args.duration.min(3.0),
+    ) else {
+        println!("limits: checkpoint pattern skipped: too many records for it, or a thread ran out of spare records");
+        return None;
+    };
+    println!(
+        "limits: the train pattern without a store ({} B records, a checkpoint every {} batches): {:.2} M keys/s without \
+         checkpoints; old records held {:.2} M ({:.2}x), old rows copied to an undo log {:.2} M ({:.2}x); {:.0} % of writes first changes",
+        p.record_bytes,
+        p.every,
+        p.none_keys_per_second / 1e6,
+        p.held_keys_per_second / 1e6,
+        p.held_keys_per_second / p.none_keys_per_second,
+        p.copied_keys_per_second / 1e6,
+        p.copied_keys_per_second / p.none_keys_per_second,
+        p.first_change_fraction * 100.0
+    );
+    Some(p)
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes.
+fn mem_available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
 }
 
 fn print_table(r: &Report) {
@@ -733,5 +797,23 @@ fn print_table(r: &Report) {
         .collect();
     if !home.is_empty() {
         println!("lookups answered from their home index bucket: {}", home.join(", "));
+    }
+    if let Some(p) = &r.checkpoint_pattern {
+        println!(
+            "checkpoint floor: keeping the old rows runs this pattern at {:.2}x of its speed without checkpoints \
+             (held {:.2}x, copied {:.2}x): the most a store checkpointing every {} batches can keep of its own",
+            p.best_ratio(),
+            p.held_keys_per_second / p.none_keys_per_second,
+            p.copied_keys_per_second / p.none_keys_per_second,
+            p.every
+        );
+        for e in r.engines.iter().filter(|e| e.skipped.is_none() && e.engine.starts_with("embank")) {
+            println!(
+                "{:<18} with checkpoints: {:.2} of the pattern holding old records, {:.2} of it without checkpoints",
+                e.engine,
+                e.keys_per_second / p.held_keys_per_second,
+                e.keys_per_second / p.none_keys_per_second
+            );
+        }
     }
 }
