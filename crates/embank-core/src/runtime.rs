@@ -7,7 +7,7 @@
 //! implements: this module does not import the table.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -214,23 +214,34 @@ impl Drop for Runtime {
 fn maintenance(tier: Weak<Runtime>, rx: Receiver<Job>) {
     let mut last_sweep = std::time::Instant::now();
     loop {
-        match rx.recv_timeout(TICK) {
-            Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => return,
-            Ok(Job::Housekeep(table, dropped, old)) => {
-                drop(old);
-                if let Some(table) = table.upgrade() {
-                    table.housekeep(&dropped);
-                }
-            }
-            Ok(Job::Lookahead(table, keys)) => {
-                if let Some(table) = table.upgrade() {
-                    let name = table.name();
-                    if let Err(e) = table.warm(&keys) {
-                        tracing::debug!(table = name, error = %e, "lookahead failed");
+        let mut next = rx.recv_timeout(TICK);
+        // Every queued job before the next write-back round: a lookahead is a step's rows
+        // wanted soon, and one that waits behind write-backs arrives after the step has
+        // read them itself (writers write back past their own high-water mark meanwhile).
+        loop {
+            match next {
+                Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+                Ok(Job::Housekeep(table, dropped, old)) => {
+                    drop(old);
+                    if let Some(table) = table.upgrade() {
+                        table.housekeep(&dropped);
                     }
                 }
+                Ok(Job::Lookahead(table, keys)) => {
+                    if let Some(table) = table.upgrade() {
+                        let name = table.name();
+                        if let Err(e) = table.warm(&keys) {
+                            tracing::debug!(table = name, error = %e, "lookahead failed");
+                        }
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => break,
             }
-            Err(RecvTimeoutError::Timeout) => {}
+            next = match rx.try_recv() {
+                Ok(job) => Ok(job),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return,
+            };
         }
         let Some(tier) = tier.upgrade() else { return };
         tier.write_back_round();
