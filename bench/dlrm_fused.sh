@@ -48,6 +48,8 @@ name, r, path = sys.argv[1:]
 m = json.load(open(path))
 hit = m.get("cache_hit_rate")
 extra = f" hit {hit:.3f} medium reads {m.get('medium_rows_read', 0) / m['seconds']:,.0f}/s" if hit else ""
+if hit and "device_writes" in m:
+    extra += f" device {m['device_reads'] / m['seconds']:,.0f} reads/s + {m['device_writes'] / m['seconds']:,.0f} writes/s"
 print(f"{name:14s} round {r}: {m['examples_per_s']:9,.0f} ex/s  auc {m['auc']:.4f}  {m['seconds']:.1f} s{extra}")
 EOF
     find "$w" -name store -maxdepth 1 -exec rm -rf {} +

@@ -14,7 +14,8 @@ Against a measured run (`--medium block --cache-fraction F`), this says how far 
 better eviction policy could take the block medium at that size: misses cannot fall
 below MIN's.
 
-    .venv/bin/python bench/hit_ceiling.py W/synthetic-400000-100000-0-train.tsv [--batch 512] [--fractions 0.05,0.1,0.2]
+    .venv/bin/python bench/hit_ceiling.py W/synthetic-400000-100000-0-train.tsv \
+        [--batch 512] [--fractions 0.05,0.1,0.2]
 """
 
 import argparse
@@ -70,7 +71,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("train", help="Criteo-format training file")
     ap.add_argument("--batch", type=int, default=512, help="lines per step (the example's --batch-size)")
-    ap.add_argument("--fractions", default="0.05,0.1,0.2", help="cache sizes as fractions of the distinct rows")
+    ap.add_argument(
+        "--fractions", default="0.05,0.1,0.2", help="cache sizes as fractions of the distinct rows"
+    )
     args = ap.parse_args()
     steps = batches(args.train, args.batch)
     ids: dict[tuple[int, str], int] = {}
@@ -87,7 +90,8 @@ def main() -> None:
         best = belady_hits(seq, capacity) / reads
         print(
             f"cache of {fraction:.0%} ({capacity:,} rows): most read rows fixed {fixed:.1%} hits, "
-            f"Belady's MIN {best:.1%} hits, {(1 - best) * reads / len(steps):,.0f} device reads a step at best"
+            f"Belady's MIN {best:.1%} hits, "
+            f"{(1 - best) * reads / len(steps):,.0f} device reads a step at best"
         )
 
 

@@ -750,6 +750,9 @@ def main(argv: list[str] | None = None) -> int:
         result["cache_hits"], result["cache_misses"] = hits, misses
         result["lookahead_rows"] = sum(t["lookahead_rows"] for t in st["tables"])
         result["medium_rows_read"] = sum(t["medium_rows_read"] for t in st["tables"])
+        if st["cache"]:
+            result["rows_written_back"] = st["cache"]["rows_written_back"]
+        result["device_reads"], result["device_writes"] = st["io"]["reads"], st["io"]["writes"]
     if remote:
         result["rows"] = store.stats()["rows"]
         result["shards"] = len(store.served())
