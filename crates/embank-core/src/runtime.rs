@@ -252,3 +252,78 @@ fn maintenance(tier: Weak<Runtime>, rx: Receiver<Job>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::RecordLayout;
+
+    /// A table that records what the maintenance thread asks of it.
+    struct Recorder {
+        events: Mutex<Vec<&'static str>>,
+        first_warm: std::sync::atomic::AtomicBool,
+    }
+
+    impl Maintained for Recorder {
+        fn name(&self) -> String {
+            "recorder".into()
+        }
+        fn write_back(self: Arc<Self>, _max: usize) -> Result<usize> {
+            self.events.lock().push("write-back");
+            Ok(0)
+        }
+        fn has_ttl(&self) -> bool {
+            false
+        }
+        fn evict_expired(self: Arc<Self>) -> Result<u64> {
+            Ok(0)
+        }
+        fn hot_round(self: Arc<Self>, _opts: &crate::hot::HotOptions) -> Result<bool> {
+            Ok(false)
+        }
+        fn warm(self: Arc<Self>, _keys: &[u64]) -> Result<()> {
+            // The first lookahead takes a while, so the next ones queue behind it.
+            if self.first_warm.swap(false, Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            self.events.lock().push("lookahead");
+            Ok(())
+        }
+        fn housekeep(self: Arc<Self>, _dropped: &[u64]) {}
+    }
+
+    #[test]
+    fn queued_lookaheads_go_before_the_next_write_back_round() {
+        // Dirty rows over the maintenance thread's target, so every round writes back.
+        let layout = RecordLayout::new(16, 0, crate::format::DType::F32);
+        let cache = Arc::new(RowCache::new(64 << 10));
+        let row = vec![1.0f32; 16];
+        for k in 0..200 {
+            cache.lock(cache.hash(1, k)).insert(1, k, &layout, &row, true, false);
+        }
+        assert!(cache.dirty_bytes() > cache.dirty_target());
+        let io = crate::io::engine(crate::io::IoChoice::Pread, 4).unwrap();
+        let rt = Runtime::new(Some(cache), None, None, io, false);
+        let recorder =
+            Arc::new(Recorder { events: Mutex::new(Vec::new()), first_warm: std::sync::atomic::AtomicBool::new(true) });
+        let table: Arc<dyn Maintained> = recorder.clone();
+        rt.register(Arc::downgrade(&table));
+        for _ in 0..3 {
+            assert!(rt.lookahead(Arc::downgrade(&table), vec![1, 2, 3]));
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while recorder.events.lock().iter().filter(|e| **e == "lookahead").count() < 3 {
+            assert!(std::time::Instant::now() < deadline, "lookaheads not served: {:?}", recorder.events.lock());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        rt.stop();
+        let seen = recorder.events.lock().clone();
+        // (A write-back round of an idle tick may come before the first lookahead.)
+        let from = seen.iter().position(|e| *e == "lookahead").unwrap();
+        assert_eq!(
+            seen[from..from + 3],
+            ["lookahead"; 3],
+            "the queued lookaheads one after the other, no write-back round between: {seen:?}"
+        );
+    }
+}
