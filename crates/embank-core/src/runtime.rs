@@ -214,12 +214,21 @@ impl Drop for Runtime {
 fn maintenance(tier: Weak<Runtime>, rx: Receiver<Job>) {
     let mut last_sweep = std::time::Instant::now();
     loop {
-        let mut next = rx.recv_timeout(TICK);
-        // Every queued job before the next write-back round: a lookahead is a step's rows
+        let mut next = Some(rx.recv_timeout(TICK));
+        // The queued jobs before the next write-back round: a lookahead is a step's rows
         // wanted soon, and one that waits behind write-backs arrives after the step has
         // read them itself (writers write back past their own high-water mark meanwhile).
-        loop {
-            match next {
+        // At most a queue's worth, so a steady stream of requests cannot starve the rounds.
+        for _ in 0..LOOKAHEAD_QUEUE {
+            let job = match next.take() {
+                Some(first) => first,
+                None => match rx.try_recv() {
+                    Ok(job) => Ok(job),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => return,
+                },
+            };
+            match job {
                 Ok(Job::Stop) | Err(RecvTimeoutError::Disconnected) => return,
                 Ok(Job::Housekeep(table, dropped, old)) => {
                     drop(old);
@@ -237,11 +246,6 @@ fn maintenance(tier: Weak<Runtime>, rx: Receiver<Job>) {
                 }
                 Err(RecvTimeoutError::Timeout) => break,
             }
-            next = match rx.try_recv() {
-                Ok(job) => Ok(job),
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => return,
-            };
         }
         let Some(tier) = tier.upgrade() else { return };
         tier.write_back_round();

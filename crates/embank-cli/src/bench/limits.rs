@@ -44,11 +44,7 @@ pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds
                         let ks = &stream[(i % n) * batch..(i % n + 1) * batch];
                         for (j, &k) in ks.iter().enumerate() {
                             if let Some(&ahead) = ks.get(j + 8) {
-                                let p = flat[ahead as usize * dim..].as_ptr() as *const u8;
-                                for line in (0..dim * 4).step_by(64) {
-                                    // SAFETY: within the flat array.
-                                    prefetch(unsafe { p.add(line) });
-                                }
+                                prefetch_lines(flat[ahead as usize * dim..].as_ptr() as *const u8, dim * 4, false);
                             }
                             out[j * dim..(j + 1) * dim]
                                 .copy_from_slice(&flat[k as usize * dim..(k as usize + 1) * dim]);
@@ -66,15 +62,24 @@ pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds
     total as f64 / t0.elapsed().as_secs_f64()
 }
 
+/// Hints the CPU to load the `len` bytes at `p`, line by line (for writing: `write`).
 #[inline(always)]
-fn prefetch(p: *const u8) {
+pub(super) fn prefetch_lines(p: *const u8, len: usize, write: bool) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetch never faults.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0);
+    for line in (0..len).step_by(64) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
+        let a = p.wrapping_add(line) as *const i8;
+        // SAFETY: prefetch never faults.
+        unsafe {
+            if write {
+                _mm_prefetch(a, _MM_HINT_ET0);
+            } else {
+                _mm_prefetch(a, _MM_HINT_T0);
+            }
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
+    let _ = (p, len, write);
 }
 
 /// What the device under the bench directory sustains for one block-medium record size.

@@ -703,8 +703,8 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Measures [`pattern::checkpoint_pattern`] for the bench's streams at embank's f32
-/// record stride, when it fits in half of the memory available.
+/// Measures [`pattern::checkpoint_pattern`] for the bench's streams at the record stride
+/// of embank's tables (`--dtype`), when it fits in half of the memory available.
 fn checkpoint_floor(args: &BenchArgs, threads: usize, streams: &Streams) -> Option<pattern::CheckpointPattern> {
     let dim = args.dim as usize;
     let stride = embank_core::format::record_stride(args.dtype.row_bytes(dim), args.dtype) as usize;

@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::limits::prefetch_lines;
+
 /// Header bytes of a pattern record (a store's record header: key and version).
 const HEADER: usize = 16;
 /// Stripe locks over the keys.
@@ -288,24 +290,6 @@ pub fn checkpoint_pattern(
         copied_keys_per_second: rate(2),
         first_change_fraction: first.0 / first.1.max(1.0),
     })
-}
-
-#[inline(always)]
-fn prefetch_lines(p: *const u8, len: usize, write: bool) {
-    #[cfg(target_arch = "x86_64")]
-    for line in (0..len).step_by(64) {
-        // SAFETY: prefetch never faults.
-        unsafe {
-            let a = p.wrapping_add(line) as *const i8;
-            if write {
-                std::arch::x86_64::_mm_prefetch(a, std::arch::x86_64::_MM_HINT_ET0);
-            } else {
-                std::arch::x86_64::_mm_prefetch(a, std::arch::x86_64::_MM_HINT_T0);
-            }
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, len, write);
 }
 
 /// Copies `len` bytes (a multiple of 16) around the caches where the CPU can.
