@@ -2,9 +2,9 @@
 
 Reads a Criteo-format file (label, 13 dense, 26 categorical columns, tab-separated,
 as `examples/dlrm/train.py --synthetic` writes it), groups its lines in batches as the
-example does, and counts each batch's distinct (table, id) rows once, as a step's
-pull reads them. For caches holding a fraction of the distinct rows it prints the hit
-rate and the device reads per step of:
+example does (`embank.datasets.read_criteo`), and counts each batch's distinct
+(table, id) rows once, as a step's pull reads them. For caches holding a fraction
+of the distinct rows it prints the hit rate and the device reads per step of:
 
   - the most read rows, fixed (an oracle that knows every row's count in advance);
   - Belady's MIN (evicts the row read again furthest in the future): the optimum of
@@ -22,21 +22,15 @@ import argparse
 import collections
 import heapq
 
+import numpy as np
+from embank.datasets import read_criteo
 
-def batches(path: str, batch: int) -> list[list[tuple[int, str]]]:
-    out: list[list[tuple[int, str]]] = []
-    rows: set[tuple[int, str]] = set()
-    n = 0
-    with open(path) as f:
-        for line in f:
-            for t, v in enumerate(line.rstrip("\n").split("\t")[14:40]):
-                if v:
-                    rows.add((t, v))
-            n += 1
-            if n % batch == 0:
-                out.append(sorted(rows))
-                rows = set()
-    if rows:
+
+def steps(path: str, batch: int) -> list[list[tuple[int, int]]]:
+    """Each batch's distinct (table, id) rows, the ids as the example reads them."""
+    out: list[list[tuple[int, int]]] = []
+    for b in read_criteo(path, batch):
+        rows = {(t, int(v)) for t in range(b.sparse.shape[1]) for v in np.unique(b.sparse[:, t])}
         out.append(sorted(rows))
     return out
 
@@ -75,13 +69,14 @@ def main() -> None:
         "--fractions", default="0.05,0.1,0.2", help="cache sizes as fractions of the distinct rows"
     )
     args = ap.parse_args()
-    steps = batches(args.train, args.batch)
-    ids: dict[tuple[int, str], int] = {}
-    seq = [ids.setdefault(r, len(ids)) for b in steps for r in b]
+    batches = steps(args.train, args.batch)
+    ids: dict[tuple[int, int], int] = {}
+    seq = [ids.setdefault(r, len(ids)) for b in batches for r in b]
     reads, distinct = len(seq), len(ids)
     counts = sorted(collections.Counter(seq).values(), reverse=True)
     print(
-        f"{len(steps)} steps of {args.batch} lines: {reads:,} row reads ({reads / len(steps):,.0f} a step), "
+        f"{len(batches)} steps of {args.batch} lines: {reads:,} row reads "
+        f"({reads / len(batches):,.0f} a step), "
         f"{distinct:,} distinct rows (first reads alone: {distinct / reads:.1%} of reads)"
     )
     for fraction in (float(x) for x in args.fractions.split(",")):
@@ -91,7 +86,7 @@ def main() -> None:
         print(
             f"cache of {fraction:.0%} ({capacity:,} rows): most read rows fixed {fixed:.1%} hits, "
             f"Belady's MIN {best:.1%} hits, "
-            f"{(1 - best) * reads / len(steps):,.0f} device reads a step at best"
+            f"{(1 - best) * reads / len(batches):,.0f} device reads a step at best"
         )
 
 
