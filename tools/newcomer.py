@@ -70,7 +70,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_serve(embank: Path, config: Path, env: dict[str, str], log: Path) -> tuple[subprocess.Popen[str], str]:
+def start_serve(
+    embank: Path, config: Path, env: dict[str, str], log: Path
+) -> tuple[subprocess.Popen[str], str]:
     p = subprocess.Popen(
         [str(embank), "serve", "--config", str(config)],
         stdout=subprocess.PIPE,
@@ -206,7 +208,8 @@ def main() -> None:
                 say(f"note: {tool} is on the system PATH ({shutil.which(tool, path=env['PATH'])})")
         py, embank = venv / "bin/python", venv / "bin/embank"
         t0 = time.monotonic()
-        run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)], env, "pip install")
+        pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        run([*pip, str(wheel)], env, "pip install")
         run([str(py), "-c", ROUND_TRIP, "embedded", str(work / "embedded")], env, "embedded round trip")
         say(f"from pip install to the first result: {time.monotonic() - t0:.1f} s (goal < 60 s)")
         run([str(embank), "--help"], env, "embank --help")
@@ -214,7 +217,8 @@ def main() -> None:
         procs: list[subprocess.Popen[str] | subprocess.Popen[bytes] | None] = []
         try:
             cfg = work / "primary.toml"
-            cfg.write_text(f'store = "{work / "primary"}"\nlisten = "127.0.0.1:0"\n[[tables]]\nname = "t"\ndim = 16\n')
+            table = '[[tables]]\nname = "t"\ndim = 16\n'
+            cfg.write_text(f'store = "{work / "primary"}"\nlisten = "127.0.0.1:0"\n{table}')
             p, addr = start_serve(embank, cfg, env, work / "primary.log")
             procs.append(p)
             run([str(py), "-c", ROUND_TRIP, "served", addr], env, "served round trip")
@@ -234,16 +238,17 @@ def main() -> None:
                 args = [str(py), "-c", ROUND_TRIP, kind, brokers, raddr, str(work / f"trainer-{kind}")]
                 run(args, env, f"replica over {kind}")
                 if not a.skip_subcommands:
+                    small = f"--transport {kind} --brokers {brokers} --rows 20000 --dim 16"
+                    small += " --checkpoint-rows 2000 --checkpoints 3 --seconds 1"
+                    small += " --train-batches 200 --checkpoint-every 50 --repeats 1"
                     run(
-                        [str(embank), "bench-stream", "--transport", kind, "--brokers", brokers, "--rows", "20000"]
-                        + ["--dim", "16", "--checkpoint-rows", "2000", "--checkpoints", "3", "--seconds", "1"]
-                        + ["--train-batches", "200", "--checkpoint-every", "50", "--repeats", "1"],
+                        [str(embank), "bench-stream", *small.split()],
                         env,
                         f"embank bench-stream --transport {kind} (smoke)",
                     )
         finally:
-            for p in procs:
-                stop(p)
+            for proc in procs:
+                stop(proc)
         if not a.skip_subcommands:
             rec = ["--path", str(work / "rec"), "--rows", "20000", "--repeats", "1", "--writes", "2000"]
             run([str(embank), "bench-recovery", *rec], env, "embank bench-recovery (smoke)")
