@@ -86,7 +86,6 @@ def hit_path(t: embank.Table, dim: int, args: argparse.Namespace, device: torch.
     g_times = timed(lambda: F.embedding(ids, weight), device, args.repeats)
     gu_times = timed(lambda: F.embedding(uniq, weight), device, args.repeats)
     # (b) replace: rewrite the rows of cached keys in place.
-    fresh = torch.randn(len(uniq), dim, device=device)
     r_times = timed(lambda: cache.refresh(), device, args.repeats)
     t0 = time.perf_counter()
     ref = cache.refresh()
