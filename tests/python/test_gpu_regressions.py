@@ -44,8 +44,9 @@ class _Hooked:
     (the cache's unlocked fetch), after the rows were read: what a writer on another
     thread can do at that moment."""
 
-    def __init__(self, table: embank.Table, hook: Callable[[], None]) -> None:
-        self._t, self._hook = table, hook
+    def __init__(self, table: embank.Table, hook: Callable[[], object]) -> None:
+        self._t = table
+        self._hook: Callable[[], object] | None = hook
 
     def lookup(self, keys: Any, *a: Any, **k: Any) -> Any:
         rows = self._t.lookup(keys, *a, **k)
@@ -291,7 +292,7 @@ def test_lookups_on_a_side_stream_while_another_thread_writes(tmp_path: Path) ->
 
     th = threading.Thread(target=writer)
     th.start()
-    s = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    s = torch.cuda.Stream()
     rng = np.random.default_rng(6)
     try:
         with torch.cuda.stream(s):
