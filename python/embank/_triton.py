@@ -56,6 +56,18 @@ def _mix(key):
     return h
 
 
+@triton.jit
+def _to_row_type(row, values_ptr):
+    # float32 rows to the cache's type, rounding to nearest even; bf16 by hand, as
+    # Triton's interpreter truncates (rows are finite: the table refuses others).
+    if values_ptr.dtype.element_ty == tl.bfloat16:
+        bits = row.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return row.to(values_ptr.dtype.element_ty)
+
+
 @triton.jit(do_not_specialize=["n", "n_buckets", "clock", "policy"])
 def _find(
     ids_ptr,
@@ -212,9 +224,7 @@ def _write(
     cols = tl.arange(0, DIM_BLOCK)
     cm = claimed[:, None] & (cols < dim)[None, :]
     dst = values_ptr + flat[:, None] * dim + cols[None, :]
-    row = tl.load(rows_ptr + i[:, None] * dim + cols[None, :], mask=cm, other=0.0).to(
-        values_ptr.dtype.element_ty
-    )
+    row = _to_row_type(tl.load(rows_ptr + i[:, None] * dim + cols[None, :], mask=cm, other=0.0), values_ptr)
     before = tl.load(dst, mask=cm, other=0.0)
     changed = tl.max(tl.where(cm & (before != row), 1, 0), axis=1)
     tl.store(dst, row, mask=cm)

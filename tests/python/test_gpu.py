@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +37,23 @@ def _cached(cache: gpu.GpuCache) -> dict[int, Any]:
     return {int(x): cache.values[i].float().numpy() for x, i in zip(k[at].tolist(), at.tolist())}
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_reference_path_against_a_model(tmp_path: Path, policy: str) -> None:
-    store, t = _table(tmp_path)
-    rng = np.random.default_rng(1)
-    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch", policy=policy)
-    truth = {int(k): r for ks, rs in t.export() for k, r in zip(ks.tolist(), rs)}  # the model: the table
-    for step in range(300):
+def _run_model(cache: gpu.GpuCache, t: embank.Table, seed: int, steps: int) -> None:
+    """Random lookups, writes through the table (invalidating), writes the cache is not
+    told of then a refresh, and invalidations, checked at every step against the table
+    (the model): every answer is the table's row, every cached row is the table's row,
+    never more than ``rows_max`` rows."""
+    rng = np.random.default_rng(seed)
+    truth = {int(k): r for ks, rs in t.export() for k, r in zip(ks.tolist(), rs)}
+    rows_max = cache.stats()["rows_max"]
+    for step in range(steps):
         op = rng.integers(0, 10)
         if op < 6:  # a lookup: ids drawn Zipf-like, some the table lacks
             ids = (rng.zipf(1.3, 40) % 330) * 7
-            out = cache.lookup(torch.as_tensor(ids, dtype=torch.int64)).numpy()
+            scores = torch.as_tensor(rng.integers(0, 100, 40)) if cache.policy == "custom" else None
+            out = cache.lookup(torch.as_tensor(ids, dtype=torch.int64), scores).numpy()
             for i, k in enumerate(ids.tolist()):
                 want = truth.get(k, np.zeros(DIM, np.float32))
-                np.testing.assert_array_equal(out[i], want, err_msg=f"step {step} key {k}")
+                np.testing.assert_array_equal(out[i], want, err_msg=f"seed {seed} step {step} key {k}")
         elif op < 8:  # a write through the table (invalidates)
             ks = (rng.integers(0, 330, 5) * 7).astype(np.uint64)
             rows = rng.standard_normal((5, DIM)).astype(np.float32)
@@ -68,12 +72,69 @@ def test_reference_path_against_a_model(tmp_path: Path, policy: str) -> None:
             held = _cached(cache)
             assert not any(int(k) in held for k in ks)
         held = _cached(cache)
-        assert len(held) <= 64
+        assert len(held) <= rows_max
         for k, row in held.items():  # every cached row is the table's row
-            np.testing.assert_array_equal(row, truth[k], err_msg=f"step {step}: cached key {k} is stale")
+            np.testing.assert_array_equal(
+                row, truth[k], err_msg=f"seed {seed} step {step}: cached key {k} is stale"
+            )
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])
+def test_reference_path_against_a_model(tmp_path: Path, policy: str) -> None:
+    store, t = _table(tmp_path)
+    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch", policy=policy)
+    _run_model(cache, t, seed=1, steps=300)
     s = cache.stats()
     assert s["hits"] > 0 and s["misses"] > 0 and s["evictions"] > 0 and s["sync_inserts"] > 0
     assert 0 < s["hit_rate"] < 1 and s["refreshes"] > 0 and s["invalidated"] > 0
+    cache.close()
+    store.close()
+
+
+def test_concurrent_lookups_and_writers_against_a_model(tmp_path: Path) -> None:
+    """Two threads looking up (as two streams would) while a third writes through the
+    table: every answer is a row the key held at some time, and once they stop every
+    cached row is the table's row."""
+    store, t = _table(tmp_path)
+    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch")
+    history: dict[int, list[Any]] = {k * 7: [np.zeros(DIM, np.float32)] for k in range(330)}  # missing: zeros
+    for ks, rs in t.export():
+        for k, r in zip(ks.tolist(), rs):
+            history[int(k)] = [r]
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def writer() -> None:
+        rng = np.random.default_rng(11)
+        while not stop.is_set():
+            ks = (rng.integers(0, 330, 4) * 7).astype(np.uint64)
+            rows = rng.standard_normal((4, DIM)).astype(np.float32)
+            with lock:
+                for k, r in zip(ks.tolist(), rows):
+                    history.setdefault(int(k), []).append(r)
+            t.push(ks, rows)
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for step in range(150):
+            ids = (rng.zipf(1.3, 32) % 330) * 7
+            out = cache.lookup(torch.as_tensor(ids, dtype=torch.int64)).numpy()
+            with lock:
+                for i, k in enumerate(ids.tolist()):
+                    if not any(np.array_equal(out[i], r) for r in history[k]):
+                        errors.append(f"reader {seed} step {step}: key {k} answered a row it never held")
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(s,)) for s in (2, 3)]
+    for th in threads:
+        th.start()
+    for th in threads[1:]:
+        th.join()
+    stop.set()
+    threads[0].join()
+    assert not errors, errors[:5]
+    for k, row in _cached(cache).items():
+        np.testing.assert_array_equal(row, t.lookup([k])[0][0], err_msg=f"cached key {k} is stale")
     cache.close()
     store.close()
 
@@ -138,23 +199,32 @@ store = embank.open(__import__("sys").argv[1])
 t = store.create_table("t", dim=5)
 keys = np.arange(200, dtype=np.uint64) * 3
 t.push(keys, np.random.default_rng(0).standard_normal((200, 5)).astype(np.float32))
-for dtype in (torch.float32, torch.float16):
-    for policy in ("lru", "lfu"):
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for policy in ("lru", "lfu", "custom"):
         caches = [gpu.GpuCache(t, rows_max=32, slots=8, device="cpu", insert="sync", kernels=k,
                                dtype=dtype, policy=policy) for k in ("torch", "triton")]
         rng = np.random.default_rng(2)
-        for step in range(25):
+        for step in range(16):
             ids = torch.as_tensor((rng.zipf(1.2, 30) % 220) * 3, dtype=torch.int64)
-            outs = [c.lookup(ids) for c in caches]
+            scores = torch.as_tensor(rng.integers(0, 50, 30))
+            outs = [c.lookup(ids, scores) for c in caches]
             assert torch.equal(outs[0], outs[1]), (step, "lookup")
-            if step % 7 == 3:
+            want = torch.from_numpy(t.lookup(ids.numpy().astype(np.uint64))[0])
+            tol = {torch.float32: 0.0, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]  # hits are rounded
+            assert torch.allclose(outs[0], want, rtol=tol, atol=tol), (step, "the table's rows", dtype)
+            if step % 5 == 3:
                 for c in caches:
-                    c.invalidate(ids[:3].numpy())
+                    assert c.invalidate(ids[:3].numpy()) >= 0
+            if step % 5 == 4:
+                t._t.push(ids[:2].numpy().astype(np.uint64), np.full((2, 5), float(step), np.float32))
+                assert caches[0].refresh(batch=8)["changed"] == caches[1].refresh(batch=8)["changed"]
             a, b = caches
-            for name in ("keys", "digests", "scores", "values"):
+            for name in ("keys", "digests", "scores", "values", "versions"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), (step, name, dtype, policy)
         sa, sb = (c.stats() for c in caches)
-        assert sa["evictions"] == sb["evictions"] > 0 and sa["hits"] == sb["hits"]
+        for k in ("evictions", "hits", "sync_inserts", "insert_refused", "invalidated", "refresh_changed"):
+            assert sa[k] == sb[k], (k, sa[k], sb[k], dtype, policy)
+        assert sa["evictions"] > 0
         for c in caches:
             c.close()
 print("kernels agree")
