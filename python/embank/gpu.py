@@ -152,7 +152,7 @@ class _AsyncQueue:
 
     def __init__(self, keys_max: int) -> None:
         self.cond = threading.Condition()
-        self.pending: dict[int, None] = {}
+        self.pending: dict[int, int] = {}  # key: score (the largest given; custom policy)
         self.keys_max = keys_max
         self.busy = 0
         self.dropped = 0
@@ -160,33 +160,33 @@ class _AsyncQueue:
         self.error: BaseException | None = None
         self.closed = False
 
-    def put(self, keys: npt.NDArray[np.int64]) -> None:
+    def put(self, keys: npt.NDArray[np.int64], scores: npt.NDArray[np.int64]) -> None:
         with self.cond:
-            for k in keys.tolist():
+            for k, sc in zip(keys.tolist(), scores.tolist()):
                 if k in self.pending:
-                    continue
-                if len(self.pending) >= self.keys_max:
+                    self.pending[k] = max(sc, self.pending[k])
+                elif len(self.pending) >= self.keys_max:
                     self.dropped += 1
-                    continue
-                self.pending[k] = None
+                else:
+                    self.pending[k] = sc
             self.cond.notify_all()
 
-    def take(self, timeout: float) -> npt.NDArray[np.int64] | None:
-        """Up to ``ASYNC_BATCH_KEYS_MAX`` keys; empty after ``timeout``; None once closed."""
+    def take(self, timeout: float) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+        """Up to ``ASYNC_BATCH_KEYS_MAX`` keys and their scores; none after ``timeout``;
+        None once closed."""
         with self.cond:
             if not self.pending and not self.closed:
                 self.cond.wait(timeout)
             if self.closed and not self.pending:
                 return None
-            take = []
+            take: list[int] = []
             for k in self.pending:
                 take.append(k)
                 if len(take) >= ASYNC_BATCH_KEYS_MAX:
                     break
-            for k in take:
-                del self.pending[k]
+            scores = [self.pending.pop(k) for k in take]
             self.busy += len(take)
-            return np.array(take, dtype=np.int64)
+            return np.array(take, dtype=np.int64), np.array(scores, dtype=np.int64)
 
     def done(self, n: int, error: BaseException | None) -> None:
         with self.cond:
@@ -218,9 +218,10 @@ def _insert_loop(ref: weakref.ref[GpuCache], q: _AsyncQueue) -> None:
     """The background inserter. Holds the cache only while it inserts a batch, so a
     cache nobody else holds is collected (and this thread ends)."""
     while True:
-        keys = q.take(0.2)
-        if keys is None:
+        taken = q.take(0.2)
+        if taken is None:
             return
+        keys, scores = taken
         if not len(keys):
             if ref() is None:
                 return
@@ -230,7 +231,7 @@ def _insert_loop(ref: weakref.ref[GpuCache], q: _AsyncQueue) -> None:
         try:
             if cache is None:
                 return
-            cache._fill(keys)
+            cache._fill(keys, scores)
         except BaseException as e:
             error = e
         finally:
@@ -617,14 +618,21 @@ class GpuCache:
                 at = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
                 at.scatter_(0, torch.where(miss, pos, n), torch.arange(n, device=self.device))
                 miss_at = at[:n]
-                payload = torch.cat([miss.sum().view(1), flat[miss_at.clamp(max=max(n - 1, 0))]])
+                gathered = miss_at.clamp(max=max(n - 1, 0))
+                parts = [miss.sum().view(1), flat[gathered]]
+                if self._policy == 2 and asynchronous:  # the scores the background insert gives
+                    parts.append(given[gathered])
+                payload = torch.cat(parts)
                 host, copied = self._to_host(st, payload, wait=False)
             if copied is not None:
                 copied.synchronize()  # the one host sync: miss count and miss ids
             n_miss = int(host[0])
             if n_miss:
                 miss_ids = host[1 : 1 + n_miss].numpy().copy()
-                self._misses(st, miss_ids, miss_at[:n_miss], flat, out, vers, given, asynchronous)
+                miss_scores = host[1 + n : 1 + n + n_miss].numpy().copy() if len(host) > 1 + n else None
+                self._misses(
+                    st, miss_ids, miss_at[:n_miss], flat, out, vers, given, asynchronous, miss_scores
+                )
         finally:
             self._give_staging(st)
         with self._lock:
@@ -646,12 +654,14 @@ class GpuCache:
         vers: torch.Tensor,
         given: torch.Tensor,
         asynchronous: bool,
+        miss_scores: npt.NDArray[np.int64] | None,
     ) -> None:
         """Answers a lookup's misses (``miss_at``: their places in ``out``) and inserts them."""
         if asynchronous:
             with self._ordered():
                 out.index_copy_(0, miss_at, self.default_row.expand(len(miss_at), self.dim))
-            self._queue.put(np.unique(miss_ids))
+            uniq, first = np.unique(miss_ids, return_index=True)
+            self._queue.put(uniq, miss_scores[first] if miss_scores is not None else np.zeros_like(uniq))
             with self._lock:
                 self._stats["default_answers"] += len(miss_ids)
             return
@@ -678,7 +688,7 @@ class GpuCache:
         rate = hits / total if total else 0.0
         return rate >= self.threshold
 
-    def _fill(self, keys: npt.NDArray[np.int64]) -> None:
+    def _fill(self, keys: npt.NDArray[np.int64], scores: npt.NDArray[np.int64]) -> None:
         """The background insert of ``keys`` (unique): those still missing are fetched
         and inserted, on the cache's side stream (CUDA). Waits for the host: it is off
         the lookup's path."""
@@ -698,11 +708,11 @@ class GpuCache:
                 if not len(pick):
                     return
                 with self._ordered():
-                    at, dev_rows = self._to_device(
-                        st, pick.astype(np.int64), np.ascontiguousarray(rows[exists])
-                    )
+                    packed = np.concatenate([pick, scores[pick]]).astype(np.int64)
+                    both, dev_rows = self._to_device(st, packed, np.ascontiguousarray(rows[exists]))
                     assert dev_rows is not None
-                    done = self._upsert(ids[at], dev_rows, vers[at], torch.zeros_like(at))
+                    at, given = both[: len(pick)], both[len(pick) :]
+                    done = self._upsert(ids[at], dev_rows, vers[at], given)
                     self._count_inserts(done, 2)
         finally:
             self._give_staging(st)
