@@ -4,10 +4,12 @@ and, where CUDA exists, on the device."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +25,23 @@ from embank.errors import InvalidInputError  # noqa: E402
 DIM = 8
 
 
-def _table(tmp: Path, n: int = 300) -> tuple[embank.Store, embank.Table]:
-    store = embank.open(tmp / "s")
-    t = store.create_table("t", dim=DIM)
+@pytest.fixture(scope="module")
+def gpu_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embank.Store]:
+    """One store for the module's tests (a table each): a store's files take seconds
+    to remove."""
+    store = embank.open(tmp_path_factory.mktemp("gpu") / "s")
+    yield store
+    store.close()
+
+
+_names = itertools.count()
+
+
+def _table(store: embank.Store, n: int = 300) -> embank.Table:
+    t = store.create_table(f"t{next(_names)}", dim=DIM)
     keys = np.arange(n, dtype=np.uint64) * 7
     t.push(keys, np.random.default_rng(0).standard_normal((n, DIM)).astype(np.float32))
-    return store, t
+    return t
 
 
 def _cached(cache: gpu.GpuCache) -> dict[int, Any]:
@@ -80,22 +93,21 @@ def _run_model(cache: gpu.GpuCache, t: embank.Table, seed: int, steps: int) -> N
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])
-def test_reference_path_against_a_model(tmp_path: Path, policy: str) -> None:
-    store, t = _table(tmp_path)
+def test_reference_path_against_a_model(gpu_store: embank.Store, policy: str) -> None:
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch", policy=policy)
     _run_model(cache, t, seed=1, steps=300)
     s = cache.stats()
     assert s["hits"] > 0 and s["misses"] > 0 and s["evictions"] > 0 and s["sync_inserts"] > 0
     assert 0 < s["hit_rate"] < 1 and s["refreshes"] > 0 and s["invalidated"] > 0
     cache.close()
-    store.close()
 
 
-def test_concurrent_lookups_and_writers_against_a_model(tmp_path: Path) -> None:
+def test_concurrent_lookups_and_writers_against_a_model(gpu_store: embank.Store) -> None:
     """Two threads looking up (as two streams would) while a third writes through the
     table: every answer is a row the key held at some time, and once they stop every
     cached row is the table's row."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch")
     history: dict[int, list[Any]] = {k * 7: [np.zeros(DIM, np.float32)] for k in range(330)}  # missing: zeros
     for ks, rs in t.export():
@@ -136,11 +148,10 @@ def test_concurrent_lookups_and_writers_against_a_model(tmp_path: Path) -> None:
     for k, row in _cached(cache).items():
         np.testing.assert_array_equal(row, t.lookup([k])[0][0], err_msg=f"cached key {k} is stale")
     cache.close()
-    store.close()
 
 
-def test_lru_keeps_the_recent_rows(tmp_path: Path) -> None:
-    store, t = _table(tmp_path)
+def test_lru_keeps_the_recent_rows(gpu_store: embank.Store) -> None:
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=8, slots=8, device="cpu", insert="sync", kernels="torch")
     cache.lookup(torch.tensor([0, 7, 14, 21, 28, 35, 42, 49]))  # fills the one bucket
     cache.lookup(torch.tensor([0, 7]))  # used again
@@ -148,11 +159,10 @@ def test_lru_keeps_the_recent_rows(tmp_path: Path) -> None:
     held = set(_cached(cache))
     assert {0, 7, 56, 63} <= held and len(held) == 8
     cache.close()
-    store.close()
 
 
-def test_async_answers_the_default_then_inserts(tmp_path: Path) -> None:
-    store, t = _table(tmp_path)
+def test_async_answers_the_default_then_inserts(gpu_store: embank.Store) -> None:
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=64, device="cpu", insert="async", default=-1.0)
     out = cache.lookup(torch.tensor([7, 14]))
     assert (out == -1.0).all()
@@ -170,11 +180,10 @@ def test_async_answers_the_default_then_inserts(tmp_path: Path) -> None:
     assert (auto.lookup(torch.tensor([28])) == 0).all()  # async: the default
     auto.close()
     cache.close()
-    store.close()
 
 
-def test_modules_use_the_cache_in_eval_mode_only(tmp_path: Path) -> None:
-    store, t = _table(tmp_path)
+def test_modules_use_the_cache_in_eval_mode_only(gpu_store: embank.Store) -> None:
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=128, device="cpu", insert="sync")
     bag, plain = et.EmbeddingBag(cache, mode="sum"), et.EmbeddingBag(t, mode="sum")
     ids, offsets = torch.tensor([7, 14, 14, 21]), torch.tensor([0, 2])
@@ -189,7 +198,6 @@ def test_modules_use_the_cache_in_eval_mode_only(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="power of two"):
         gpu.GpuCache(t, rows_max=8, slots=6)
     cache.close()
-    store.close()
 
 
 _KERNELS_SCRIPT = r"""
@@ -242,8 +250,8 @@ def test_triton_kernels_match_the_reference_in_the_interpreter(tmp_path: Path) -
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_kernels_match_the_reference(tmp_path: Path) -> None:
-    store, t = _table(tmp_path)
+def test_on_cuda_the_kernels_match_the_reference(gpu_store: embank.Store) -> None:
+    t = _table(gpu_store)
     caches = [
         gpu.GpuCache(t, rows_max=64, slots=8, device="cuda", insert="sync", kernels=k)
         for k in ("torch", "triton")
@@ -256,7 +264,6 @@ def test_on_cuda_the_kernels_match_the_reference(tmp_path: Path) -> None:
     assert torch.equal(caches[0].keys, caches[1].keys)
     for c in caches:
         c.close()
-    store.close()
 
 
 def test_the_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:

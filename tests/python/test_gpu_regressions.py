@@ -6,10 +6,10 @@ that need CUDA skip without it."""
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
 import weakref
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import embank
@@ -25,12 +25,23 @@ from embank.errors import EmbankError  # noqa: E402
 DIM = 8
 
 
-def _table(tmp: Path, n: int = 300) -> tuple[embank.Store, embank.Table]:
-    store = embank.open(tmp / "s")
-    t = store.create_table("t", dim=DIM)
+@pytest.fixture(scope="module")
+def gpu_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embank.Store]:
+    """One store for the module's tests (a table each): a store's files take seconds
+    to remove."""
+    store = embank.open(tmp_path_factory.mktemp("gpu") / "s")
+    yield store
+    store.close()
+
+
+_names = itertools.count()
+
+
+def _table(store: embank.Store, n: int = 300) -> embank.Table:
+    t = store.create_table(f"t{next(_names)}", dim=DIM)
     keys = np.arange(n, dtype=np.uint64) * 7
     t.push(keys, np.random.default_rng(0).standard_normal((n, DIM)).astype(np.float32))
-    return store, t
+    return t
 
 
 def _cached(cache: gpu.GpuCache) -> dict[int, Any]:
@@ -59,10 +70,10 @@ class _Hooked:
         return getattr(self._t, name)
 
 
-def test_refresh_never_writes_back_a_row_older_than_a_write(tmp_path: Path) -> None:
+def test_refresh_never_writes_back_a_row_older_than_a_write(gpu_store: embank.Store) -> None:
     """Item 1: a key written, invalidated and inserted again (into the slot it left)
     during refresh's fetch got the fetched, older row back."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=8, slots=8, device="cpu", insert="sync", kernels="torch")
     cache.lookup(torch.tensor([7]))
 
@@ -76,13 +87,12 @@ def test_refresh_never_writes_back_a_row_older_than_a_write(tmp_path: Path) -> N
     got = cache.lookup(torch.tensor([7]))[0, 0].item()
     assert got == 99.0, f"after refresh the cache answers {got}, the table holds 99.0"
     cache.close()
-    store.close()
 
 
-def test_a_write_during_a_fetch_drops_only_the_inserts_of_its_bucket(tmp_path: Path) -> None:
+def test_a_write_during_a_fetch_drops_only_the_inserts_of_its_bucket(gpu_store: embank.Store) -> None:
     """Item 2: one epoch per table: a write to any key during a miss fetch discarded the
     whole batch's inserts (200 misses, 0 inserted)."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=4096, device="cpu", insert="sync", kernels="torch")
     other = 7 * 250
     cache.table = _Hooked(t, lambda: t.push([other], np.ones((1, DIM), dtype=np.float32)))  # type: ignore[assignment]
@@ -95,13 +105,12 @@ def test_a_write_during_a_fetch_drops_only_the_inserts_of_its_bucket(tmp_path: P
     held = cache.stats()["rows_cached"]
     assert held == expected >= 150, f"{held} of 200 misses inserted, {expected} expected"
     cache.close()
-    store.close()
 
 
-def test_lfu_counts_uses_and_refuses_a_key_scoring_below_its_bucket(tmp_path: Path) -> None:
+def test_lfu_counts_uses_and_refuses_a_key_scoring_below_its_bucket(gpu_store: embank.Store) -> None:
     """Item 4: inserts and updates set the score to the clock, so a key used 50 times was
     evicted before two keys used once."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=4, slots=4, device="cpu", insert="sync", kernels="torch", policy="lfu")
     for _ in range(50):
         cache.lookup(torch.tensor([7]))
@@ -115,13 +124,11 @@ def test_lfu_counts_uses_and_refuses_a_key_scoring_below_its_bucket(tmp_path: Pa
     assert set(_cached(cache)) == {7, 28, 35, 42}
     assert cache.stats()["insert_refused"] == 1
     cache.close()
-    store.close()
 
 
-def test_ids_across_the_whole_u64_range(tmp_path: Path) -> None:
+def test_ids_across_the_whole_u64_range(gpu_store: embank.Store) -> None:
     """Item 9: ids >= 2^63 were refused (embank keys are u64)."""
-    store = embank.open(tmp_path / "s")
-    t = store.create_table("t", dim=DIM)
+    t = gpu_store.create_table("u64", dim=DIM)
     keys = np.array([2**63 + 5, 2**64 - 3, 2**64 - 1, 11], dtype=np.uint64)  # 2^64 - 1 is reserved
     rows = np.arange(4 * DIM, dtype=np.float32).reshape(4, DIM)
     t.push(keys, rows)
@@ -135,24 +142,22 @@ def test_ids_across_the_whole_u64_range(tmp_path: Path) -> None:
     assert cache.invalidate(keys[:2]) == 2
     assert cache.invalidate(torch.from_numpy(keys[3:].copy())) == 1  # a tensor on the cache's device
     cache.close()
-    store.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_invalidate_takes_tensors_on_the_cuda_device(tmp_path: Path) -> None:
+def test_invalidate_takes_tensors_on_the_cuda_device(gpu_store: embank.Store) -> None:
     """Item 9: ``invalidate`` failed on CUDA tensors (it went through numpy)."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=256, device="cuda", insert="sync")
     ids = torch.tensor([7, 14], device="cuda")
     cache.lookup(ids)
     assert cache.invalidate(ids) == 2
     cache.close()
-    store.close()
 
 
-def test_bf16_rows(tmp_path: Path) -> None:
+def test_bf16_rows(gpu_store: embank.Store) -> None:
     """Item 9: no bf16 cache rows."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=64, device="cpu", insert="sync", dtype=torch.bfloat16, kernels="torch")
     ids = torch.tensor([7, 14, 21])
     want = torch.from_numpy(t.lookup([7, 14, 21])[0]).to(torch.bfloat16).float()
@@ -160,12 +165,11 @@ def test_bf16_rows(tmp_path: Path) -> None:
     assert torch.equal(cache.lookup(ids), want)
     assert cache.stats()["hits"] == 3 and cache.stats()["dtype"] == "bfloat16"
     cache.close()
-    store.close()
 
 
-def test_rows_max_is_a_bound(tmp_path: Path) -> None:
+def test_rows_max_is_a_bound(gpu_store: embank.Store) -> None:
     """Item 9: ``rows_max=500`` held 512 rows (rounded up to whole buckets)."""
-    store, t = _table(tmp_path, n=2000)
+    t = _table(gpu_store, n=2000)
     cache = gpu.GpuCache(t, rows_max=500, device="cpu", insert="sync", kernels="torch")
     assert cache.stats()["rows_max"] <= 500
     for i in range(0, 2000, 250):
@@ -173,25 +177,23 @@ def test_rows_max_is_a_bound(tmp_path: Path) -> None:
     held = cache.stats()["rows_cached"]
     assert 0 < held <= 500, f"{held} rows cached with rows_max=500"
     cache.close()
-    store.close()
 
 
-def test_keys_fit_at_three_quarters_load(tmp_path: Path) -> None:
+def test_keys_fit_at_three_quarters_load(gpu_store: embank.Store) -> None:
     """Item 7: one bucket of 32 slots a key: 1 M keys in 1 M slots left 7 % unable to
     fit. With 128-slot buckets a cache three quarters full holds every key."""
-    store, t = _table(tmp_path, n=6144)
+    t = _table(gpu_store, n=6144)
     cache = gpu.GpuCache(t, rows_max=8192, device="cpu", insert="sync", kernels="torch")
     for i in range(0, 6144, 1024):
         cache.lookup(torch.arange(i, i + 1024, dtype=torch.int64) * 7)
     s = cache.stats()
     assert s["rows_cached"] == 6144 and s["evictions"] == 0, (s["rows_cached"], s["evictions"])
     cache.close()
-    store.close()
 
 
-def test_the_async_queue_is_bounded_and_deduplicated(tmp_path: Path) -> None:
+def test_the_async_queue_is_bounded_and_deduplicated(gpu_store: embank.Store) -> None:
     """Item 8: the async queue was unbounded and kept every repeat of a key."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=256, device="cpu", insert="async", kernels="torch", queue_keys_max=10)
     release = threading.Event()
     cache.table = _Hooked(t, lambda: release.wait(30))  # type: ignore[assignment]
@@ -209,12 +211,11 @@ def test_the_async_queue_is_bounded_and_deduplicated(tmp_path: Path) -> None:
     cache.wait()
     assert cache.stats()["async_inserts"] == 11
     cache.close()
-    store.close()
 
 
-def test_a_failed_background_insert_reaches_the_next_call(tmp_path: Path) -> None:
+def test_a_failed_background_insert_reaches_the_next_call(gpu_store: embank.Store) -> None:
     """Item 8: the inserter swallowed every exception (the cache stayed silently cold)."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=256, device="cpu", insert="async", kernels="torch")
 
     def fail() -> None:
@@ -227,12 +228,11 @@ def test_a_failed_background_insert_reaches_the_next_call(tmp_path: Path) -> Non
     assert cache.stats()["async_errors"] == 1
     cache.wait()  # raised once
     cache.close()
-    store.close()
 
 
-def test_a_dropped_cache_is_collected(tmp_path: Path) -> None:
+def test_a_dropped_cache_is_collected(gpu_store: embank.Store) -> None:
     """Item 8: the inserter thread held the cache (a bound method), forever."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=256, device="cpu", insert="async", kernels="torch", refresh_every=60.0)
     cache.lookup(torch.tensor([7, 14]))
     cache.wait()
@@ -242,7 +242,6 @@ def test_a_dropped_cache_is_collected(tmp_path: Path) -> None:
     assert ref() is None, "a GpuCache nobody holds is kept alive"
     inserter.join(5)
     assert not inserter.is_alive()
-    store.close()
 
 
 def test_kernels_do_not_specialize_on_counters() -> None:
@@ -258,10 +257,10 @@ def test_kernels_do_not_specialize_on_counters() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_warm_lookup_syncs_once_on_cuda(tmp_path: Path) -> None:
+def test_a_warm_lookup_syncs_once_on_cuda(gpu_store: embank.Store) -> None:
     """Item 5: an all-hit lookup waited for the device 3 times, one with misses ~20. No
     tensor operation of a warm lookup waits (the one wait is on an event)."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=1024, device="cuda", insert="sync")
     ids = torch.arange(100, device="cuda") * 7
     cache.lookup(ids)
@@ -273,14 +272,13 @@ def test_a_warm_lookup_syncs_once_on_cuda(tmp_path: Path) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     cache.close()
-    store.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_lookups_on_a_side_stream_while_another_thread_writes(tmp_path: Path) -> None:
+def test_lookups_on_a_side_stream_while_another_thread_writes(gpu_store: embank.Store) -> None:
     """Item 3: launches ran on the default stream whatever the caller's stream, so a
     lookup under ``torch.cuda.stream(s)`` could read a row being written."""
-    store, t = _table(tmp_path)
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=128, slots=32, device="cuda", insert="sync")
     stop = threading.Event()
 
@@ -305,4 +303,3 @@ def test_lookups_on_a_side_stream_while_another_thread_writes(tmp_path: Path) ->
     for k, row in _cached(cache).items():
         np.testing.assert_array_equal(row, t.lookup([k])[0][0], err_msg=f"cached key {k} is stale")
     cache.close()
-    store.close()
