@@ -4,6 +4,7 @@ and, where CUDA exists, on the device."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import subprocess
@@ -267,20 +268,40 @@ def test_on_cuda_the_kernels_match_the_reference(gpu_store: embank.Store) -> Non
 
 
 def test_the_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
-    """`examples/gpu_cache/bench.py` at small sizes: what a GPU machine runs at full size."""
+    """`examples/gpu_cache/bench.py` at small sizes, without matplotlib (it is optional):
+    what a GPU machine runs at full size. Then its PNGs, where matplotlib is installed."""
     bench = Path(__file__).resolve().parents[2] / "examples" / "gpu_cache" / "bench.py"
+    args = ["--out", str(tmp_path), "--device", "cpu", "--rows", "20000", "--hit-rows", "5000",
+            "--batch-sizes", "512,4096", "--batches", "16", "--repeats", "2", "--dims", "32",
+            "--size-fractions", "0.01,0.1"]  # fmt: skip
+    no_matplotlib = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
     r = subprocess.run(
-        [sys.executable, str(bench), "--out", str(tmp_path), "--device", "cpu", "--rows", "20000",
-         "--hit-rows", "5000", "--hit-batch", "20000", "--batches", "20", "--repeats", "2", "--dims", "32"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-c", no_matplotlib, str(bench), *args], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "matplotlib is not installed" in r.stderr
     import json
 
     res = json.loads((tmp_path / "gpu_cache.json").read_text())
-    assert res["hit_path"][0]["rows_cached"] > 0
+    hit = res["hit_path"][0]
+    assert hit["rows_cached"] == hit["rows_wanted"] == 5000
+    assert [b["batch_ids"] for b in hit["batches"]] == [512, 4096] and all(
+        b["all_hit"] for b in hit["batches"]
+    )
+    assert hit["refresh"]["rows"] == 5000 and hit["refresh"]["bytes_moved"] >= 5000 * 32 * 4
     for z in ("zipf_0.99", "zipf_1.2"):
+        small, large = res["hit_rate_by_size"][z]
+        assert small["hit_rate_last_half"] < large["hit_rate_last_half"]
         e = res["end_to_end"][z]
         assert e["gpu_cache_threshold_1.0"]["default_answers"] == 0  # sync until every id hits
         assert 0 < e["gpu_cache_threshold_1.0"]["hit_rate"] < 1
-    assert (tmp_path / "warmup.png").stat().st_size > 1000
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("gpu_cache_bench", bench)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for png in module.draw(res, tmp_path):
+        assert png.stat().st_size > 1000
