@@ -1,7 +1,8 @@
 """Every Triton kernel of the GPU cache compiles ahead of time for sm_80 and sm_90, on the
 CPU, with the installed Triton: every variant the cache launches (row types f32, f16,
-bf16; dims 1 to 512, powers of two or not; bucket sizes), through every stage (TTIR,
-TTGIR, LLVM IR, PTX and, with the ptxas Triton ships, a cubin). The interpreter tests
+bf16; dims 1 to 512, powers of two or not; bucket sizes; unspecialized and specialized
+on aligned pointers), through every stage (TTIR, TTGIR, LLVM IR, PTX and, with the
+ptxas Triton ships, a cubin). The interpreter tests
 never compile a kernel; this one does, so a kernel a GPU would refuse fails here."""
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ SLOTS = (128, 8)  # the default; a small cache's (f32, one dim)
 
 def _variants() -> list[tuple[str, int, str, int, int]]:
     """Distinct (kernel, arch, dtype, dim, slots) launches: a dim is compiled once per
-    distinct set of constexprs (dims 100 and 128 share a DIM_BLOCK)."""
+    distinct set of constexprs (dims 100 and 128 share a DIM_BLOCK). sm_80 gets the
+    unspecialized kernels, sm_90 those a launch of aligned tensors specializes (both
+    occur on either; each is compiled on one, to keep the test's time)."""
     from embank import _triton
 
     seen: set[str] = set()
@@ -36,7 +39,16 @@ def _variants() -> list[tuple[str, int, str, int, int]]:
             for dtype in DTYPES if slots == 128 else ("float32",):
                 for dim in DIMS if slots == 128 else (3,):
                     for kernel, sig, consts in _triton.aot_variants(getattr(torch, dtype), dim, slots):
-                        key = repr((kernel.fn.__name__, arch, sorted(sig.items()), sorted(consts.items())))
+                        aligned_dim = arch == 90 and "dim" in sig and dim % 16 == 0
+                        key = repr(
+                            (
+                                kernel.fn.__name__,
+                                arch,
+                                sorted(sig.items()),
+                                sorted(consts.items()),
+                                aligned_dim,
+                            )
+                        )
                         if key not in seen:
                             seen.add(key)
                             out.append((kernel.fn.__name__, arch, dtype, dim, slots))
@@ -53,9 +65,15 @@ def _compile(job: tuple[str, int, str, int, int]) -> tuple[str, list[str] | str]
     name, arch, dtype, dim, slots = job
     for kernel, sig, consts in _triton.aot_variants(getattr(torch, dtype), dim, slots):
         if kernel.fn.__name__ == name:
+            attrs = {}
+            if arch == 90:  # as a launch specializes: 16-byte aligned pointers, dim % 16 == 0
+                for name, ty in sig.items():
+                    if ty.startswith("*") or (name == "dim" and dim % 16 == 0):
+                        attrs[(kernel.arg_names.index(name),)] = [["tt.divisibility", 16]]
             try:
                 compiled = tr.compile(
-                    ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32)
+                    ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                    target=GPUTarget("cuda", arch, 32),
                 )
             except Exception as e:
                 return repr(job), f"{type(e).__name__}: {str(e)[:2000]}"
