@@ -43,8 +43,10 @@ called, whichever streams they come from. A lookup waits for the host once: on t
 after its miss count and miss ids reach a pinned buffer (one device-to-host copy; an
 all-hit lookup waits for it too). Then, with misses: the table is read on the host, the
 rows go to the device through a pinned buffer reused across calls (before reusing it,
-the host waits for the previous call's copy from it, done long before in practice), and
-they are scattered into the answer and inserted, with no further wait. With
+the host waits for the previous call's copy from it, done long before in practice; a
+buffer too small is reallocated, pinned), and they are scattered into the answer and
+inserted, with no further wait. The background inserter and ``refresh`` wait for
+their own copies on the cache's side stream or the caller's, never under the lock. With
 ``kernels="torch"`` on CUDA the same holds except that the insert's bookkeeping may wait
 too; ``invalidate`` (its return value), ``refresh`` and ``stats`` wait for the device.
 
@@ -331,6 +333,7 @@ class GpuCache:
         self.clock = 0
         self._lock = threading.RLock()
         self._order: Any = None  # the event after the cache's last launch (CUDA)
+        self._streams: set[int] = set()  # streams the cache's tensors were recorded on
         self._staging: list[_Staging] = []
         self._window: list[tuple[int, int]] = []
         self._window_len = max(1, window)
@@ -366,6 +369,10 @@ class GpuCache:
                 yield
                 return
             stream = torch.cuda.current_stream(self.device)
+            if stream.stream_id not in self._streams:  # the cache's tensors are used there too
+                self._streams.add(stream.stream_id)
+                for t in (self.keys, self.digests, self.scores, self.values, self.versions, self._counts):
+                    t.record_stream(stream)
             if self._order is not None:
                 stream.wait_event(self._order)
             try:
@@ -403,9 +410,9 @@ class GpuCache:
             dev_ids, dev_rows = dev_ids.clone(), None if dev_rows is None else dev_rows.clone()
         return dev_ids, dev_rows
 
-    def _to_host(self, st: _Staging, t: torch.Tensor, wait: bool = True) -> tuple[torch.Tensor, Any]:
-        """``t`` (int64) into ``st``'s host buffer; waits for the copy, or (``wait=False``)
-        returns the event to wait on before reading it (None on the CPU)."""
+    def _to_host(self, st: _Staging, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``t`` (int64) into ``st``'s host buffer, and the event to wait on (outside the
+        lock) before reading it (None on the CPU: nothing to wait for)."""
         st.ready()
         h = st.ids_of(len(t))
         h.copy_(t, non_blocking=True)
@@ -413,9 +420,6 @@ class GpuCache:
             return h, None
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(torch.cuda.current_stream(self.device))
-        if wait:
-            done.synchronize()
-            return h, None
         return h, done
 
     # ---- the operations (Triton or PyTorch, same results) ----
@@ -593,8 +597,9 @@ class GpuCache:
         """Rows of ``ids`` (any shape; uint64, int64 or int32: an int64 id is the u64 key
         of the same bits) as ``(*ids.shape, dim)`` float32 on the cache's device. Never
         creates rows: an id the table lacks answers its missing default (not cached).
-        ``scores`` (int64 >= 0, the shape of ``ids``): with ``policy="custom"``, the
-        scores of the ids. One host sync (see the module's text)."""
+        ``scores`` (int64 in [0, 2^55), the shape of ``ids``): with ``policy="custom"``,
+        the scores of the ids (a hit keeps the larger; a new key is refused when its
+        score is below its full bucket's lowest). One host sync (see the module's text)."""
         self._queue.raise_error()
         flat = self._device_ids(ids)
         n = len(flat)
@@ -623,7 +628,7 @@ class GpuCache:
                 if self._policy == 2 and asynchronous:  # the scores the background insert gives
                     parts.append(given[gathered])
                 payload = torch.cat(parts)
-                host, copied = self._to_host(st, payload, wait=False)
+                host, copied = self._to_host(st, payload)
             if copied is not None:
                 copied.synchronize()  # the one host sync: miss count and miss ids
             n_miss = int(host[0])
@@ -699,8 +704,10 @@ class GpuCache:
                 with self._ordered():
                     ids, _ = self._to_device(st, keys, None)
                     _, slots, vers = self._find(ids, ids, touch=False, gather=False)
-                    missing = self._to_host(st, slots)[0].numpy() < 0
-                missing &= (keys != EMPTY) & (keys != LOCKED)
+                    host, copied = self._to_host(st, slots)
+                if copied is not None:
+                    copied.synchronize()  # outside the lock
+                missing = (host.numpy() < 0) & (keys != EMPTY) & (keys != LOCKED)
                 if not missing.any():
                     return
                 rows, exists = self.table.lookup(keys[missing].view(np.uint64))
@@ -763,7 +770,10 @@ class GpuCache:
                 with self._ordered():
                     ids = self.keys.view(-1)[at]
                     vers = self.versions[at // self.slots]
-                    host = self._to_host(st, ids)[0].numpy().copy()
+                    host_ids, copied = self._to_host(st, ids)
+                if copied is not None:
+                    copied.synchronize()  # outside the lock
+                host = host_ids.numpy().copy()
                 live = (host != EMPTY) & (host != LOCKED)
                 if not live.any():
                     continue
