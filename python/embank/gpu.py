@@ -40,8 +40,10 @@ never writes a row it fetched before a write over the row written after it.
 device, under the cache's lock, after waiting on an event recorded by the cache's
 previous launch: the cache's operations run on the device in the order they were
 called, whichever streams they come from. A lookup waits for the host once: on the event
-after its miss count and miss ids reach a pinned buffer (one device-to-host copy; an
-all-hit lookup waits for it too). Then, with misses: the table is read on the host, the
+after its miss count and miss ids reach a pinned buffer (one device-to-host copy of
+the count and of as many miss ids as twice the previous lookup's misses, at least
+1,024; an all-hit lookup waits for it too). A lookup missing more than that waits a
+second time, for the rest of its miss ids. Then, with misses: the table is read on the host, the
 rows go to the device through a pinned buffer reused across calls (before reusing it,
 the host waits for the previous call's copy from it, done long before in practice; a
 buffer too small is reallocated, pinned), and they are scattered into the answer and
@@ -87,6 +89,7 @@ KEEP = -2  # a score meaning "leave it"
 SLOTS_DEFAULT = 128
 QUEUE_KEYS_MAX_DEFAULT = 1 << 20
 ASYNC_BATCH_KEYS_MAX = 1 << 16  # keys the background inserter takes at a time
+MISS_IDS_HINT_MIN = 1024  # miss ids a lookup copies to the host with the count, at least
 _POLICIES = {"lru": 0, "lfu": 1, "custom": 2}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -334,6 +337,7 @@ class GpuCache:
         self._lock = threading.RLock()
         self._order: Any = None  # the event after the cache's last launch (CUDA)
         self._streams: set[int] = set()  # streams the cache's tensors were recorded on
+        self._miss_ids_hint = MISS_IDS_HINT_MIN  # twice the last lookup's misses
         self._staging: list[_Staging] = []
         self._window: list[tuple[int, int]] = []
         self._window_len = max(1, window)
@@ -623,18 +627,32 @@ class GpuCache:
                 at = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
                 at.scatter_(0, torch.where(miss, pos, n), torch.arange(n, device=self.device))
                 miss_at = at[:n]
-                gathered = miss_at.clamp(max=max(n - 1, 0))
-                parts = [miss.sum().view(1), flat[gathered]]
-                if self._policy == 2 and asynchronous:  # the scores the background insert gives
-                    parts.append(given[gathered])
-                payload = torch.cat(parts)
-                host, copied = self._to_host(st, payload)
+                # The count and the first `k` miss ids (and, for an async custom-score
+                # cache, their scores) come to the host in one copy.
+                k = min(n, self._miss_ids_hint)
+                with_scores = self._policy == 2 and asynchronous
+                gathered = miss_at[:k].clamp(max=max(n - 1, 0))
+                parts = [miss.sum().view(1), flat[gathered]] + ([given[gathered]] if with_scores else [])
+                host, copied = self._to_host(st, torch.cat(parts))
             if copied is not None:
                 copied.synchronize()  # the one host sync: miss count and miss ids
             n_miss = int(host[0])
+            with self._lock:
+                self._miss_ids_hint = max(MISS_IDS_HINT_MIN, 2 * n_miss)
             if n_miss:
-                miss_ids = host[1 : 1 + n_miss].numpy().copy()
-                miss_scores = host[1 + n : 1 + n + n_miss].numpy().copy() if len(host) > 1 + n else None
+                first = min(n_miss, k)
+                miss_ids = host[1 : 1 + first].numpy().copy()
+                miss_scores = host[1 + k : 1 + k + first].numpy().copy() if with_scores else None
+                if n_miss > k:  # more misses than the hint: a second copy and wait for the rest
+                    rest = miss_at[k:n_miss]
+                    more, copied = self._to_host(
+                        st, torch.cat([flat[rest]] + ([given[rest]] if with_scores else []))
+                    )
+                    if copied is not None:
+                        copied.synchronize()
+                    miss_ids = np.concatenate([miss_ids, more[: n_miss - k].numpy()])
+                    if miss_scores is not None:
+                        miss_scores = np.concatenate([miss_scores, more[n_miss - k :].numpy()])
                 self._misses(
                     st, miss_ids, miss_at[:n_miss], flat, out, vers, given, asynchronous, miss_scores
                 )

@@ -151,6 +151,29 @@ def test_concurrent_lookups_and_writers_against_a_model(gpu_store: embank.Store)
     cache.close()
 
 
+@pytest.mark.parametrize("insert", ["sync", "async"])
+def test_a_lookup_missing_more_ids_than_it_copies_with_the_count(
+    gpu_store: embank.Store, insert: str
+) -> None:
+    """A lookup copies the miss count and at most twice the previous lookup's misses (at
+    least 1,024) in one copy; more misses take a second copy, scores included."""
+    t = _table(gpu_store, n=3000)
+    cache = gpu.GpuCache(t, rows_max=4096, device="cpu", insert=insert, kernels="torch", policy="custom")
+    ids = torch.arange(3000, dtype=torch.int64) * 7
+    scores = torch.arange(3000, dtype=torch.int64) + 1
+    out = cache.lookup(ids, scores)
+    if insert == "sync":
+        np.testing.assert_array_equal(out.numpy(), t.lookup(ids.numpy().astype(np.uint64))[0])
+    cache.wait()
+    assert cache.stats()["rows_cached"] > 2900
+    held = cache.scores.view(-1)[(cache.keys.view(-1) >= 0)]
+    assert int(held.min()) >= 1  # every key inserted with its score, the later ones too
+    np.testing.assert_array_equal(
+        cache.lookup(ids, scores).numpy(), t.lookup(ids.numpy().astype(np.uint64))[0][:, :]
+    )
+    cache.close()
+
+
 def test_lru_keeps_the_recent_rows(gpu_store: embank.Store) -> None:
     t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=8, slots=8, device="cpu", insert="sync", kernels="torch")
