@@ -257,7 +257,9 @@ class GpuCache:
         dtype: element type of the cached rows: ``torch.float32`` (default),
             ``torch.float16`` or ``torch.bfloat16``; lookups return float32.
         slots: entries per bucket, a power of two up to 128 (default 128; lowered to
-            the largest power of two <= ``rows_max`` for a smaller cache).
+            the largest power of two <= ``rows_max`` for a smaller cache, and halved,
+            down to 8, while rounding ``rows_max`` down to whole buckets would lose
+            more than an eighth of it).
         policy: ``"lru"`` (default), ``"lfu"`` or ``"custom"`` (see the module's text).
         kernels: ``"triton"``, ``"torch"`` or ``"auto"`` (default: Triton on CUDA).
         window: lookups the hit rate of ``"auto"`` is taken over (default 32).
@@ -316,8 +318,11 @@ class GpuCache:
         self.kernels = kernels
         self.insert_mode, self.threshold, self.policy = insert, hit_rate_threshold, policy
         self._policy = _POLICIES[policy]
-        self.slots = min(slots, 1 << (rows_max.bit_length() - 1))
-        self.n_buckets = rows_max // self.slots  # rounded down: rows_max is a bound
+        s = min(slots, 1 << (rows_max.bit_length() - 1))
+        while s > 8 and (rows_max % s) * 8 > rows_max:  # whole buckets would lose > 1/8
+            s //= 2
+        self.slots = s
+        self.n_buckets = rows_max // s  # rounded down: rows_max is a bound
         self.dtype = dtype
         dev = self.device
         s = self.slots

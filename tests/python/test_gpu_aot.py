@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 ARCHS = (80, 90)
 DTYPES = ("float32", "float16", "bfloat16")
 DIMS = (1, 3, 8, 32, 100, 128, 512)
-SLOTS = (128, 8)  # the default; a small cache's (f32, one dim)
+SLOTS = (128, 8, 1)  # the default; small caches' (f32, one dim)
 
 
 def _variants() -> list[tuple[str, int, str, int, int]]:
