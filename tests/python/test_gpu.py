@@ -174,6 +174,66 @@ def test_a_lookup_missing_more_ids_than_it_copies_with_the_count(
     cache.close()
 
 
+def test_launches_from_two_streams_wait_for_the_cache_s_previous_launch(
+    gpu_store: embank.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two CUDA streams simulated (fake streams and events, no CUDA): two threads, each
+    on its own current stream, launch through the cache; every launch waits on the
+    event recorded after the cache's previous launch, whichever stream recorded it, and
+    records its own on its own stream: the device runs them in the order they were made."""
+    t = _table(gpu_store)
+    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch")
+    log: list[tuple[str, str, int]] = []
+    events = itertools.count(1)
+
+    class FakeStream:
+        def __init__(self, name: str) -> None:
+            self.name, self.stream_id = name, hash(name)
+
+        def wait_event(self, e: Any) -> None:
+            log.append(("wait", self.name, e.id))
+
+    class FakeEvent:
+        def __init__(self) -> None:
+            self.id = next(events)
+
+        def record(self, stream: FakeStream) -> None:
+            log.append(("record", stream.name, self.id))
+
+    local = threading.local()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: local.stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(cache, "_side", FakeStream("side"))  # the CUDA branch of the ordering
+
+    def launches(name: str) -> None:
+        local.stream = FakeStream(name)
+        for _ in range(50):
+            with cache._ordered():
+                log.append(("launch", name, 0))
+
+    threads = [threading.Thread(target=launches, args=(n,)) for n in ("s1", "s2")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    monkeypatch.undo()
+    last = None
+    i = 0
+    while i < len(log):
+        if last is not None:
+            kind, _, event = log[i]
+            assert (kind, event) == ("wait", last), f"entry {i}: {log[i]}, expected a wait on event {last}"
+            i += 1
+        (k1, s1, _), (k2, s2, event) = log[i], log[i + 1]
+        assert k1 == "launch" and k2 == "record" and s1 == s2, (i, log[i : i + 2])
+        if last is not None:
+            assert log[i - 1][1] == s1, f"entry {i}: the wait is not on the launching stream"
+        last, i = event, i + 2
+    assert {entry[1] for entry in log} == {"s1", "s2"}
+    cache.close()
+
+
 def test_lru_keeps_the_recent_rows(gpu_store: embank.Store) -> None:
     t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=8, slots=8, device="cpu", insert="sync", kernels="torch")
