@@ -13,7 +13,9 @@ the row; and one version a bucket, bumped by every invalidation of a key hashing
 - :func:`find` (``_find``): ``BLOCK`` keys a program; a key's ``S`` digests are compared
   first and its keys loaded only where a digest matches; the row is gathered with 64-bit
   offsets; a hit's score is touched (LRU: the clock; LFU: +1, atomically; custom: the
-  larger of the two); the bucket's version is read for the caller's later insert.
+  larger of the two); the bucket's version is read for the caller's later insert; for a
+  lookup, the misses are compacted in the same launch (one atomic a program reserves
+  their places), so a lookup is this launch and one copy of the count and miss ids.
 - :func:`choose` (``_choose``): the slot a new key takes: the ``rank``-th lowest-score
   slot of its bucket (empty slots first; ``rank`` numbers the batch's new keys of a
   bucket, so none takes a slot twice), or none when its score is below that slot's
@@ -81,6 +83,8 @@ def _find(
     out_ptr,
     slot_out_ptr,
     version_out_ptr,
+    payload_ptr,
+    miss_at_ptr,
     n_buckets,
     clock,
     policy,
@@ -90,9 +94,12 @@ def _find(
     DIM_BLOCK: tl.constexpr,
     TOUCH: tl.constexpr,
     GATHER: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     """Rows (float32, zeros where absent) into ``out``, flat slots (-1 where absent)
-    into ``slot_out`` and the buckets' versions into ``version_out``."""
+    into ``slot_out`` and the buckets' versions into ``version_out``. ``COMPACT``: the
+    misses are appended (in no fixed order) to ``payload`` (``[count, ids...]``, the
+    count zeroed by the caller) and their places in the batch to ``miss_at``."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
     key = tl.load(ids_ptr + i, mask=valid, other=-1)
@@ -110,6 +117,12 @@ def _find(
     flat = tl.where(found, bucket * S + slot, -1)
     tl.store(slot_out_ptr + i, flat, mask=valid)
     tl.store(version_out_ptr + i, tl.load(versions_ptr + bucket, mask=valid, other=0), mask=valid)
+    if COMPACT:
+        miss = (valid & ~found).to(tl.int64)
+        base = tl.atomic_add(payload_ptr, tl.sum(miss, axis=0))  # one atomic a program
+        at = base + tl.cumsum(miss, axis=0) - 1
+        tl.store(payload_ptr + 1 + at, key, mask=miss != 0)
+        tl.store(miss_at_ptr + at, i, mask=miss != 0)
     if TOUCH:
         hit = found & valid
         if policy == 0:
@@ -306,22 +319,31 @@ def find(
     *,
     touch: bool,
     gather: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    compact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``out``, ``slots``, ``versions`` and, with ``compact``, ``payload`` (the miss
+    count, then the miss ids) and ``miss_at`` (their places); else empty tensors."""
     n_buckets, s = keys.shape
     dim = values.shape[1]
     n = len(ids)
-    out = torch.empty((n, dim if gather else 1), dtype=torch.float32, device=ids.device)
-    slots = torch.empty(n, dtype=torch.int64, device=ids.device)
-    vers = torch.empty(n, dtype=torch.int64, device=ids.device)
+    dev = ids.device
+    out = torch.empty((n, dim if gather else 1), dtype=torch.float32, device=dev)
+    slots = torch.empty(n, dtype=torch.int64, device=dev)
+    vers = torch.empty(n, dtype=torch.int64, device=dev)
+    payload = torch.empty(1 + n if compact else 0, dtype=torch.int64, device=dev)
+    miss_at = torch.empty(n if compact else 0, dtype=torch.int64, device=dev)
+    if compact:
+        payload[:1].zero_()
     if n:
         block = keys_per_program(dim) if gather else 32
-        with _on(ids.device):
+        with _on(dev):
             _find[_grid(n, block)](
-                ids, given, n, keys, digests, scores, versions, values, out, slots, vers, n_buckets, clock,
-                policy, dim, S=s, BLOCK=block, DIM_BLOCK=dim_block(dim) if gather else 1, TOUCH=touch,
-                GATHER=gather,
+                ids, given, n, keys, digests, scores, versions, values, out, slots, vers,
+                payload if compact else slots, miss_at if compact else slots, n_buckets, clock, policy, dim,
+                S=s, BLOCK=block, DIM_BLOCK=dim_block(dim) if gather else 1, TOUCH=touch, GATHER=gather,
+                COMPACT=compact,
             )  # fmt: skip
-    return out, slots, vers
+    return out, slots, vers, payload, miss_at
 
 
 def choose(
@@ -421,20 +443,17 @@ def aot_variants(
     find_sig = {
         "ids_ptr": i64, "given_ptr": i64, "n": "i64", "keys_ptr": i64, "digests_ptr": "*u8",
         "scores_ptr": i64, "versions_ptr": i64, "values_ptr": v, "out_ptr": "*fp32", "slot_out_ptr": i64,
-        "version_out_ptr": i64, "n_buckets": "i64", "clock": "i64", "policy": "i32", "dim": "i32",
+        "version_out_ptr": i64, "payload_ptr": i64, "miss_at_ptr": i64, "n_buckets": "i64", "clock": "i64",
+        "policy": "i32", "dim": "i32",
     }  # fmt: skip
-    for touch, gather in ((True, True), (False, False)):
+    find_consts = ("S", "BLOCK", "DIM_BLOCK", "TOUCH", "GATHER", "COMPACT")
+    for touch, gather in ((True, True), (False, False)):  # a lookup's; an insert's, refresh's
         yield (
             _find,
-            {**find_sig, **dict.fromkeys(("S", "BLOCK", "DIM_BLOCK", "TOUCH", "GATHER"), "constexpr")},
-            {
-                "S": slots,
-                "BLOCK": kp if gather else 32,
-                "DIM_BLOCK": db if gather else 1,
-                "TOUCH": touch,
-                "GATHER": gather,
-            },
-        )
+            {**find_sig, **dict.fromkeys(find_consts, "constexpr")},
+            {"S": slots, "BLOCK": kp if gather else 32, "DIM_BLOCK": db if gather else 1, "TOUCH": touch,
+             "GATHER": gather, "COMPACT": gather},
+        )  # fmt: skip
     yield (
         _choose,
         {

@@ -445,10 +445,11 @@ class GpuCache:
         if self.kernels == "triton":
             from . import _triton
 
-            return _triton.find(
+            out, slots, vers, _, _ = _triton.find(
                 ids, given, self.keys, self.digests, self.scores, self.versions, self.values, self.clock,
                 self._policy, touch=touch, gather=gather,
             )  # fmt: skip
+            return out, slots, vers
         b, d = self._bucket_digest(ids)
         usable = (ids != EMPTY) & (ids != LOCKED)
         match = (self.digests[b] == d[:, None]) & (self.keys[b] == ids[:, None]) & usable[:, None]
@@ -467,6 +468,30 @@ class GpuCache:
         else:
             out = torch.zeros((len(ids), 1), dtype=torch.float32, device=ids.device)
         return out, flat, self.versions[b]
+
+    def _lookup_find(
+        self, flat: torch.Tensor, given: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A lookup's find: rows, versions, ``payload`` (the miss count, then the miss
+        ids) and ``miss_at`` (the misses' places in the batch), both valid up to the
+        count. Triton compacts in the find's launch (misses in no fixed order); the
+        PyTorch path in batch order."""
+        if self.kernels == "triton":
+            from . import _triton
+
+            out, _, vers, payload, miss_at = _triton.find(
+                flat, given, self.keys, self.digests, self.scores, self.versions, self.values, self.clock,
+                self._policy, touch=True, gather=True, compact=True,
+            )  # fmt: skip
+            return out, vers, payload, miss_at
+        n = len(flat)
+        out, slots, vers = self._find(flat, given, touch=True, gather=True)
+        miss = slots < 0
+        at = torch.zeros(n + 1, dtype=torch.int64, device=flat.device)
+        at.scatter_(0, torch.where(miss, torch.cumsum(miss, 0) - 1, n), torch.arange(n, device=flat.device))
+        miss_at = at[:n]
+        payload = torch.cat([miss.sum().view(1), flat[miss_at.clamp(max=max(n - 1, 0))]])
+        return out, vers, payload, miss_at
 
     def _choose(
         self,
@@ -608,7 +633,8 @@ class GpuCache:
         creates rows: an id the table lacks answers its missing default (not cached).
         ``scores`` (int64 in [0, 2^55), the shape of ``ids``): with ``policy="custom"``,
         the scores of the ids (a hit keeps the larger; a new key is refused when its
-        score is below its full bucket's lowest). One host sync (see the module's text)."""
+        score is below its full bucket's lowest; a new key given twice in one lookup is
+        inserted with one of its scores). One host sync (see the module's text)."""
         self._queue.raise_error()
         flat = self._device_ids(ids)
         n = len(flat)
@@ -625,20 +651,18 @@ class GpuCache:
         try:
             with self._ordered():
                 self.clock += 1
-                out, slots, vers = self._find(flat, given, touch=True, gather=True)
+                out, vers, payload, miss_at = self._lookup_find(flat, given)
                 asynchronous = self._async()
-                miss = slots < 0
-                pos = torch.cumsum(miss, 0) - 1
-                at = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
-                at.scatter_(0, torch.where(miss, pos, n), torch.arange(n, device=self.device))
-                miss_at = at[:n]
                 # The count and the first `k` miss ids (and, for an async custom-score
                 # cache, their scores) come to the host in one copy.
                 k = min(n, self._miss_ids_hint)
                 with_scores = self._policy == 2 and asynchronous
-                gathered = miss_at[:k].clamp(max=max(n - 1, 0))
-                parts = [miss.sum().view(1), flat[gathered]] + ([given[gathered]] if with_scores else [])
-                host, copied = self._to_host(st, torch.cat(parts))
+                if with_scores:
+                    gathered = miss_at[:k].clamp(min=0, max=max(n - 1, 0))  # past the count: any place
+                    head = torch.cat([payload[: 1 + k], given[gathered]])
+                else:
+                    head = payload[: 1 + k]
+                host, copied = self._to_host(st, head)
             if copied is not None:
                 copied.synchronize()  # the one host sync: miss count and miss ids
             n_miss = int(host[0])
