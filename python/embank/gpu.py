@@ -167,13 +167,13 @@ class _AsyncQueue:
 
     def put(self, keys: npt.NDArray[np.int64], scores: npt.NDArray[np.int64]) -> None:
         with self.cond:
-            for k, sc in zip(keys.tolist(), scores.tolist()):
+            for k, score in zip(keys.tolist(), scores.tolist()):
                 if k in self.pending:
-                    self.pending[k] = max(sc, self.pending[k])
+                    self.pending[k] = max(score, self.pending[k])
                 elif len(self.pending) >= self.keys_max:
                     self.dropped += 1
                 else:
-                    self.pending[k] = sc
+                    self.pending[k] = score
             self.cond.notify_all()
 
     def take(self, timeout: float) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
@@ -394,36 +394,36 @@ class GpuCache:
         with self._lock:
             return self._staging.pop() if self._staging else _Staging(self.device)
 
-    def _give_staging(self, st: _Staging) -> None:
+    def _give_staging(self, staging: _Staging) -> None:
         with self._lock:
-            self._staging.append(st)
+            self._staging.append(staging)
 
     def _to_device(
-        self, st: _Staging, ids: npt.NDArray[np.int64], rows: npt.NDArray[np.float32] | None
+        self, staging: _Staging, ids: npt.NDArray[np.int64], rows: npt.NDArray[np.float32] | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``ids`` (and ``rows``) to the device through ``st``'s buffers, on the current
+        """``ids`` (and ``rows``) to the device through ``staging``'s buffers, on the current
         stream, without waiting for the copy."""
-        st.ready()
-        hid = st.ids_of(len(ids))
+        staging.ready()
+        hid = staging.ids_of(len(ids))
         hid.numpy()[:] = ids
         dev_ids = hid.to(self.device, non_blocking=True)
         dev_rows = None
         if rows is not None:
-            hr = st.rows_of(rows.size)
+            hr = staging.rows_of(rows.size)
             hr.numpy()[:] = rows.reshape(-1)
             dev_rows = hr.to(self.device, non_blocking=True).view(-1, self.dim)
         if self._side is not None:
-            st.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            st.copied.record(torch.cuda.current_stream(self.device))
+            staging.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            staging.copied.record(torch.cuda.current_stream(self.device))
         else:
             dev_ids, dev_rows = dev_ids.clone(), None if dev_rows is None else dev_rows.clone()
         return dev_ids, dev_rows
 
-    def _to_host(self, st: _Staging, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """``t`` (int64) into ``st``'s host buffer, and the event to wait on (outside the
+    def _to_host(self, staging: _Staging, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``t`` (int64) into ``staging``'s host buffer, and the event to wait on (outside the
         lock) before reading it (None on the CPU: nothing to wait for)."""
-        st.ready()
-        h = st.ids_of(len(t))
+        staging.ready()
+        h = staging.ids_of(len(t))
         h.copy_(t, non_blocking=True)
         if self._side is None:
             return h, None
@@ -457,12 +457,12 @@ class GpuCache:
         flat = torch.where(found, b * self.slots + match.to(torch.int8).argmax(1), -1)
         at = flat.clamp(min=0)
         if touch:
-            sc = self.scores.view(-1)
+            scores = self.scores.view(-1)
             if self._policy == 1:
-                sc.index_add_(0, at, found.to(torch.int64))
+                scores.index_add_(0, at, found.to(torch.int64))
             else:
                 given_score = given if self._policy == 2 else torch.full_like(at, self.clock)
-                sc.scatter_reduce_(0, at, torch.where(found, given_score, sc[at]), "amax")
+                scores.scatter_reduce_(0, at, torch.where(found, given_score, scores[at]), "amax")
         if gather:
             out = torch.where(found[:, None], self.values[at].to(torch.float32), 0.0)
         else:
@@ -554,21 +554,24 @@ class GpuCache:
                 self.values,
             )  # fmt: skip
         at = slot.clamp(min=0)
-        kf, vf = self.keys.view(-1), self.values
+        keys_flat, values = self.keys.view(-1), self.values
         claimed = (
-            (slot >= 0) & (self.versions[at // self.slots] == snap) & (expect != LOCKED) & (kf[at] == expect)
+            (slot >= 0)
+            & (self.versions[at // self.slots] == snap)
+            & (expect != LOCKED)
+            & (keys_flat[at] == expect)
         )
         new = rows.to(self.dtype)
-        changed = (vf[at] != new).any(1) & claimed
+        changed = (values[at] != new).any(1) & claimed
         evicted = claimed & (expect != ids) & (expect != EMPTY)
         done = torch.where(claimed, 1 + 2 * changed.to(torch.int64) + 4 * evicted.to(torch.int64), 0)
         w = at[claimed]
         _, d = self._bucket_digest(ids)
-        kf[w] = ids[claimed]
+        keys_flat[w] = ids[claimed]
         self.digests.view(-1)[w] = d[claimed]
         keep = claimed & (score != KEEP)
         self.scores.view(-1)[at[keep]] = score[keep]
-        vf[w] = new[claimed]
+        values[w] = new[claimed]
         return done
 
     def _invalidate(self, ids: torch.Tensor) -> torch.Tensor:
@@ -647,7 +650,7 @@ class GpuCache:
                 raise InvalidInputError(
                     f"scores must have the shape of ids, got {scores.shape} for {ids.shape}"
                 )
-        st = self._take_staging()
+        staging = self._take_staging()
         try:
             with self._ordered():
                 self.clock += 1
@@ -662,7 +665,7 @@ class GpuCache:
                     head = torch.cat([payload[: 1 + k], given[gathered]])
                 else:
                     head = payload[: 1 + k]
-                host, copied = self._to_host(st, head)
+                host, copied = self._to_host(staging, head)
             if copied is not None:
                 copied.synchronize()  # the one host sync: miss count and miss ids
             n_miss = int(host[0])
@@ -675,7 +678,7 @@ class GpuCache:
                 if n_miss > k:  # more misses than the hint: a second copy and wait for the rest
                     rest = miss_at[k:n_miss]
                     more, copied = self._to_host(
-                        st, torch.cat([flat[rest]] + ([given[rest]] if with_scores else []))
+                        staging, torch.cat([flat[rest]] + ([given[rest]] if with_scores else []))
                     )
                     if copied is not None:
                         copied.synchronize()
@@ -683,10 +686,10 @@ class GpuCache:
                     if miss_scores is not None:
                         miss_scores = np.concatenate([miss_scores, more[n_miss - k :].numpy()])
                 self._misses(
-                    st, miss_ids, miss_at[:n_miss], flat, out, vers, given, asynchronous, miss_scores
+                    staging, miss_ids, miss_at[:n_miss], flat, out, vers, given, asynchronous, miss_scores
                 )
         finally:
-            self._give_staging(st)
+            self._give_staging(staging)
         with self._lock:
             self._stats["lookups"] += 1
             self._stats["hits"] += n - n_miss
@@ -698,7 +701,7 @@ class GpuCache:
 
     def _misses(
         self,
-        st: _Staging,
+        staging: _Staging,
         miss_ids: npt.NDArray[np.int64],
         miss_at: torch.Tensor,
         flat: torch.Tensor,
@@ -722,7 +725,7 @@ class GpuCache:
         keep = exists & (uniq != EMPTY) & (uniq != LOCKED)
         packed = np.concatenate([inverse.reshape(-1), first[keep]]).astype(np.int64)
         with self._ordered():
-            idx, dev_rows = self._to_device(st, packed, np.ascontiguousarray(rows))
+            idx, dev_rows = self._to_device(staging, packed, np.ascontiguousarray(rows))
             assert dev_rows is not None
             out.index_copy_(0, miss_at, dev_rows[idx[: len(miss_ids)]])
             if keep.any():
@@ -745,13 +748,13 @@ class GpuCache:
         and inserted, on the cache's side stream (CUDA). Waits for the host: it is off
         the lookup's path."""
         stream = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
-        st = self._take_staging()
+        staging = self._take_staging()
         try:
             with stream:
                 with self._ordered():
-                    ids, _ = self._to_device(st, keys, None)
+                    ids, _ = self._to_device(staging, keys, None)
                     _, slots, vers = self._find(ids, ids, touch=False, gather=False)
-                    host, copied = self._to_host(st, slots)
+                    host, copied = self._to_host(staging, slots)
                 if copied is not None:
                     copied.synchronize()  # outside the lock
                 missing = (host.numpy() < 0) & (keys != EMPTY) & (keys != LOCKED)
@@ -763,13 +766,13 @@ class GpuCache:
                     return
                 with self._ordered():
                     packed = np.concatenate([pick, scores[pick]]).astype(np.int64)
-                    both, dev_rows = self._to_device(st, packed, np.ascontiguousarray(rows[exists]))
+                    both, dev_rows = self._to_device(staging, packed, np.ascontiguousarray(rows[exists]))
                     assert dev_rows is not None
                     at, given = both[: len(pick)], both[len(pick) :]
                     done = self._upsert(ids[at], dev_rows, vers[at], given)
                     self._count_inserts(done, 2)
         finally:
-            self._give_staging(st)
+            self._give_staging(staging)
 
     def wait(self) -> None:
         """Waits until the background inserts queued so far are done; raises the error
@@ -807,17 +810,17 @@ class GpuCache:
         rows up) and seconds. Waits for the device (it is not the lookup's path)."""
         t0 = time.perf_counter()
         with self._ordered():
-            kf = self.keys.view(-1)
-            occupied = ((kf != EMPTY) & (kf != LOCKED)).nonzero().squeeze(1)
+            keys_flat = self.keys.view(-1)
+            occupied = ((keys_flat != EMPTY) & (keys_flat != LOCKED)).nonzero().squeeze(1)
         rows_done = changed = moved = 0
-        st = self._take_staging()
+        staging = self._take_staging()
         try:
             for i in range(0, len(occupied), batch):
                 at = occupied[i : i + batch]
                 with self._ordered():
                     ids = self.keys.view(-1)[at]
                     vers = self.versions[at // self.slots]
-                    host_ids, copied = self._to_host(st, ids)
+                    host_ids, copied = self._to_host(staging, ids)
                 if copied is not None:
                     copied.synchronize()  # outside the lock
                 host = host_ids.numpy().copy()
@@ -832,7 +835,7 @@ class GpuCache:
                 ok[take[exists]] = True
                 gone = host[take[~exists]]
                 with self._ordered():
-                    okd, dev_rows = self._to_device(st, ok.astype(np.int64), rows_all)
+                    okd, dev_rows = self._to_device(staging, ok.astype(np.int64), rows_all)
                     assert dev_rows is not None
                     slot = torch.where(okd.bool(), at, -1)
                     done = self._write(ids, dev_rows, slot, ids, torch.full_like(ids, KEEP), vers)
@@ -843,7 +846,7 @@ class GpuCache:
                 rows_done += int(live.sum())
                 moved += len(host) * 8 + rows_all.nbytes
         finally:
-            self._give_staging(st)
+            self._give_staging(staging)
         seconds = time.perf_counter() - t0
         with self._lock:
             self._stats["refreshes"] += 1
