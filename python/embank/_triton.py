@@ -97,7 +97,8 @@ def _find(
     COMPACT: tl.constexpr,
 ):
     """Rows (float32, zeros where absent) into ``out``, flat slots (-1 where absent)
-    into ``slot_out`` and the buckets' versions into ``version_out``. ``COMPACT``: the
+    into ``slot_out`` (not with ``COMPACT``) and the versions of the misses' buckets
+    into ``version_out`` (0 for a hit). ``COMPACT``: the
     misses are appended (in no fixed order) to ``payload`` (``[count, ids...]``, the
     count zeroed by the caller) and their places in the batch to ``miss_at``."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -115,8 +116,10 @@ def _find(
     slot = tl.min(tl.where(match, offs[None, :], S), axis=1)
     found = slot < S
     flat = tl.where(found, bucket * S + slot, -1)
-    tl.store(slot_out_ptr + i, flat, mask=valid)
-    tl.store(version_out_ptr + i, tl.load(versions_ptr + bucket, mask=valid, other=0), mask=valid)
+    if not COMPACT:  # a lookup needs no slots: its misses are compacted below
+        tl.store(slot_out_ptr + i, flat, mask=valid)
+    # Versions matter for misses only (their insert checks them): hits read none.
+    tl.store(version_out_ptr + i, tl.load(versions_ptr + bucket, mask=valid & ~found, other=0), mask=valid)
     if COMPACT:
         miss = (valid & ~found).to(tl.int64)
         base = tl.atomic_add(payload_ptr, tl.sum(miss, axis=0))  # one atomic a program

@@ -440,8 +440,9 @@ class GpuCache:
     def _find(
         self, ids: torch.Tensor, given: torch.Tensor, *, touch: bool, gather: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows (float32; zeros where absent), flat slots (-1 where absent) and the
-        buckets' versions of ``ids`` (duplicates allowed; each hit touches its score)."""
+        """Rows (float32; zeros where absent), flat slots (-1 where absent) and, for the
+        ids absent, their buckets' versions (0 for a hit: an insert checks misses only)
+        of ``ids`` (duplicates allowed; each hit touches its score)."""
         if self.kernels == "triton":
             from . import _triton
 
@@ -467,7 +468,7 @@ class GpuCache:
             out = torch.where(found[:, None], self.values[at].to(torch.float32), 0.0)
         else:
             out = torch.zeros((len(ids), 1), dtype=torch.float32, device=ids.device)
-        return out, flat, self.versions[b]
+        return out, flat, torch.where(found, 0, self.versions[b])
 
     def _lookup_find(
         self, flat: torch.Tensor, given: torch.Tensor
