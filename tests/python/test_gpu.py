@@ -296,7 +296,7 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         caches = [gpu.GpuCache(t, rows_max=32, slots=8, device="cpu", insert="sync", kernels=k,
                                dtype=dtype, policy=policy) for k in ("torch", "triton")]
         rng = np.random.default_rng(2)
-        for step in range(16):
+        for step in range(12):
             ids = torch.as_tensor((rng.zipf(1.2, 30) % 220) * 3, dtype=torch.int64)
             scores = torch.as_tensor(rng.integers(0, 50, 30))
             outs = [c.lookup(ids, scores) for c in caches]
@@ -319,6 +319,30 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert sa["evictions"] > 0
         for c in caches:
             c.close()
+# Concurrent writers: lookups while another thread writes through the table (each write
+# launches the invalidation kernel); once it stops, every cached row is the table's.
+import threading
+c = gpu.GpuCache(t, rows_max=32, slots=8, device="cpu", insert="sync", kernels="triton")
+stop = threading.Event()
+def writer():
+    rng = np.random.default_rng(9)
+    while not stop.wait(0.01):
+        ks = (rng.integers(0, 220, 3) * 3).astype(np.uint64)
+        t.push(ks, rng.standard_normal((3, 5)).astype(np.float32))
+th = threading.Thread(target=writer)
+th.start()
+rng = np.random.default_rng(4)
+for step in range(20):
+    c.lookup(torch.as_tensor((rng.zipf(1.2, 30) % 220) * 3, dtype=torch.int64))
+stop.set()
+th.join()
+k = c.keys.view(-1)
+at = (k >= 0).nonzero().squeeze(1)
+assert len(at) > 0
+for key, i in zip(k[at].tolist(), at.tolist()):
+    assert torch.equal(c.values[i], torch.from_numpy(t.lookup([key])[0][0])), ("stale", key)
+assert c.stats()["invalidated"] > 0
+c.close()
 print("kernels agree")
 """
 
