@@ -39,8 +39,9 @@ enum Command {
     /// Build a store of a few million rows, run a Zipf workload of batched pulls against it
     /// and an in-DRAM hash map, then time reopening the store.
     Demo(demo::DemoArgs),
-    /// Run a DESIGN.md workload against embank and baseline engines side by side, next to
-    /// the machine's physical limits (see docs/BENCHMARKS.md).
+    /// Run a serving or training workload (`--workload`: YCSB-like pulls and pushes, HPS-like
+    /// skew, training steps, pooled bags) against embank and baseline engines side by side,
+    /// next to the machine's physical limits measured in the same run (docs/BENCHMARKS.md).
     Bench(bench::BenchArgs),
     /// Serve a store over TCP as one shard of a networked store (see docs/serve.sample.toml).
     Serve(serve::ServeArgs),

@@ -46,7 +46,7 @@ pub struct PlanArgs {
     /// (`embank.torch.lookahead`): rows that exist enter the cache before their pull.
     #[arg(long)]
     pub lookahead: bool,
-    /// Or a DESIGN.md workload (`ycsb-c`, `hps-a`) generated as `embank bench` does:
+    /// Or a workload of `embank bench` (`ycsb-c`, `hps-a`) generated as it does:
     /// --keys, --zipf, --batch, --threads, --stream-batches, --seed; the bench's threads'
     /// batches interleaved and replayed, the first replay left out (its warm-up).
     /// (--batch is also the lines of a batch of --criteo input: the DLRM example's

@@ -87,9 +87,21 @@ fn percentile(sorted: &[u64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize] as f64
 }
 
+/// Set by the Python entry point (`embank` from the wheel, `python -m embank`) to the
+/// interpreter that runs it, as Python names it (`sys.executable`).
+pub const PYTHON_ENV: &str = "EMBANK_PYTHON";
+
 /// A command that runs this program: the `embank` binary itself, or, when the CLI runs
-/// inside Python (the `embank` entry point of the wheel), `python -m embank`.
+/// inside Python (the `embank` entry point of the wheel), `python -m embank` with the
+/// same interpreter. That interpreter is the one Python names, not the file
+/// `current_exe()` resolves it to: a venv's `python` is a link to the base interpreter,
+/// which does not see the venv's packages.
 pub(crate) fn self_command() -> Result<Command, String> {
+    if let Some(python) = std::env::var_os(PYTHON_ENV).filter(|p| !p.is_empty()) {
+        let mut cmd = Command::new(python);
+        cmd.args(["-m", "embank"]);
+        return Ok(cmd);
+    }
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
     let in_python = exe.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("python"));
     let mut cmd = Command::new(&exe);

@@ -356,8 +356,16 @@ impl Client {
                 ));
             }
         }
-        let (rh, body) =
-            read_reply(&mut s).map_err(|e| (shard.unavailable(r, "did not answer the hello", &e), closed(&e)))?;
+        let (rh, body) = read_hello_reply(&mut s).map_err(|e| match e {
+            HelloReply::Io(e) => (shard.unavailable(r, "did not answer the hello", &e), closed(&e)),
+            HelloReply::Foreign(what) => (
+                Error::new(
+                    ErrorKind::Unavailable,
+                    format!("{} is not an embank server: it answered the hello with {what}", shard.replica_name(r)),
+                ),
+                false,
+            ),
+        })?;
         let body = check_reply(shard, r, &h, &rh, body).map_err(|e| (e, false))?;
         if let Ok(info) = serde_json::from_slice::<serde_json::Value>(&body) {
             ep.read_only.store(info["read_only"].as_bool() == Some(true), Ordering::Relaxed);
@@ -783,6 +791,50 @@ fn read_reply(conn: &mut Stream) -> io::Result<(Header, Vec<u8>)> {
     let h = Header::decode(&hdr).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
     let mut body = vec![0u8; h.body_len as usize];
     conn.read_exact(&mut body)?;
+    Ok((h, body))
+}
+
+/// Why a hello got no embank reply.
+enum HelloReply {
+    Io(io::Error),
+    /// Something else answered (an HTTP server, say): what it said, for the message.
+    Foreign(String),
+}
+
+/// The reply to a hello. Bytes that do not start an embank frame fail at once, naming
+/// what answered (`HTTP/1.1 400 Bad Request` from the admin port, say): such a peer is
+/// not tried again.
+fn read_hello_reply(conn: &mut Stream) -> std::result::Result<(Header, Vec<u8>), HelloReply> {
+    let mut hdr = [0u8; HEADER_BYTES];
+    let mut n = 0;
+    while n < HEADER_BYTES {
+        match conn.read(&mut hdr[n..]) {
+            Ok(0) if n == 0 => return Err(HelloReply::Io(io::ErrorKind::UnexpectedEof.into())),
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if n == 0 => return Err(HelloReply::Io(e)),
+            Err(_) => break,
+        }
+        if n >= 4 && hdr[..4] != proto::MAGIC.to_le_bytes() {
+            break;
+        }
+    }
+    let foreign = || {
+        let text: String = String::from_utf8_lossy(&hdr[..n]).lines().next().unwrap_or("").chars().take(60).collect();
+        let printable = !text.is_empty() && text.chars().all(|c| !c.is_control());
+        HelloReply::Foreign(if printable {
+            format!("{text:?}")
+        } else {
+            format!("{n} bytes that are not an embank frame")
+        })
+    };
+    if n < HEADER_BYTES {
+        return Err(foreign());
+    }
+    let h = Header::decode(&hdr).map_err(|_| foreign())?;
+    let mut body = vec![0u8; h.body_len as usize];
+    conn.read_exact(&mut body).map_err(HelloReply::Io)?;
     Ok((h, body))
 }
 

@@ -340,6 +340,11 @@ fn answer(mut stream: TcpStream, store: &Store, metrics: &Metrics) -> std::io::R
             break;
         }
         n += r;
+        // Not HTTP (an embank client's hello sent to this port, say): answer at once
+        // instead of waiting out the read timeout, so the client can say what happened.
+        if !buf[..n].iter().take(8).all(|b| b.is_ascii_alphabetic() || *b == b' ' || *b == b'/') {
+            break;
+        }
         if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") || buf[..n].windows(2).any(|w| w == b"\n\n") {
             break;
         }
@@ -364,6 +369,12 @@ fn answer(mut stream: TcpStream, store: &Store, metrics: &Metrics) -> std::io::R
             }
         }
         ("GET", _) => ("404 Not Found", "text/plain", "not found: try /metrics or /healthz\n".to_string()),
+        (m, _) if m.is_empty() || !m.bytes().all(|b| b.is_ascii_uppercase()) => (
+            "400 Bad Request",
+            "text/plain",
+            "this is embank's admin HTTP port (/metrics, /healthz); tables are served on the `listen` port\n"
+                .to_string(),
+        ),
         _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),
     };
     write!(

@@ -560,7 +560,12 @@ impl<'a> Conn<'a> {
             }
             let expected = self.ctx.opts.token.as_deref().unwrap_or("").as_bytes();
             if !proto::token_eq(raw, expected) {
-                return Err(Ok(Refusal { status: status::UNAUTHORIZED, message: "wrong token".into(), close: true }));
+                let message = match (raw.is_empty(), expected.is_empty()) {
+                    (true, _) => "this server requires a token: connect with token=...",
+                    (false, true) => "this server takes no token: connect without one",
+                    (false, false) => "wrong token",
+                };
+                return Err(Ok(Refusal { status: status::UNAUTHORIZED, message: message.into(), close: true }));
             }
             self.authed = true;
         }

@@ -1,4 +1,4 @@
-//! `embank bench`: the DESIGN.md workloads against real baselines, side by side
+//! `embank bench`: the serving and training workloads against real baselines, side by side
 //! in one run, next to the physical limits of the machine measured in the same run.
 
 pub mod bags;
