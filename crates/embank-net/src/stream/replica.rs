@@ -2,7 +2,13 @@
 //!
 //! Rows and deletes are applied as they arrive (reads go on meanwhile). At a commit
 //! marker the replica takes its own checkpoint whose metadata holds the stream position
-//! just after the marker and the publisher's checkpoint id. After a crash the store
+//! just after the marker and the publisher's checkpoint id.
+//!
+//! A full snapshot (a table's reset marker, then all its rows) is applied beside what is
+//! served, never by emptying the table first: its rows are upserts, and the keys the table
+//! had when the reset arrived are remembered (sorted, with a bit each for "the snapshot
+//! brought it"); at the commit of the snapshot's checkpoint the keys it did not bring are
+//! deleted. So a key present before and after a resync is readable throughout it. After a crash the store
 //! reopens at that checkpoint — whatever was applied after it is rolled back — and
 //! reading resumes from that position: every checkpoint is applied exactly once in
 //! effect. Messages of a checkpoint at or before the one applied (a publisher's retry)
@@ -10,6 +16,7 @@
 //! what it has; a message that fails its checksum stops ingestion loudly (status and
 //! `/healthz`), since skipping it would leave the replica wrong.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -278,6 +285,62 @@ fn read(
     }
 }
 
+/// A table being resynced from a full snapshot: the keys it held when the snapshot's
+/// reset arrived, and which of them the snapshot has brought. Costs 8 bytes and a bit
+/// per key the table held, for the length of the snapshot.
+struct Resync {
+    /// The snapshot's checkpoint: only its commit sweeps.
+    seq: u64,
+    /// Sorted.
+    before: Vec<u64>,
+    /// Bit i: `before[i]` came with the snapshot.
+    brought: Vec<u64>,
+}
+
+impl Resync {
+    fn start(table: &embank_core::Table, seq: u64) -> Result<Resync> {
+        let mut before = Vec::with_capacity(table.len()? as usize);
+        table.export(65536, |k, _| {
+            before.extend_from_slice(k);
+            Ok(())
+        })?;
+        before.sort_unstable();
+        let brought = vec![0u64; before.len().div_ceil(64)];
+        Ok(Resync { seq, before, brought })
+    }
+
+    fn mark(&mut self, keys: &[u64]) {
+        for k in keys {
+            if let Ok(i) = self.before.binary_search(k) {
+                self.brought[i / 64] |= 1 << (i % 64);
+            }
+        }
+    }
+
+    /// The keys the table held before the snapshot and the snapshot did not bring.
+    fn stale(&self) -> impl Iterator<Item = u64> + '_ {
+        self.before.iter().enumerate().filter(|&(i, _)| self.brought[i / 64] & (1 << (i % 64)) == 0).map(|(_, &k)| k)
+    }
+}
+
+/// Deletes the keys of each resynced table that the snapshot of checkpoint `seq` did
+/// not bring; forgets resyncs of other checkpoints (an attempt the publisher abandoned:
+/// its rows stay, as upserts, and what follows them carries every later change).
+fn sweep(s: &Shared, resyncs: &mut HashMap<String, Resync>, seq: u64) -> Result<u64> {
+    let mut swept = 0;
+    for (name, r) in resyncs.drain() {
+        if r.seq != seq {
+            continue;
+        }
+        let Ok(t) = s.store.table(&name) else { continue };
+        let stale: Vec<u64> = r.stale().collect();
+        for chunk in stale.chunks(65536) {
+            swept += t.delete(chunk)?;
+        }
+    }
+    Ok(swept)
+}
+
 /// The applier: applies what the reader sends, checkpointing at each commit marker.
 fn apply_all(
     s: &Shared,
@@ -285,6 +348,9 @@ fn apply_all(
     rx: &std::sync::mpsc::Receiver<Result<(String, message::Message)>>,
 ) -> Result<()> {
     let mut window = (Instant::now(), 0u64);
+    // Tables under a full snapshot, by name. Rebuilt from the reset after a retry: the
+    // stream is read again from the last commit.
+    let mut resyncs: HashMap<String, Resync> = HashMap::new();
     while !s.stop.load(Ordering::Relaxed) {
         let (position, m) = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(r) => r?,
@@ -302,7 +368,7 @@ fn apply_all(
             s.status.lock().repeats += 1;
             continue;
         }
-        apply(s, &m)?;
+        apply(s, &m, &mut resyncs)?;
         let mut st = s.status.lock();
         st.messages += 1;
         match m.kind {
@@ -317,6 +383,8 @@ fn apply_all(
             }
             Kind::Commit => {
                 drop(st);
+                let swept = sweep(s, &mut resyncs, m.checkpoint.seq)?;
+                s.status.lock().deletes += swept;
                 let meta = ReplicaMeta {
                     position,
                     stream: s.opts.stream.describe(),
@@ -347,7 +415,7 @@ fn apply_all(
     Ok(())
 }
 
-fn apply(s: &Shared, m: &message::Message) -> Result<()> {
+fn apply(s: &Shared, m: &message::Message, resyncs: &mut HashMap<String, Resync>) -> Result<()> {
     let table = |create: bool| -> Result<Option<embank_core::Table>> {
         match s.store.table(&m.table) {
             Ok(t) => {
@@ -370,21 +438,22 @@ fn apply(s: &Shared, m: &message::Message) -> Result<()> {
         }
     };
     match m.kind {
-        Kind::Rows => table(true)?.expect("created").push(&m.keys, &m.rows),
+        Kind::Rows => {
+            if let Some(r) = resyncs.get_mut(&m.table) {
+                r.mark(&m.keys);
+            }
+            table(true)?.expect("created").push(&m.keys, &m.rows)
+        }
         Kind::Deletes => match table(false)? {
             Some(t) => t.delete(&m.keys).map(|_| ()),
             None => Ok(()),
         },
         Kind::Reset => {
+            // Remember what is served; the snapshot's rows replace it in place, and its
+            // commit sweeps the rest. A second reset of the table (the publisher retried
+            // the snapshot) starts over from what is there now.
             let Some(t) = table(true)? else { return Ok(()) };
-            let mut keys = Vec::new();
-            t.export(65536, |k, _| {
-                keys.extend_from_slice(k);
-                Ok(())
-            })?;
-            for chunk in keys.chunks(65536) {
-                t.delete(chunk)?;
-            }
+            resyncs.insert(m.table.clone(), Resync::start(&t, m.checkpoint.seq)?);
             Ok(())
         }
         Kind::Commit => Ok(()),
