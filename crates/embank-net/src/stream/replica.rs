@@ -299,13 +299,31 @@ struct Resync {
 
 impl Resync {
     fn start(table: &embank_core::Table, seq: u64) -> Result<Resync> {
+        let started = Instant::now();
         let mut before = Vec::with_capacity(table.len()? as usize);
-        table.export(65536, |k, _| {
-            before.extend_from_slice(k);
-            Ok(())
-        })?;
+        // An index rebuilt between two pages (hot placement) ends an export: start over.
+        let mut tries = 0;
+        loop {
+            before.clear();
+            let r = table.export(65536, |k, _| {
+                before.extend_from_slice(k);
+                Ok(())
+            });
+            tries += 1;
+            match r {
+                Err(e) if e.kind() == ErrorKind::Unsupported && tries < 3 => continue,
+                r => r?,
+            }
+            break;
+        }
         before.sort_unstable();
         let brought = vec![0u64; before.len().div_ceil(64)];
+        tracing::info!(
+            table = table.name(),
+            rows = before.len(),
+            seconds = started.elapsed().as_secs_f64(),
+            "a full snapshot begins: applied beside the rows served, the rows it lacks deleted at its commit"
+        );
         Ok(Resync { seq, before, brought })
     }
 
@@ -337,6 +355,7 @@ fn sweep(s: &Shared, resyncs: &mut HashMap<String, Resync>, seq: u64) -> Result<
         for chunk in stale.chunks(65536) {
             swept += t.delete(chunk)?;
         }
+        tracing::info!(table = %name, deleted = stale.len(), "a full snapshot is complete");
     }
     Ok(swept)
 }
