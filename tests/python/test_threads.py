@@ -7,6 +7,8 @@ fails the test instead of hanging it. The scenarios:
 - ``flush-status``: ``Publisher.status()`` while another thread waits in
   ``Publisher.flush()`` (issue 33: the flush's thread held the publisher's lock
   across the GIL release, and the status call waited for that lock holding the GIL).
+- ``close-flush``: ``Publisher.close()`` while another thread waits in a long
+  ``flush()``: the flush fails at once (``StoreClosedError``).
 - ``export``: two threads draining one export iterator (the same shape in
   ``Export.__next__``).
 - ``stress``: every method of every object with background state — publisher,
@@ -59,6 +61,12 @@ def test_publisher_status_during_a_flush(tmp_path: Path, redis: Redis) -> None:
     assert redis.proc is not None
     out = run_child("flush-status", str(tmp_path / "store"), redis.url, str(redis.proc.pid))
     assert "status calls during a flush" in out
+
+
+def test_close_wakes_a_flush_in_flight(tmp_path: Path, redis: Redis) -> None:
+    assert redis.proc is not None
+    out = run_child("close-flush", str(tmp_path / "store"), redis.url, str(redis.proc.pid))
+    assert "at the close" in out
 
 
 def test_two_threads_drain_one_export_iterator(tmp_path: Path) -> None:

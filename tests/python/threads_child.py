@@ -99,6 +99,32 @@ def flush_and_status(store: embank.Store, url: str, redis_pid: int) -> str:
     return f"{statuses} status calls during a flush"
 
 
+def close_during_flush(store: embank.Store, url: str, redis_pid: int) -> str:
+    """close() while another thread waits in a long flush(): the flush fails at once."""
+    p = publisher_down(store, url, redis_pid)
+    in_flush = threading.Event()
+    took: list[float] = []
+
+    def flush() -> None:
+        in_flush.set()
+        started = time.monotonic()
+        try:
+            p.flush(timeout=30)
+        except StoreClosedError:
+            took.append(time.monotonic() - started)
+            return
+        raise AssertionError("flush returned with the broker down")
+
+    def close() -> None:
+        in_flush.wait()
+        time.sleep(0.3)
+        p.close()
+
+    run_threads({"flush": flush, "close": close})
+    assert took and took[0] < 10, f"the flush ended {took} s after it began, not at the close"
+    return f"the flush ended {took[0]:.2f} s after it began, at the close"
+
+
 def export_shared(store: embank.Store) -> str:
     """Two threads draining one native export iterator (chunks of one bucket)."""
     counts = {"a": 0, "b": 0}
@@ -230,6 +256,8 @@ def main() -> None:
     store = filled_store(store_dir)
     if scenario == "flush-status":
         summary = flush_and_status(store, sys.argv[4], int(sys.argv[5]))
+    elif scenario == "close-flush":
+        summary = close_during_flush(store, sys.argv[4], int(sys.argv[5]))
     elif scenario == "export":
         summary = export_shared(store)
     elif scenario == "stress":
