@@ -478,3 +478,111 @@ fn apply(s: &Shared, m: &message::Message, resyncs: &mut HashMap<String, Resync>
         Kind::Commit => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stream::TransportKind;
+    use embank_core::StoreOptions;
+
+    const DIM: usize = 4;
+
+    fn shared(dir: &std::path::Path) -> Shared {
+        let store = Arc::new(Store::open(dir, StoreOptions::default()).unwrap());
+        let opts = ReplicaOptions::new(StreamConfig::new(TransportKind::Redis, "redis://127.0.0.1:1"));
+        Shared { store, opts, status: Mutex::new(ReplicaStatus::default()), stop: AtomicBool::new(false) }
+    }
+
+    fn message(kind: Kind, seq: u64, keys: std::ops::Range<u64>) -> message::Message {
+        let keys: Vec<u64> = keys.collect();
+        let rows = vec![seq as f32; if kind == Kind::Rows { keys.len() * DIM } else { 0 }];
+        let checkpoint = message::CheckpointId { seq, batch_id: seq, unix_micros: 0 };
+        let table = if kind == Kind::Commit { String::new() } else { "emb".into() };
+        message::Message { kind, checkpoint, table, dim: DIM as u32, count: 0, keys, rows }
+    }
+
+    /// Applies `messages` in order as the applier does (a commit sweeps); returns the
+    /// keys present after each message.
+    fn run(s: &Shared, messages: &[message::Message]) -> Vec<Vec<u64>> {
+        let mut resyncs = HashMap::new();
+        messages
+            .iter()
+            .map(|m| {
+                apply(s, m, &mut resyncs).unwrap();
+                if m.kind == Kind::Commit {
+                    sweep(s, &mut resyncs, m.checkpoint.seq).unwrap();
+                }
+                present(s)
+            })
+            .collect()
+    }
+
+    fn present(s: &Shared) -> Vec<u64> {
+        let mut keys = Vec::new();
+        s.store
+            .table("emb")
+            .unwrap()
+            .export(1024, |k, _| {
+                keys.extend_from_slice(k);
+                Ok(())
+            })
+            .unwrap();
+        keys.sort_unstable();
+        keys
+    }
+
+    fn serving(s: &Shared, keys: std::ops::Range<u64>) {
+        run(s, &[message(Kind::Rows, 1, keys), message(Kind::Commit, 1, 0..0)]);
+    }
+
+    #[test]
+    fn a_snapshot_keeps_every_key_until_its_commit_then_sweeps_the_ones_it_lacks() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = shared(dir.path());
+        serving(&s, 0..100);
+        let after = run(
+            &s,
+            &[
+                message(Kind::Reset, 5, 0..0),
+                message(Kind::Rows, 5, 0..50),
+                message(Kind::Rows, 5, 100..120),
+                message(Kind::Commit, 5, 0..0),
+            ],
+        );
+        for (i, keys) in after[..3].iter().enumerate() {
+            assert!((0..100).all(|k| keys.binary_search(&k).is_ok()), "a key went missing after message {i}");
+        }
+        assert_eq!(after[3], (0..50).chain(100..120).collect::<Vec<_>>(), "after the commit");
+    }
+
+    #[test]
+    fn a_retried_snapshot_starts_over_and_an_abandoned_one_sweeps_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = shared(dir.path());
+        serving(&s, 0..100);
+        // The publisher's first attempt (checkpoint 5) broke off; its retry is checkpoint 6.
+        let after = run(
+            &s,
+            &[
+                message(Kind::Reset, 5, 0..0),
+                message(Kind::Rows, 5, 90..110),
+                message(Kind::Reset, 6, 0..0),
+                message(Kind::Rows, 6, 0..30),
+                message(Kind::Commit, 6, 0..0),
+            ],
+        );
+        assert_eq!(after[4], (0..30).collect::<Vec<_>>(), "the retry's commit sweeps the first attempt's rows too");
+        // A snapshot broken off and followed by an incremental publish (a publisher that
+        // restarted from its last published place): its rows stay, nothing is swept.
+        let after = run(
+            &s,
+            &[
+                message(Kind::Reset, 7, 0..0),
+                message(Kind::Rows, 7, 0..10),
+                message(Kind::Rows, 8, 200..201),
+                message(Kind::Commit, 8, 0..0),
+            ],
+        );
+        assert_eq!(after[3], (0..30).chain(200..201).collect::<Vec<_>>());
+    }
+}
