@@ -3,30 +3,51 @@ VENV := .venv
 BIN := $(VENV)/bin
 export CARGO_TERM_PROGRESS_WHEN = never
 
-.PHONY: demo test test-rust test-python lint develop test-long bench clean fuzz fuzz-smoke fuzz-tools kafka-jars kge-data
+.PHONY: demo wheel test test-rust test-python lint develop test-long bench clean fuzz fuzz-smoke fuzz-tools kafka-jars kge-data
 
-$(VENV)/.installed: requirements-dev.txt
+# The demo's tools alone (maturin, numpy): what a newcomer's `make demo` installs.
+$(VENV)/.demo-installed: requirements-demo.txt
+	@python3 -c 'import venv, ensurepip' 2>/dev/null || { echo "make: python3 cannot make a venv with pip (Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
 	python3 -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements-demo.txt
+	touch $@
+
+# The tests' tools besides: pytest, ruff, mypy, PyTorch (about 5 GB with its CUDA libraries).
+$(VENV)/.installed: requirements-dev.txt $(VENV)/.demo-installed
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements-dev.txt
 	touch $@
 
 # Builds the Rust engine and installs the Python package (and the `embank` command) into .venv.
-develop: $(VENV)/.installed
+develop: $(VENV)/.demo-installed
 	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/maturin develop --release --locked -q
 
 # The main job: build a store of a few million rows, pull from it, reopen it.
 demo: develop
 	$(BIN)/embank demo
 
+# One self-contained wheel (abi3: any CPython >= 3.9; manylinux_2_28: glibc >= 2.28),
+# stripped, in dist/: `pip install dist/embank-*.whl` needs no Rust, compiler or system
+# library.
+# Zig (from PyPI) links it against glibc 2.28's symbols, whatever this machine's glibc.
+WHEEL_COMPATIBILITY ?= manylinux_2_28
+$(VENV)/.wheel-installed: requirements-wheel.txt $(VENV)/.demo-installed
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements-wheel.txt
+	touch $@
+
+wheel: $(VENV)/.wheel-installed
+	rm -rf dist
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/maturin build --release --locked --zig --compatibility $(WHEEL_COMPATIBILITY) -o dist
+	@ls -l dist
+
 # Every check: formatting, lints with warnings denied, Rust tests, Python lint, types, tests,
 # and a short run of every fuzz target.
-test: develop lint test-rust test-python fuzz-smoke
+test: develop $(VENV)/.installed lint test-rust test-python fuzz-smoke
 
 lint: $(VENV)/.installed
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
-	$(BIN)/ruff check python tests/python examples
-	$(BIN)/ruff format --check python tests/python examples
+	$(BIN)/ruff check python tests/python examples tools/newcomer.py
+	$(BIN)/ruff format --check python tests/python examples tools/newcomer.py
 	$(BIN)/mypy
 
 test-rust: kafka-jars
@@ -63,9 +84,16 @@ fuzz: fuzz-tools
 	    | tee fuzz/last-$$t.log | grep -E "stat::number_of_executed_units|Done|ERROR|panicked" ; \
 	done
 
-# The short run `make test` does: each target for a few seconds from its committed corpus.
-fuzz-smoke:
-	$(MAKE) fuzz FUZZ_SECONDS=8
+# The short run `make test` does: each target for a few seconds from its committed
+# corpus. What it finds goes to a scratch folder (removed after), so the tree stays
+# clean; only `make fuzz` grows the committed corpora.
+fuzz-smoke: fuzz-tools
+	@set -e; scratch=$$(mktemp -d); trap 'rm -rf "$$scratch"' EXIT; \
+	for t in $(FUZZ_TARGETS); do \
+	  mkdir -p "$$scratch/$$t"; \
+	  cargo +nightly fuzz run $$t "$$scratch/$$t" fuzz/corpus/$$t -- -max_total_time=8 -print_final_stats=1 2>&1 \
+	    | tee fuzz/last-$$t.log | grep -E "stat::number_of_executed_units|Done|ERROR|panicked" ; \
+	done
 
 # The bench with every baseline engine; pass arguments with ARGS="--workload ycsb-b ...".
 bench:
@@ -74,7 +102,7 @@ bench:
 
 clean:
 	cargo clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) dist
 
 # The Kafka broker's jars (Maven Central) for the update-stream tests and bench-stream.
 # The Nations and UMLS graphs of examples/kge (read out of the pykeen wheel on PyPI).

@@ -5,8 +5,10 @@ remote store adds (a shard down, a wrong token)."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,9 +77,9 @@ def lone_shard(tmp_path: Path, tls_dir: Path) -> Iterator[tuple[subprocess.Popen
 
 def test_token_and_a_shard_that_goes_down(lone_shard: tuple[subprocess.Popen[str], str, Path]) -> None:
     proc, addr, _ = lone_shard
-    with pytest.raises(errors.UnauthorizedError, match="token"):
+    with pytest.raises(errors.UnauthorizedError, match="this server requires a token"):
         embank.connect([addr])
-    with pytest.raises(PermissionError):
+    with pytest.raises(PermissionError, match="wrong token"):
         embank.connect([addr], token="wrong")
     s = embank.connect(addr, token="s3cret")
     t = s.create_table("t", dim=3)
@@ -126,6 +128,28 @@ def test_mutual_tls(tmp_path: Path, tls_dir: Path) -> None:
             np.testing.assert_array_equal(t.pull([7]), np.ones((1, 2), dtype=np.float32))
         with pytest.raises(errors.ShardUnavailableError, match="TLS handshake failed"):
             embank.connect([addr], tls_ca_file=tls_dir / "server.pem")  # not the CA
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+
+
+def test_connect_to_the_admin_port_fails_at_once_naming_what_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("EMBANK_TLS_CA_FILE")  # a clear-text client, as most first tries are
+    admin = socket.socket()
+    admin.bind(("127.0.0.1", 0))
+    admin_addr = f"127.0.0.1:{admin.getsockname()[1]}"
+    admin.close()
+    config = tmp_path / "shard.toml"
+    config.write_text(f'store = "{tmp_path / "s"}"\nlisten = "127.0.0.1:0"\nadmin = "{admin_addr}"\n')
+    p, _ = start_shard(config)
+    try:
+        started = time.monotonic()
+        with pytest.raises(errors.ShardUnavailableError, match=r'not an embank server.*"HTTP/1\.1 400'):
+            embank.connect([admin_addr], timeout=3)
+        # One answer, no retries: it used to take 8 hellos and ~20 s.
+        assert time.monotonic() - started < 2.5
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=60)
