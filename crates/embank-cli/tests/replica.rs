@@ -633,7 +633,8 @@ fn a_resync_after_a_broker_outage_never_empties_the_replica() {
 /// known key, and both replicas end equal to the trainer.
 #[test]
 fn a_resync_with_replicas_killed_during_it_never_misses_a_key() {
-    let (rows_total, every, kills) = (200_000u64, 200u64, 6usize);
+    let rows_total: u64 = std::env::var("EMBANK_RESYNC_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    let (every, kills) = (rows_total / 1000, 6usize);
     let dir = tempfile::tempdir().unwrap();
     let mut broker = LocalBroker::start(BrokerKind::Redis, &dir.path().join("broker")).unwrap();
     let stream = stream(BrokerKind::Redis, &broker, "resync-kill");
