@@ -2,19 +2,19 @@
 //!
 //! Rows and deletes are applied as they arrive (reads go on meanwhile). At a commit
 //! marker the replica takes its own checkpoint whose metadata holds the stream position
-//! just after the marker and the publisher's checkpoint id.
-//!
-//! A full snapshot (a table's reset marker, then all its rows) is applied beside what is
-//! served, never by emptying the table first: its rows are upserts, and the keys the table
-//! had when the reset arrived are remembered (sorted, with a bit each for "the snapshot
-//! brought it"); at the commit of the snapshot's checkpoint the keys it did not bring are
-//! deleted. So a key present before and after a resync is readable throughout it. After a crash the store
+//! just after the marker and the publisher's checkpoint id. After a crash the store
 //! reopens at that checkpoint — whatever was applied after it is rolled back — and
 //! reading resumes from that position: every checkpoint is applied exactly once in
 //! effect. Messages of a checkpoint at or before the one applied (a publisher's retry)
 //! are skipped. A broker that is down is retried with backoff while the store serves
 //! what it has; a message that fails its checksum stops ingestion loudly (status and
 //! `/healthz`), since skipping it would leave the replica wrong.
+//!
+//! A full snapshot (a table's reset marker, then all its rows) is applied beside what is
+//! served, never by emptying the table first: its rows are upserts, and the keys the
+//! table had when the reset arrived are remembered (sorted, with a bit each for "the
+//! snapshot brought it"); at the commit of the snapshot's checkpoint the keys it did not
+//! bring are deleted. So a key present before and after a resync is readable throughout.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
