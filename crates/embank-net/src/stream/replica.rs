@@ -286,8 +286,8 @@ fn read(
 }
 
 /// A table being resynced from a full snapshot: the keys it held when the snapshot's
-/// reset arrived, and which of them the snapshot has brought. Costs 8 bytes and a bit
-/// per key the table held, for the length of the snapshot.
+/// reset arrived (listed from the index, no row read), and which of them the snapshot has
+/// brought. Costs 8 bytes and a bit per key the table held, for the length of the snapshot.
 struct Resync {
     /// The snapshot's checkpoint: only its commit sweeps.
     seq: u64,
@@ -305,7 +305,7 @@ impl Resync {
         let mut tries = 0;
         loop {
             before.clear();
-            let r = table.export(65536, |k, _| {
+            let r = table.export_keys(65536, |k| {
                 before.extend_from_slice(k);
                 Ok(())
             });
