@@ -97,7 +97,7 @@ class PublishError(EmbankError, ConnectionError):
         lines = "\n".join(f"  {i + 1}. {e}" for i, e in enumerate(errors))
         one = cls(
             f"{len(errors)} of {publishers} publishers failed at checkpoint {batch_id} "
-            f"(the others were told of it):\n{lines}",
+            f"(every publisher was told of it):\n{lines}",
             errors=errors,
         )
         one.__cause__ = errors[0]
