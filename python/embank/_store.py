@@ -554,14 +554,26 @@ class Store:
         ``meta`` is a small opaque blob (at most 64 KiB) kept with the checkpoint — the
         stream offsets it covers, a trainer's position — and returned by
         :meth:`checkpoint_info`, also after a reopen.
+
+        Every open :meth:`publisher` is told of the checkpoint, whatever another one
+        does: one whose broker stays down does not hold back the others. If any of them
+        fails, :class:`~embank.errors.PublishError` names every failing one (its
+        ``errors`` lists them) after all were told; the checkpoint itself was taken.
         """
         if batch_id < 0:
             raise InvalidInputError(f"batch_id must be >= 0, got {batch_id}")
         if not isinstance(meta, (bytes, bytearray, memoryview)):
             raise TypeError(f"meta must be bytes, got {type(meta).__name__}")
         self._s.checkpoint(int(batch_id), bytes(meta))
-        for p in [p for p in self._publishers if not p.closed]:
-            p._checkpointed()
+        publishers = [p for p in self._publishers if not p.closed]
+        failed: list[PublishError] = []
+        for p in publishers:
+            try:
+                p._checkpointed()
+            except PublishError as e:
+                failed.append(e)
+        if failed:
+            raise PublishError.of(failed, publishers=len(publishers), batch_id=int(batch_id))
 
     def publisher(
         self,

@@ -78,7 +78,30 @@ class ShardUnavailableError(EmbankError, ConnectionError):
 class PublishError(EmbankError, ConnectionError):
     """Checkpoints cannot reach the update stream: more than ``max_pending`` wait for
     the broker. The checkpoint itself was taken; the stream gets a full snapshot once
-    the broker is back (see :meth:`embank.Store.publisher`)."""
+    the broker is back (see :meth:`embank.Store.publisher`).
+
+    Raised by :meth:`embank.Store.checkpoint` after every publisher was told of the
+    checkpoint; ``errors`` holds one error per failing publisher (the message names
+    each stream)."""
+
+    def __init__(self, *args: object, errors: list[PublishError] | None = None) -> None:
+        super().__init__(*args)
+        #: One error per failing publisher (this error alone when raised by one).
+        self.errors: list[PublishError] = errors if errors is not None else [self]
+
+    @classmethod
+    def of(cls, errors: list[PublishError], *, publishers: int, batch_id: int) -> PublishError:
+        """One error for the publishers that failed at checkpoint ``batch_id``."""
+        if len(errors) == 1 and publishers == 1:
+            return errors[0]
+        lines = "\n".join(f"  {i + 1}. {e}" for i, e in enumerate(errors))
+        one = cls(
+            f"{len(errors)} of {publishers} publishers failed at checkpoint {batch_id} "
+            f"(every publisher was told of it):\n{lines}",
+            errors=errors,
+        )
+        one.__cause__ = errors[0]
+        return one
 
 
 __all__ = [

@@ -237,3 +237,61 @@ def test_publisher_raises_when_the_broker_stays_down(tmp_path: Path, redis: Redi
             pub.flush(timeout=30)
             assert pub.status()["published_batch_id"] == 3
             assert pub.status()["full_snapshots"] == 2
+
+
+def test_a_failing_publisher_does_not_hold_back_the_others(tmp_path: Path, redis: Redis) -> None:
+    """Two publishers, one per broker: while the first one's broker is down, the second
+    is still told of every checkpoint (its replicas stay fresh without a flush), and
+    checkpoint() raises one PublishError naming every failing publisher."""
+    rng = np.random.default_rng(5)
+    (tmp_path / "second").mkdir()
+    second = Redis(tmp_path / "second")
+    try:
+        with embank.open(tmp_path / "trainer") as trainer:
+            trainer.create_table("emb", dim=DIM, optimizer=embank.optim.SGD(lr=0.1))
+            # The failing one first: the order in which checkpoint() tells them.
+            down = trainer.publisher("redis", redis.url, topic="a", max_pending=1, timeout=1)
+            up = trainer.publisher("redis", second.url, topic="b", max_pending=1, timeout=1)
+            train(trainer, range(1, 2), rng)
+            down.flush(timeout=30)
+            up.flush(timeout=30)
+            redis.kill()
+            train(trainer, range(2, 3), rng)
+            deadline = time.monotonic() + 30
+            while not down.status()["last_error"]:
+                assert time.monotonic() < deadline, "no publish attempt failed with the broker down"
+                time.sleep(0.01)
+            for b in (3, 4):
+                with pytest.raises(PublishError) as caught:
+                    train(trainer, range(b, b + 1), rng)
+                # The healthy publisher got the checkpoint all the same: published with no flush.
+                deadline = time.monotonic() + 30
+                while up.status()["published_batch_id"] != b:
+                    assert time.monotonic() < deadline, (
+                        f"the healthy publisher was not told of checkpoint {b}: {up.status()}"
+                    )
+                    time.sleep(0.01)
+                assert "1 of 2 publishers failed at checkpoint" in str(caught.value), caught.value
+                assert len(caught.value.errors) == 1 and "a.*" in str(caught.value), caught.value
+            # Both brokers down: one error names both.
+            second.kill()
+            with pytest.raises(PublishError, match="1 of 2 publishers failed at checkpoint 5"):
+                train(trainer, range(5, 6), rng)  # the second is told, and its attempt fails
+            deadline = time.monotonic() + 30
+            while not up.status()["last_error"]:
+                assert time.monotonic() < deadline, "no publish attempt failed with the second broker down"
+                time.sleep(0.01)
+            with pytest.raises(PublishError) as caught:
+                train(trainer, range(6, 7), rng)
+            assert len(caught.value.errors) == 2, caught.value
+            assert "2 of 2 publishers failed at checkpoint 6" in str(caught.value), caught.value
+            assert "a.*" in str(caught.value) and "b.*" in str(caught.value), caught.value
+            assert trainer.checkpoints()[-1] == 6  # the checkpoints themselves were taken
+            redis.start()
+            second.start()
+            down.flush(timeout=30)
+            up.flush(timeout=30)
+            assert down.status()["published_batch_id"] == up.status()["published_batch_id"] == 6
+    finally:
+        if second.proc is not None and second.proc.poll() is None:
+            second.kill()

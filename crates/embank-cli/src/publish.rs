@@ -61,7 +61,7 @@ pub fn run(a: PublishArgs) -> Result<(), String> {
         ));
     };
     let started = Instant::now();
-    let mut publisher = Publisher::start(Arc::clone(&store), opts).map_err(|e| e.to_string())?;
+    let publisher = Publisher::start(Arc::clone(&store), opts).map_err(|e| e.to_string())?;
     publisher.notify().map_err(|e| e.to_string())?;
     publisher.flush(Duration::from_secs_f64(a.timeout.max(1.0))).map_err(|e| e.to_string())?;
     let s = publisher.status();

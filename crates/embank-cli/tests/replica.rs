@@ -524,3 +524,214 @@ fn embank_publish_sends_the_newest_checkpoint() {
     }
     replica.close();
 }
+
+/// A broker outage makes the publisher give up its place and resync with a full
+/// snapshot; the replica applies it beside what it serves. A reader of keys present at
+/// every checkpoint, running throughout, never misses one; at the end the replica equals
+/// the trainer, so the keys the snapshot lacks (deleted during the outage) were swept.
+#[test]
+fn a_resync_after_a_broker_outage_never_empties_the_replica() {
+    // EMBANK_RESYNC_ROWS=1000000 for the issue's size.
+    let rows_total: u64 = std::env::var("EMBANK_RESYNC_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    let every = rows_total / 1000; // keys 0, every, 2 * every, ... are never deleted
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = LocalBroker::start(BrokerKind::Redis, &dir.path().join("broker")).unwrap();
+    let stream = stream(BrokerKind::Redis, &broker, "resync");
+    let store = trainer(&dir.path().join("trainer"));
+    let emb = store.table("emb").unwrap();
+    let all: Vec<u64> = (0..rows_total).collect();
+    for chunk in all.chunks(50_000) {
+        emb.push(chunk, &vec![0.5; chunk.len() * DIM]).unwrap();
+    }
+    let mut opts = PublishOptions::new(stream.clone());
+    opts.max_pending = 1;
+    let publisher = Publisher::start(Arc::clone(&store), opts).unwrap();
+    store.checkpoint(1).unwrap();
+    publisher.notify().unwrap();
+    publisher.flush(Duration::from_secs(60)).unwrap();
+    let replica_store = Arc::new(Store::open(dir.path().join("replica"), StoreOptions::default()).unwrap());
+    let replica = Replica::start(Arc::clone(&replica_store), ReplicaOptions::new(stream)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while replica.status().checkpoint_batch_id != Some(1) {
+        assert!(Instant::now() < deadline, "the replica never served checkpoint 1: {:?}", replica.status());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The reader: lookups of 1,000 known keys, as fast as it can, until told to stop.
+    let (stop, resyncing) = (AtomicBool::new(false), AtomicBool::new(false));
+    let known: Vec<u64> = (0..rows_total).step_by(every as usize).collect();
+    let replica_table = replica_store.table("emb").unwrap();
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            let (mut lookups, mut during, mut missing_lookups, mut fewest_found) = (0u64, 0u64, 0u64, known.len());
+            let mut rows = vec![0f32; known.len() * DIM];
+            let mut found = vec![false; known.len()];
+            while !stop.load(Ordering::Relaxed) {
+                replica_table.lookup(&known, &mut rows, &mut found).unwrap();
+                let n = found.iter().filter(|&&f| f).count();
+                lookups += 1;
+                during += resyncing.load(Ordering::Relaxed) as u64;
+                if n < known.len() {
+                    missing_lookups += 1;
+                    fewest_found = fewest_found.min(n);
+                }
+            }
+            (lookups, during, missing_lookups, fewest_found)
+        });
+        // The outage: checkpoints pile up until the publisher gives up its place.
+        broker.kill();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let mut b = 1;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            b += 1;
+            let keys: Vec<u64> = (0..500).map(|_| rng.random_range(0..rows_total)).collect();
+            emb.push(&keys, &vec![b as f32; keys.len() * DIM]).unwrap();
+            let gone: Vec<u64> = (0..50).map(|_| rng.random_range(0..rows_total)).filter(|k| k % every != 0).collect();
+            emb.delete(&gone).unwrap();
+            store.checkpoint(b).unwrap();
+            if publisher.notify().is_err() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the publisher never gave up: {:?}", publisher.status());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        resyncing.store(true, Ordering::Relaxed);
+        let resync_started = Instant::now();
+        broker.restart().unwrap();
+        publisher.flush(Duration::from_secs(60)).unwrap();
+        assert!(publisher.status().full_snapshots >= 2, "{:?}", publisher.status());
+        let last = store.checkpoints().unwrap().pop().unwrap();
+        while replica.status().checkpoint_seq != Some(last.seq) {
+            assert!(resync_started.elapsed() < Duration::from_secs(120), "{:?}", replica.status());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let resync_seconds = resync_started.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        let (lookups, during, missing_lookups, fewest_found) = reader.join().unwrap();
+        eprintln!(
+            "resync of {rows_total} rows: {resync_seconds:.2} s from the broker's restart to the snapshot's commit; \
+             {lookups} lookups of {} known keys ({during} during the resync), {missing_lookups} with keys missing; \
+             replica {:?}",
+            known.len(),
+            replica.status()
+        );
+        replica_equals_trainer(&replica, &replica_store, &store, "after the resync");
+        assert!(during > 0, "no lookup ran during the resync");
+        assert_eq!(
+            missing_lookups,
+            0,
+            "{missing_lookups} of {lookups} lookups of {} keys present at every checkpoint missed keys during \
+             the resync (as few as {fewest_found} found)",
+            known.len()
+        );
+    });
+}
+
+/// The resync above with a shard's two `embank serve` replicas SIGKILLed during it, in
+/// turn: a killed replica reopens at its last commit (before the reset, whole) and reads
+/// the reset again, while reads fail over to the other. No read fails, none misses a
+/// known key, and both replicas end equal to the trainer.
+#[test]
+fn a_resync_with_replicas_killed_during_it_never_misses_a_key() {
+    let rows_total: u64 = std::env::var("EMBANK_RESYNC_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    let (every, kills) = (rows_total / 1000, 6usize);
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = LocalBroker::start(BrokerKind::Redis, &dir.path().join("broker")).unwrap();
+    let stream = stream(BrokerKind::Redis, &broker, "resync-kill");
+    let store = trainer(&dir.path().join("trainer"));
+    let emb = store.table("emb").unwrap();
+    let all: Vec<u64> = (0..rows_total).collect();
+    for chunk in all.chunks(50_000) {
+        emb.push(chunk, &vec![0.5; chunk.len() * DIM]).unwrap();
+    }
+    let mut opts = PublishOptions::new(stream);
+    opts.max_pending = 1;
+    let publisher = Publisher::start(Arc::clone(&store), opts).unwrap();
+    store.checkpoint(1).unwrap();
+    publisher.notify().unwrap();
+    publisher.flush(Duration::from_secs(60)).unwrap();
+    let configs: Vec<_> = ["a", "b"]
+        .into_iter()
+        .map(|name| {
+            let config = dir.path().join(format!("{name}.toml"));
+            std::fs::write(
+                &config,
+                format!(
+                    "store = {:?}\nlisten = \"127.0.0.1:0\"\n[updates]\ntransport = \"redis\"\nbrokers = \"{}\"\n\
+                     topic = \"resync-kill\"\ntimeout_seconds = 5.0\n",
+                    dir.path().join(name).display().to_string(),
+                    broker.brokers()
+                ),
+            )
+            .unwrap();
+            config
+        })
+        .collect();
+    // Each replica keeps its port across restarts, so the client's group stays valid.
+    let mut replicas: Vec<(Child, String)> = configs.iter().map(|c| start_replica(c)).collect();
+    for (config, (_, addr)) in configs.iter().zip(&replicas) {
+        let text = std::fs::read_to_string(config).unwrap().replace("127.0.0.1:0", addr);
+        std::fs::write(config, text).unwrap();
+    }
+    let group = vec![replicas.iter().map(|r| r.1.clone()).collect::<Vec<_>>()];
+    let client =
+        Client::connect_groups(&group, ClientOptions { timeout: Duration::from_secs(5), ..Default::default() })
+            .unwrap();
+    wait_served(&client, 1);
+    let known: Vec<u64> = (0..rows_total).step_by(every as usize).collect();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            let t = client.table("emb").unwrap();
+            let (mut lookups, mut missing_lookups) = (0u64, 0u64);
+            let mut rows = vec![0f32; known.len() * DIM];
+            let mut found = vec![false; known.len()];
+            while !stop.load(Ordering::Relaxed) {
+                t.lookup(&known, &mut rows, &mut found).unwrap_or_else(|e| panic!("lookup {lookups} failed: {e}"));
+                lookups += 1;
+                missing_lookups += found.iter().any(|&f| !f) as u64;
+            }
+            (lookups, missing_lookups)
+        });
+        broker.kill();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+        let mut b = 1;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            b += 1;
+            let keys: Vec<u64> = (0..500).map(|_| rng.random_range(0..rows_total)).collect();
+            emb.push(&keys, &vec![b as f32; keys.len() * DIM]).unwrap();
+            let gone: Vec<u64> = (0..50).map(|_| rng.random_range(0..rows_total)).filter(|k| k % every != 0).collect();
+            emb.delete(&gone).unwrap();
+            store.checkpoint(b).unwrap();
+            if publisher.notify().is_err() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the publisher never gave up: {:?}", publisher.status());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        broker.restart().unwrap();
+        // Kills in turn while the replicas apply the snapshot (each kill sends the killed
+        // one back to its last commit, so the resync goes on past the kills).
+        for k in 0..kills {
+            std::thread::sleep(Duration::from_millis(rng.random_range(100..400)));
+            let r = &mut replicas[k % 2];
+            sigkill(&mut r.0);
+            *r = start_replica(&configs[k % 2]);
+        }
+        publisher.flush(Duration::from_secs(60)).unwrap();
+        wait_served(&client, b);
+        stop.store(true, Ordering::Relaxed);
+        let (lookups, missing_lookups) = reader.join().unwrap();
+        eprintln!("resync with {kills} replica kills: {lookups} lookups of {} known keys", known.len());
+        assert!(lookups > 10, "only {lookups} lookups");
+        assert_eq!(missing_lookups, 0, "{missing_lookups} of {lookups} lookups missed known keys");
+    });
+    let last = store.checkpoints().unwrap().pop().unwrap();
+    for (child, addr) in &mut replicas {
+        let (got_emb, got_blk) = replica_rows(addr, last.seq);
+        same(&got_emb, &trainer_at(&store, "emb", last.batch_id, (0, 1)), "emb");
+        same(&got_blk, &trainer_at(&store, "blk", last.batch_id, (0, 1)), "blk");
+        sigkill(child);
+    }
+}

@@ -207,6 +207,20 @@ fn check_one(ops: &[Op], cfg: Config) -> Result<(), TestCaseError> {
         })
         .unwrap();
     prop_assert_eq!(exported.len(), model.len());
+    // So do its keys alone.
+    let mut keys = Vec::new();
+    store
+        .table("t")
+        .unwrap()
+        .export_keys(7, |k| {
+            keys.extend_from_slice(k);
+            Ok(())
+        })
+        .unwrap();
+    keys.sort_unstable();
+    let mut want_keys: Vec<u64> = model.keys().copied().collect();
+    want_keys.sort_unstable();
+    prop_assert_eq!(keys, want_keys, "{} export_keys", d);
     for (k, want) in &model {
         let got = &exported[k];
         prop_assert!(same(got, want, d), "{} export key {}: {:?} != {:?}", d, k, got, want);

@@ -255,7 +255,7 @@ impl Store {
         let opts: net::stream::PublishOptions = serde_json::from_str(options_json)
             .map_err(|e| to_py_err(core::Error::config(format!("publisher options: {e}"))))?;
         let p = detached(py, || net::stream::Publisher::start(store, opts))?;
-        Ok(Publisher { inner: parking_lot::Mutex::new(Some(p)) })
+        Ok(Publisher { inner: Mutex::new(Some(Arc::new(p))) })
     }
 
     /// The retained checkpoints as a JSON list (metadata as hex strings).
@@ -265,8 +265,8 @@ impl Store {
     }
 
     /// Streams a table as it was at a checkpoint (embedded stores).
-    fn export_checkpoint(&self, name: &str, batch_id: u64, chunk_keys: usize) -> PyResult<Export> {
-        let dim = self.inner.table(name).map_err(to_py_err)?.dim();
+    fn export_checkpoint(&self, py: Python<'_>, name: &str, batch_id: u64, chunk_keys: usize) -> PyResult<Export> {
+        let dim = detached(py, || self.inner.table(name))?.dim();
         let (store, name) = (Arc::clone(&self.inner), name.to_owned());
         Ok(Export::spawn(dim, move |send| store.export_checkpoint(&name, batch_id, chunk_keys, send)))
     }
@@ -279,8 +279,10 @@ impl Store {
         name: &str,
         batch_id: u64,
     ) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<u64>>)> {
-        let (keys, rows, deleted) = detached(py, || self.inner.export_changes(name, batch_id))?;
-        let dim = self.inner.table(name).map_err(to_py_err)?.dim();
+        let (keys, rows, deleted, dim) = detached(py, || {
+            let (keys, rows, deleted) = self.inner.export_changes(name, batch_id)?;
+            Ok((keys, rows, deleted, self.inner.table(name)?.dim()))
+        })?;
         let n = keys.len();
         Ok((
             PyArray1::from_vec(py, keys),
@@ -540,29 +542,27 @@ impl Export {
         &self,
         py: Python<'py>,
     ) -> PyResult<Option<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray2<f32>>)>> {
-        let mut guard = self.rx.lock();
-        let Some(rx) = guard.take() else { return Ok(None) };
-        // The receiver is Send but not Sync: move it into the GIL-free section and back.
-        let (rx, message) = py.detach(move || {
-            let m = rx.recv();
-            (rx, m)
+        // The GIL goes first, then the receiver's lock is taken: a thread that holds the
+        // lock never waits for the GIL, so a second reader (holding the GIL until it
+        // detaches too) cannot deadlock with it. The second reader waits for the first's
+        // chunk without the GIL.
+        let message = py.detach(|| {
+            let mut guard = self.rx.lock();
+            let m = guard.as_ref()?.recv();
+            if !matches!(m, Ok(Ok(_))) {
+                *guard = None; // the export ended (an error, or every chunk read)
+            }
+            Some(m)
         });
-        *guard = Some(rx);
         match message {
-            Ok(Ok((keys, rows))) => {
+            None | Some(Err(_)) => Ok(None),
+            Some(Ok(Ok((keys, rows)))) => {
                 let n = keys.len();
                 let keys = PyArray1::from_vec(py, keys);
                 let rows = PyArray1::from_vec(py, rows).reshape([n, self.dim])?;
                 Ok(Some((keys, rows)))
             }
-            Ok(Err(e)) => {
-                *guard = None;
-                Err(to_py_err(e))
-            }
-            Err(_) => {
-                *guard = None;
-                Ok(None)
-            }
+            Some(Ok(Err(e))) => Err(to_py_err(e)),
         }
     }
 }
@@ -580,9 +580,14 @@ fn plan_json(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
 }
 
 /// A publisher of an embedded store's checkpoints to an update stream.
+///
+/// The lock only guards the handle: it is held to clone or take it, never across a GIL
+/// release or a wait, so a thread holding the GIL that takes it cannot wait for a thread
+/// that waits for the GIL. Calls run on the cloned handle with the GIL released; `close`
+/// stops the thread and wakes a `flush` in flight.
 #[pyclass(module = "embank._native", frozen)]
 struct Publisher {
-    inner: parking_lot::Mutex<Option<net::stream::Publisher>>,
+    inner: Mutex<Option<Arc<net::stream::Publisher>>>,
 }
 
 impl Publisher {
@@ -591,11 +596,10 @@ impl Publisher {
         py: Python<'_>,
         f: impl FnOnce(&net::stream::Publisher) -> Result<T, core::Error> + Send,
     ) -> PyResult<T> {
-        let guard = self.inner.lock();
-        let Some(p) = guard.as_ref() else {
+        let Some(p) = self.inner.lock().clone() else {
             return Err(to_py_err(core::Error::new(ErrorKind::Closed, "the publisher is closed")));
         };
-        detached(py, || f(p))
+        detached(py, || f(&p))
     }
 }
 
@@ -617,7 +621,7 @@ impl Publisher {
 
     fn close(&self, py: Python<'_>) {
         let p = self.inner.lock().take();
-        if let Some(mut p) = p {
+        if let Some(p) = p {
             py.detach(move || p.close());
         }
     }

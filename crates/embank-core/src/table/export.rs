@@ -50,6 +50,40 @@ impl Table {
         }
     }
 
+    /// Every key of the table in chunks of at most `chunk_keys` keys (at least a bucket's
+    /// worth), reading no row: what a replica notes when a full snapshot begins. The
+    /// table stays readable and writable (its lock is held per chunk, not across `f`); a
+    /// key written or deleted meanwhile may be listed or not. Fails as [`Self::export`]
+    /// does if the index is rebuilt between two chunks.
+    pub fn export_keys(&self, chunk_keys: usize, mut f: impl FnMut(&[u64]) -> Result<()>) -> Result<()> {
+        let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
+        let generation = self.shared.meta.lock().index_generation;
+        let mut keys = Vec::with_capacity(chunk_keys);
+        let mut bucket = 0u64;
+        loop {
+            keys.clear();
+            let done = {
+                let st = self.state()?;
+                let st = st.as_ref().unwrap();
+                if self.shared.meta.lock().index_generation != generation {
+                    return Err(self.grew_during_export());
+                }
+                // Dirty cached rows belong to keys the index has: no write-back needed.
+                while bucket < st.index.bucket_count() && keys.len() + SLOTS_PER_BUCKET <= chunk_keys {
+                    st.index.for_each(bucket, bucket + 1, |key, _| keys.push(key));
+                    bucket += 1;
+                }
+                bucket >= st.index.bucket_count()
+            };
+            if !keys.is_empty() {
+                f(&keys)?;
+            }
+            if done {
+                return Ok(());
+            }
+        }
+    }
+
     /// One page of an export: clears `keys` and `rows`, fills them with at most
     /// `chunk_keys` rows (at least one bucket's worth) from `cursor` on, and returns
     /// where the next page starts (`None` when the table is done). Pages of one export

@@ -35,8 +35,9 @@ pub enum Kind {
     Deletes = 2,
     /// The checkpoint is complete in this partition: apply it.
     Commit = 3,
-    /// Empty the table first: what follows for it in this checkpoint is all of it (a full
-    /// snapshot, sent first and after the publisher lost its place).
+    /// What follows for the table in this checkpoint is all of it (a full snapshot, sent
+    /// first and after the publisher lost its place): at the commit, keys it did not bring
+    /// are deleted (the replica keeps serving the others meanwhile).
     Reset = 4,
 }
 

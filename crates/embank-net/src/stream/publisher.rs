@@ -151,10 +151,11 @@ struct Shared {
 }
 
 /// A publisher over an embedded store. Dropping it stops the thread (what is not yet
-/// published stays pending for the next publisher: its place is on disk).
+/// published stays pending for the next publisher: its place is on disk). Every method
+/// takes `&self`: one thread may `close` it while another waits in `flush`.
 pub struct Publisher {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Publisher {
@@ -219,7 +220,7 @@ impl Publisher {
             .name("embank-publish".into())
             .spawn(move || run(&s, sink))
             .map_err(|e| Error::io("cannot start the publisher thread", e))?;
-        Ok(Publisher { shared, thread: Some(thread) })
+        Ok(Publisher { shared, thread: Mutex::new(Some(thread)) })
     }
 
     /// A checkpoint was taken: publish up to the newest one. Fails (the checkpoint
@@ -257,7 +258,8 @@ impl Publisher {
     }
 
     /// Publishes up to the newest checkpoint and waits until the broker has it; fails
-    /// with the last error if that takes longer than `timeout`.
+    /// with the last error if that takes longer than `timeout`, and at once (`Closed`)
+    /// when the publisher is closed meanwhile.
     pub fn flush(&self, timeout: Duration) -> Result<()> {
         let latest = self.shared.store.checkpoints()?.last().map(|c| c.seq).unwrap_or(0);
         let deadline = Instant::now() + timeout;
@@ -268,6 +270,15 @@ impl Publisher {
             let published = st.published.as_ref().map_or(0, |(p, _)| p.seq);
             if published >= latest && !st.resync {
                 return Ok(());
+            }
+            if self.shared.stop.load(Ordering::Relaxed) {
+                return Err(Error::new(
+                    ErrorKind::Closed,
+                    format!(
+                        "the publisher to {} was closed before checkpoint seq {latest} was published",
+                        self.shared.opts.stream.describe()
+                    ),
+                ));
             }
             if self.shared.done.wait_until(&mut st, deadline).timed_out() {
                 return Err(Error::new(
@@ -289,11 +300,19 @@ impl Publisher {
         s
     }
 
-    /// Stops the thread (an attempt in flight finishes first).
-    pub fn close(&mut self) {
-        self.shared.stop.store(true, Ordering::Relaxed);
-        self.shared.wake.notify_all();
-        if let Some(t) = self.thread.take() {
+    /// Stops the thread (an attempt in flight finishes first) and wakes a `flush` in
+    /// flight, which fails. Idempotent.
+    pub fn close(&self) {
+        {
+            // Under the state lock, so a flush between its check of `stop` and its wait
+            // cannot miss the wake-up.
+            let _st = self.shared.state.lock();
+            self.shared.stop.store(true, Ordering::Relaxed);
+            self.shared.wake.notify_all();
+            self.shared.done.notify_all();
+        }
+        let thread = self.thread.lock().take();
+        if let Some(t) = thread {
             let _ = t.join();
         }
     }

@@ -9,7 +9,14 @@
 //! are skipped. A broker that is down is retried with backoff while the store serves
 //! what it has; a message that fails its checksum stops ingestion loudly (status and
 //! `/healthz`), since skipping it would leave the replica wrong.
+//!
+//! A full snapshot (a table's reset marker, then all its rows) is applied beside what is
+//! served, never by emptying the table first: its rows are upserts, and the keys the
+//! table had when the reset arrived are remembered (sorted, with a bit each for "the
+//! snapshot brought it"); at the commit of the snapshot's checkpoint the keys it did not
+//! bring are deleted. So a key present before and after a resync is readable throughout.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -278,6 +285,81 @@ fn read(
     }
 }
 
+/// A table being resynced from a full snapshot: the keys it held when the snapshot's
+/// reset arrived (listed from the index, no row read), and which of them the snapshot has
+/// brought. Costs 8 bytes and a bit per key the table held, for the length of the snapshot.
+struct Resync {
+    /// The snapshot's checkpoint: only its commit sweeps.
+    seq: u64,
+    /// Sorted.
+    before: Vec<u64>,
+    /// Bit i: `before[i]` came with the snapshot.
+    brought: Vec<u64>,
+}
+
+impl Resync {
+    fn start(table: &embank_core::Table, seq: u64) -> Result<Resync> {
+        let started = Instant::now();
+        let mut before = Vec::with_capacity(table.len()? as usize);
+        // An index rebuilt between two pages (hot placement) ends an export: start over.
+        let mut tries = 0;
+        loop {
+            before.clear();
+            let r = table.export_keys(65536, |k| {
+                before.extend_from_slice(k);
+                Ok(())
+            });
+            tries += 1;
+            match r {
+                Err(e) if e.kind() == ErrorKind::Unsupported && tries < 3 => continue,
+                r => r?,
+            }
+            break;
+        }
+        before.sort_unstable();
+        let brought = vec![0u64; before.len().div_ceil(64)];
+        tracing::info!(
+            table = table.name(),
+            rows = before.len(),
+            seconds = started.elapsed().as_secs_f64(),
+            "a full snapshot begins: applied beside the rows served, the rows it lacks deleted at its commit"
+        );
+        Ok(Resync { seq, before, brought })
+    }
+
+    fn mark(&mut self, keys: &[u64]) {
+        for k in keys {
+            if let Ok(i) = self.before.binary_search(k) {
+                self.brought[i / 64] |= 1 << (i % 64);
+            }
+        }
+    }
+
+    /// The keys the table held before the snapshot and the snapshot did not bring.
+    fn stale(&self) -> impl Iterator<Item = u64> + '_ {
+        self.before.iter().enumerate().filter(|&(i, _)| self.brought[i / 64] & (1 << (i % 64)) == 0).map(|(_, &k)| k)
+    }
+}
+
+/// Deletes the keys of each resynced table that the snapshot of checkpoint `seq` did
+/// not bring; forgets resyncs of other checkpoints (an attempt the publisher abandoned:
+/// its rows stay, as upserts, and what follows them carries every later change).
+fn sweep(s: &Shared, resyncs: &mut HashMap<String, Resync>, seq: u64) -> Result<u64> {
+    let mut swept = 0;
+    for (name, r) in resyncs.drain() {
+        if r.seq != seq {
+            continue;
+        }
+        let Ok(t) = s.store.table(&name) else { continue };
+        let stale: Vec<u64> = r.stale().collect();
+        for chunk in stale.chunks(65536) {
+            swept += t.delete(chunk)?;
+        }
+        tracing::info!(table = %name, deleted = stale.len(), "a full snapshot is complete");
+    }
+    Ok(swept)
+}
+
 /// The applier: applies what the reader sends, checkpointing at each commit marker.
 fn apply_all(
     s: &Shared,
@@ -285,6 +367,9 @@ fn apply_all(
     rx: &std::sync::mpsc::Receiver<Result<(String, message::Message)>>,
 ) -> Result<()> {
     let mut window = (Instant::now(), 0u64);
+    // Tables under a full snapshot, by name. Rebuilt from the reset after a retry: the
+    // stream is read again from the last commit.
+    let mut resyncs: HashMap<String, Resync> = HashMap::new();
     while !s.stop.load(Ordering::Relaxed) {
         let (position, m) = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(r) => r?,
@@ -302,7 +387,7 @@ fn apply_all(
             s.status.lock().repeats += 1;
             continue;
         }
-        apply(s, &m)?;
+        apply(s, &m, &mut resyncs)?;
         let mut st = s.status.lock();
         st.messages += 1;
         match m.kind {
@@ -317,6 +402,8 @@ fn apply_all(
             }
             Kind::Commit => {
                 drop(st);
+                let swept = sweep(s, &mut resyncs, m.checkpoint.seq)?;
+                s.status.lock().deletes += swept;
                 let meta = ReplicaMeta {
                     position,
                     stream: s.opts.stream.describe(),
@@ -347,7 +434,7 @@ fn apply_all(
     Ok(())
 }
 
-fn apply(s: &Shared, m: &message::Message) -> Result<()> {
+fn apply(s: &Shared, m: &message::Message, resyncs: &mut HashMap<String, Resync>) -> Result<()> {
     let table = |create: bool| -> Result<Option<embank_core::Table>> {
         match s.store.table(&m.table) {
             Ok(t) => {
@@ -370,23 +457,132 @@ fn apply(s: &Shared, m: &message::Message) -> Result<()> {
         }
     };
     match m.kind {
-        Kind::Rows => table(true)?.expect("created").push(&m.keys, &m.rows),
+        Kind::Rows => {
+            if let Some(r) = resyncs.get_mut(&m.table) {
+                r.mark(&m.keys);
+            }
+            table(true)?.expect("created").push(&m.keys, &m.rows)
+        }
         Kind::Deletes => match table(false)? {
             Some(t) => t.delete(&m.keys).map(|_| ()),
             None => Ok(()),
         },
         Kind::Reset => {
+            // Remember what is served; the snapshot's rows replace it in place, and its
+            // commit sweeps the rest. A second reset of the table (the publisher retried
+            // the snapshot) starts over from what is there now.
             let Some(t) = table(true)? else { return Ok(()) };
-            let mut keys = Vec::new();
-            t.export(65536, |k, _| {
-                keys.extend_from_slice(k);
-                Ok(())
-            })?;
-            for chunk in keys.chunks(65536) {
-                t.delete(chunk)?;
-            }
+            resyncs.insert(m.table.clone(), Resync::start(&t, m.checkpoint.seq)?);
             Ok(())
         }
         Kind::Commit => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stream::TransportKind;
+    use embank_core::StoreOptions;
+
+    const DIM: usize = 4;
+
+    fn shared(dir: &std::path::Path) -> Shared {
+        let store = Arc::new(Store::open(dir, StoreOptions::default()).unwrap());
+        let opts = ReplicaOptions::new(StreamConfig::new(TransportKind::Redis, "redis://127.0.0.1:1"));
+        Shared { store, opts, status: Mutex::new(ReplicaStatus::default()), stop: AtomicBool::new(false) }
+    }
+
+    fn message(kind: Kind, seq: u64, keys: std::ops::Range<u64>) -> message::Message {
+        let keys: Vec<u64> = keys.collect();
+        let rows = vec![seq as f32; if kind == Kind::Rows { keys.len() * DIM } else { 0 }];
+        let checkpoint = message::CheckpointId { seq, batch_id: seq, unix_micros: 0 };
+        let table = if kind == Kind::Commit { String::new() } else { "emb".into() };
+        message::Message { kind, checkpoint, table, dim: DIM as u32, count: 0, keys, rows }
+    }
+
+    /// Applies `messages` in order as the applier does (a commit sweeps); returns the
+    /// keys present after each message.
+    fn run(s: &Shared, messages: &[message::Message]) -> Vec<Vec<u64>> {
+        let mut resyncs = HashMap::new();
+        messages
+            .iter()
+            .map(|m| {
+                apply(s, m, &mut resyncs).unwrap();
+                if m.kind == Kind::Commit {
+                    sweep(s, &mut resyncs, m.checkpoint.seq).unwrap();
+                }
+                present(s)
+            })
+            .collect()
+    }
+
+    fn present(s: &Shared) -> Vec<u64> {
+        let mut keys = Vec::new();
+        s.store
+            .table("emb")
+            .unwrap()
+            .export(1024, |k, _| {
+                keys.extend_from_slice(k);
+                Ok(())
+            })
+            .unwrap();
+        keys.sort_unstable();
+        keys
+    }
+
+    fn serving(s: &Shared, keys: std::ops::Range<u64>) {
+        run(s, &[message(Kind::Rows, 1, keys), message(Kind::Commit, 1, 0..0)]);
+    }
+
+    #[test]
+    fn a_snapshot_keeps_every_key_until_its_commit_then_sweeps_the_ones_it_lacks() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = shared(dir.path());
+        serving(&s, 0..100);
+        let after = run(
+            &s,
+            &[
+                message(Kind::Reset, 5, 0..0),
+                message(Kind::Rows, 5, 0..50),
+                message(Kind::Rows, 5, 100..120),
+                message(Kind::Commit, 5, 0..0),
+            ],
+        );
+        for (i, keys) in after[..3].iter().enumerate() {
+            assert!((0..100).all(|k| keys.binary_search(&k).is_ok()), "a key went missing after message {i}");
+        }
+        assert_eq!(after[3], (0..50).chain(100..120).collect::<Vec<_>>(), "after the commit");
+    }
+
+    #[test]
+    fn a_retried_snapshot_starts_over_and_an_abandoned_one_sweeps_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = shared(dir.path());
+        serving(&s, 0..100);
+        // The publisher's first attempt (checkpoint 5) broke off; its retry is checkpoint 6.
+        let after = run(
+            &s,
+            &[
+                message(Kind::Reset, 5, 0..0),
+                message(Kind::Rows, 5, 90..110),
+                message(Kind::Reset, 6, 0..0),
+                message(Kind::Rows, 6, 0..30),
+                message(Kind::Commit, 6, 0..0),
+            ],
+        );
+        assert_eq!(after[4], (0..30).collect::<Vec<_>>(), "the retry's commit sweeps the first attempt's rows too");
+        // A snapshot broken off and followed by an incremental publish (a publisher that
+        // restarted from its last published place): its rows stay, nothing is swept.
+        let after = run(
+            &s,
+            &[
+                message(Kind::Reset, 7, 0..0),
+                message(Kind::Rows, 7, 0..10),
+                message(Kind::Rows, 8, 200..201),
+                message(Kind::Commit, 8, 0..0),
+            ],
+        );
+        assert_eq!(after[3], (0..30).chain(200..201).collect::<Vec<_>>());
     }
 }
