@@ -34,6 +34,32 @@ A module may wrap a :class:`~embank.Table` or a :class:`~embank.Worker` (bounded
 staleness: its pulls hold keys until their gradients are pushed), or for inference an
 :class:`embank.gpu.GpuCache` (eval mode: rows answered from the cache's device, misses
 fetched from its table). torch is an optional dependency, imported when this module is.
+
+Training on a GPU: a module's outputs go to its device (moved with the model by
+``model.to("cuda")``; ids given on a device send them there too). The rows stay on the
+host, where they are pulled, pooled and updated; only this crosses PCIe:
+
+- ``EmbeddingBagCollection`` (fused): every feature's pooled rows up in one copy a
+  forward, their gradient down in one copy a backward;
+- ``EmbeddingBag``: pools on the host; its pooled rows up, their gradient down;
+- ``Embedding`` (nothing to pool): the unique rows and the inverse index up, the
+  unique rows' gradient down.
+
+An upload is copied into pinned memory (torch's caching host allocator: blocks reused
+across calls, none handed out again before its copy has finished), then to the device
+(``non_blocking``) on a copy stream, one a device; the caller's stream waits for the
+copy's event and the host does not wait. A download is copied into pinned memory on the
+caller's stream, after the kernels that made the gradient, and the host waits for that
+copy's event: the one host wait of a module's backward (one for a whole fused
+collection). Ids, offsets or ``per_sample_weights`` given on a device add a host wait
+each (they are read on the host): give them from the data loader, on the host.
+
+The next batch's pull overlaps this batch's work: :meth:`EmbeddingBagCollection.prefetch`
+(per-table modules: :func:`lookahead`) reads batch *i+1*'s rows into the store's row
+cache (the disk or network part of a pull) while batch *i* trains; their values are
+read by *i+1*'s forward, after step *i*'s push, so a run equals the CPU's exactly, and
+that forward's pull and pooling run on the host while the device finishes step *i*'s
+dense optimizer (whose launches return at once).
 """
 
 from __future__ import annotations
