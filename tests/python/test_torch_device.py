@@ -96,7 +96,8 @@ def _batches(case: str, seed: int) -> list[Any]:
 def _loss(outputs: list[Any]) -> Any:
     total = 0
     for o in outputs:
-        w = torch.linspace(-1.0, 1.0, o.numel(), device=o.device).reshape(o.shape)
+        # Made on the host: the device's linspace may round differently.
+        w = torch.linspace(-1.0, 1.0, o.numel()).reshape(o.shape).to(o.device)
         total = total + (o * w).sum() + 0.5 * (o * o).sum()
     return total
 
@@ -240,4 +241,27 @@ def test_on_cuda_a_forward_from_host_ids_never_waits_for_the_device(tmp_path: Pa
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _loss(out).backward()  # the download waits: the one host wait of the step
+    store.close()
+
+
+def test_outputs_go_where_the_module_was_moved(tmp_path: Path) -> None:
+    """``module.to(device)`` sends every module's outputs there (the meta device stands in
+    for a GPU: a plain copy), ids on the host; moved back, they come back."""
+    store = embank.open(tmp_path / "store")
+    t = _tables(store, "m")
+    ids, offsets = torch.tensor([1, 2, 2, 3]), torch.tensor([0, 2])
+    modules: list[tuple[Any, Callable[[Any], Any]]] = [
+        (et.Embedding(t[0]), lambda m: m(ids)),
+        (et.EmbeddingBag(t[0]), lambda m: m(ids, offsets)),
+        (
+            et.EmbeddingBagCollection({"a": t[0], "b": t[1]}),
+            lambda m: m({"a": (ids, offsets), "b": (ids, offsets)})["b"],
+        ),
+        (et.EmbeddingBagCollection({"a": t[0]}, fused=False), lambda m: m({"a": (ids, offsets)})["a"]),
+    ]
+    for module, forward in modules:
+        module.eval()
+        assert "_where" not in module.state_dict()
+        assert forward(module.to("meta")).device.type == "meta", module
+        assert forward(module.to_empty(device="cpu")).device.type == "cpu", module
     store.close()
