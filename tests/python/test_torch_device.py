@@ -125,6 +125,7 @@ def _assert_same(
     seen: tuple[list[list[Any]], list[Any]], expected: tuple[list[list[Any]], list[Any]], exact: bool
 ) -> None:
     same = np.testing.assert_array_equal if exact else np.testing.assert_allclose
+    assert len(seen[0]) == len(expected[0]) == STEPS, (len(seen[0]), len(expected[0]))
     for step, (outs, outs_cpu) in enumerate(zip(seen[0], expected[0])):
         for j, (o, o_cpu) in enumerate(zip(outs, outs_cpu)):
             same(o, o_cpu, err_msg=f"step {step}, output {j}: the device path's differs from the CPU's")
