@@ -34,10 +34,37 @@ A module may wrap a :class:`~embank.Table` or a :class:`~embank.Worker` (bounded
 staleness: its pulls hold keys until their gradients are pushed), or for inference an
 :class:`embank.gpu.GpuCache` (eval mode: rows answered from the cache's device, misses
 fetched from its table). torch is an optional dependency, imported when this module is.
+
+Training on a GPU: a module's outputs go to its device (moved with the model by
+``model.to("cuda")``; ids given on a device send them there too). The rows stay on the
+host, where they are pulled, pooled and updated; only this crosses PCIe:
+
+- ``EmbeddingBagCollection`` (fused): every feature's pooled rows up in one copy a
+  forward, their gradient down in one copy a backward;
+- ``EmbeddingBag``: pools on the host; its pooled rows up, their gradient down;
+- ``Embedding`` (nothing to pool): the unique rows and the inverse index up, the
+  unique rows' gradient down.
+
+An upload is copied into pinned memory (torch's caching host allocator: blocks reused
+across calls, none handed out again before its copy has finished), then to the device
+(``non_blocking``) on a copy stream, one a device; the caller's stream waits for the
+copy's event and the host does not wait. A download is copied into pinned memory on the
+caller's stream, after the kernels that made the gradient, and the host waits for that
+copy's event: the one host wait of a module's backward (one for a whole fused
+collection). Ids, offsets or ``per_sample_weights`` given on a device add a host wait
+each (they are read on the host): give them from the data loader, on the host.
+
+The next batch's pull overlaps this batch's work: :meth:`EmbeddingBagCollection.prefetch`
+(per-table modules: :func:`lookahead`) reads batch *i+1*'s rows into the store's row
+cache (the disk or network part of a pull) while batch *i* trains; their values are
+read by *i+1*'s forward, after step *i*'s push, so a run equals the CPU's exactly, and
+that forward's pull and pooling run on the host while the device finishes step *i*'s
+dense optimizer (whose launches return at once).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -133,8 +160,84 @@ def _to_keys(ids: torch.Tensor, what: str) -> npt.NDArray[np.uint64]:
     return a.astype(np.uint64)
 
 
+class _Transfer:
+    """Copies between the host and one CUDA device, through pinned memory.
+
+    ``upload`` (forward): the host tensor is copied into pinned memory, then to the
+    device on the copy stream; the caller's stream waits for the copy's event, the host
+    does not. ``download`` (backward): the device tensor is copied into pinned memory on
+    the caller's stream, after the kernels that made it, and the host waits for that
+    copy's event (the gradient is needed on the host at once, so a second stream would
+    gain nothing). Pinned memory comes from torch's caching host allocator: reused
+    across calls, and a block is not handed out again before the copy that reads it has
+    finished (a ``non_blocking`` copy records an event for its block)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"  # the tests drive this class on the CPU
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=self.pinned)
+        staged.copy_(host)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            out = staged.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(self.stream)
+        compute.wait_event(copied)
+        out.record_stream(compute)  # allocated on the copy stream, used (and freed) on the caller's
+        return out
+
+    def download(self, device_tensor: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(device_tensor.shape, dtype=device_tensor.dtype, pin_memory=self.pinned)
+        host.copy_(device_tensor, non_blocking=True)
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copied.record(torch.cuda.current_stream(self.device))
+        copied.synchronize()
+        return host
+
+
+@functools.cache
+def _cuda_transfer(device: torch.device) -> _Transfer:
+    return _Transfer(device)  # one copy stream a device, shared by every module
+
+
+def _transfer_for(device: torch.device) -> _Transfer | None:
+    """The pinned, stream-ordered copies to ``device``; None for the CPU and for devices
+    other than CUDA (plain copies). The tests replace it to drive the CUDA code on the CPU."""
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _cuda_transfer(torch.device("cuda", index))
+
+
+class _ToDevice(torch.autograd.Function):
+    """A host tensor uploaded to a device; its gradient downloaded in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, host: torch.Tensor, transfer: _Transfer) -> torch.Tensor:
+        ctx.transfer = transfer
+        return transfer.upload(host)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.transfer.download(grad), None
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``, differentiable (the gradient comes back to the host)."""
+    transfer = _transfer_for(device)
+    if transfer is None:
+        return host.to(device)  # the CPU: the same tensor
+    out: torch.Tensor = _ToDevice.apply(host, transfer)
+    return out
+
+
 class _Lookup(torch.nn.Module):
     """Pulls the unique rows of a batch as a leaf tensor whose gradient goes to the store."""
+
+    _where: torch.Tensor
 
     def __init__(self, source: Source | GpuCache, push: str) -> None:
         super().__init__()
@@ -151,29 +254,32 @@ class _Lookup(torch.nn.Module):
         self.table = _table_of(source)
         self.dim = self.table.dim
         self.pending = _pending_for(source)
+        # Moved by ``module.to(device)`` with the model: where outputs go (not saved).
+        self.register_buffer("_where", torch.empty(0), persistent=False)
 
-    def unique_rows(self, ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unique rows ``(u, dim)`` (requires grad when training) and the inverse index of ``ids``
-        (through a GpuCache: the row of every id, and ``arange``)."""
-        flat = ids.reshape(-1)
+    def output_device(self, ids: torch.Tensor) -> torch.device:
+        """Where outputs go: the ids' device when it is not the CPU, else the module's."""
+        return ids.device if ids.device.type != "cpu" else self._where.device
+
+    def cached_rows(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Every id's row (no unique) from the GpuCache, on ``device``."""
+        assert self.cache is not None
+        if torch.is_grad_enabled() and self.training:
+            raise InvalidInputError(
+                "a GpuCache answers lookups in eval mode or under torch.no_grad(); train through the table"
+            )
+        # No torch.unique: it would wait for the device, and the cache answers repeats
+        # from the device anyway (one host sync a lookup).
+        return self.cache.lookup(ids.reshape(-1)).to(device)
+
+    def unique_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unique rows ``(u, dim)`` on the host (a leaf that requires grad when training)
+        and the inverse index of ``ids``."""
         training = torch.is_grad_enabled() and self.training
-        if self.cache is not None:
-            if training:
-                raise InvalidInputError(
-                    "a GpuCache answers lookups in eval mode or under torch.no_grad(); "
-                    "train through the table"
-                )
-            # Every id's row, no unique: torch.unique would wait for the device, and the
-            # cache answers repeats from the device anyway (one host sync a lookup).
-            rows = self.cache.lookup(flat).to(device)
-            return rows, torch.arange(len(flat), device=device)
-        uniq, inverse = torch.unique(flat.to("cpu"), sorted=True, return_inverse=True)
+        uniq, inverse = torch.unique(ids.reshape(-1).to("cpu"), sorted=True, return_inverse=True)
         keys = _to_keys(uniq, "ids")
         # A worker's pull holds keys until their gradient is pushed: only when training.
         rows = torch.from_numpy((self.source if training else self.table).pull(keys))
-        if device.type != "cpu":
-            rows = rows.to(device, non_blocking=True)
-            inverse = inverse.to(device)
         if training:
             rows.requires_grad_(True)
             rows.register_hook(self._hook(keys))  # type: ignore[no-untyped-call]
@@ -201,7 +307,12 @@ class Embedding(_Lookup):
         super().__init__(table, push)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        rows, inverse = self.unique_rows(input, input.device)
+        device = self.output_device(input)
+        if self.cache is not None:
+            return self.cached_rows(input, device).reshape(*input.shape, self.dim)
+        rows, inverse = self.unique_rows(input)
+        # On a device: the unique rows and the inverse go up, the rows' gradient comes down.
+        rows, inverse = _to_device(rows, device), _to_device(inverse, device)
         return F.embedding(inverse, rows).reshape(*input.shape, self.dim)
 
 
@@ -246,6 +357,7 @@ class EmbeddingBag(_Lookup):
             raise InvalidInputError("input must be 1-D with offsets, or 2-D without")
         if per_sample_weights is not None and self.mode != "sum":
             raise InvalidInputError('per_sample_weights need mode="sum" (as in torch.nn.EmbeddingBag)')
+        device = self.output_device(input)
         if self.pooled and not (torch.is_grad_enabled() and self.training):
             keys = _to_keys(input.reshape(-1).to("cpu"), "ids")
             w = (
@@ -254,11 +366,20 @@ class EmbeddingBag(_Lookup):
                 else per_sample_weights.detach().to("cpu", torch.float32).numpy()
             )
             out = self.table.lookup_pooled(keys, offsets.to("cpu").numpy(), w, self.mode)
-            return torch.from_numpy(out).to(input.device)
-        rows, inverse = self.unique_rows(input, input.device)
-        return F.embedding_bag(
-            inverse, rows, offsets.to(inverse.device), mode=self.mode, per_sample_weights=per_sample_weights
-        )
+            return _to_device(torch.from_numpy(out), device)
+        if self.cache is not None:
+            rows = self.cached_rows(input, device)
+            weights = None if per_sample_weights is None else per_sample_weights.to(device)
+            every = torch.arange(len(rows), device=device)
+            return F.embedding_bag(
+                every, rows, offsets.to(device), mode=self.mode, per_sample_weights=weights
+            )
+        # Pooled on the host: on a device only the pooled rows go up and their gradient
+        # comes down.
+        rows, inverse = self.unique_rows(input)
+        weights = None if per_sample_weights is None else per_sample_weights.to("cpu")
+        pooled = F.embedding_bag(inverse, rows, offsets.to("cpu"), mode=self.mode, per_sample_weights=weights)
+        return _to_device(pooled, device)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}" + (", pooled=True" if self.pooled else "")
@@ -375,6 +496,8 @@ class EmbeddingBagCollection(torch.nn.Module):
     store's row cache while the batch before it trains.
     """
 
+    _where: torch.Tensor
+
     def __init__(
         self,
         features: Mapping[str, Source | GpuCache],
@@ -401,6 +524,8 @@ class EmbeddingBagCollection(torch.nn.Module):
             raise InvalidInputError("pooled=True pools bags per table in the store: use fused=False with it")
         self.feature_names = list(features)
         self.mode, self.push, self.fused = mode, push, fused
+        # Moved by ``module.to(device)`` with the model: where outputs go (not saved).
+        self.register_buffer("_where", torch.empty(0), persistent=False)
         self.bags = torch.nn.ModuleDict()
         if not fused:
             self.bags.update(
@@ -496,9 +621,22 @@ class EmbeddingBagCollection(torch.nn.Module):
             flat = _FusedStep.apply(self._anchor, self, self._native, values, offsets, weights)
         else:
             flat = torch.from_numpy(self._native_eval.forward(values, offsets, weights)[0])
+        # On a device: the pooled rows of every feature go up in one copy, their gradient
+        # comes down in one.
+        flat = _to_device(flat, self._output_device(features))
         bags = len(offsets[0])
-        parts = flat.split([bags * d for d in self.dims])
+        parts = torch.split(flat, [bags * d for d in self.dims])
         return {n: p.view(bags, d) for n, p, d in zip(self.feature_names, parts, self.dims)}
+
+    def _output_device(self, features: Any) -> torch.device:
+        """The ids' device when it is not the CPU, else the module's."""
+        if isinstance(features, Mapping):
+            features = next(iter(features.values()))[0]
+        elif not isinstance(features, torch.Tensor) and hasattr(features, "to_dict"):
+            features = features.values()  # a KeyedJaggedTensor
+        if isinstance(features, torch.Tensor) and features.device.type != "cpu":
+            return features.device
+        return self._where.device
 
     def _forward_per_table(self, features: Any) -> dict[str, torch.Tensor]:
         if isinstance(features, torch.Tensor):
