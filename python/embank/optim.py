@@ -149,8 +149,8 @@ class AdamW(Optimizer):
 
     def _json(self) -> str:
         b1, b2 = self.betas
-        wd = self.weight_decay
-        return json.dumps({"kind": "adamw", "lr": self.lr, "beta1": b1, "beta2": b2, "eps": self.eps, "weight_decay": wd})
+        fields = {"lr": self.lr, "beta1": b1, "beta2": b2, "eps": self.eps, "weight_decay": self.weight_decay}
+        return json.dumps({"kind": "adamw", **fields})
 
 
 @dataclass(frozen=True)
