@@ -1,7 +1,8 @@
 """Server-side optimizers: :meth:`embank.Table.push_grad` updates rows where they live.
 
-The optimizer's state (Adagrad's sum of squared gradients, Adam's moments and
-step count) is stored in the same record as the row, so it never travels,
+The optimizer's state (Adagrad's sum of squared gradients, row-wise Adagrad's one
+accumulator, Adam's moments and step count, FTRL's ``z`` and ``n``) is stored in the
+same record as the row, so it never travels,
 and is persisted, cached and recovered with the row. Updates are lazy: rows
 not in a ``push_grad`` are untouched.
 
@@ -30,7 +31,8 @@ def _check(name: str, ok: bool, what: str) -> None:
 
 @dataclass(frozen=True)
 class Optimizer:
-    """Base class; use :class:`SGD`, :class:`Adagrad` or :class:`Adam`."""
+    """Base class; use :class:`SGD`, :class:`Adagrad`, :class:`RowWiseAdagrad`,
+    :class:`Adam`, :class:`AdamW` or :class:`Ftrl`."""
 
     lr: float
 
@@ -96,4 +98,100 @@ class Adam(Optimizer):
         return json.dumps({"kind": "adam", "lr": self.lr, "beta1": b1, "beta2": b2, "eps": self.eps})
 
 
-__all__ = ["SGD", "Adagrad", "Adam", "Optimizer"]
+@dataclass(frozen=True)
+class RowWiseAdagrad(Optimizer):
+    """FBGEMM's exact row-wise Adagrad (``EmbOptimType.EXACT_ROWWISE_ADAGRAD``, TorchRec's
+    default): ``s += mean(g**2); w -= lr * g / (sqrt(s) + eps)`` with one accumulator
+    ``s`` per row, so the state is one float per row instead of ``dim``."""
+
+    eps: float = 1e-8
+    initial_accumulator_value: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check("rowwise_adagrad", math.isfinite(self.lr) and self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _check("rowwise_adagrad", self.eps >= 0, f"eps must be >= 0, got {self.eps}")
+        _check(
+            "rowwise_adagrad",
+            self.initial_accumulator_value >= 0,
+            f"initial_accumulator_value must be >= 0, got {self.initial_accumulator_value}",
+        )
+
+    def _json(self) -> str:
+        return json.dumps(
+            {
+                "kind": "rowwise_adagrad",
+                "lr": self.lr,
+                "eps": self.eps,
+                "initial_accumulator_value": self.initial_accumulator_value,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class AdamW(Optimizer):
+    """:class:`Adam` (a step count per row) with PyTorch's decoupled weight decay:
+    ``w *= 1 - lr * weight_decay`` before each row's Adam step."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check("adamw", math.isfinite(self.lr) and self.lr > 0, f"lr must be > 0, got {self.lr}")
+        b1, b2 = self.betas
+        _check("adamw", 0 <= b1 < 1 and 0 <= b2 < 1, f"betas must be in [0, 1), got {self.betas}")
+        _check("adamw", self.eps >= 0, f"eps must be >= 0, got {self.eps}")
+        _check(
+            "adamw",
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0 and self.lr * self.weight_decay < 1,
+            f"weight_decay must be >= 0 with lr * weight_decay < 1, got {self.weight_decay}",
+        )
+
+    def _json(self) -> str:
+        b1, b2 = self.betas
+        fields = {"lr": self.lr, "beta1": b1, "beta2": b2, "eps": self.eps, "weight_decay": self.weight_decay}
+        return json.dumps({"kind": "adamw", **fields})
+
+
+@dataclass(frozen=True)
+class Ftrl(Optimizer):
+    """FTRL-Proximal (McMahan et al., 2013), per coordinate, the CTR staple:
+    ``sigma = (sqrt(n + g**2) - sqrt(n)) / lr; z += g - sigma * w; n += g**2;
+    w = 0 if |z| <= l1 else -(z - sign(z) * l1) / ((beta + sqrt(n)) / lr + l2)``.
+    ``l1`` makes rows sparse (exact zeros). ``n`` starts at ``initial_accumulator_value``
+    (TensorFlow's default 0.1), ``z`` at 0."""
+
+    beta: float = 1.0
+    l1: float = 0.0
+    l2: float = 0.0
+    initial_accumulator_value: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check("ftrl", math.isfinite(self.lr) and self.lr > 0, f"lr must be > 0, got {self.lr}")
+        for name, v in (("beta", self.beta), ("l1", self.l1), ("l2", self.l2)):
+            _check("ftrl", math.isfinite(v) and v >= 0, f"{name} must be >= 0, got {v}")
+        _check(
+            "ftrl",
+            self.initial_accumulator_value >= 0,
+            f"initial_accumulator_value must be >= 0, got {self.initial_accumulator_value}",
+        )
+        _check(
+            "ftrl",
+            self.beta > 0 or self.l2 > 0 or self.initial_accumulator_value > 0,
+            "beta, l2 and initial_accumulator_value are all 0: the first update divides by 0",
+        )
+
+    def _json(self) -> str:
+        return json.dumps(
+            {
+                "kind": "ftrl",
+                "lr": self.lr,
+                "beta": self.beta,
+                "l1": self.l1,
+                "l2": self.l2,
+                "initial_accumulator_value": self.initial_accumulator_value,
+            }
+        )
+
+
+__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "Optimizer", "RowWiseAdagrad"]

@@ -121,3 +121,101 @@ def test_optimizer_errors(store_path: Path) -> None:
         assert len(t) == 0, "nothing was written"
         with pytest.raises(InvalidInputError):
             t.push_grad([1], np.ones((1, 3), np.float32))
+
+
+def _reference_step(kind: str, hp: dict[str, float], r: list[Any], gs: Arr) -> None:
+    """One update of a row's reference state ``r`` (f64) by its summed gradient ``gs``."""
+    if kind == "rowwise_adagrad":
+        r[1] += float(np.mean(gs * gs))
+        r[0] -= hp["lr"] * gs / (np.sqrt(r[1]) + hp["eps"])
+    elif kind == "adamw":
+        lr, b1, b2, eps = hp["lr"], hp["b1"], hp["b2"], hp["eps"]
+        r[0] *= 1 - lr * hp["weight_decay"]
+        r[3] += 1
+        r[1] = b1 * r[1] + (1 - b1) * gs
+        r[2] = b2 * r[2] + (1 - b2) * gs * gs
+        r[0] -= lr * (r[1] / (1 - b1 ** r[3])) / (np.sqrt(r[2] / (1 - b2 ** r[3])) + eps)
+    else:  # ftrl
+        lr, beta, l1, l2 = hp["lr"], hp["beta"], hp["l1"], hp["l2"]
+        z, n = r[1], r[2]
+        sigma = (np.sqrt(n + gs * gs) - np.sqrt(n)) / lr
+        z += gs - sigma * r[0]
+        n += gs * gs
+        r[0] = np.where(np.abs(z) <= l1, 0.0, -(z - np.sign(z) * l1) / ((beta + np.sqrt(n)) / lr + l2))
+
+
+NEW_OPTIMIZERS: dict[str, tuple[embank.optim.Optimizer, dict[str, float]]] = {
+    "rowwise_adagrad": (
+        embank.optim.RowWiseAdagrad(lr=0.05, eps=1e-8, initial_accumulator_value=0.1),
+        {"lr": 0.05, "eps": 1e-8, "acc0": 0.1},
+    ),
+    "adamw": (
+        embank.optim.AdamW(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1),
+        {"lr": 0.01, "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.1},
+    ),
+    "ftrl": (
+        embank.optim.Ftrl(lr=0.1, beta=1.0, l1=0.05, l2=0.01, initial_accumulator_value=0.1),
+        {"lr": 0.1, "beta": 1.0, "l1": 0.05, "l2": 0.01, "acc0": 0.1},
+    ),
+}
+
+
+def _fresh_state(kind: str, hp: dict[str, float]) -> list[Any]:
+    w = np.full(DIM, 0.5)
+    if kind == "rowwise_adagrad":
+        return [w, hp["acc0"]]
+    if kind == "adamw":
+        return [w, np.zeros(DIM), np.zeros(DIM), 0]
+    return [w, np.zeros(DIM), np.full(DIM, hp["acc0"])]
+
+
+@pytest.mark.parametrize("kind", sorted(NEW_OPTIMIZERS))
+def test_new_optimizers_match_a_reference_embedded_and_remote(store: embank.Store, kind: str) -> None:
+    # 100 steps, duplicate ids in every batch (summed first, as FBGEMM's exact optimizers do).
+    opt, hp = NEW_OPTIMIZERS[kind]
+    t = store.create_table(f"new_{kind}", DIM, init=embank.init.constant(0.5), optimizer=opt)
+    try:
+        assert t.optimizer is not None and t.optimizer["kind"] == kind
+        ref: dict[int, list[Any]] = {}
+        for k, g in _stream(7, steps=100, keys=40, batch=32):
+            t.push_grad(k, g)
+            uniq, sums = _summed(k, g)
+            for key, gs in zip(uniq.tolist(), sums):
+                _reference_step(kind, hp, ref.setdefault(key, _fresh_state(kind, hp)), gs)
+        keys = np.array(sorted(ref), np.uint64)
+        _rel_close(t.pull(keys), np.stack([ref[k][0] for k in sorted(ref)]))
+        if kind == "ftrl":
+            assert (t.pull(keys) == 0.0).any(), "l1 gives exact zeros"
+    finally:
+        store.drop_table(f"new_{kind}")
+
+
+@pytest.mark.parametrize("medium", ["mmap", "block"])
+def test_rowwise_adagrad_state_is_one_float_a_row_and_persists(store_path: Path, medium: str) -> None:
+    opt, hp = NEW_OPTIMIZERS["rowwise_adagrad"]
+    ref: dict[int, list[Any]] = {}
+    with embank.open(store_path, cache_bytes=16 << 10) as s:
+        t = s.create_table("e", DIM, init=embank.init.constant(0.5), medium=medium, optimizer=opt)
+        for k, g in _stream(3):
+            t.push_grad(k, g)
+            uniq, sums = _summed(k, g)
+            for key, gs in zip(uniq.tolist(), sums):
+                r = ref.setdefault(key, _fresh_state("rowwise_adagrad", hp))
+                _reference_step("rowwise_adagrad", hp, r, gs)
+    with embank.open(store_path) as s:
+        t = s.table("e")
+        keys = np.array(sorted(ref), np.uint64)
+        g = np.ones((len(keys), DIM), np.float32)
+        t.push_grad(keys, g)
+        for key in ref:
+            _reference_step("rowwise_adagrad", hp, ref[key], np.ones(DIM))
+        _rel_close(t.pull(keys), np.stack([ref[k][0] for k in sorted(ref)]))
+
+
+def test_new_optimizer_errors() -> None:
+    with pytest.raises(ConfigError, match="rowwise_adagrad optimizer: eps"):
+        embank.optim.RowWiseAdagrad(lr=0.1, eps=-1)
+    with pytest.raises(ConfigError, match="weight_decay"):
+        embank.optim.AdamW(lr=0.1, weight_decay=20.0)
+    with pytest.raises(ConfigError, match="divides by 0"):
+        embank.optim.Ftrl(lr=0.1, beta=0.0, initial_accumulator_value=0.0)

@@ -326,7 +326,14 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
         "sgd" => Optimizer::Sgd { lr: 0.01 },
         "adagrad" => Optimizer::Adagrad { lr: 0.01, eps: 1e-10, initial_accumulator_value: 0.0 },
         "adam" => Optimizer::Adam { lr: 0.001, beta1: 0.9, beta2: 0.999, eps: 1e-8 },
-        other => return Err(format!("unknown optimizer {other:?}: none, sgd, adagrad or adam")),
+        "rowwise_adagrad" => Optimizer::RowWiseAdagrad { lr: 0.01, eps: 1e-8, initial_accumulator_value: 0.0 },
+        "adamw" => Optimizer::AdamW { lr: 0.001, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 },
+        "ftrl" => Optimizer::Ftrl { lr: 0.05, beta: 1.0, l1: 0.0, l2: 0.0, initial_accumulator_value: 0.1 },
+        other => {
+            return Err(format!(
+                "unknown optimizer {other:?}: none, sgd, adagrad, rowwise_adagrad, adam, adamw or ftrl"
+            ))
+        }
     };
     let medium = MediumKind::parse(&args.medium).map_err(|e| e.to_string())?;
     if !(0.0..=1.0).contains(&args.target_hit_rate) {

@@ -5,16 +5,21 @@
 //! cached and recovered with the row:
 //!
 //! ```text
-//! SGD      row[dim]                          (no state)
-//! Adagrad  row[dim] | sum of squared grads[dim]
-//! Adam     row[dim] | first moment[dim] | second moment[dim] | step (1 element)
+//! SGD              row[dim]                          (no state)
+//! Adagrad          row[dim] | sum of squared grads[dim]
+//! row-wise Adagrad row[dim] | sum of mean squared grads (1 element)
+//! Adam, AdamW      row[dim] | first moment[dim] | second moment[dim] | step (1 element)
+//! FTRL             row[dim] | z[dim] | n[dim]
 //! ```
 //!
 //! Updates are per row and lazy (rows not in a `push_grad` are untouched), the
 //! semantics of sparse optimizers: Adagrad is exactly PyTorch's `Adagrad` on
-//! sparse gradients (`lr_decay = 0`, no weight decay); Adam keeps its step
-//! count per row (each row's bias correction uses the number of updates that
-//! row received), like TensorFlow's lazy Adam with a per-row step.
+//! sparse gradients (`lr_decay = 0`, no weight decay); row-wise Adagrad is FBGEMM's
+//! `EXACT_ROWWISE_ADAGRAD` (TorchRec's default: one f32 of state per row instead of
+//! `dim`); Adam keeps its step count per row (each row's bias correction uses the
+//! number of updates that row received), like TensorFlow's lazy Adam with a per-row
+//! step, and AdamW is that Adam with PyTorch's decoupled weight decay; FTRL is
+//! FTRL-Proximal (McMahan et al., 2013) per coordinate, with L1 and L2.
 
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +39,19 @@ pub enum Optimizer {
     /// `t += 1; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
     /// w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)`.
     Adam { lr: f32, beta1: f32, beta2: f32, eps: f32 },
+    /// FBGEMM's exact row-wise Adagrad: `s += mean(g^2); w -= lr * g / (sqrt(s) + eps)`,
+    /// one accumulator `s` per row, starting at `initial_accumulator_value`.
+    #[serde(rename = "rowwise_adagrad")]
+    RowWiseAdagrad { lr: f32, eps: f32, initial_accumulator_value: f32 },
+    /// Adam with decoupled weight decay (PyTorch's `AdamW`): `w *= 1 - lr * weight_decay`,
+    /// then the Adam step above.
+    #[serde(rename = "adamw")]
+    AdamW { lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32 },
+    /// FTRL-Proximal per coordinate: `sigma = (sqrt(n + g^2) - sqrt(n)) / lr;
+    /// z += g - sigma w; n += g^2; w = 0 if |z| <= l1 else
+    /// -(z - sign(z) l1) / ((beta + sqrt(n)) / lr + l2)`; `n` starts at
+    /// `initial_accumulator_value`, `z` at 0.
+    Ftrl { lr: f32, beta: f32, l1: f32, l2: f32, initial_accumulator_value: f32 },
 }
 
 impl Optimizer {
@@ -42,7 +60,9 @@ impl Optimizer {
         match self {
             Optimizer::None | Optimizer::Sgd { .. } => 0,
             Optimizer::Adagrad { .. } => dim,
-            Optimizer::Adam { .. } => 2 * dim + 1,
+            Optimizer::RowWiseAdagrad { .. } => 1,
+            Optimizer::Adam { .. } | Optimizer::AdamW { .. } => 2 * dim + 1,
+            Optimizer::Ftrl { .. } => 2 * dim,
         }
     }
 
@@ -52,13 +72,21 @@ impl Optimizer {
             Optimizer::Sgd { .. } => "sgd",
             Optimizer::Adagrad { .. } => "adagrad",
             Optimizer::Adam { .. } => "adam",
+            Optimizer::RowWiseAdagrad { .. } => "rowwise_adagrad",
+            Optimizer::AdamW { .. } => "adamw",
+            Optimizer::Ftrl { .. } => "ftrl",
         }
     }
 
     pub fn lr(&self) -> Option<f32> {
         match *self {
             Optimizer::None => None,
-            Optimizer::Sgd { lr } | Optimizer::Adagrad { lr, .. } | Optimizer::Adam { lr, .. } => Some(lr),
+            Optimizer::Sgd { lr }
+            | Optimizer::Adagrad { lr, .. }
+            | Optimizer::Adam { lr, .. }
+            | Optimizer::RowWiseAdagrad { lr, .. }
+            | Optimizer::AdamW { lr, .. }
+            | Optimizer::Ftrl { lr, .. } => Some(lr),
         }
     }
 
@@ -67,7 +95,12 @@ impl Optimizer {
         let mut o = *self;
         match &mut o {
             Optimizer::None => return Err(Error::config("the table has no optimizer, so no learning rate")),
-            Optimizer::Sgd { lr } | Optimizer::Adagrad { lr, .. } | Optimizer::Adam { lr, .. } => *lr = new,
+            Optimizer::Sgd { lr }
+            | Optimizer::Adagrad { lr, .. }
+            | Optimizer::Adam { lr, .. }
+            | Optimizer::RowWiseAdagrad { lr, .. }
+            | Optimizer::AdamW { lr, .. }
+            | Optimizer::Ftrl { lr, .. } => *lr = new,
         }
         o.validate()?;
         Ok(o)
@@ -91,7 +124,7 @@ impl Optimizer {
                 }
                 Ok(())
             }
-            Optimizer::Adam { lr, beta1, beta2, eps } => {
+            Optimizer::Adam { lr, beta1, beta2, eps } | Optimizer::AdamW { lr, beta1, beta2, eps, .. } => {
                 if !(lr.is_finite() && lr > 0.0) {
                     return bad(&format!("lr must be > 0, got {lr}"));
                 }
@@ -101,6 +134,42 @@ impl Optimizer {
                 if !(eps.is_finite() && eps >= 0.0) {
                     return bad(&format!("eps must be >= 0, got {eps}"));
                 }
+                if let Optimizer::AdamW { weight_decay, .. } = *self {
+                    if !(weight_decay.is_finite() && weight_decay >= 0.0 && lr * weight_decay < 1.0) {
+                        return bad(&format!(
+                            "weight_decay must be >= 0 with lr * weight_decay < 1, got {weight_decay}"
+                        ));
+                    }
+                }
+                Ok(())
+            }
+            Optimizer::RowWiseAdagrad { lr, eps, initial_accumulator_value } => {
+                if !(lr.is_finite() && lr > 0.0) {
+                    return bad(&format!("lr must be > 0, got {lr}"));
+                }
+                if !(eps.is_finite() && eps >= 0.0) {
+                    return bad(&format!("eps must be >= 0, got {eps}"));
+                }
+                if !(initial_accumulator_value.is_finite() && initial_accumulator_value >= 0.0) {
+                    return bad(&format!("initial_accumulator_value must be >= 0, got {initial_accumulator_value}"));
+                }
+                Ok(())
+            }
+            Optimizer::Ftrl { lr, beta, l1, l2, initial_accumulator_value } => {
+                if !(lr.is_finite() && lr > 0.0) {
+                    return bad(&format!("lr must be > 0, got {lr}"));
+                }
+                for (name, v) in [("beta", beta), ("l1", l1), ("l2", l2)] {
+                    if !(v.is_finite() && v >= 0.0) {
+                        return bad(&format!("{name} must be >= 0, got {v}"));
+                    }
+                }
+                if !(initial_accumulator_value.is_finite() && initial_accumulator_value >= 0.0) {
+                    return bad(&format!("initial_accumulator_value must be >= 0, got {initial_accumulator_value}"));
+                }
+                if beta == 0.0 && l2 == 0.0 && initial_accumulator_value == 0.0 {
+                    return bad("beta, l2 and initial_accumulator_value are all 0: the first update divides by 0");
+                }
                 Ok(())
             }
         }
@@ -109,7 +178,13 @@ impl Optimizer {
     /// Fills the state of a new row.
     pub fn init_state(&self, state: &mut [f32]) {
         match *self {
-            Optimizer::Adagrad { initial_accumulator_value, .. } => state.fill(initial_accumulator_value),
+            Optimizer::Adagrad { initial_accumulator_value, .. }
+            | Optimizer::RowWiseAdagrad { initial_accumulator_value, .. } => state.fill(initial_accumulator_value),
+            Optimizer::Ftrl { initial_accumulator_value, .. } => {
+                let (z, n) = state.split_at_mut(state.len() / 2);
+                z.fill(0.0);
+                n.fill(initial_accumulator_value);
+            }
             _ => state.fill(0.0),
         }
     }
@@ -134,6 +209,46 @@ impl Optimizer {
                     *w -= lr * g / (s.sqrt() + eps);
                 }
             }
+            Optimizer::RowWiseAdagrad { lr, eps, .. } => {
+                // FBGEMM's CPU kernel: the mean of the squared gradient (summed in f32,
+                // in order), one accumulator, one multiplier for the row.
+                let (w, s) = record.split_at_mut(dim);
+                let mut sum = 0.0f32;
+                for &g in g {
+                    sum += g * g;
+                }
+                s[0] += sum / dim as f32;
+                let multiplier = lr / (s[0].sqrt() + eps);
+                for (w, &g) in w.iter_mut().zip(g) {
+                    *w -= multiplier * g;
+                }
+            }
+            Optimizer::Ftrl { lr, beta, l1, l2, .. } => {
+                let (w, rest) = record.split_at_mut(dim);
+                let (z, n) = rest.split_at_mut(dim);
+                for (((w, z), n), &g) in w.iter_mut().zip(&mut z[..dim]).zip(&mut n[..dim]).zip(g) {
+                    let n_new = *n + g * g;
+                    let sigma = (n_new.sqrt() - n.sqrt()) / lr;
+                    *z += g - sigma * *w;
+                    *n = n_new;
+                    *w = if z.abs() <= l1 { 0.0 } else { -(*z - z.signum() * l1) / ((beta + n.sqrt()) / lr + l2) };
+                }
+            }
+            Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+                let decay = 1.0 - lr * weight_decay;
+                for w in &mut record[..dim] {
+                    *w *= decay;
+                }
+                Optimizer::Adam { lr, beta1, beta2, eps }.apply_adam(record, g);
+            }
+            Optimizer::Adam { .. } => self.apply_adam(record, g),
+        }
+    }
+
+    /// The Adam step on `record` (row, first moment, second moment, step).
+    fn apply_adam(&self, record: &mut [f32], g: &[f32]) {
+        let dim = g.len();
+        match *self {
             Optimizer::Adam { lr, beta1, beta2, eps } => {
                 let (w, rest) = record.split_at_mut(dim);
                 let (m, rest) = rest.split_at_mut(dim);
@@ -150,6 +265,7 @@ impl Optimizer {
                     *w -= lr * mhat / (vhat.sqrt() + eps);
                 }
             }
+            _ => unreachable!("apply_adam on {}", self.name()),
         }
     }
 }
@@ -231,6 +347,90 @@ mod tests {
     }
 
     #[test]
+    fn rowwise_adagrad_by_hand() {
+        let o = Optimizer::RowWiseAdagrad { lr: 0.5, eps: 0.0, initial_accumulator_value: 0.0 };
+        let mut r = [1.0, 2.0, 0.0];
+        o.apply(&mut r, &[2.0, -2.0]);
+        // s = mean([4, 4]) = 4; one multiplier 0.5 / 2 for the row.
+        assert_eq!(r, [0.5, 2.5, 4.0]);
+        o.apply(&mut r, &[0.0, 0.0]);
+        assert_eq!(r, [0.5, 2.5, 4.0], "a zero gradient changes nothing");
+    }
+
+    #[test]
+    fn ftrl_against_the_paper_in_f64() {
+        let (lr, beta, l1, l2, n0) = (0.1f32, 1.0f32, 0.05f32, 0.01f32, 0.1f32);
+        let o = Optimizer::Ftrl { lr, beta, l1, l2, initial_accumulator_value: n0 };
+        let dim = 3;
+        let mut r = vec![0.2f32, -0.1, 0.0];
+        let mut state = vec![0.0f32; 2 * dim];
+        o.init_state(&mut state);
+        r.extend_from_slice(&state);
+        let (mut w, mut z, mut n) = (vec![0.2f64, -0.1, 0.0], vec![0.0f64; dim], vec![f64::from(n0); dim]);
+        let (lr, beta, l1, l2) = (f64::from(lr), f64::from(beta), f64::from(l1), f64::from(l2));
+        for step in 0..50 {
+            let g: Vec<f32> = (0..dim).map(|i| ((step * 7 + i * 3) % 11) as f32 / 10.0 - 0.5).collect();
+            o.apply(&mut r, &g);
+            for i in 0..dim {
+                let g = f64::from(g[i]);
+                let sigma = ((n[i] + g * g).sqrt() - n[i].sqrt()) / lr;
+                z[i] += g - sigma * w[i];
+                n[i] += g * g;
+                w[i] = if z[i].abs() <= l1 {
+                    0.0
+                } else {
+                    -(z[i] - z[i].signum() * l1) / ((beta + n[i].sqrt()) / lr + l2)
+                };
+            }
+            for i in 0..dim {
+                assert!(
+                    (f64::from(r[i]) - w[i]).abs() <= 1e-5 * (1.0 + w[i].abs()),
+                    "step {step} w[{i}]: {} vs {}",
+                    r[i],
+                    w[i]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn ftrl_l1_zeroes_small_weights() {
+        let o = Optimizer::Ftrl { lr: 0.1, beta: 1.0, l1: 10.0, l2: 0.0, initial_accumulator_value: 0.0 };
+        let mut r = vec![0.3, -0.7, 0.0, 0.0, 0.0, 0.0];
+        o.apply(&mut r, &[0.01, -0.02]);
+        assert_eq!(&r[..2], &[0.0, 0.0], "|z| <= l1 gives an exact zero");
+    }
+
+    #[test]
+    fn adamw_decays_then_steps_like_adam() {
+        let (lr, wd) = (0.1f32, 0.5f32);
+        let adamw = Optimizer::AdamW { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: wd };
+        let adam = Optimizer::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+        let mut a = vec![1.0, -2.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        let mut b = a.clone();
+        adamw.apply(&mut a, &[0.3, 0.4]);
+        b[0] *= 1.0 - lr * wd;
+        b[1] *= 1.0 - lr * wd;
+        adam.apply(&mut b, &[0.3, 0.4]);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn new_optimizers_by_their_names_in_json() {
+        for (json, name, state) in [
+            (r#"{"kind":"rowwise_adagrad","lr":0.1,"eps":1e-8,"initial_accumulator_value":0.0}"#, "rowwise_adagrad", 1),
+            (r#"{"kind":"adamw","lr":0.1,"beta1":0.9,"beta2":0.999,"eps":1e-8,"weight_decay":0.01}"#, "adamw", 17),
+            (r#"{"kind":"ftrl","lr":0.1,"beta":1.0,"l1":0.0,"l2":0.0,"initial_accumulator_value":0.1}"#, "ftrl", 16),
+        ] {
+            let o: Optimizer = serde_json::from_str(json).unwrap();
+            assert_eq!(o.name(), name);
+            assert_eq!(o.state_len(8), state);
+            o.validate().unwrap();
+            assert_eq!(serde_json::from_str::<Optimizer>(&serde_json::to_string(&o).unwrap()).unwrap(), o);
+        }
+    }
+
+    #[test]
     fn duplicates_are_summed_in_first_seen_order() {
         let (k, g) = sum_duplicates(&[5, 3, 5, 5], &[1.0, 10.0, 2.0, 4.0], 1);
         assert_eq!(k, vec![5, 3]);
@@ -242,6 +442,12 @@ mod tests {
         assert!(Optimizer::Sgd { lr: 0.0 }.validate().is_err());
         assert!(Optimizer::Adam { lr: 0.1, beta1: 1.0, beta2: 0.9, eps: 1e-8 }.validate().is_err());
         assert!(Optimizer::None.with_lr(0.1).is_err());
+        assert!(Optimizer::RowWiseAdagrad { lr: 0.1, eps: -1.0, initial_accumulator_value: 0.0 }.validate().is_err());
+        assert!(Optimizer::Ftrl { lr: 0.1, beta: 0.0, l1: 0.0, l2: 0.0, initial_accumulator_value: 0.0 }
+            .validate()
+            .is_err());
+        let adamw = Optimizer::AdamW { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 20.0 };
+        assert!(adamw.validate().is_err(), "lr * weight_decay >= 1 would flip the sign of every row");
         assert_eq!(Optimizer::Sgd { lr: 0.1 }.with_lr(0.2).unwrap().lr(), Some(0.2));
     }
 }

@@ -373,6 +373,13 @@ mod tests {
         assert_eq!(c.server_options().unwrap().keys_per_request_max, 65_536);
         assert_eq!(tables[1].1.dtype, embank_core::DType::Int8);
         assert!(c.store_options().unwrap().hot_placement.is_none());
+        // The commented row-wise Adagrad line parses as the user table's optimizer.
+        let line = SAMPLE.lines().find(|l| l.contains("kind = \"rowwise_adagrad\"")).unwrap();
+        let uncommented = SAMPLE.replacen("optimizer = { kind = \"adagrad\"", "# was", 1).replacen(line, &line[2..], 1);
+        let c = ServeConfig::parse(&uncommented).unwrap();
+        let user = &c.table_options().unwrap()[0].1;
+        assert_eq!(user.optimizer.name(), "rowwise_adagrad");
+        assert_eq!(user.optimizer.state_len(64), 1);
     }
 
     #[test]
