@@ -49,6 +49,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check python tests/python examples tools/newcomer.py
 	$(BIN)/ruff format --check python tests/python examples tools/newcomer.py
 	$(BIN)/mypy
+	$(BIN)/mypy --strict tools/newcomer.py
 
 test-rust: kafka-jars
 	cargo test --workspace --exclude embank-py --locked

@@ -1,20 +1,26 @@
 """Measures embank's GPU cache (`embank.gpu.GpuCache`) against the limits of the same run.
 
-(a) hit path: lookups of ids all cached, keys/s, at each ``--dims``, against a fully
-    resident ``torch.nn.functional.embedding`` gather of the same ids (the access
-    pattern's limit): the kernel alone (find + gather of unique ids) and the whole
-    ``lookup`` (unique, find, gather, inverse gather);
-(b) replace bandwidth: rows rewritten in place for cached keys (what a refresh does on
-    the device once the rows are there), GB/s; and ``refresh()`` end to end from the
-    table, which is bound by the host store;
-(c) end to end: ``EmbeddingBag`` inference over a ``--rows`` table with a cache of
-    ``--cache-fraction`` of the rows, Zipf ``--zipf`` batches, hit rate and latency per
-    batch against the same model pulling from the CPU store every batch; and the warm-up
-    curve (hit rate by batch) for ``insert="auto"`` at thresholds 0, 0.5 and 1.0 (PNG).
+(a) hit path, at each ``--dims`` and each batch size of ``--batch-sizes`` (512 to 64 k
+    ids): a cache holding every id of the table (checked: no miss while timed), keys/s
+    of the find-and-gather kernel alone and of the whole ``lookup`` (its one host sync
+    included), against ``torch.nn.functional.embedding`` gathering the same ids from a
+    fully resident table whose rows are randomly permuted (a gather as scattered as the
+    cache's, the access pattern's limit);
+(b) refresh: ``refresh()`` end to end (keys to the host, the table read, rows to the
+    device, the versioned write), GB/s of the bytes it moved between host and device;
+    and the device write alone (the refresh's kernel over rows already on the device);
+(c) hit rate against cache size: Zipf ``--zipf`` batches over a ``--rows`` table, caches
+    of ``--size-fractions`` of the rows (a PNG where matplotlib is installed);
+(d) end to end: ``EmbeddingBag`` inference through a cache of ``--cache-fraction`` of
+    the rows against the same model pulling from the CPU store every batch, p50/p99
+    latency of warm batches, and the warm-up curve (hit rate by batch) for
+    ``insert="auto"`` at thresholds 0, 0.5 and 1.0 (a PNG where matplotlib is installed).
+
+Every timed call is run once before timing, so Triton compiles are never timed.
 
 On a GPU machine: ``python examples/gpu_cache/bench.py --out W`` (defaults to CUDA, 10 M
-rows). On the CPU, small sizes, as a smoke test: ``--device cpu --rows 200000``. Results
-go to ``W/gpu_cache.json`` and ``W/warmup.png``.
+rows). On the CPU, small sizes, as a smoke test: ``--device cpu --rows 20000``. Results
+go to ``W/gpu_cache.json`` (and ``W/hit_rate.png``, ``W/warmup.png``).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from embank import torch as et
-from embank.gpu import GpuCache
+from embank.gpu import KEEP, GpuCache
 
 
 def sync(device: torch.device) -> None:
@@ -41,6 +47,8 @@ def sync(device: torch.device) -> None:
 
 
 def timed(fn: Any, device: torch.device, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls, after one untimed call (compiles, caches)."""
+    fn()
     out = []
     for _ in range(repeats):
         sync(device)
@@ -49,6 +57,10 @@ def timed(fn: Any, device: torch.device, repeats: int) -> list[float]:
         sync(device)
         out.append(time.perf_counter() - t0)
     return out
+
+
+def rate(n: float, seconds: list[float]) -> dict[str, float]:
+    return {"best": n / min(seconds), "median": n / float(np.median(seconds))}
 
 
 def zipf_ids(rng: np.random.Generator, n: int, rows: int, a: float) -> np.ndarray:
@@ -61,7 +73,7 @@ def zipf_ids(rng: np.random.Generator, n: int, rows: int, a: float) -> np.ndarra
 
 
 def load_table(store: embank.Store, rows: int, dim: int) -> embank.Table:
-    t = store.create_table(f"items{dim}", dim=dim, capacity=rows, medium="mmap")
+    t = store.create_table(f"items{dim}_{rows}", dim=dim, capacity=rows, medium="mmap")
     chunk = 1 << 18
     rng = np.random.default_rng(0)
     for i in range(0, rows, chunk):
@@ -71,49 +83,80 @@ def load_table(store: embank.Store, rows: int, dim: int) -> embank.Table:
 
 
 def hit_path(t: embank.Table, dim: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    cached = min(args.hit_rows, args.rows)
+    cached = args.hit_rows
     cache = GpuCache(t, rows_max=cached * 2, device=device, insert="sync", kernels=args.kernels)
     ids_all = torch.arange(cached, dtype=torch.int64, device=device)
     for i in range(0, cached, 1 << 16):
         cache.lookup(ids_all[i : i + (1 << 16)])
     held = cache.stats()["rows_cached"]
-    g = torch.Generator(device="cpu").manual_seed(1)
-    ids = torch.randint(0, cached, (args.hit_batch,), generator=g).to(device)
-    uniq = torch.unique(ids)
     weight = torch.randn(cached, dim, device=device)
-    k_times = timed(lambda: cache._find(uniq, touch=True, gather=True), device, args.repeats)
-    l_times = timed(lambda: cache.lookup(ids), device, args.repeats)
-    g_times = timed(lambda: F.embedding(ids, weight), device, args.repeats)
-    gu_times = timed(lambda: F.embedding(uniq, weight), device, args.repeats)
-    # (b) replace: rewrite the rows of cached keys in place.
-    fresh = torch.randn(len(uniq), dim, device=device)
-    r_times = timed(lambda: cache._insert(uniq, fresh), device, args.repeats)
-    t0 = time.perf_counter()
-    ref = cache.refresh()
-    refresh_s = time.perf_counter() - t0
-    cache.close()
-    med = lambda xs: float(np.median(xs))  # noqa: E731
-    row_bytes = dim * 4
-    return {
-        "dim": dim,
-        "rows_cached": held,
-        "batch_ids": args.hit_batch,
-        "unique_ids": len(uniq),
-        "kernel_keys_per_s": {"min_time": len(uniq) / min(k_times), "median": len(uniq) / med(k_times)},
-        "gather_unique_keys_per_s": {
-            "min_time": len(uniq) / min(gu_times),
-            "median": len(uniq) / med(gu_times),
-        },
-        "lookup_keys_per_s": {"min_time": len(ids) / min(l_times), "median": len(ids) / med(l_times)},
-        "gather_keys_per_s": {"min_time": len(ids) / min(g_times), "median": len(ids) / med(g_times)},
-        "kernel_vs_gather": min(gu_times) / min(k_times),
-        "lookup_vs_gather": min(g_times) / min(l_times),
-        "replace_gb_per_s": {
-            "min_time": len(uniq) * row_bytes / min(r_times) / 1e9,
-            "median": len(uniq) * row_bytes / med(r_times) / 1e9,
-        },
-        "refresh_from_table": {"rows": ref["rows"], "gb_per_s": ref["bytes"] / refresh_s / 1e9},
+    perm = torch.randperm(cached, generator=torch.Generator().manual_seed(2)).to(device)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    out: dict[str, Any] = {"dim": dim, "rows_cached": held, "rows_wanted": cached, "batches": []}
+    for batch in args.batch_sizes:
+        ids = torch.randint(0, cached, (batch,), generator=g).to(device)
+        rows_index = perm[ids]  # the same ids, at randomly permuted rows
+        before = cache.stats()["misses"]
+        k_times = timed(lambda i=ids: cache._find(i, i, touch=True, gather=True), device, args.repeats)
+        l_times = timed(lambda i=ids: cache.lookup(i), device, args.repeats)
+        g_times = timed(lambda r=rows_index: F.embedding(r, weight), device, args.repeats)
+        misses = cache.stats()["misses"] - before
+        out["batches"].append(
+            {
+                "batch_ids": batch,
+                "all_hit": misses == 0,
+                "kernel_keys_per_s": rate(batch, k_times),
+                "lookup_keys_per_s": rate(batch, l_times),
+                "lookup_p99_ms": 1e3 * float(np.percentile(l_times, 99)),
+                "permuted_gather_keys_per_s": rate(batch, g_times),
+                "kernel_vs_gather": min(g_times) / min(k_times),
+                "lookup_vs_gather": min(g_times) / min(l_times),
+            }
+        )
+    # (b) refresh: end to end, and the device write alone over rows already there.
+    ref = [cache.refresh() for _ in range(max(1, args.repeats // 2) + 1)][1:]
+    best = min(ref, key=lambda r: r["seconds"])
+    at = ((cache.keys.view(-1) != -1) & (cache.keys.view(-1) != -2)).nonzero().squeeze(1)
+    keys = cache.keys.view(-1)[at]
+    vers = cache.versions[at // cache.slots]
+    fresh = torch.randn(len(at), dim, device=device)
+    keep = torch.full_like(keys, KEEP)
+    w_times = timed(lambda: cache._write(keys, fresh, at, keys, keep, vers), device, args.repeats)
+    write_bytes = len(at) * dim * (4 + cache.values.element_size())  # float32 rows read, cache rows written
+    out["refresh"] = {
+        "rows": best["rows"],
+        "bytes_moved": best["bytes"],
+        "gb_per_s_end_to_end": best["bytes"] / best["seconds"] / 1e9,
+        "device_write_gb_per_s": rate(write_bytes / 1e9, w_times),
     }
+    cache.close()
+    return out
+
+
+def hit_rate_by_size(t: embank.Table, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for a in args.zipf:
+        rng = np.random.default_rng(3)
+        batches = [
+            torch.as_tensor(zipf_ids(rng, args.bags * args.bag_size, args.rows, a), dtype=torch.int64)
+            for _ in range(args.batches)
+        ]
+        curve = []
+        for frac in args.size_fractions:
+            cache = GpuCache(
+                t, rows_max=max(1, int(args.rows * frac)), device=device, insert="sync", kernels=args.kernels
+            )
+            rates = []
+            for ids in batches:
+                before = cache.stats()
+                cache.lookup(ids.to(device))
+                after = cache.stats()
+                h = after["hits"] - before["hits"]
+                rates.append(h / max(1, h + after["misses"] - before["misses"]))
+            curve.append({"fraction": frac, "hit_rate_last_half": float(np.mean(rates[len(rates) // 2 :]))})
+            cache.close()
+        out[f"zipf_{a}"] = curve
+    return out
 
 
 def end_to_end(t: embank.Table, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -123,13 +166,15 @@ def end_to_end(t: embank.Table, args: argparse.Namespace, device: torch.device) 
         rng = np.random.default_rng(7)
         batches = [
             torch.as_tensor(zipf_ids(rng, args.bags * args.bag_size, args.rows, a), dtype=torch.int64)
-            for _ in range(args.batches)
+            for _ in range(args.batches + 1)
         ]
+        warm_up, batches = batches[0], batches[1:]  # an untimed first batch: compiles
         offsets = torch.arange(0, args.bags * args.bag_size, args.bag_size, dtype=torch.int64)
         res: dict[str, Any] = {}
         plain = et.EmbeddingBag(t, mode="sum").eval()
         lat = []
         with torch.no_grad():
+            plain(warm_up.to(device), offsets.to(device))
             for ids in batches:
                 sync(device)
                 t0 = time.perf_counter()
@@ -145,6 +190,7 @@ def end_to_end(t: embank.Table, args: argparse.Namespace, device: torch.device) 
             bag = et.EmbeddingBag(cache, mode="sum").eval()
             lat, curve = [], []
             with torch.no_grad():
+                bag(warm_up.to(device), offsets.to(device))
                 for ids in batches:
                     before = cache.stats()
                     sync(device)
@@ -176,7 +222,8 @@ def end_to_end(t: embank.Table, args: argparse.Namespace, device: torch.device) 
     return out
 
 
-def draw(result: dict[str, Any], path: Path) -> None:
+def draw(result: dict[str, Any], out: Path) -> list[Path]:
+    """The hit-rate-by-size and warm-up PNGs; none (and a note) without matplotlib."""
     try:
         import matplotlib
 
@@ -184,7 +231,18 @@ def draw(result: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no PNG", file=sys.stderr)
-        return
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in result["hit_rate_by_size"].items():
+        ax.plot([100 * c["fraction"] for c in curve], [100 * c["hit_rate_last_half"] for c in curve], "o-",
+                label=name.replace("_", " "))  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("cache size, % of the table's rows")
+    ax.set_ylabel("hit rate %")
+    ax.set_title(f"hit rate against cache size ({result['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "hit_rate.png", dpi=100)
     e2e = result["end_to_end"]
     fig, axes = plt.subplots(1, len(e2e), figsize=(6 * len(e2e), 4), squeeze=False)
     for ax, (name, res) in zip(axes[0], e2e.items()):
@@ -197,51 +255,59 @@ def draw(result: dict[str, Any], path: Path) -> None:
         ax.set_ylim(0, 100)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(out / "warmup.png", dpi=100)
+    return [out / "hit_rate.png", out / "warmup.png"]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="work directory (store, JSON, PNG)")
+    p.add_argument("--out", type=Path, required=True, help="work directory (store, JSON, PNGs)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"])
-    p.add_argument("--rows", type=int, default=10_000_000, help="rows of the table for (c)")
+    p.add_argument("--rows", type=int, default=10_000_000, help="rows of the table for (c) and (d)")
     p.add_argument("--dims", default="32,128", help="row sizes for (a) and (b)")
-    p.add_argument("--e2e-dim", type=int, default=32, help="row size for (c)")
-    p.add_argument("--hit-rows", type=int, default=1_000_000, help="rows cached for (a)")
-    p.add_argument("--hit-batch", type=int, default=1_000_000, help="ids per hit-path lookup")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--cache-fraction", type=float, default=0.1)
+    p.add_argument("--e2e-dim", type=int, default=32, help="row size for (c) and (d)")
+    p.add_argument("--hit-rows", type=int, default=1_000_000, help="rows cached for (a) and (b)")
+    p.add_argument("--batch-sizes", default="512,4096,16384,65536", help="ids a lookup for (a)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--cache-fraction", type=float, default=0.1, help="cache size for (d), of the rows")
+    p.add_argument("--size-fractions", default="0.001,0.01,0.05,0.1,0.2", help="cache sizes for (c)")
     p.add_argument("--zipf", default="0.99,1.2")
     p.add_argument("--batches", type=int, default=200)
     p.add_argument("--bags", type=int, default=50, help="bags per batch")
     p.add_argument("--bag-size", type=int, default=10, help="ids per bag (50 x 10 = 500 ids a batch)")
     args = p.parse_args(argv)
     args.zipf = [float(x) for x in args.zipf.split(",")]
+    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    args.size_fractions = [float(x) for x in args.size_fractions.split(",")]
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.out / "store", ignore_errors=True)
     store = embank.open(args.out / "store")
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "hit_path": [],
     }
-    result["hit_path"] = []
     for dim in [int(x) for x in args.dims.split(",")]:
-        t = load_table(store, max(args.hit_rows, 1), dim)
-        r = hit_path(t, dim, args, device)
+        r = hit_path(load_table(store, args.hit_rows, dim), dim, args, device)
         result["hit_path"].append(r)
+        for b in r["batches"]:
+            print(
+                f"dim {dim}, {b['batch_ids']} ids: kernel "
+                f"{b['kernel_keys_per_s']['best'] / 1e9:.3f} G keys/s "
+                f"({b['kernel_vs_gather']:.2f}x the permuted gather), lookup "
+                f"{b['lookup_keys_per_s']['best'] / 1e9:.3f} G keys/s ({b['lookup_vs_gather']:.2f}x), "
+                f"all hit: {b['all_hit']}",
+                file=sys.stderr,
+            )
+        f = r["refresh"]
         print(
-            f"dim {dim}: kernel {r['kernel_keys_per_s']['min_time'] / 1e9:.3f} G keys/s "
-            f"({r['kernel_vs_gather']:.2f}x the gather of the same unique ids), lookup "
-            f"{r['lookup_keys_per_s']['min_time'] / 1e9:.3f} G keys/s ({r['lookup_vs_gather']:.2f}x "
-            f"the gather), replace {r['replace_gb_per_s']['min_time']:.1f} GB/s",
+            f"dim {dim}: refresh() {f['gb_per_s_end_to_end']:.2f} GB/s moved, device write "
+            f"{f['device_write_gb_per_s']['best']:.1f} GB/s",
             file=sys.stderr,
         )
-    t = store.table(f"items{args.e2e_dim}") if f"items{args.e2e_dim}" in store.tables() else None
-    if t is None or len(t) < args.rows:
-        if t is not None:
-            store.drop_table(t.name)
-        t = load_table(store, args.rows, args.e2e_dim)
+    t = load_table(store, args.rows, args.e2e_dim)
+    result["hit_rate_by_size"] = hit_rate_by_size(t, args, device)
     result["end_to_end"] = end_to_end(t, args, device)
     for name, res in result["end_to_end"].items():
         cpu = res["cpu_store"]
@@ -255,9 +321,9 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
     (args.out / "gpu_cache.json").write_text(json.dumps(result, indent=1))
-    draw(result, args.out / "warmup.png")
+    pngs = draw(result, args.out)
     store.close()
-    print(f"wrote {args.out / 'gpu_cache.json'} and {args.out / 'warmup.png'}", file=sys.stderr)
+    print(f"wrote {args.out / 'gpu_cache.json'} {' '.join(map(str, pngs))}", file=sys.stderr)
     return 0
 
 

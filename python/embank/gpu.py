@@ -14,17 +14,47 @@ in the background with the table's missing default answered meanwhile (``"async"
 >>> cache.lookup(torch.tensor([2, 1, 2]))[:, 0].tolist()
 [2.0, 1.0, 2.0]
 >>> cache.stats()["misses"], cache.lookup(torch.tensor([1]))[0, 0].item(), cache.stats()["hits"]
-(2, 1.0, 1)
+(3, 1.0, 1)
 >>> items.push([1], np.full((1, 4), 5.0, dtype=np.float32))   # a write through the table invalidates the row
 >>> cache.lookup(torch.tensor([1]))[0, 0].item()
 5.0
 >>> cache.close(); store.close()
 
-The structure is set-associative (HPS's slab sets, HierarchicalKV's buckets): buckets
-of ``slots`` entries holding keys, one-byte digests, scores (LRU clock or LFU count)
-and rows in ``dtype``. The operations exist twice with the same results: in Triton
-(``kernels="triton"``, the default on CUDA; on the CPU under ``TRITON_INTERPRET=1``) and
-in plain PyTorch (``kernels="torch"``, the default elsewhere and the reference).
+**Structure** (after NVIDIA's HierarchicalKV): buckets of ``slots`` entries (128 by
+default) holding keys, one-byte digests, scores and rows in ``dtype``, and one version a
+bucket. A key lives in the bucket its hash picks; a lookup compares the bucket's digests
+first and reads keys only where a digest matches. A new key takes the lowest-score slot
+of its bucket (empty ones first) and is refused when it scores below that slot; slots
+are claimed by compare-and-swap of the key. Policies: ``"lru"`` (score: the clock of
+the last use), ``"lfu"`` (score: uses, counted on every hit; a new key starts at 1, so
+it is refused by a bucket of keys used more often) and ``"custom"`` (the caller's
+scores, given to :meth:`GpuCache.lookup`; a hit keeps the larger).
+
+**Consistency.** Every invalidation (a write through the table) bumps the version of the
+key's bucket; the misses a lookup fetches carry the version their find saw, and are
+inserted only where it has not moved, so a write drops only the inserts of its own
+buckets (not the whole batch). :meth:`GpuCache.refresh` checks the same versions, so it
+never writes a row it fetched before a write over the row written after it.
+
+**Streams and syncs** (CUDA). Every launch goes to the current stream of the cache's
+device, under the cache's lock, after waiting on an event recorded by the cache's
+previous launch: the cache's operations run on the device in the order they were
+called, whichever streams they come from. A lookup waits for the host once: on the event
+after its miss count and miss ids reach a pinned buffer (one device-to-host copy of
+the count and of as many miss ids as twice the previous lookup's misses, at least
+1,024; an all-hit lookup waits for it too). A lookup missing more than that waits a
+second time, for the rest of its miss ids. Then, with misses: the table is read on the host, the
+rows go to the device through a pinned buffer reused across calls (before reusing it,
+the host waits for the previous call's copy from it, done long before in practice; a
+buffer too small is reallocated, pinned), and they are scattered into the answer and
+inserted, with no further wait. The background inserter and ``refresh`` wait for
+their own copies on the cache's side stream or the caller's, never under the lock. With
+``kernels="torch"`` on CUDA the same holds except that the insert's bookkeeping may wait
+too; ``invalidate`` (its return value), ``refresh`` and ``stats`` wait for the device.
+
+The operations exist twice with the same results: in Triton (``kernels="triton"``, the
+default on CUDA; on the CPU under ``TRITON_INTERPRET=1``) and in plain PyTorch
+(``kernels="torch"``, the default elsewhere and the reference).
 
 Use it in eval mode as the source of :class:`embank.torch.Embedding`/``EmbeddingBag``/
 ``EmbeddingBagCollection``: ``EmbeddingBag(GpuCache(table, ...))``. Writes made
@@ -36,11 +66,12 @@ written elsewhere (another process, the update stream) reach the cache through
 
 from __future__ import annotations
 
+import contextlib
 import os
-import queue
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -48,11 +79,19 @@ import numpy.typing as npt
 import torch
 
 from ._store import Table
-from .errors import InvalidInputError
+from .errors import EmbankError, InvalidInputError
 
 __all__ = ["GpuCache", "key_hash"]
 
-EMPTY = -1  # an empty slot's key (u64::MAX as int64: that key is never cached)
+EMPTY = -1  # an empty slot's key: u64::MAX (never cached)
+LOCKED = -2  # a slot being written: u64::MAX - 1 (never cached)
+KEEP = -2  # a score meaning "leave it"
+SLOTS_DEFAULT = 128
+QUEUE_KEYS_MAX_DEFAULT = 1 << 20
+ASYNC_BATCH_KEYS_MAX = 1 << 16  # keys the background inserter takes at a time
+MISS_IDS_HINT_MIN = 1024  # miss ids a lookup copies to the host with the count, at least
+_POLICIES = {"lru": 0, "lfu": 1, "custom": 2}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def key_hash(keys: torch.Tensor) -> torch.Tensor:
@@ -73,23 +112,163 @@ def _triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _host_keys(keys: Any) -> npt.NDArray[np.int64]:
+    """Keys given on the host (list, numpy, CPU tensor) as the int64 bits of u64 keys."""
+    a = np.asarray(keys)
+    if a.dtype.kind == "i" and a.size and a.min() < 0:
+        raise InvalidInputError(f"keys hold a negative value ({int(a.min())}); embank keys are u64")
+    if a.dtype.kind not in "iu" and a.size:
+        raise InvalidInputError(f"keys must be integers, got dtype {a.dtype}")
+    return np.ascontiguousarray(a.astype(np.uint64).reshape(-1)).view(np.int64)
+
+
+class _Staging:
+    """Host buffers (pinned on CUDA) reused across calls, grown on demand: ``ids`` (int64)
+    for device-to-host and host-to-device ids, ``rows`` (float32) for rows to the device.
+    ``copied`` is the event after the last host-to-device copy out of them: the host
+    waits on it before writing into them again."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pin = device.type == "cuda"
+        self.ids = torch.empty(0, dtype=torch.int64, pin_memory=self.pin)
+        self.rows = torch.empty(0, dtype=torch.float32, pin_memory=self.pin)
+        self.copied: Any = None
+
+    def ready(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+
+    def ids_of(self, n: int) -> torch.Tensor:
+        if len(self.ids) < n:
+            self.ids = torch.empty(max(n, 2 * len(self.ids)), dtype=torch.int64, pin_memory=self.pin)
+        return self.ids[:n]
+
+    def rows_of(self, n: int) -> torch.Tensor:
+        if len(self.rows) < n:
+            self.rows = torch.empty(max(n, 2 * len(self.rows)), dtype=torch.float32, pin_memory=self.pin)
+        return self.rows[:n]
+
+
+class _AsyncQueue:
+    """Keys waiting for a background insert: deduplicated, at most ``keys_max`` (the
+    rest dropped and counted), and the first error of the inserter, kept until the
+    cache's next call raises it. Holds no reference to the cache."""
+
+    def __init__(self, keys_max: int) -> None:
+        self.cond = threading.Condition()
+        self.pending: dict[int, int] = {}  # key: score (the largest given; custom policy)
+        self.keys_max = keys_max
+        self.busy = 0
+        self.dropped = 0
+        self.errors = 0
+        self.error: BaseException | None = None
+        self.closed = False
+
+    def put(self, keys: npt.NDArray[np.int64], scores: npt.NDArray[np.int64]) -> None:
+        with self.cond:
+            for k, score in zip(keys.tolist(), scores.tolist()):
+                if k in self.pending:
+                    self.pending[k] = max(score, self.pending[k])
+                elif len(self.pending) >= self.keys_max:
+                    self.dropped += 1
+                else:
+                    self.pending[k] = score
+            self.cond.notify_all()
+
+    def take(self, timeout: float) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+        """Up to ``ASYNC_BATCH_KEYS_MAX`` keys and their scores; none after ``timeout``;
+        None once closed."""
+        with self.cond:
+            if not self.pending and not self.closed:
+                self.cond.wait(timeout)
+            if self.closed and not self.pending:
+                return None
+            take: list[int] = []
+            for k in self.pending:
+                take.append(k)
+                if len(take) >= ASYNC_BATCH_KEYS_MAX:
+                    break
+            scores = [self.pending.pop(k) for k in take]
+            self.busy += len(take)
+            return np.array(take, dtype=np.int64), np.array(scores, dtype=np.int64)
+
+    def done(self, n: int, error: BaseException | None) -> None:
+        with self.cond:
+            self.busy -= n
+            if error is not None:
+                self.errors += 1
+                if self.error is None:
+                    self.error = error
+            self.cond.notify_all()
+
+    def join(self) -> None:
+        with self.cond:
+            while self.pending or self.busy:
+                self.cond.wait(0.1)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def raise_error(self) -> None:
+        with self.cond:
+            e, self.error = self.error, None
+        if e is not None:
+            raise EmbankError(f"a background insert of the GPU cache failed: {e!r}") from e
+
+
+def _insert_loop(ref: weakref.ref[GpuCache], q: _AsyncQueue) -> None:
+    """The background inserter. Holds the cache only while it inserts a batch, so a
+    cache nobody else holds is collected (and this thread ends)."""
+    while True:
+        taken = q.take(0.2)
+        if taken is None:
+            return
+        keys, scores = taken
+        if not len(keys):
+            if ref() is None:
+                return
+            continue
+        error: BaseException | None = None
+        cache = ref()
+        try:
+            if cache is None:
+                return
+            cache._fill(keys, scores)
+        except BaseException as e:
+            error = e
+        finally:
+            del cache
+            q.done(len(keys), error)
+
+
 class GpuCache:
     """The rows of ``table`` most used, in ``device`` memory (see the module's text).
 
     Args:
         table: an embank :class:`~embank.Table` (embedded or remote).
-        rows_max: rows the cache holds at most (rounded up to whole buckets).
+        rows_max: rows the cache holds at most, rounded down to whole buckets
+            (``stats()["rows_max"]`` is the bound kept).
         device: where the cache lives (default: ``"cuda"`` if available, else the CPU).
-        insert: ``"sync"``, ``"async"`` or ``"auto"`` (async once the hit rate over the
-            last ``window`` lookups reaches ``hit_rate_threshold``).
-        dtype: element type of the cached rows (``torch.float32`` or ``torch.float16``);
-            lookups return float32.
-        slots: entries per bucket (a power of two, at most 256).
-        policy: ``"lru"`` (score: the clock of the last use) or ``"lfu"`` (uses).
-        kernels: ``"triton"``, ``"torch"`` or ``"auto"``.
+        insert: ``"sync"``, ``"async"`` or ``"auto"`` (default; async once the hit rate
+            over the last ``window`` lookups reaches ``hit_rate_threshold``, 0.8).
+        dtype: element type of the cached rows: ``torch.float32`` (default),
+            ``torch.float16`` or ``torch.bfloat16``; lookups return float32.
+        slots: entries per bucket, a power of two up to 128 (default 128; lowered to
+            the largest power of two <= ``rows_max`` for a smaller cache, and halved,
+            down to 8, while rounding ``rows_max`` down to whole buckets would lose
+            more than an eighth of it).
+        policy: ``"lru"`` (default), ``"lfu"`` or ``"custom"`` (see the module's text).
+        kernels: ``"triton"``, ``"torch"`` or ``"auto"`` (default: Triton on CUDA).
+        window: lookups the hit rate of ``"auto"`` is taken over (default 32).
         default: the row an async miss is answered with (a number or ``dim`` values);
             default: the table's ``missing`` default when it is a number, else zeros.
-        refresh_every: also refresh in the background every this many seconds.
+        refresh_every: also refresh in the background every this many seconds (default:
+            never).
+        queue_keys_max: keys waiting for a background insert at most; more are dropped
+            and counted (default 1 Mi).
     """
 
     def __init__(
@@ -101,12 +280,13 @@ class GpuCache:
         insert: str = "auto",
         hit_rate_threshold: float = 0.8,
         dtype: torch.dtype = torch.float32,
-        slots: int = 32,
+        slots: int = SLOTS_DEFAULT,
         policy: str = "lru",
         kernels: str = "auto",
         window: int = 32,
         default: float | Any = None,
         refresh_every: float | None = None,
+        queue_keys_max: int = QUEUE_KEYS_MAX_DEFAULT,
     ) -> None:
         if not isinstance(table, Table):
             raise InvalidInputError(f"GpuCache caches an embank Table, got {type(table).__name__}")
@@ -116,15 +296,19 @@ class GpuCache:
             raise InvalidInputError(f'insert must be "sync", "async" or "auto", got {insert!r}')
         if not 0.0 <= hit_rate_threshold <= 1.0:
             raise InvalidInputError(f"hit_rate_threshold must be in [0, 1], got {hit_rate_threshold}")
-        if dtype not in (torch.float32, torch.float16):
-            raise InvalidInputError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
-        if slots < 1 or slots > 256 or slots & (slots - 1):
-            raise InvalidInputError(f"slots must be a power of two up to 256, got {slots}")
-        if policy not in ("lru", "lfu"):
-            raise InvalidInputError(f'policy must be "lru" or "lfu", got {policy!r}')
+        if dtype not in _DTYPES:
+            raise InvalidInputError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
+        if slots < 1 or slots > SLOTS_DEFAULT or slots & (slots - 1):
+            raise InvalidInputError(f"slots must be a power of two up to {SLOTS_DEFAULT}, got {slots}")
+        if policy not in _POLICIES:
+            raise InvalidInputError(f'policy must be "lru", "lfu" or "custom", got {policy!r}')
+        if queue_keys_max < 1:
+            raise InvalidInputError(f"queue_keys_max must be >= 1, got {queue_keys_max}")
         self.table = table
         self.dim = table.dim
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" and _triton_usable(self.device) else "torch"
         if kernels not in ("triton", "torch"):
@@ -133,14 +317,22 @@ class GpuCache:
             raise InvalidInputError("Triton kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
         self.kernels = kernels
         self.insert_mode, self.threshold, self.policy = insert, hit_rate_threshold, policy
-        self.slots = slots
-        self.n_buckets = max(1, -(-rows_max // slots))
+        self._policy = _POLICIES[policy]
+        s = min(slots, 1 << (rows_max.bit_length() - 1))
+        while s > 8 and (rows_max % s) * 8 > rows_max:  # whole buckets would lose > 1/8
+            s //= 2
+        self.slots = s
+        self.n_buckets = rows_max // s  # rounded down: rows_max is a bound
         self.dtype = dtype
         dev = self.device
-        self.keys = torch.full((self.n_buckets, slots), EMPTY, dtype=torch.int64, device=dev)
-        self.digests = torch.zeros((self.n_buckets, slots), dtype=torch.uint8, device=dev)
-        self.scores = torch.full((self.n_buckets, slots), -1, dtype=torch.int64, device=dev)
-        self.values = torch.zeros((self.n_buckets * slots, self.dim), dtype=dtype, device=dev)
+        s = self.slots
+        self.keys = torch.full((self.n_buckets, s), EMPTY, dtype=torch.int64, device=dev)
+        self.digests = torch.zeros((self.n_buckets, s), dtype=torch.uint8, device=dev)
+        self.scores = torch.full((self.n_buckets, s), -1, dtype=torch.int64, device=dev)
+        self.values = torch.zeros((self.n_buckets * s, self.dim), dtype=dtype, device=dev)
+        self.versions = torch.zeros(self.n_buckets, dtype=torch.int64, device=dev)
+        # Counted on the device (no sync): evictions, inserts sync, inserts async, refused, invalidated.
+        self._counts = torch.zeros(5, dtype=torch.int64, device=dev)
         fill = default
         if fill is None:
             missing = table.options.get("missing")
@@ -148,26 +340,96 @@ class GpuCache:
         self.default_row = torch.as_tensor(fill, dtype=torch.float32).expand(self.dim).to(dev).clone()
         self.clock = 0
         self._lock = threading.RLock()
-        self._epoch = 0  # bumped by every write through the table: a fetch older than it is not inserted
+        self._order: Any = None  # the event after the cache's last launch (CUDA)
+        self._streams: set[int] = set()  # streams the cache's tensors were recorded on
+        self._miss_ids_hint = MISS_IDS_HINT_MIN  # twice the last lookup's misses
+        self._staging: list[_Staging] = []
         self._window: list[tuple[int, int]] = []
         self._window_len = max(1, window)
         self._stats = dict.fromkeys(
-            ("lookups", "hits", "misses", "sync_inserts", "async_inserts", "default_answers", "evictions",
-             "insert_dropped", "invalidated", "refreshes", "refresh_rows", "refresh_changed",
+            ("lookups", "hits", "misses", "default_answers", "refreshes", "refresh_rows", "refresh_changed",
              "refresh_bytes"),
             0,
         )  # fmt: skip
         self._refresh_seconds = 0.0
-        self._queue: queue.Queue[torch.Tensor | None] = queue.Queue()
         self._closed = False
         self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # type: ignore[no-untyped-call]
-        self._inserter = threading.Thread(target=self._insert_loop, name="embank-gpu-insert", daemon=True)
+        self._queue = _AsyncQueue(queue_keys_max)
+        self._inserter = threading.Thread(
+            target=_insert_loop, args=(weakref.ref(self), self._queue), name="embank-gpu-insert", daemon=True
+        )
         self._inserter.start()
-        self._refresher: threading.Thread | None = None
         self._stop = threading.Event()
+        weakref.finalize(self, self._queue.close)
+        weakref.finalize(self, self._stop.set)
+        self._refresher: threading.Thread | None = None
         if refresh_every is not None:
             self.start_refresh(refresh_every)
         table._write_listeners().add(self._on_write)
+
+    # ---- ordering and host buffers ----
+
+    @contextlib.contextmanager
+    def _ordered(self) -> Iterator[None]:
+        """Under the lock: this launch waits for the cache's previous one (on whatever
+        stream it ran) and the next waits for this one. No host wait."""
+        with self._lock:
+            if self._side is None:
+                yield
+                return
+            stream = torch.cuda.current_stream(self.device)
+            if stream.stream_id not in self._streams:  # the cache's tensors are used there too
+                self._streams.add(stream.stream_id)
+                for t in (self.keys, self.digests, self.scores, self.values, self.versions, self._counts):
+                    t.record_stream(stream)
+            if self._order is not None:
+                stream.wait_event(self._order)
+            try:
+                yield
+            finally:
+                self._order = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                self._order.record(stream)
+
+    def _take_staging(self) -> _Staging:
+        with self._lock:
+            return self._staging.pop() if self._staging else _Staging(self.device)
+
+    def _give_staging(self, staging: _Staging) -> None:
+        with self._lock:
+            self._staging.append(staging)
+
+    def _to_device(
+        self, staging: _Staging, ids: npt.NDArray[np.int64], rows: npt.NDArray[np.float32] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``ids`` (and ``rows``) to the device through ``staging``'s buffers, on the current
+        stream, without waiting for the copy."""
+        staging.ready()
+        hid = staging.ids_of(len(ids))
+        hid.numpy()[:] = ids
+        dev_ids = hid.to(self.device, non_blocking=True)
+        dev_rows = None
+        if rows is not None:
+            hr = staging.rows_of(rows.size)
+            hr.numpy()[:] = rows.reshape(-1)
+            dev_rows = hr.to(self.device, non_blocking=True).view(-1, self.dim)
+        if self._side is not None:
+            staging.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            staging.copied.record(torch.cuda.current_stream(self.device))
+        else:
+            dev_ids, dev_rows = dev_ids.clone(), None if dev_rows is None else dev_rows.clone()
+        return dev_ids, dev_rows
+
+    def _to_host(self, staging: _Staging, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``t`` (int64) into ``staging``'s host buffer, and the event to wait on (outside the
+        lock) before reading it (None on the CPU: nothing to wait for)."""
+        staging.ready()
+        h = staging.ids_of(len(t))
+        h.copy_(t, non_blocking=True)
+        if self._side is None:
+            return h, None
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(torch.cuda.current_stream(self.device))
+        return h, done
 
     # ---- the operations (Triton or PyTorch, same results) ----
 
@@ -175,108 +437,304 @@ class GpuCache:
         h = key_hash(ids)
         return (h & 0x7FFFFFFFFFFFFFFF) % self.n_buckets, ((h >> 56) & 0xFF).to(torch.uint8)
 
-    def _find(self, ids: torch.Tensor, *, touch: bool, gather: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows (float32; zeros where absent) and flat slots (-1 where absent) of unique ``ids``."""
+    def _find(
+        self, ids: torch.Tensor, given: torch.Tensor, *, touch: bool, gather: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows (float32; zeros where absent), flat slots (-1 where absent) and, for the
+        ids absent, their buckets' versions (0 for a hit: an insert checks misses only)
+        of ``ids`` (duplicates allowed; each hit touches its score)."""
         if self.kernels == "triton":
             from . import _triton
 
-            return _triton.find_gather(
-                ids, self.keys, self.digests, self.scores, self.values, self.clock,
-                touch=touch, lfu=self.policy == "lfu", gather=gather,
+            out, slots, vers, _, _ = _triton.find(
+                ids, given, self.keys, self.digests, self.scores, self.versions, self.values, self.clock,
+                self._policy, touch=touch, gather=gather,
             )  # fmt: skip
+            return out, slots, vers
         b, d = self._bucket_digest(ids)
-        match = (self.digests[b] == d[:, None]) & (self.keys[b] == ids[:, None])
+        usable = (ids != EMPTY) & (ids != LOCKED)
+        match = (self.digests[b] == d[:, None]) & (self.keys[b] == ids[:, None]) & usable[:, None]
         found = match.any(1)
         flat = torch.where(found, b * self.slots + match.to(torch.int8).argmax(1), -1)
-        hit = flat[found]
+        at = flat.clamp(min=0)
         if touch:
-            sc = self.scores.view(-1)
-            sc[hit] = sc[hit] + 1 if self.policy == "lfu" else self.clock
-        out = torch.zeros((len(ids), self.dim if gather else 1), dtype=torch.float32, device=ids.device)
+            scores = self.scores.view(-1)
+            if self._policy == 1:
+                scores.index_add_(0, at, found.to(torch.int64))
+            else:
+                given_score = given if self._policy == 2 else torch.full_like(at, self.clock)
+                scores.scatter_reduce_(0, at, torch.where(found, given_score, scores[at]), "amax")
         if gather:
-            out[found] = self.values[hit].to(torch.float32)
-        return out, flat
+            out = torch.where(found[:, None], self.values[at].to(torch.float32), 0.0)
+        else:
+            out = torch.zeros((len(ids), 1), dtype=torch.float32, device=ids.device)
+        return out, flat, torch.where(found, 0, self.versions[b])
 
-    def _insert(self, ids: torch.Tensor, rows: torch.Tensor) -> int:
-        """Inserts or replaces unique ``ids`` with ``rows`` (float32, on the device). New
-        keys take, in their bucket, the slots of lowest score (empty ones first); more
-        new keys than a bucket has slots are dropped. Returns the keys inserted."""
-        _, flat = self._find(ids, touch=False, gather=False)
-        present = flat >= 0
-        if present.any():
-            at = flat[present]
-            self.values[at] = rows[present].to(self.dtype)
-            self.scores.view(-1)[at] = self.clock
-        new = ~present
-        kn, rn = ids[new], rows[new]
-        if not len(kn):
-            return int(present.sum())
-        b, d = self._bucket_digest(kn)
-        order = torch.argsort(b, stable=True)
-        kn, rn, b, d = kn[order], rn[order], b[order], d[order]
-        first = torch.searchsorted(b, b, right=False)
-        rank = torch.arange(len(b), device=b.device) - first
-        keep = rank < self.slots
-        self._stats["insert_dropped"] += int((~keep).sum())
-        kn, rn, b, d, rank = kn[keep], rn[keep], b[keep], d[keep], rank[keep]
+    def _lookup_find(
+        self, flat: torch.Tensor, given: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A lookup's find: rows, versions, ``payload`` (the miss count, then the miss
+        ids) and ``miss_at`` (the misses' places in the batch), both valid up to the
+        count. Triton compacts in the find's launch (misses in no fixed order); the
+        PyTorch path in batch order."""
         if self.kernels == "triton":
             from . import _triton
 
-            slot = _triton.choose(kn, rank, self.scores)
-        else:
-            by_score = torch.argsort(self.scores[b], dim=1, stable=True)
-            slot = b * self.slots + by_score.gather(1, rank[:, None]).squeeze(1)
-        self._stats["evictions"] += int((self.keys.view(-1)[slot] != EMPTY).sum())
+            out, _, vers, payload, miss_at = _triton.find(
+                flat, given, self.keys, self.digests, self.scores, self.versions, self.values, self.clock,
+                self._policy, touch=True, gather=True, compact=True,
+            )  # fmt: skip
+            return out, vers, payload, miss_at
+        n = len(flat)
+        out, slots, vers = self._find(flat, given, touch=True, gather=True)
+        miss = slots < 0
+        at = torch.zeros(n + 1, dtype=torch.int64, device=flat.device)
+        at.scatter_(0, torch.where(miss, torch.cumsum(miss, 0) - 1, n), torch.arange(n, device=flat.device))
+        miss_at = at[:n]
+        payload = torch.cat([miss.sum().view(1), flat[miss_at.clamp(max=max(n - 1, 0))]])
+        return out, vers, payload, miss_at
+
+    def _choose(
+        self,
+        ids: torch.Tensor,
+        present: torch.Tensor,
+        rank: torch.Tensor,
+        given: torch.Tensor,
+        snap: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A new key's slot (-1: refused, present, reserved, or its version moved), the
+        key that slot holds, and the new key's score."""
         if self.kernels == "triton":
-            _triton.write(
-                kn, rn.contiguous(), slot, self.keys, self.digests, self.scores, self.values, self.clock
+            from . import _triton
+
+            return _triton.choose(
+                ids,
+                present,
+                rank,
+                given,
+                snap,
+                self.keys,
+                self.scores,
+                self.versions,
+                self.clock,
+                self._policy,
             )
+        s = self.slots
+        b, _ = self._bucket_digest(ids)
+        packed = torch.sort((self.scores[b] + 1) * s + torch.arange(s, device=ids.device), dim=1).values
+        pick = packed.gather(1, rank.clamp(max=s - 1)[:, None]).squeeze(1)
+        if self._policy == 0:
+            score = torch.full_like(ids, self.clock)
+        elif self._policy == 1:
+            score = torch.ones_like(ids)
         else:
-            self.keys.view(-1)[slot] = kn
-            self.digests.view(-1)[slot] = d
-            self.scores.view(-1)[slot] = self.clock
-            self.values[slot] = rn.to(self.dtype)
-        return int(present.sum()) + len(kn)
+            score = given.clone()
+        usable = (self.versions[b] == snap) & (ids != EMPTY) & (ids != LOCKED) & (present < 0)
+        admit = usable & (rank < s) & (score >= pick // s - 1)
+        slot = torch.where(admit, b * s + pick % s, -1)
+        expect = torch.where(slot >= 0, self.keys.view(-1)[slot.clamp(min=0)], LOCKED)
+        return slot, expect, score
+
+    def _write(
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        slot: torch.Tensor,
+        expect: torch.Tensor,
+        score: torch.Tensor,
+        snap: torch.Tensor,
+    ) -> torch.Tensor:
+        """Claims each slot holding ``expect`` where the bucket's version is ``snap``,
+        writes key, digest, score (unless KEEP) and row. Per key: 0 (not written), else
+        1 | 2 (the row changed) | 4 (another key was evicted)."""
+        if self.kernels == "triton":
+            from . import _triton
+
+            return _triton.write(
+                ids, rows, slot, expect, score, snap, self.keys, self.digests, self.scores, self.versions,
+                self.values,
+            )  # fmt: skip
+        at = slot.clamp(min=0)
+        keys_flat, values = self.keys.view(-1), self.values
+        claimed = (
+            (slot >= 0)
+            & (self.versions[at // self.slots] == snap)
+            & (expect != LOCKED)
+            & (keys_flat[at] == expect)
+        )
+        new = rows.to(self.dtype)
+        changed = (values[at] != new).any(1) & claimed
+        evicted = claimed & (expect != ids) & (expect != EMPTY)
+        done = torch.where(claimed, 1 + 2 * changed.to(torch.int64) + 4 * evicted.to(torch.int64), 0)
+        w = at[claimed]
+        _, d = self._bucket_digest(ids)
+        keys_flat[w] = ids[claimed]
+        self.digests.view(-1)[w] = d[claimed]
+        keep = claimed & (score != KEEP)
+        self.scores.view(-1)[at[keep]] = score[keep]
+        values[w] = new[claimed]
+        return done
+
+    def _invalidate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Bumps the version of each key's bucket and empties its slot; 1 where emptied."""
+        if self.kernels == "triton":
+            from . import _triton
+
+            return _triton.invalidate(ids, self.keys, self.digests, self.scores, self.versions)
+        b, _ = self._bucket_digest(ids)
+        self.versions.index_add_(0, b, torch.ones_like(b))
+        _, flat, _ = self._find(ids, ids, touch=False, gather=False)
+        found = flat >= 0
+        first = torch.zeros_like(found)  # a key given twice is emptied once
+        if len(ids):
+            order = torch.argsort(flat, stable=True)
+            sf = flat[order]
+            first[order] = torch.cat([sf[:1] >= 0, (sf[1:] != sf[:-1]) & (sf[1:] >= 0)])
+        at = flat[first]
+        self.keys.view(-1)[at] = EMPTY
+        self.digests.view(-1)[at] = 0
+        self.scores.view(-1)[at] = -1
+        return first.to(torch.int64)
+
+    def _upsert(
+        self, ids: torch.Tensor, rows: torch.Tensor, snap: torch.Tensor, given: torch.Tensor
+    ) -> torch.Tensor:
+        """Inserts unique ``ids`` not cached yet (a key cached meanwhile keeps its row,
+        as fresh as this one: the versions say so). The ``rank``-th new key of a bucket
+        takes the rank-th lowest-score slot, so a batch's keys never take one slot twice."""
+        _, present, _ = self._find(ids, given, touch=False, gather=False)
+        b, _ = self._bucket_digest(ids)
+        kb = torch.where(present >= 0, self.n_buckets, b)
+        sorted_b, order = torch.sort(kb, stable=True)
+        first = torch.searchsorted(sorted_b, sorted_b)
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(ids), device=ids.device) - first)
+        slot, expect, score = self._choose(ids, present, rank, given, snap)
+        done = self._write(ids, rows, slot, expect, score, snap)
+        return done
+
+    def _count_inserts(self, done: torch.Tensor, which: int) -> None:
+        """Adds an insert's outcome to the device counters (no sync): evictions, keys
+        inserted (counter ``which``: 1 sync, 2 async), keys refused."""
+        written = (done & 1).sum()
+        self._counts[0] += ((done & 4) != 0).sum()
+        self._counts[which] += written
+        self._counts[3] += len(done) - written
 
     # ---- the public interface ----
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ``ids`` (any shape, integer) as ``(*ids.shape, dim)`` float32 on the
-        cache's device. Never creates rows: an id the table lacks answers its missing
-        default (and is not cached)."""
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidInputError(f"ids must be an int64 or int32 tensor, got {ids.dtype}")
-        flat = ids.reshape(-1).to(self.device, torch.int64)
-        if len(flat) and int(flat.min()) < 0:
-            raise InvalidInputError(f"ids hold a negative id ({int(flat.min())}); embank keys are >= 0")
-        uniq, inverse = torch.unique(flat, return_inverse=True)
-        with self._lock:
-            self.clock += 1
-            rows, slots = self._find(uniq, touch=True, gather=True)
-            epoch = self._epoch
-            asynchronous = self._async()
-        found = slots >= 0
-        n_miss = int((~found).sum())
-        if n_miss:
-            miss = uniq[~found]
-            if asynchronous:
-                rows[~found] = self.default_row
-                self._queue.put(miss)
-                self._stats["default_answers"] += n_miss
-            else:
-                fetched, exists = self._fetch(miss)
-                rows[~found] = fetched
-                with self._lock:
-                    if self._epoch == epoch and bool(exists.any()):
-                        self._stats["sync_inserts"] += self._insert(miss[exists], fetched[exists])
+    def _device_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            raise InvalidInputError(f"ids must be a torch tensor, got {type(ids).__name__}")
+        if ids.dtype == torch.uint64:
+            ids = ids.view(torch.int64)
+        elif ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidInputError(f"ids must be an int64, uint64 or int32 tensor, got {ids.dtype}")
+        return ids.reshape(-1).to(self.device, torch.int64)
+
+    def lookup(self, ids: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of ``ids`` (any shape; uint64, int64 or int32: an int64 id is the u64 key
+        of the same bits) as ``(*ids.shape, dim)`` float32 on the cache's device. Never
+        creates rows: an id the table lacks answers its missing default (not cached).
+        ``scores`` (int64 in [0, 2^55), the shape of ``ids``): with ``policy="custom"``,
+        the scores of the ids (a hit keeps the larger; a new key is refused when its
+        score is below its full bucket's lowest; a new key given twice in one lookup is
+        inserted with one of its scores). One host sync (see the module's text)."""
+        self._queue.raise_error()
+        flat = self._device_ids(ids)
+        n = len(flat)
+        given = flat
+        if self._policy == 2:
+            if scores is None:
+                raise InvalidInputError('policy="custom" needs the scores of the ids')
+            given = scores.reshape(-1).to(self.device, torch.int64)
+            if len(given) != n:
+                raise InvalidInputError(
+                    f"scores must have the shape of ids, got {scores.shape} for {ids.shape}"
+                )
+        staging = self._take_staging()
+        try:
+            with self._ordered():
+                self.clock += 1
+                out, vers, payload, miss_at = self._lookup_find(flat, given)
+                asynchronous = self._async()
+                # The count and the first `k` miss ids (and, for an async custom-score
+                # cache, their scores) come to the host in one copy.
+                k = min(n, self._miss_ids_hint)
+                with_scores = self._policy == 2 and asynchronous
+                if with_scores:
+                    gathered = miss_at[:k].clamp(min=0, max=max(n - 1, 0))  # past the count: any place
+                    head = torch.cat([payload[: 1 + k], given[gathered]])
+                else:
+                    head = payload[: 1 + k]
+                host, copied = self._to_host(staging, head)
+            if copied is not None:
+                copied.synchronize()  # the one host sync: miss count and miss ids
+            n_miss = int(host[0])
+            with self._lock:
+                self._miss_ids_hint = max(MISS_IDS_HINT_MIN, 2 * n_miss)
+            if n_miss:
+                first = min(n_miss, k)
+                miss_ids = host[1 : 1 + first].numpy().copy()
+                miss_scores = host[1 + k : 1 + k + first].numpy().copy() if with_scores else None
+                if n_miss > k:  # more misses than the hint: a second copy and wait for the rest
+                    rest = miss_at[k:n_miss]
+                    more, copied = self._to_host(
+                        staging, torch.cat([flat[rest]] + ([given[rest]] if with_scores else []))
+                    )
+                    if copied is not None:
+                        copied.synchronize()
+                    miss_ids = np.concatenate([miss_ids, more[: n_miss - k].numpy()])
+                    if miss_scores is not None:
+                        miss_scores = np.concatenate([miss_scores, more[n_miss - k :].numpy()])
+                self._misses(
+                    staging, miss_ids, miss_at[:n_miss], flat, out, vers, given, asynchronous, miss_scores
+                )
+        finally:
+            self._give_staging(staging)
         with self._lock:
             self._stats["lookups"] += 1
-            self._stats["hits"] += len(uniq) - n_miss
+            self._stats["hits"] += n - n_miss
             self._stats["misses"] += n_miss
-            self._window.append((len(uniq) - n_miss, len(uniq)))
+            self._window.append((n - n_miss, n))
             if len(self._window) > self._window_len:
                 self._window.pop(0)
-        return rows[inverse].reshape(*ids.shape, self.dim)
+        return out.reshape(*ids.shape, self.dim)
+
+    def _misses(
+        self,
+        staging: _Staging,
+        miss_ids: npt.NDArray[np.int64],
+        miss_at: torch.Tensor,
+        flat: torch.Tensor,
+        out: torch.Tensor,
+        vers: torch.Tensor,
+        given: torch.Tensor,
+        asynchronous: bool,
+        miss_scores: npt.NDArray[np.int64] | None,
+    ) -> None:
+        """Answers a lookup's misses (``miss_at``: their places in ``out``) and inserts them."""
+        if asynchronous:
+            with self._ordered():
+                out.index_copy_(0, miss_at, self.default_row.expand(len(miss_at), self.dim))
+            uniq, first = np.unique(miss_ids, return_index=True)
+            self._queue.put(uniq, miss_scores[first] if miss_scores is not None else np.zeros_like(uniq))
+            with self._lock:
+                self._stats["default_answers"] += len(miss_ids)
+            return
+        uniq, first, inverse = np.unique(miss_ids, return_index=True, return_inverse=True)
+        rows, exists = self.table.lookup(uniq.view(np.uint64))
+        keep = exists & (uniq != EMPTY) & (uniq != LOCKED)
+        packed = np.concatenate([inverse.reshape(-1), first[keep]]).astype(np.int64)
+        with self._ordered():
+            idx, dev_rows = self._to_device(staging, packed, np.ascontiguousarray(rows))
+            assert dev_rows is not None
+            out.index_copy_(0, miss_at, dev_rows[idx[: len(miss_ids)]])
+            if keep.any():
+                kept = idx[len(miss_ids) :]  # first occurrence (in the misses) of each key kept
+                u_of = idx[: len(miss_ids)][kept]  # its row among the unique keys
+                at = miss_at[kept]
+                done = self._upsert(flat[at], dev_rows[u_of], vers[at], given[at])
+                self._count_inserts(done, 1)
 
     def _async(self) -> bool:
         if self.insert_mode != "auto":
@@ -286,118 +744,132 @@ class GpuCache:
         rate = hits / total if total else 0.0
         return rate >= self.threshold
 
-    def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of ``ids`` from the table (one batched ``lookup``), on the device, and
-        which exist. On CUDA: through a pinned buffer, copied on a side stream."""
-        keys = ids.to("cpu").numpy().astype(np.uint64)
-        rows, found = self.table.lookup(keys)
-        host = torch.from_numpy(rows)
-        exists = torch.from_numpy(found)
-        if self._side is not None:
-            pinned = host.pin_memory()
-            with torch.cuda.stream(self._side):
-                dev = pinned.to(self.device, non_blocking=True)
-                ex = exists.to(self.device, non_blocking=True)
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
-            dev.record_stream(torch.cuda.current_stream(self.device))
-            return dev, ex
-        return host.to(self.device), exists.to(self.device)
-
-    def _insert_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
+    def _fill(self, keys: npt.NDArray[np.int64], scores: npt.NDArray[np.int64]) -> None:
+        """The background insert of ``keys`` (unique): those still missing are fetched
+        and inserted, on the cache's side stream (CUDA). Waits for the host: it is off
+        the lookup's path."""
+        stream = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+        staging = self._take_staging()
+        try:
+            with stream:
+                with self._ordered():
+                    ids, _ = self._to_device(staging, keys, None)
+                    _, slots, vers = self._find(ids, ids, touch=False, gather=False)
+                    host, copied = self._to_host(staging, slots)
+                if copied is not None:
+                    copied.synchronize()  # outside the lock
+                missing = (host.numpy() < 0) & (keys != EMPTY) & (keys != LOCKED)
+                if not missing.any():
                     return
-                with self._lock:
-                    epoch = self._epoch
-                    _, slots = self._find(item, touch=False, gather=False)
-                ids = item[slots < 0]  # another lookup may have brought some in
-                if len(ids):
-                    rows, exists = self._fetch(ids)
-                    with self._lock:
-                        if self._epoch == epoch and bool(exists.any()):
-                            self._stats["async_inserts"] += self._insert(ids[exists], rows[exists])
-            except Exception:  # pragma: no cover - a closed table: the cache is being dropped
-                pass
-            finally:
-                self._queue.task_done()
+                rows, exists = self.table.lookup(keys[missing].view(np.uint64))
+                pick = np.flatnonzero(missing)[exists]
+                if not len(pick):
+                    return
+                with self._ordered():
+                    packed = np.concatenate([pick, scores[pick]]).astype(np.int64)
+                    both, dev_rows = self._to_device(staging, packed, np.ascontiguousarray(rows[exists]))
+                    assert dev_rows is not None
+                    at, given = both[: len(pick)], both[len(pick) :]
+                    done = self._upsert(ids[at], dev_rows, vers[at], given)
+                    self._count_inserts(done, 2)
+        finally:
+            self._give_staging(staging)
 
     def wait(self) -> None:
-        """Waits until the background inserts queued so far are done."""
+        """Waits until the background inserts queued so far are done; raises the error
+        of a failed one (once)."""
         self._queue.join()
+        self._queue.raise_error()
 
     def invalidate(self, keys: Any) -> int:
-        """Drops ``keys`` from the cache (a later lookup reads them from the table again).
-        Returns how many were cached."""
-        ids = torch.as_tensor(np.asarray(keys, dtype=np.uint64).astype(np.int64), device=self.device).reshape(
-            -1
-        )
-        with self._lock:
-            self._epoch += 1
-            if not len(ids):
-                return 0
-            _, slots = self._find(torch.unique(ids), touch=False, gather=False)
-            at = slots[slots >= 0]
-            self.keys.view(-1)[at] = EMPTY
-            self.digests.view(-1)[at] = 0
-            self.scores.view(-1)[at] = -1
-            self._stats["invalidated"] += len(at)
-            return len(at)
+        """Drops ``keys`` (a tensor on any device, numpy array or list of u64 keys) from
+        the cache; a later lookup reads them from the table again. Returns how many were
+        cached (waits for the device)."""
+        return int(self._invalidate_keys(keys).sum())
+
+    def _invalidate_keys(self, keys: Any) -> torch.Tensor:
+        if isinstance(keys, torch.Tensor):
+            ids = self._device_ids(keys)
+        else:
+            ids = torch.from_numpy(_host_keys(keys)).to(self.device)
+        if not len(ids):
+            return torch.zeros(0, dtype=torch.int64)
+        with self._ordered():
+            done = self._invalidate(ids)
+            self._counts[4] += done.sum()
+        return done
 
     def _on_write(self, keys: npt.NDArray[np.uint64]) -> None:
-        self.invalidate(keys)
+        self._invalidate_keys(keys)  # no host wait
 
     def refresh(self, batch: int = 65_536) -> dict[str, float]:
         """Re-reads every cached key from the table in batches and replaces the rows that
-        changed (a key the table no longer holds is dropped). Returns rows, changed,
-        bytes and seconds of this refresh."""
+        changed (a key the table no longer holds is dropped). A row is written only if
+        its bucket's version has not moved since its key was read, so a write through
+        the table meanwhile (which invalidates) is never overwritten by the older row.
+        Returns rows, changed, bytes moved between host and device (keys down, float32
+        rows up) and seconds. Waits for the device (it is not the lookup's path)."""
         t0 = time.perf_counter()
-        with self._lock:
-            occupied = (self.keys.view(-1) != EMPTY).nonzero().squeeze(1)
-        rows_done = changed = 0
-        for i in range(0, len(occupied), batch):
-            at = occupied[i : i + batch]
-            with self._lock:
-                ids = self.keys.view(-1)[at].clone()
-            live = ids != EMPTY
-            at, ids = at[live], ids[live]
-            if not len(ids):
-                continue
-            fresh, exists = self._fetch(ids)
-            with self._lock:
-                still = self.keys.view(-1)[at] == ids  # not replaced meanwhile
-                gone = still & ~exists
-                self.keys.view(-1)[at[gone]] = EMPTY
-                self.scores.view(-1)[at[gone]] = -1
-                upd = still & exists
-                new = fresh[upd].to(self.dtype)
-                diff = (new != self.values[at[upd]]).any(1)
-                self.values[at[upd][diff]] = new[diff]
-                changed += int(diff.sum()) + int(gone.sum())
-            rows_done += len(ids)
+        with self._ordered():
+            keys_flat = self.keys.view(-1)
+            occupied = ((keys_flat != EMPTY) & (keys_flat != LOCKED)).nonzero().squeeze(1)
+        rows_done = changed = moved = 0
+        staging = self._take_staging()
+        try:
+            for i in range(0, len(occupied), batch):
+                at = occupied[i : i + batch]
+                with self._ordered():
+                    ids = self.keys.view(-1)[at]
+                    vers = self.versions[at // self.slots]
+                    host_ids, copied = self._to_host(staging, ids)
+                if copied is not None:
+                    copied.synchronize()  # outside the lock
+                host = host_ids.numpy().copy()
+                live = (host != EMPTY) & (host != LOCKED)
+                if not live.any():
+                    continue
+                fresh, exists = self.table.lookup(host[live].view(np.uint64))
+                take = np.flatnonzero(live)
+                rows_all = np.zeros((len(host), self.dim), dtype=np.float32)
+                rows_all[take] = fresh
+                ok = np.zeros(len(host), dtype=bool)
+                ok[take[exists]] = True
+                gone = host[take[~exists]]
+                with self._ordered():
+                    okd, dev_rows = self._to_device(staging, ok.astype(np.int64), rows_all)
+                    assert dev_rows is not None
+                    slot = torch.where(okd.bool(), at, -1)
+                    done = self._write(ids, dev_rows, slot, ids, torch.full_like(ids, KEEP), vers)
+                    n_changed = ((done & 2) != 0).sum()
+                if len(gone):
+                    n_changed = n_changed + self._invalidate_keys(gone).sum()
+                changed += int(n_changed)
+                rows_done += int(live.sum())
+                moved += len(host) * 8 + rows_all.nbytes
+        finally:
+            self._give_staging(staging)
         seconds = time.perf_counter() - t0
-        nbytes = rows_done * self.dim * self.values.element_size()
         with self._lock:
             self._stats["refreshes"] += 1
             self._stats["refresh_rows"] += rows_done
             self._stats["refresh_changed"] += changed
-            self._stats["refresh_bytes"] += nbytes
+            self._stats["refresh_bytes"] += moved
             self._refresh_seconds += seconds
-        return {"rows": rows_done, "changed": changed, "bytes": nbytes, "seconds": seconds}
+        return {"rows": rows_done, "changed": changed, "bytes": moved, "seconds": seconds}
 
     def start_refresh(self, every: float) -> None:
-        """Refreshes in a background thread every ``every`` seconds until :meth:`close`."""
+        """Refreshes in a background thread every ``every`` seconds until :meth:`close`
+        (the thread holds the cache only while it refreshes)."""
         if every <= 0:
             raise InvalidInputError(f"refresh every must be > 0 seconds, got {every}")
         if self._refresher is not None:
             raise InvalidInputError("a periodic refresh is already running")
-        ref = weakref.ref(self)
+        ref, stop = weakref.ref(self), self._stop
 
         def loop() -> None:
-            while True:
+            while not stop.wait(every):
                 me = ref()
-                if me is None or me._stop.wait(every):
+                if me is None:
                     return
                 me.refresh()
                 del me
@@ -406,11 +878,21 @@ class GpuCache:
         self._refresher.start()
 
     def stats(self) -> dict[str, Any]:
-        """Hits, misses, hit rate (all and over the window), inserts (sync, async),
-        misses answered with the default, evictions, refresh rows/bytes/seconds/GB/s,
-        rows cached, bytes of the structure and, on CUDA, memory allocated."""
+        """Hits, misses (ids, repeats included), hit rate (all and over the window),
+        inserts (sync, async), inserts refused (a full bucket of higher scores, or a
+        write meanwhile), misses answered with the default, async keys dropped (queue
+        full) and errors, evictions, invalidated rows, refresh rows/bytes/seconds/GB/s,
+        rows cached, rows_max, bytes of the structure and, on CUDA, memory allocated.
+        Waits for the device."""
+        with self._ordered():
+            counts = self._counts.tolist()
+            rows_cached = int(((self.keys != EMPTY) & (self.keys != LOCKED)).sum())
         with self._lock:
             s: dict[str, Any] = dict(self._stats)
+            (s["evictions"], s["sync_inserts"], s["async_inserts"], s["insert_refused"], s["invalidated"]) = (
+                counts
+            )
+            s["async_dropped"], s["async_errors"] = self._queue.dropped, self._queue.errors
             total = s["hits"] + s["misses"]
             s["hit_rate"] = s["hits"] / total if total else None
             wt = sum(n for _, n in self._window)
@@ -419,10 +901,12 @@ class GpuCache:
             s["refresh_gb_per_s"] = (
                 s["refresh_bytes"] / self._refresh_seconds / 1e9 if self._refresh_seconds else None
             )
-            s["rows_cached"] = int((self.keys != EMPTY).sum())
+            s["rows_cached"] = rows_cached
         s["rows_max"] = self.n_buckets * self.slots
+        s["slots"] = self.slots
         s["bytes"] = sum(
-            t.numel() * t.element_size() for t in (self.keys, self.digests, self.scores, self.values)
+            t.numel() * t.element_size()
+            for t in (self.keys, self.digests, self.scores, self.values, self.versions)
         )
         s["device"], s["kernels"], s["insert"], s["policy"] = (
             str(self.device),
@@ -436,16 +920,19 @@ class GpuCache:
         return s
 
     def close(self) -> None:
-        """Stops the background threads (queued inserts are finished first)."""
+        """Stops the background threads (queued inserts are finished first) and raises
+        the error of a failed background insert not raised yet."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
-        self._queue.put(None)
+        self._queue.join()
+        self._queue.close()
         self._inserter.join()
         if self._refresher is not None:
             self._refresher.join()
         self.table._write_listeners().discard(self._on_write)
+        self._queue.raise_error()
 
     def __enter__(self) -> GpuCache:
         return self

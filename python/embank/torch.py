@@ -153,7 +153,8 @@ class _Lookup(torch.nn.Module):
         self.pending = _pending_for(source)
 
     def unique_rows(self, ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unique rows ``(u, dim)`` (requires grad when training) and the inverse index of ``ids``."""
+        """Unique rows ``(u, dim)`` (requires grad when training) and the inverse index of ``ids``
+        (through a GpuCache: the row of every id, and ``arange``)."""
         flat = ids.reshape(-1)
         training = torch.is_grad_enabled() and self.training
         if self.cache is not None:
@@ -162,8 +163,10 @@ class _Lookup(torch.nn.Module):
                     "a GpuCache answers lookups in eval mode or under torch.no_grad(); "
                     "train through the table"
                 )
-            uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-            return self.cache.lookup(uniq).to(device), inverse.to(device)
+            # Every id's row, no unique: torch.unique would wait for the device, and the
+            # cache answers repeats from the device anyway (one host sync a lookup).
+            rows = self.cache.lookup(flat).to(device)
+            return rows, torch.arange(len(flat), device=device)
         uniq, inverse = torch.unique(flat.to("cpu"), sorted=True, return_inverse=True)
         keys = _to_keys(uniq, "ids")
         # A worker's pull holds keys until their gradient is pushed: only when training.

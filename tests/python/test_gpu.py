@@ -4,9 +4,13 @@ and, where CUDA exists, on the device."""
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +26,23 @@ from embank.errors import InvalidInputError  # noqa: E402
 DIM = 8
 
 
-def _table(tmp: Path, n: int = 300) -> tuple[embank.Store, embank.Table]:
-    store = embank.open(tmp / "s")
-    t = store.create_table("t", dim=DIM)
+@pytest.fixture(scope="module")
+def gpu_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embank.Store]:
+    """One store for the module's tests (a table each): a store's files take seconds
+    to remove."""
+    store = embank.open(tmp_path_factory.mktemp("gpu") / "s")
+    yield store
+    store.close()
+
+
+_names = itertools.count()
+
+
+def _table(store: embank.Store, n: int = 300) -> embank.Table:
+    t = store.create_table(f"t{next(_names)}", dim=DIM)
     keys = np.arange(n, dtype=np.uint64) * 7
     t.push(keys, np.random.default_rng(0).standard_normal((n, DIM)).astype(np.float32))
-    return store, t
+    return t
 
 
 def _cached(cache: gpu.GpuCache) -> dict[int, Any]:
@@ -36,20 +51,23 @@ def _cached(cache: gpu.GpuCache) -> dict[int, Any]:
     return {int(x): cache.values[i].float().numpy() for x, i in zip(k[at].tolist(), at.tolist())}
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_reference_path_against_a_model(tmp_path: Path, policy: str) -> None:
-    store, t = _table(tmp_path)
-    rng = np.random.default_rng(1)
-    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch", policy=policy)
-    truth = {int(k): r for ks, rs in t.export() for k, r in zip(ks.tolist(), rs)}  # the model: the table
-    for step in range(300):
+def _run_model(cache: gpu.GpuCache, t: embank.Table, seed: int, steps: int) -> None:
+    """Random lookups, writes through the table (invalidating), writes the cache is not
+    told of then a refresh, and invalidations, checked at every step against the table
+    (the model): every answer is the table's row, every cached row is the table's row,
+    never more than ``rows_max`` rows."""
+    rng = np.random.default_rng(seed)
+    truth = {int(k): r for ks, rs in t.export() for k, r in zip(ks.tolist(), rs)}
+    rows_max = cache.stats()["rows_max"]
+    for step in range(steps):
         op = rng.integers(0, 10)
         if op < 6:  # a lookup: ids drawn Zipf-like, some the table lacks
             ids = (rng.zipf(1.3, 40) % 330) * 7
-            out = cache.lookup(torch.as_tensor(ids, dtype=torch.int64)).numpy()
+            scores = torch.as_tensor(rng.integers(0, 100, 40)) if cache.policy == "custom" else None
+            out = cache.lookup(torch.as_tensor(ids, dtype=torch.int64), scores).numpy()
             for i, k in enumerate(ids.tolist()):
                 want = truth.get(k, np.zeros(DIM, np.float32))
-                np.testing.assert_array_equal(out[i], want, err_msg=f"step {step} key {k}")
+                np.testing.assert_array_equal(out[i], want, err_msg=f"seed {seed} step {step} key {k}")
         elif op < 8:  # a write through the table (invalidates)
             ks = (rng.integers(0, 330, 5) * 7).astype(np.uint64)
             rows = rng.standard_normal((5, DIM)).astype(np.float32)
@@ -68,18 +86,156 @@ def test_reference_path_against_a_model(tmp_path: Path, policy: str) -> None:
             held = _cached(cache)
             assert not any(int(k) in held for k in ks)
         held = _cached(cache)
-        assert len(held) <= 64
+        assert len(held) <= rows_max
         for k, row in held.items():  # every cached row is the table's row
-            np.testing.assert_array_equal(row, truth[k], err_msg=f"step {step}: cached key {k} is stale")
+            np.testing.assert_array_equal(
+                row, truth[k], err_msg=f"seed {seed} step {step}: cached key {k} is stale"
+            )
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])
+def test_reference_path_against_a_model(gpu_store: embank.Store, policy: str) -> None:
+    t = _table(gpu_store)
+    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch", policy=policy)
+    _run_model(cache, t, seed=1, steps=300)
     s = cache.stats()
     assert s["hits"] > 0 and s["misses"] > 0 and s["evictions"] > 0 and s["sync_inserts"] > 0
     assert 0 < s["hit_rate"] < 1 and s["refreshes"] > 0 and s["invalidated"] > 0
     cache.close()
-    store.close()
 
 
-def test_lru_keeps_the_recent_rows(tmp_path: Path) -> None:
-    store, t = _table(tmp_path)
+def test_concurrent_lookups_and_writers_against_a_model(gpu_store: embank.Store) -> None:
+    """Two threads looking up (as two streams would) while a third writes through the
+    table: every answer is a row the key held at some time, and once they stop every
+    cached row is the table's row."""
+    t = _table(gpu_store)
+    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch")
+    history: dict[int, list[Any]] = {k * 7: [np.zeros(DIM, np.float32)] for k in range(330)}  # missing: zeros
+    for ks, rs in t.export():
+        for k, r in zip(ks.tolist(), rs):
+            history[int(k)] = [r]
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def writer() -> None:
+        rng = np.random.default_rng(11)
+        while not stop.is_set():
+            ks = (rng.integers(0, 330, 4) * 7).astype(np.uint64)
+            rows = rng.standard_normal((4, DIM)).astype(np.float32)
+            with lock:
+                for k, r in zip(ks.tolist(), rows):
+                    history.setdefault(int(k), []).append(r)
+            t.push(ks, rows)
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for step in range(150):
+            ids = (rng.zipf(1.3, 32) % 330) * 7
+            out = cache.lookup(torch.as_tensor(ids, dtype=torch.int64)).numpy()
+            with lock:
+                for i, k in enumerate(ids.tolist()):
+                    if not any(np.array_equal(out[i], r) for r in history[k]):
+                        errors.append(f"reader {seed} step {step}: key {k} answered a row it never held")
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(s,)) for s in (2, 3)]
+    for th in threads:
+        th.start()
+    for th in threads[1:]:
+        th.join()
+    stop.set()
+    threads[0].join()
+    assert not errors, errors[:5]
+    for k, row in _cached(cache).items():
+        np.testing.assert_array_equal(row, t.lookup([k])[0][0], err_msg=f"cached key {k} is stale")
+    cache.close()
+
+
+@pytest.mark.parametrize("insert", ["sync", "async"])
+def test_a_lookup_missing_more_ids_than_it_copies_with_the_count(
+    gpu_store: embank.Store, insert: str
+) -> None:
+    """A lookup copies the miss count and at most twice the previous lookup's misses (at
+    least 1,024) in one copy; more misses take a second copy, scores included."""
+    t = _table(gpu_store, n=3000)
+    cache = gpu.GpuCache(t, rows_max=4096, device="cpu", insert=insert, kernels="torch", policy="custom")
+    ids = torch.arange(3000, dtype=torch.int64) * 7
+    scores = torch.arange(3000, dtype=torch.int64) + 1
+    out = cache.lookup(ids, scores)
+    if insert == "sync":
+        np.testing.assert_array_equal(out.numpy(), t.lookup(ids.numpy().astype(np.uint64))[0])
+    cache.wait()
+    assert cache.stats()["rows_cached"] > 2900
+    held = cache.scores.view(-1)[(cache.keys.view(-1) >= 0)]
+    assert int(held.min()) >= 1  # every key inserted with its score, the later ones too
+    np.testing.assert_array_equal(
+        cache.lookup(ids, scores).numpy(), t.lookup(ids.numpy().astype(np.uint64))[0][:, :]
+    )
+    cache.close()
+
+
+def test_launches_from_two_streams_wait_for_the_cache_s_previous_launch(
+    gpu_store: embank.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two CUDA streams simulated (fake streams and events, no CUDA): two threads, each
+    on its own current stream, launch through the cache; every launch waits on the
+    event recorded after the cache's previous launch, whichever stream recorded it, and
+    records its own on its own stream: the device runs them in the order they were made."""
+    t = _table(gpu_store)
+    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch")
+    log: list[tuple[str, str, int]] = []
+    events = itertools.count(1)
+
+    class FakeStream:
+        def __init__(self, name: str) -> None:
+            self.name, self.stream_id = name, hash(name)
+
+        def wait_event(self, e: Any) -> None:
+            log.append(("wait", self.name, e.id))
+
+    class FakeEvent:
+        def __init__(self) -> None:
+            self.id = next(events)
+
+        def record(self, stream: FakeStream) -> None:
+            log.append(("record", stream.name, self.id))
+
+    local = threading.local()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: local.stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(cache, "_side", FakeStream("side"))  # the CUDA branch of the ordering
+
+    def launches(name: str) -> None:
+        local.stream = FakeStream(name)
+        for _ in range(50):
+            with cache._ordered():
+                log.append(("launch", name, 0))
+
+    threads = [threading.Thread(target=launches, args=(n,)) for n in ("s1", "s2")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    monkeypatch.undo()
+    last = None
+    i = 0
+    while i < len(log):
+        if last is not None:
+            kind, _, event = log[i]
+            assert (kind, event) == ("wait", last), f"entry {i}: {log[i]}, expected a wait on event {last}"
+            i += 1
+        (k1, s1, _), (k2, s2, event) = log[i], log[i + 1]
+        assert k1 == "launch" and k2 == "record" and s1 == s2, (i, log[i : i + 2])
+        if last is not None:
+            assert log[i - 1][1] == s1, f"entry {i}: the wait is not on the launching stream"
+        last, i = event, i + 2
+    assert {entry[1] for entry in log} == {"s1", "s2"}
+    cache.close()
+
+
+def test_lru_keeps_the_recent_rows(gpu_store: embank.Store) -> None:
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=8, slots=8, device="cpu", insert="sync", kernels="torch")
     cache.lookup(torch.tensor([0, 7, 14, 21, 28, 35, 42, 49]))  # fills the one bucket
     cache.lookup(torch.tensor([0, 7]))  # used again
@@ -87,11 +243,10 @@ def test_lru_keeps_the_recent_rows(tmp_path: Path) -> None:
     held = set(_cached(cache))
     assert {0, 7, 56, 63} <= held and len(held) == 8
     cache.close()
-    store.close()
 
 
-def test_async_answers_the_default_then_inserts(tmp_path: Path) -> None:
-    store, t = _table(tmp_path)
+def test_async_answers_the_default_then_inserts(gpu_store: embank.Store) -> None:
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=64, device="cpu", insert="async", default=-1.0)
     out = cache.lookup(torch.tensor([7, 14]))
     assert (out == -1.0).all()
@@ -109,11 +264,10 @@ def test_async_answers_the_default_then_inserts(tmp_path: Path) -> None:
     assert (auto.lookup(torch.tensor([28])) == 0).all()  # async: the default
     auto.close()
     cache.close()
-    store.close()
 
 
-def test_modules_use_the_cache_in_eval_mode_only(tmp_path: Path) -> None:
-    store, t = _table(tmp_path)
+def test_modules_use_the_cache_in_eval_mode_only(gpu_store: embank.Store) -> None:
+    t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=128, device="cpu", insert="sync")
     bag, plain = et.EmbeddingBag(cache, mode="sum"), et.EmbeddingBag(t, mode="sum")
     ids, offsets = torch.tensor([7, 14, 14, 21]), torch.tensor([0, 2])
@@ -128,7 +282,6 @@ def test_modules_use_the_cache_in_eval_mode_only(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="power of two"):
         gpu.GpuCache(t, rows_max=8, slots=6)
     cache.close()
-    store.close()
 
 
 _KERNELS_SCRIPT = r"""
@@ -138,25 +291,58 @@ store = embank.open(__import__("sys").argv[1])
 t = store.create_table("t", dim=5)
 keys = np.arange(200, dtype=np.uint64) * 3
 t.push(keys, np.random.default_rng(0).standard_normal((200, 5)).astype(np.float32))
-for dtype in (torch.float32, torch.float16):
-    for policy in ("lru", "lfu"):
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for policy in ("lru", "lfu", "custom"):
         caches = [gpu.GpuCache(t, rows_max=32, slots=8, device="cpu", insert="sync", kernels=k,
                                dtype=dtype, policy=policy) for k in ("torch", "triton")]
         rng = np.random.default_rng(2)
-        for step in range(25):
+        for step in range(12):
             ids = torch.as_tensor((rng.zipf(1.2, 30) % 220) * 3, dtype=torch.int64)
-            outs = [c.lookup(ids) for c in caches]
+            scores = torch.as_tensor(rng.integers(0, 50, 30))
+            outs = [c.lookup(ids, scores) for c in caches]
             assert torch.equal(outs[0], outs[1]), (step, "lookup")
-            if step % 7 == 3:
+            want = torch.from_numpy(t.lookup(ids.numpy().astype(np.uint64))[0])
+            tol = {torch.float32: 0.0, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]  # hits are rounded
+            assert torch.allclose(outs[0], want, rtol=tol, atol=tol), (step, "the table's rows", dtype)
+            if step % 5 == 3:
                 for c in caches:
-                    c.invalidate(ids[:3].numpy())
+                    assert c.invalidate(ids[:3].numpy()) >= 0
+            if step % 5 == 4:
+                t._t.push(ids[:2].numpy().astype(np.uint64), np.full((2, 5), float(step), np.float32))
+                assert caches[0].refresh(batch=8)["changed"] == caches[1].refresh(batch=8)["changed"]
             a, b = caches
-            for name in ("keys", "digests", "scores", "values"):
+            for name in ("keys", "digests", "scores", "values", "versions"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), (step, name, dtype, policy)
         sa, sb = (c.stats() for c in caches)
-        assert sa["evictions"] == sb["evictions"] > 0 and sa["hits"] == sb["hits"]
+        for k in ("evictions", "hits", "sync_inserts", "insert_refused", "invalidated", "refresh_changed"):
+            assert sa[k] == sb[k], (k, sa[k], sb[k], dtype, policy)
+        assert sa["evictions"] > 0
         for c in caches:
             c.close()
+# Concurrent writers: lookups while another thread writes through the table (each write
+# launches the invalidation kernel); once it stops, every cached row is the table's.
+import threading
+c = gpu.GpuCache(t, rows_max=32, slots=8, device="cpu", insert="sync", kernels="triton")
+stop = threading.Event()
+def writer():
+    rng = np.random.default_rng(9)
+    while not stop.wait(0.01):
+        ks = (rng.integers(0, 220, 3) * 3).astype(np.uint64)
+        t.push(ks, rng.standard_normal((3, 5)).astype(np.float32))
+th = threading.Thread(target=writer)
+th.start()
+rng = np.random.default_rng(4)
+for step in range(20):
+    c.lookup(torch.as_tensor((rng.zipf(1.2, 30) % 220) * 3, dtype=torch.int64))
+stop.set()
+th.join()
+k = c.keys.view(-1)
+at = (k >= 0).nonzero().squeeze(1)
+assert len(at) > 0
+for key, i in zip(k[at].tolist(), at.tolist()):
+    assert torch.equal(c.values[i], torch.from_numpy(t.lookup([key])[0][0])), ("stale", key)
+assert c.stats()["invalidated"] > 0
+c.close()
 print("kernels agree")
 """
 
@@ -172,8 +358,8 @@ def test_triton_kernels_match_the_reference_in_the_interpreter(tmp_path: Path) -
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_kernels_match_the_reference(tmp_path: Path) -> None:
-    store, t = _table(tmp_path)
+def test_on_cuda_the_kernels_match_the_reference(gpu_store: embank.Store) -> None:
+    t = _table(gpu_store)
     caches = [
         gpu.GpuCache(t, rows_max=64, slots=8, device="cuda", insert="sync", kernels=k)
         for k in ("torch", "triton")
@@ -186,24 +372,43 @@ def test_on_cuda_the_kernels_match_the_reference(tmp_path: Path) -> None:
     assert torch.equal(caches[0].keys, caches[1].keys)
     for c in caches:
         c.close()
-    store.close()
 
 
 def test_the_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
-    """`examples/gpu_cache/bench.py` at small sizes: what a GPU machine runs at full size."""
+    """`examples/gpu_cache/bench.py` at small sizes, without matplotlib (it is optional):
+    what a GPU machine runs at full size. Then its PNGs, where matplotlib is installed."""
     bench = Path(__file__).resolve().parents[2] / "examples" / "gpu_cache" / "bench.py"
+    args = ["--out", str(tmp_path), "--device", "cpu", "--rows", "20000", "--hit-rows", "5000",
+            "--batch-sizes", "512,4096", "--batches", "16", "--repeats", "2", "--dims", "32",
+            "--size-fractions", "0.01,0.1"]  # fmt: skip
+    no_matplotlib = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
     r = subprocess.run(
-        [sys.executable, str(bench), "--out", str(tmp_path), "--device", "cpu", "--rows", "20000",
-         "--hit-rows", "5000", "--hit-batch", "20000", "--batches", "20", "--repeats", "2", "--dims", "32"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-c", no_matplotlib, str(bench), *args], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "matplotlib is not installed" in r.stderr
     import json
 
     res = json.loads((tmp_path / "gpu_cache.json").read_text())
-    assert res["hit_path"][0]["rows_cached"] > 0
+    hit = res["hit_path"][0]
+    assert hit["rows_cached"] == hit["rows_wanted"] == 5000
+    assert [b["batch_ids"] for b in hit["batches"]] == [512, 4096] and all(
+        b["all_hit"] for b in hit["batches"]
+    )
+    assert hit["refresh"]["rows"] == 5000 and hit["refresh"]["bytes_moved"] >= 5000 * 32 * 4
     for z in ("zipf_0.99", "zipf_1.2"):
+        small, large = res["hit_rate_by_size"][z]
+        assert small["hit_rate_last_half"] < large["hit_rate_last_half"]
         e = res["end_to_end"][z]
         assert e["gpu_cache_threshold_1.0"]["default_answers"] == 0  # sync until every id hits
         assert 0 < e["gpu_cache_threshold_1.0"]["hit_rate"] < 1
-    assert (tmp_path / "warmup.png").stat().st_size > 1000
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("gpu_cache_bench", bench)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for png in module.draw(res, tmp_path):
+        assert png.stat().st_size > 1000

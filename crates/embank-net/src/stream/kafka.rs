@@ -1,17 +1,22 @@
 //! Kafka through `rskafka`, a Kafka client in pure Rust: nothing to link, nothing to
 //! compile but Rust, on any machine (the wheel and `make demo` need no system library).
 //!
-//! Ordering is kept by the sink, not by an idempotent producer: each partition's messages
-//! go out in order, one produce request at a time (`acks=all`), and the first request
-//! that fails ends the send or flush with an error, so a partition never gets a later
-//! message after a lost one. A request that failed may still have been written (its
-//! answer was lost): the caller sends the checkpoint again, and a replica skips what it
-//! already applied, so a repeat is harmless. Partitions are flushed concurrently.
+//! Ordering is kept by the sink, not by an idempotent producer. Within one checkpoint a
+//! partition's row and delete messages commute (each key appears once), so up to
+//! [`IN_FLIGHT_MAX`] produce requests of them are in flight at once (`acks=all`); a
+//! reset (it must come first) and a commit marker (it must come last, after every
+//! message before it is acknowledged) are barriers: the sink waits for what is in
+//! flight, sends the barrier alone and waits for it too. The first request that fails
+//! ends the send or flush with an error, so no commit ever follows a lost message. A
+//! request that failed may still have been written (its answer was lost): the caller
+//! sends the checkpoint again, and a replica skips what it already applied, so a repeat
+//! is harmless.
 //!
 //! The replica's source reads its one partition from an offset it keeps itself (no
 //! consumer group, nothing committed to Kafka): its position lives in its own checkpoints.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use embank_core::{Error, Result};
@@ -21,22 +26,27 @@ use rskafka::client::{Client, ClientBuilder};
 use rskafka::record::Record;
 use rskafka::BackoffConfig;
 use tokio::runtime::Runtime;
+use tokio::task::JoinHandle;
 
+use super::message::{Kind, MAGIC};
 use super::{unavailable, Polled, Sink, Source, Start, StreamConfig};
 
 /// Bytes of messages one produce request carries at most (a single larger message goes
 /// alone). Kafka's default limit of a record batch is 1 MiB.
 const REQUEST_BYTES_MAX: usize = 1 << 20;
+/// Produce requests of one partition in flight at once: what waits for the broker is
+/// at most `IN_FLIGHT_MAX` x [`REQUEST_BYTES_MAX`] per partition.
+const IN_FLIGHT_MAX: usize = 4;
 /// Bytes one fetch asks for at most.
 const FETCH_BYTES_MAX: i32 = 16 << 20;
-/// Messages a partition may buffer in the sink before they go out (the bound of what
-/// waits for the broker): a request's worth, so `send` produces as soon as it has one.
-const PENDING_BYTES_MAX: usize = REQUEST_BYTES_MAX;
 
-/// One small runtime per sink or source: every call blocks on it, so the stream's
-/// threads stay the plain threads they are for the other transports.
+/// One small runtime per sink or source, with one worker (the sink's requests in flight
+/// progress between calls); every call blocks on it, so the stream's threads stay the
+/// plain threads they are for the other transports.
 fn runtime(what: &str) -> Result<Runtime> {
-    tokio::runtime::Builder::new_current_thread()
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("embank-kafka")
         .enable_all()
         .build()
         .map_err(|e| unavailable(format!("cannot start the Kafka client's runtime for {what}"), e))
@@ -79,35 +89,26 @@ fn record(payload: Vec<u8>) -> Record {
     }
 }
 
-/// Splits a partition's messages into produce requests of at most [`REQUEST_BYTES_MAX`].
-fn requests(messages: Vec<Vec<u8>>) -> Vec<Vec<Record>> {
-    let mut out: Vec<Vec<Record>> = Vec::new();
-    let mut bytes = 0;
-    for m in messages {
-        if out.is_empty() || bytes + m.len() > REQUEST_BYTES_MAX {
-            out.push(Vec::new());
-            bytes = 0;
-        }
-        bytes += m.len();
-        out.last_mut().expect("pushed").push(record(m));
-    }
-    out
+/// A reset or a commit marker: it may not overtake, nor be overtaken by, another
+/// message of its partition.
+fn is_barrier(m: &[u8]) -> bool {
+    m.len() > 6 && m[..4] == MAGIC && (m[6] == Kind::Reset as u8 || m[6] == Kind::Commit as u8)
 }
 
-/// Produces a partition's messages in order, one request at a time; stops at the first
-/// request that fails.
-async fn produce_in_order(client: &PartitionClient, messages: Vec<Vec<u8>>) -> std::result::Result<(), KafkaError> {
-    for r in requests(messages) {
-        client.produce(r, Compression::NoCompression).await?;
-    }
-    Ok(())
+type InFlight = JoinHandle<std::result::Result<Vec<i64>, KafkaError>>;
+
+/// One partition's end of the sink.
+struct Lane {
+    client: Arc<PartitionClient>,
+    /// Messages sent and not yet in a request, with their bytes.
+    pending: Vec<Record>,
+    pending_bytes: usize,
+    in_flight: VecDeque<InFlight>,
 }
 
 pub struct KafkaSink {
     rt: Runtime,
-    clients: Vec<PartitionClient>,
-    /// Messages sent and not yet produced, per partition, with their bytes.
-    pending: Vec<(Vec<Vec<u8>>, usize)>,
+    lanes: Vec<Lane>,
     topic: String,
     timeout: Duration,
     what: String,
@@ -142,26 +143,71 @@ impl KafkaSink {
                 c.topic
             )));
         }
-        let mut clients = Vec::with_capacity(partitions as usize);
+        let mut lanes = Vec::with_capacity(partitions as usize);
         for p in 0..partitions {
             let pc = client.partition_client(c.topic.clone(), p as i32, UnknownTopicHandling::Retry);
-            clients.push(block_on(&rt, timeout, pc, || format!("cannot reach {what} partition {p}"))?);
+            let client = Arc::new(block_on(&rt, timeout, pc, || format!("cannot reach {what} partition {p}"))?);
+            lanes.push(Lane { client, pending: Vec::new(), pending_bytes: 0, in_flight: VecDeque::new() });
         }
-        let pending = vec![(Vec::new(), 0); partitions as usize];
-        Ok(KafkaSink { rt, clients, pending, topic: c.topic.clone(), timeout, what })
+        Ok(KafkaSink { rt, lanes, topic: c.topic.clone(), timeout, what })
     }
 
-    /// Produces what partition `p` has pending; on failure drops every partition's
-    /// pending messages (the caller sends the checkpoint again).
-    fn produce(&mut self, p: usize) -> Result<()> {
-        let (messages, _) = std::mem::take(&mut self.pending[p]);
-        let r = block_on(&self.rt, self.timeout, produce_in_order(&self.clients[p], messages), || {
-            format!("cannot send to {} partition {p}", self.what)
-        });
+    /// Puts partition `p`'s pending messages in flight as one request, after waiting
+    /// for the oldest request while [`IN_FLIGHT_MAX`] are.
+    fn launch(&mut self, p: usize) -> Result<()> {
+        if self.lanes[p].pending.is_empty() {
+            return Ok(());
+        }
+        while self.lanes[p].in_flight.len() >= IN_FLIGHT_MAX {
+            self.wait_oldest(p)?;
+        }
+        let lane = &mut self.lanes[p];
+        let records = std::mem::take(&mut lane.pending);
+        lane.pending_bytes = 0;
+        let client = Arc::clone(&lane.client);
+        lane.in_flight
+            .push_back(self.rt.spawn(async move { client.produce(records, Compression::NoCompression).await }));
+        Ok(())
+    }
+
+    /// Waits for partition `p`'s oldest request in flight.
+    fn wait_oldest(&mut self, p: usize) -> Result<()> {
+        let Some(h) = self.lanes[p].in_flight.pop_front() else { return Ok(()) };
+        let r = match self.rt.block_on(async { tokio::time::timeout(self.timeout, h).await }) {
+            Ok(Ok(Ok(_))) => Ok(()),
+            Ok(Ok(Err(e))) => {
+                Err(unavailable(format!("messages to {} partition {p} were not delivered", self.what), e))
+            }
+            Ok(Err(join)) => Err(unavailable(format!("sending to {} partition {p} failed", self.what), join)),
+            Err(_) => Err(unavailable(
+                format!("messages to {} partition {p} not acknowledged", self.what),
+                format!("no answer within {:?}", self.timeout),
+            )),
+        };
         if r.is_err() {
-            self.pending.iter_mut().for_each(|q| *q = (Vec::new(), 0));
+            self.abandon();
         }
         r
+    }
+
+    /// Waits for everything partition `p` has in flight.
+    fn drain(&mut self, p: usize) -> Result<()> {
+        while !self.lanes[p].in_flight.is_empty() {
+            self.wait_oldest(p)?;
+        }
+        Ok(())
+    }
+
+    /// After a failure: drops every pending message and request in flight (the caller
+    /// sends the checkpoint again).
+    fn abandon(&mut self) {
+        for lane in &mut self.lanes {
+            lane.pending.clear();
+            lane.pending_bytes = 0;
+            for h in lane.in_flight.drain(..) {
+                h.abort();
+            }
+        }
     }
 }
 
@@ -181,47 +227,45 @@ fn partition_count(rt: &Runtime, client: &Client, topic: &str, timeout: Duration
 impl Sink for KafkaSink {
     fn send(&mut self, partition: u32, messages: Vec<Vec<u8>>) -> Result<()> {
         let p = partition as usize;
-        if p >= self.clients.len() {
+        if p >= self.lanes.len() {
             return Err(Error::invalid(format!(
                 "partition {partition} of Kafka topic {:?}: the sink has {}",
                 self.topic,
-                self.clients.len()
+                self.lanes.len()
             )));
         }
         for m in messages {
-            self.pending[p].1 += m.len();
-            self.pending[p].0.push(m);
-        }
-        if self.pending[p].1 >= PENDING_BYTES_MAX {
-            self.produce(p)?;
+            if is_barrier(&m) {
+                // Everything before it acknowledged, then it alone, acknowledged too.
+                self.launch(p)?;
+                self.drain(p)?;
+                self.lanes[p].pending.push(record(m));
+                self.launch(p)?;
+                self.drain(p)?;
+                continue;
+            }
+            if self.lanes[p].pending_bytes + m.len() > REQUEST_BYTES_MAX {
+                self.launch(p)?;
+            }
+            let lane = &mut self.lanes[p];
+            lane.pending_bytes += m.len();
+            lane.pending.push(record(m));
         }
         Ok(())
     }
 
     fn flush(&mut self) -> Result<()> {
-        let batches: Vec<Vec<Vec<u8>>> = self.pending.iter_mut().map(|q| std::mem::take(q).0).collect();
-        let clients = &self.clients;
-        let all = async {
-            let each = batches.into_iter().zip(clients).map(|(m, c)| produce_in_order(c, m));
-            futures::future::join_all(each).await
-        };
-        let results = match self.rt.block_on(async { tokio::time::timeout(self.timeout, all).await }) {
-            Ok(r) => r,
-            Err(_) => {
-                return Err(unavailable(
-                    format!("messages to {} not acknowledged", self.what),
-                    format!("no answer within {:?}", self.timeout),
-                ))
-            }
-        };
-        for (p, r) in results.into_iter().enumerate() {
-            r.map_err(|e| unavailable(format!("messages to {} partition {p} were not delivered", self.what), e))?;
+        for p in 0..self.lanes.len() {
+            self.launch(p)?;
+        }
+        for p in 0..self.lanes.len() {
+            self.drain(p)?;
         }
         Ok(())
     }
 
     fn partitions(&self) -> u32 {
-        self.clients.len() as u32
+        self.lanes.len() as u32
     }
 }
 
@@ -299,18 +343,16 @@ impl Source for KafkaSource {
 
 #[cfg(test)]
 mod tests {
+    use super::super::message::{self, CheckpointId};
     use super::*;
 
     #[test]
-    fn requests_keep_order_and_bound_bytes() {
-        let messages: Vec<Vec<u8>> = (0..10u8).map(|i| vec![i; 300 << 10]).collect();
-        let rs = requests(messages);
-        // 300 KiB each: three fit in 1 MiB, the fourth opens the next request.
-        assert_eq!(rs.iter().map(Vec::len).collect::<Vec<_>>(), vec![3, 3, 3, 1]);
-        let flat: Vec<u8> = rs.iter().flatten().map(|r| r.value.as_ref().unwrap()[0]).collect();
-        assert_eq!(flat, (0..10u8).collect::<Vec<_>>());
-        // A message over the bound goes alone.
-        let rs = requests(vec![vec![0; 10], vec![1; 2 << 20], vec![2; 10]]);
-        assert_eq!(rs.iter().map(Vec::len).collect::<Vec<_>>(), vec![1, 1, 1]);
+    fn resets_and_commits_are_barriers_rows_and_deletes_are_not() {
+        let ck = CheckpointId { seq: 3, batch_id: 7, unix_micros: 1 };
+        assert!(is_barrier(&message::encode_reset(ck, "t", 4)));
+        assert!(is_barrier(&message::encode_commit(ck, 2)));
+        assert!(!is_barrier(&message::encode_rows(ck, "t", 2, &[1], &[0.5, 1.5])));
+        assert!(!is_barrier(&message::encode_deletes(ck, "t", &[9])));
+        assert!(!is_barrier(b"not a message at all"));
     }
 }
