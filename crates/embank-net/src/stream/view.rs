@@ -129,10 +129,11 @@ impl ServedView {
     /// switch to it, every table at once.
     pub fn commit(&self) {
         self.generation.fetch_add(1, Ordering::AcqRel);
-        self.overlay.write().clear();
+        let kept = std::mem::take(&mut *self.overlay.write());
         self.bytes.store(0, Ordering::Relaxed);
         self.given_up.store(false, Ordering::Relaxed);
         self.generation.fetch_add(1, Ordering::AcqRel);
+        drop(kept); // freed after the switch: readers wait only for the swap
     }
 
     /// Bytes the overlay holds now.
