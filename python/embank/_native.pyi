@@ -59,6 +59,9 @@ class Store:
     def export_changes(
         self, name: str, batch_id: int
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32], npt.NDArray[np.uint64]]: ...
+    def lookup_checkpoint(
+        self, name: str, batch_id: int, keys: npt.NDArray[np.uint64]
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.bool_]]: ...
 
 class Table:
     @property

@@ -674,6 +674,16 @@ class Store:
         the current rows of the keys written since, and the keys deleted since."""
         return self._s.export_changes(table, int(since))
 
+    def lookup_checkpoint(
+        self, table: str, batch_id: int, keys: KeysLike
+    ) -> tuple[Rows, npt.NDArray[np.bool_]]:
+        """``(rows, found)`` of ``keys`` of ``table`` as they were at retained checkpoint
+        ``batch_id``, while training goes on (embedded stores): like
+        :meth:`Table.lookup`, at the checkpoint. Each call costs a pass over the keys
+        changed since the checkpoint. Raises :class:`~embank.errors.NotFoundError` if the
+        checkpoint is not retained."""
+        return self._s.lookup_checkpoint(table, int(batch_id), _keys(keys))
+
     def restore(self, batch_id: int) -> None:
         """Returns every table to checkpoint ``batch_id`` and forgets later checkpoints.
 

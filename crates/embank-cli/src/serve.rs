@@ -98,6 +98,7 @@ fn serve(config: ServeConfig) -> Result<(), Error> {
         Some(u) => {
             let r = Replica::start(Arc::clone(&store), u.clone())?;
             let _ = server.metrics().replica.set(r.status_fn());
+            server.set_view(r.view());
             Some(r)
         }
         None => None,

@@ -178,7 +178,12 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
                     }
                 }
                 let batch = keys.batches(1, BATCH);
-                table.lookup(&batch, &mut out, &mut found).map_err(|e| e.to_string())?;
+                // A running replica's reads go through its served view, as `embank serve`'s do.
+                match until_seq {
+                    Some((r, _)) => r.view().lookup(&table, &batch, &mut out, &mut found),
+                    None => table.lookup(&batch, &mut out, &mut found),
+                }
+                .map_err(|e| e.to_string())?;
                 n += BATCH as u64;
             }
             let secs = started.elapsed().as_secs_f64();

@@ -735,3 +735,118 @@ fn a_resync_with_replicas_killed_during_it_never_misses_a_key() {
         sigkill(child);
     }
 }
+
+/// Reads through a replica's served view see one checkpoint whole: every checkpoint
+/// rewrites every key of two tables with its own batch id, and a reader of all keys,
+/// running while checkpoints are applied, must get rows all of one batch id, never going
+/// back; in-process (all keys), and through `embank serve` (one request's keys). At the
+/// end the replica equals the trainer.
+#[test]
+fn reads_see_one_checkpoint_whole_while_the_next_is_applied() {
+    const ROWS: u64 = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    let broker = LocalBroker::start(BrokerKind::Redis, &dir.path().join("broker")).unwrap();
+    let stream = stream(BrokerKind::Redis, &broker, "whole");
+    let store = trainer(&dir.path().join("trainer"));
+    let mut opts = PublishOptions::new(stream.clone());
+    opts.message_bytes = 64 << 10; // many messages per checkpoint
+    let publisher = Publisher::start(Arc::clone(&store), opts).unwrap();
+    let keys: Vec<u64> = (0..ROWS).collect();
+    let write = |b: u64| {
+        for name in ["emb", "blk"] {
+            store.table(name).unwrap().push(&keys, &vec![b as f32; keys.len() * DIM]).unwrap();
+        }
+        store.checkpoint(b).unwrap();
+        publisher.notify().unwrap();
+    };
+    write(1);
+    publisher.flush(Duration::from_secs(60)).unwrap();
+    let replica_store = Arc::new(Store::open(dir.path().join("replica"), StoreOptions::default()).unwrap());
+    let replica = Replica::start(Arc::clone(&replica_store), ReplicaOptions::new(stream.clone())).unwrap();
+    let config = dir.path().join("serve.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "store = {:?}\nlisten = \"127.0.0.1:0\"\n[updates]\ntransport = \"redis\"\nbrokers = \"{}\"\ntopic = \"whole\"\n",
+            dir.path().join("served").display().to_string(),
+            broker.brokers()
+        ),
+    )
+    .unwrap();
+    let (mut child, addr) = start_replica(&config);
+    let client = Client::connect(&[addr], ClientOptions::default()).unwrap();
+    wait_served(&client, 1);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while replica.status().checkpoint_batch_id != Some(1) {
+        assert!(Instant::now() < deadline, "{:?}", replica.status());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let view = replica.view();
+    let stop = AtomicBool::new(false);
+    /// The one batch id of all rows, or a panic naming the mix.
+    fn one_checkpoint(rows: &[f32], found: &[bool], what: &str) -> u64 {
+        assert!(found.iter().all(|&f| f), "{what}: keys missing");
+        let first = rows[0];
+        if let Some(i) = rows.iter().position(|&x| x != first) {
+            panic!("{what}: a mix of checkpoints: key 0 from batch {first}, key {} from batch {}", i / DIM, rows[i]);
+        }
+        first as u64
+    }
+    let last = 16;
+    let reads = std::thread::scope(|scope| {
+        let in_process = scope.spawn(|| {
+            let (mut reads, mut seen) = (0u64, 1u64);
+            let mut rows = vec![0f32; keys.len() * DIM];
+            let mut found = vec![false; keys.len()];
+            while !stop.load(Ordering::Relaxed) {
+                for name in ["emb", "blk"] {
+                    let t = replica_store.table(name).unwrap();
+                    view.lookup(&t, &keys, &mut rows, &mut found).unwrap();
+                    let b = one_checkpoint(&rows, &found, &format!("in-process read {reads} of {name}"));
+                    assert!(b >= seen, "read {reads} of {name}: batch {b} after batch {seen}");
+                    seen = b;
+                }
+                reads += 1;
+            }
+            reads
+        });
+        let served = scope.spawn(|| {
+            // One request's worth (the client splits a call into requests of at most 500
+            // keys, and each request is answered whole; a call of several requests may
+            // straddle a commit).
+            let keys: Vec<u64> = (0..ROWS).step_by(40).collect();
+            assert_eq!(keys.len(), 500);
+            let (mut reads, mut seen) = (0u64, 1u64);
+            let mut rows = vec![0f32; keys.len() * DIM];
+            let mut found = vec![false; keys.len()];
+            while !stop.load(Ordering::Relaxed) {
+                for name in ["emb", "blk"] {
+                    client.table(name).unwrap().lookup(&keys, &mut rows, &mut found).unwrap();
+                    let b = one_checkpoint(&rows, &found, &format!("served read {reads} of {name}"));
+                    assert!(b >= seen, "served read {reads} of {name}: batch {b} after batch {seen}");
+                    seen = b;
+                }
+                reads += 1;
+            }
+            reads
+        });
+        for b in 2..=last {
+            write(b);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        publisher.flush(Duration::from_secs(60)).unwrap();
+        wait_served(&client, last);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while replica.status().checkpoint_batch_id != Some(last) {
+            assert!(Instant::now() < deadline, "{:?}", replica.status());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        stop.store(true, Ordering::Relaxed);
+        (in_process.join().unwrap(), served.join().unwrap())
+    });
+    eprintln!("whole checkpoints: {reads:?} reads (in-process, served) of 2 x {ROWS} keys; {:?}", replica.status());
+    assert!(reads.0 > 5 && reads.1 > 5, "{reads:?}");
+    assert_eq!(replica.status().checkpoints_not_atomic, 0);
+    replica_equals_trainer(&replica, &replica_store, &store, "at the end");
+    sigkill(&mut child);
+}

@@ -153,6 +153,18 @@ pub trait StoreApi: Send + Sync {
     fn export_changes(&self, _name: &str, _batch_id: u64) -> Result<(Vec<u64>, Vec<f32>, Vec<u64>)> {
         Err(Error::new(ErrorKind::Unsupported, "incremental exports run where the store is"))
     }
+    /// Keys of a table looked up as they were at a retained checkpoint (runs where the
+    /// store is).
+    fn lookup_checkpoint(
+        &self,
+        _name: &str,
+        _batch_id: u64,
+        _keys: &[u64],
+        _out: &mut [f32],
+        _found: &mut [bool],
+    ) -> Result<()> {
+        Err(Error::new(ErrorKind::Unsupported, "reading a table at a checkpoint runs where the store is"))
+    }
 }
 
 impl TableApi for Table {
@@ -276,5 +288,15 @@ impl StoreApi for Store {
     }
     fn export_changes(&self, name: &str, batch_id: u64) -> Result<(Vec<u64>, Vec<f32>, Vec<u64>)> {
         Store::export_changes(self, name, batch_id)
+    }
+    fn lookup_checkpoint(
+        &self,
+        name: &str,
+        batch_id: u64,
+        keys: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<()> {
+        Store::lookup_checkpoint(self, name, batch_id, keys, out, found)
     }
 }

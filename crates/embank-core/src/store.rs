@@ -506,6 +506,27 @@ impl Store {
         Ok(())
     }
 
+    /// Looks `keys` of table `name` up as they were at retained checkpoint `batch_id`,
+    /// while training goes on: rows of keys present then (`found[i]`), the missing-row
+    /// default for the others. The checkpoint is pinned while it is read. Costs a pass
+    /// over the undo entries since the checkpoint (the keys changed since) per call.
+    pub fn lookup_checkpoint(
+        &self,
+        name: &str,
+        batch_id: u64,
+        keys: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<()> {
+        let (table, seq) = {
+            let guard = self.inner.read();
+            let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+            (self.table(name)?, self.checkpoint_seq(inner, batch_id)?)
+        };
+        let _pin = self.pin_checkpoint(seq)?;
+        table.lookup_at(seq, keys, out, found)
+    }
+
     /// Keeps the retained checkpoint of seq `seq` (see [`CheckpointInfo::seq`]) from being
     /// dropped by retention while the returned pin lives: later checkpoints are then kept
     /// beyond `keep_checkpoints` too. A [`restore`](Self::restore) to an older checkpoint

@@ -106,6 +106,9 @@ pub struct Server {
 struct Ctx {
     store: Arc<Store>,
     opts: ServerOptions,
+    /// A replica's served view: pulls and lookups read the last committed checkpoint
+    /// through it, whole (copied, never zero-copy).
+    view: std::sync::OnceLock<Arc<crate::stream::view::ServedView>>,
     metrics: Arc<Metrics>,
     /// Open tables by their id on this store.
     tables: RwLock<HashMap<u32, Table>>,
@@ -189,6 +192,7 @@ impl Server {
             ctx: Arc::new(Ctx {
                 store,
                 opts,
+                view: std::sync::OnceLock::new(),
                 metrics: Arc::new(Metrics::default()),
                 tables: RwLock::new(HashMap::new()),
                 live: Mutex::new(Vec::new()),
@@ -205,6 +209,12 @@ impl Server {
 
     pub fn metrics(&self) -> Arc<Metrics> {
         Arc::clone(&self.ctx.metrics)
+    }
+
+    /// Serves pulls and lookups through a replica's view (its last committed checkpoint,
+    /// whole). Set once, before [`serve`](Self::serve).
+    pub fn set_view(&self, view: Arc<crate::stream::view::ServedView>) {
+        let _ = self.ctx.view.set(view);
     }
 
     /// Serves until `shutdown` is set, then stops accepting, lets every connection
@@ -713,7 +723,11 @@ impl<'a> Conn<'a> {
                 // A pull on a read-only replica answers like a lookup without the mask.
                 let with_mask = op == Op::Lookup;
                 let create = op == Op::Pull && self.ctx.opts.read_only.is_none();
-                if self.ctx.opts.zero_copy && proto::row_bytes(dim) >= self.ctx.opts.zero_copy_min_row_bytes {
+                let view = self.ctx.view.get();
+                if view.is_none()
+                    && self.ctx.opts.zero_copy
+                    && proto::row_bytes(dim) >= self.ctx.opts.zero_copy_min_row_bytes
+                {
                     let metrics = Arc::clone(&self.ctx.metrics);
                     let stream = &mut self.stream;
                     let sent = table
@@ -745,7 +759,11 @@ impl<'a> Conn<'a> {
                     Vec::new()
                 } else {
                     let mut found = vec![false; n];
-                    table.lookup(keys, &mut rows, &mut found).map_err(eng)?;
+                    match view {
+                        Some(v) => v.lookup(&table, keys, &mut rows, &mut found),
+                        None => table.lookup(keys, &mut rows, &mut found),
+                    }
+                    .map_err(eng)?;
                     if with_mask {
                         found_mask(&found)
                     } else {

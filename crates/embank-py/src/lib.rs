@@ -291,6 +291,28 @@ impl Store {
         ))
     }
 
+    /// Keys of a table looked up as they were at a retained checkpoint (embedded stores).
+    fn lookup_checkpoint<'py>(
+        &self,
+        py: Python<'py>,
+        name: &str,
+        batch_id: u64,
+        keys: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<LookupResult<'py>> {
+        let keys = slice(&keys, "keys")?;
+        let dim = detached(py, || self.inner.table(name))?.dim();
+        let out = PyArray2::<f32>::zeros(py, [keys.len(), dim], false);
+        let found = PyArray1::<bool>::zeros(py, [keys.len()], false);
+        {
+            let mut rw = out.readwrite();
+            let mut fw = found.readwrite();
+            let rows = rw.as_slice_mut().expect("new array is contiguous");
+            let mask = fw.as_slice_mut().expect("new array is contiguous");
+            detached(py, || self.inner.lookup_checkpoint(name, batch_id, keys, rows, mask))?;
+        }
+        Ok((out, found))
+    }
+
     fn restore(&self, py: Python<'_>, batch_id: u64) -> PyResult<()> {
         detached(py, || self.inner.restore(batch_id))
     }

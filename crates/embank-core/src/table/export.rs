@@ -156,6 +156,50 @@ impl Table {
         Ok(())
     }
 
+    /// Looks `keys` up as they were at retained checkpoint `seq`, by the rule of
+    /// [`export_at`](Self::export_at): a key's record is the current index's unless the
+    /// key changed since the checkpoint, in which case its undo entry gives the record it
+    /// had then (or says it was absent). Keys absent at the checkpoint get the table's
+    /// missing-row default and `found[i] = false`. Costs a pass over the entries of the
+    /// journals since the checkpoint (the keys changed since), then one read per key.
+    /// The caller keeps the checkpoint retained meanwhile (a pin).
+    pub(crate) fn lookup_at(&self, seq: u64, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        let d = self.dim();
+        self.check_rows("lookup at a checkpoint", keys.len(), out.len())?;
+        if found.len() != keys.len() {
+            return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
+        }
+        let st = self.state()?;
+        let st = st.as_ref().unwrap();
+        let _pin = crossbeam_epoch::pin();
+        let mut ptrs: Vec<u64> = keys.iter().map(|&k| st.index.get(k, st.index.hash(k)).unwrap_or(0)).collect();
+        // The journals after the index: a change is journaled before the index sees it,
+        // so every key whose slot the pass above saw changed has its entry by now.
+        let (mut journals, mut first) = (BTreeMap::new(), HashMap::new());
+        self.shared.checkpoints.changed_since(seq, &mut journals, &mut first);
+        for (ptr, key) in ptrs.iter_mut().zip(keys) {
+            if let Some(&old) = first.get(key) {
+                *ptr = old;
+            }
+        }
+        let items: Vec<(u64, u64)> = keys.iter().zip(&ptrs).filter(|&(_, &p)| p != 0).map(|(&k, &p)| (k, p)).collect();
+        let mut rows = Vec::new();
+        self.read_records(st, &items, &mut rows)?;
+        let mut missing = Vec::new();
+        let mut next = 0;
+        for (i, &ptr) in ptrs.iter().enumerate() {
+            found[i] = ptr != 0;
+            if ptr == 0 {
+                missing.push(i);
+            } else {
+                out[i * d..(i + 1) * d].copy_from_slice(&rows[next * d..(next + 1) * d]);
+                next += 1;
+            }
+        }
+        self.fill_missing(keys, &missing, out);
+        Ok(())
+    }
+
     /// Streams every `(key, row)` as of checkpoint `seq` (rows and their values then),
     /// while the table keeps changing: the current index gives each key's record unless
     /// the key changed since the checkpoint, in which case its undo entry gives the record

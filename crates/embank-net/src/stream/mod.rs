@@ -14,6 +14,7 @@ pub mod message;
 pub mod publisher;
 pub mod redis;
 pub mod replica;
+pub mod view;
 
 use std::time::Duration;
 

@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::message::{self, Kind};
+use super::view::{ServedView, STAGED_BYTES_MAX_DEFAULT};
 use super::{Source, Start, StreamConfig};
 
 /// Where a replica reads.
@@ -98,11 +99,16 @@ pub struct ReplicaStatus {
     pub deletes: u64,
     /// Messages skipped as repeats of an applied checkpoint.
     pub repeats: u64,
+    /// Checkpoints that changed more rows than the served view keeps: reads through
+    /// [`Replica::view`] saw them partly applied before their commit.
+    pub checkpoints_not_atomic: u64,
     pub last_error: Option<String>,
 }
 
 struct Shared {
     store: Arc<Store>,
+    /// What reads see: the last committed checkpoint, whole.
+    view: Arc<ServedView>,
     opts: ReplicaOptions,
     status: Mutex<ReplicaStatus>,
     stop: AtomicBool,
@@ -147,7 +153,13 @@ impl Replica {
             status.checkpoint_seq = Some(m.seq);
             status.checkpoint_unix_seconds = Some(m.unix_micros as f64 * 1e-6);
         }
-        let shared = Arc::new(Shared { store, opts, status: Mutex::new(status), stop: AtomicBool::new(false) });
+        let shared = Arc::new(Shared {
+            store,
+            view: Arc::new(ServedView::new(STAGED_BYTES_MAX_DEFAULT)),
+            opts,
+            status: Mutex::new(status),
+            stop: AtomicBool::new(false),
+        });
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("embank-replica".into())
@@ -158,6 +170,12 @@ impl Replica {
 
     pub fn status(&self) -> ReplicaStatus {
         self.shared.status.lock().clone()
+    }
+
+    /// The view reads should go through: the last committed checkpoint, whole, every
+    /// table at once (see [`ServedView`]).
+    pub fn view(&self) -> Arc<ServedView> {
+        Arc::clone(&self.shared.view)
     }
 
     /// A closure giving the status, for the admin endpoint and the server.
@@ -353,6 +371,7 @@ fn sweep(s: &Shared, resyncs: &mut HashMap<String, Resync>, seq: u64) -> Result<
         let Ok(t) = s.store.table(&name) else { continue };
         let stale: Vec<u64> = r.stale().collect();
         for chunk in stale.chunks(65536) {
+            s.view.keep(&t, chunk)?;
             swept += t.delete(chunk)?;
         }
         tracing::info!(table = %name, deleted = stale.len(), "a full snapshot is complete");
@@ -415,7 +434,9 @@ fn apply_all(
                 let blob = serde_json::to_vec(&serde_json::json!({ "replica": meta })).expect("serializes");
                 s.store.checkpoint_with_meta(applied.next_batch, &blob)?;
                 applied.next_batch += 1;
+                s.view.commit();
                 let mut st = s.status.lock();
+                st.checkpoints_not_atomic = s.view.given_up_total.load(Ordering::Relaxed);
                 st.commits += 1;
                 st.checkpoint_batch_id = Some(meta.batch_id);
                 st.checkpoint_seq = Some(meta.seq);
@@ -461,10 +482,15 @@ fn apply(s: &Shared, m: &message::Message, resyncs: &mut HashMap<String, Resync>
             if let Some(r) = resyncs.get_mut(&m.table) {
                 r.mark(&m.keys);
             }
-            table(true)?.expect("created").push(&m.keys, &m.rows)
+            let t = table(true)?.expect("created");
+            s.view.keep(&t, &m.keys)?;
+            t.push(&m.keys, &m.rows)
         }
         Kind::Deletes => match table(false)? {
-            Some(t) => t.delete(&m.keys).map(|_| ()),
+            Some(t) => {
+                s.view.keep(&t, &m.keys)?;
+                t.delete(&m.keys).map(|_| ())
+            }
             None => Ok(()),
         },
         Kind::Reset => {
@@ -490,7 +516,13 @@ mod tests {
     fn shared(dir: &std::path::Path) -> Shared {
         let store = Arc::new(Store::open(dir, StoreOptions::default()).unwrap());
         let opts = ReplicaOptions::new(StreamConfig::new(TransportKind::Redis, "redis://127.0.0.1:1"));
-        Shared { store, opts, status: Mutex::new(ReplicaStatus::default()), stop: AtomicBool::new(false) }
+        Shared {
+            store,
+            view: Arc::new(ServedView::new(STAGED_BYTES_MAX_DEFAULT)),
+            opts,
+            status: Mutex::new(ReplicaStatus::default()),
+            stop: AtomicBool::new(false),
+        }
     }
 
     fn message(kind: Kind, seq: u64, keys: std::ops::Range<u64>) -> message::Message {
