@@ -30,11 +30,14 @@ fn init_row(key: u64) -> Vec<f64> {
 }
 
 fn fresh(opt: &Optimizer, w: Vec<f64>) -> Ref {
-    let a0 = match opt {
-        Optimizer::Adagrad { initial_accumulator_value, .. } => *initial_accumulator_value as f64,
-        _ => 0.0,
+    let (a0, b0) = match opt {
+        Optimizer::Adagrad { initial_accumulator_value, .. }
+        | Optimizer::RowWiseAdagrad { initial_accumulator_value, .. } => (*initial_accumulator_value as f64, 0.0),
+        // FTRL: z (a) from 0, n (b) from the initial accumulator.
+        Optimizer::Ftrl { initial_accumulator_value, .. } => (0.0, *initial_accumulator_value as f64),
+        _ => (0.0, 0.0),
     };
-    Ref { w, a: vec![a0; DIM], b: vec![0.0; DIM], t: 0.0 }
+    Ref { w, a: vec![a0; DIM], b: vec![b0; DIM], t: 0.0 }
 }
 
 fn step(opt: &Optimizer, r: &mut Ref, g: &[f64]) {
@@ -45,6 +48,27 @@ fn step(opt: &Optimizer, r: &mut Ref, g: &[f64]) {
                 r.a[i] += g[i] * g[i];
                 r.w[i] -= lr as f64 * g[i] / (r.a[i].sqrt() + eps as f64);
             }
+        }
+        Optimizer::RowWiseAdagrad { lr, eps, .. } => {
+            // One accumulator a row (a[0]): the mean of the squared gradient.
+            r.a[0] += g.iter().map(|x| x * x).sum::<f64>() / DIM as f64;
+            let multiplier = lr as f64 / (r.a[0].sqrt() + eps as f64);
+            (0..DIM).for_each(|i| r.w[i] -= multiplier * g[i]);
+        }
+        Optimizer::Ftrl { lr, beta, l1, l2, .. } => {
+            let (lr, beta, l1, l2) = (lr as f64, beta as f64, l1 as f64, l2 as f64);
+            for i in 0..DIM {
+                let n = r.b[i] + g[i] * g[i];
+                let sigma = (n.sqrt() - r.b[i].sqrt()) / lr;
+                r.a[i] += g[i] - sigma * r.w[i];
+                r.b[i] = n;
+                let z = r.a[i];
+                r.w[i] = if z.abs() <= l1 { 0.0 } else { -(z - z.signum() * l1) / ((beta + n.sqrt()) / lr + l2) };
+            }
+        }
+        Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+            (0..DIM).for_each(|i| r.w[i] *= 1.0 - lr as f64 * weight_decay as f64);
+            step(&Optimizer::Adam { lr, beta1, beta2, eps }, r, g);
         }
         Optimizer::Adam { lr, beta1, beta2, eps } => {
             let (b1, b2) = (beta1 as f64, beta2 as f64);
@@ -171,6 +195,9 @@ fn check(opt: Optimizer, medium: MediumKind, ops: &[Op]) -> Result<(), TestCaseE
 
 const ADAGRAD: Optimizer = Optimizer::Adagrad { lr: 0.05, eps: 1e-8, initial_accumulator_value: 0.1 };
 const ADAM: Optimizer = Optimizer::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+const ROWWISE: Optimizer = Optimizer::RowWiseAdagrad { lr: 0.05, eps: 1e-8, initial_accumulator_value: 0.1 };
+const ADAMW: Optimizer = Optimizer::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
+const FTRL: Optimizer = Optimizer::Ftrl { lr: 0.1, beta: 1.0, l1: 0.01, l2: 0.01, initial_accumulator_value: 0.1 };
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
@@ -188,6 +215,31 @@ proptest! {
     #[test]
     fn adam_mmap(ops in proptest::collection::vec(op(), 1..60)) {
         check(ADAM, MediumKind::Mmap, &ops)?;
+    }
+
+    #[test]
+    fn rowwise_adagrad_mmap(ops in proptest::collection::vec(op(), 1..60)) {
+        check(ROWWISE, MediumKind::Mmap, &ops)?;
+    }
+
+    #[test]
+    fn adamw_mmap(ops in proptest::collection::vec(op(), 1..60)) {
+        check(ADAMW, MediumKind::Mmap, &ops)?;
+    }
+
+    #[test]
+    fn ftrl_mmap(ops in proptest::collection::vec(op(), 1..60)) {
+        check(FTRL, MediumKind::Mmap, &ops)?;
+    }
+
+    #[test]
+    fn rowwise_adagrad_block_cache(ops in proptest::collection::vec(op(), 1..60)) {
+        check(ROWWISE, MediumKind::Block, &ops)?;
+    }
+
+    #[test]
+    fn ftrl_block_cache(ops in proptest::collection::vec(op(), 1..60)) {
+        check(FTRL, MediumKind::Block, &ops)?;
     }
 
     #[test]
