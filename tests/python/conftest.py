@@ -85,3 +85,12 @@ def store(request: pytest.FixtureRequest, store_path: Path) -> Iterator[embank.S
     for name in s.tables():
         s.drop_table(name)
     s.close()
+
+
+@pytest.fixture(scope="module")
+def gpu_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embank.Store]:
+    """One store for the module's tests (a table each): a store's files take seconds
+    to remove."""
+    store = embank.open(tmp_path_factory.mktemp("gpu") / "s")
+    yield store
+    store.close()

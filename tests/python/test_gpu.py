@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +25,6 @@ from embank.errors import InvalidInputError  # noqa: E402
 DIM = 8
 
 
-@pytest.fixture(scope="module")
-def gpu_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embank.Store]:
-    """One store for the module's tests (a table each): a store's files take seconds
-    to remove."""
-    store = embank.open(tmp_path_factory.mktemp("gpu") / "s")
-    yield store
-    store.close()
-
-
 _names = itertools.count()
 
 
@@ -47,7 +37,7 @@ def _table(store: embank.Store, n: int = 300) -> embank.Table:
 
 def _cached(cache: gpu.GpuCache) -> dict[int, Any]:
     k = cache.keys.reshape(-1)
-    at = (k != gpu.EMPTY).nonzero().squeeze(1)
+    at = ((k != gpu.EMPTY) & (k != gpu.LOCKED)).nonzero().squeeze(1)
     return {int(x): cache.values[i].float().numpy() for x, i in zip(k[at].tolist(), at.tolist())}
 
 

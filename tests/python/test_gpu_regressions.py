@@ -6,10 +6,9 @@ that need CUDA skip without it."""
 from __future__ import annotations
 
 import gc
-import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import embank
@@ -21,33 +20,7 @@ pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 from embank import gpu  # noqa: E402
 from embank.errors import EmbankError  # noqa: E402
-
-DIM = 8
-
-
-@pytest.fixture(scope="module")
-def gpu_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[embank.Store]:
-    """One store for the module's tests (a table each): a store's files take seconds
-    to remove."""
-    store = embank.open(tmp_path_factory.mktemp("gpu") / "s")
-    yield store
-    store.close()
-
-
-_names = itertools.count()
-
-
-def _table(store: embank.Store, n: int = 300) -> embank.Table:
-    t = store.create_table(f"t{next(_names)}", dim=DIM)
-    keys = np.arange(n, dtype=np.uint64) * 7
-    t.push(keys, np.random.default_rng(0).standard_normal((n, DIM)).astype(np.float32))
-    return t
-
-
-def _cached(cache: gpu.GpuCache) -> dict[int, Any]:
-    k = cache.keys.reshape(-1)
-    at = ((k != gpu.EMPTY) & (k != -2)).nonzero().squeeze(1)
-    return {int(x): cache.values[i].float().numpy() for x, i in zip(k[at].tolist(), at.tolist())}
+from test_gpu import DIM, _cached, _table  # noqa: E402
 
 
 class _Hooked:

@@ -112,7 +112,8 @@ impl Optimizer {
             Optimizer::None => Ok(()),
             Optimizer::Sgd { lr } if !(lr.is_finite() && lr > 0.0) => bad(&format!("lr must be > 0, got {lr}")),
             Optimizer::Sgd { .. } => Ok(()),
-            Optimizer::Adagrad { lr, eps, initial_accumulator_value } => {
+            Optimizer::Adagrad { lr, eps, initial_accumulator_value }
+            | Optimizer::RowWiseAdagrad { lr, eps, initial_accumulator_value } => {
                 if !(lr.is_finite() && lr > 0.0) {
                     return bad(&format!("lr must be > 0, got {lr}"));
                 }
@@ -140,18 +141,6 @@ impl Optimizer {
                             "weight_decay must be >= 0 with lr * weight_decay < 1, got {weight_decay}"
                         ));
                     }
-                }
-                Ok(())
-            }
-            Optimizer::RowWiseAdagrad { lr, eps, initial_accumulator_value } => {
-                if !(lr.is_finite() && lr > 0.0) {
-                    return bad(&format!("lr must be > 0, got {lr}"));
-                }
-                if !(eps.is_finite() && eps >= 0.0) {
-                    return bad(&format!("eps must be >= 0, got {eps}"));
-                }
-                if !(initial_accumulator_value.is_finite() && initial_accumulator_value >= 0.0) {
-                    return bad(&format!("initial_accumulator_value must be >= 0, got {initial_accumulator_value}"));
                 }
                 Ok(())
             }
