@@ -124,9 +124,15 @@ class Table:
     Every method takes a batch of keys; the GIL is released while the engine works.
     """
 
-    def __init__(self, native: _native.Table, listeners: _WriteListeners | None = None) -> None:
+    def __init__(
+        self,
+        native: _native.Table,
+        listeners: _WriteListeners | None = None,
+        store: _native.Store | None = None,
+    ) -> None:
         self._t = native
         self._listeners = listeners if listeners is not None else _WriteListeners()
+        self._store = store
 
     def _write_listeners(self) -> _WriteListeners:
         return self._listeners
@@ -166,6 +172,7 @@ class Table:
         default: float | npt.ArrayLike | None = None,
         *,
         min_checkpoint: int | None = None,
+        checkpoint: int | None = None,
     ) -> tuple[Rows, npt.NDArray[np.bool_]]:
         """Rows of ``keys`` and a found-mask; never creates rows.
 
@@ -174,10 +181,27 @@ class Table:
         fed by an update stream): only replicas serving the training checkpoint of
         that batch id or a later one answer, so rows of different checkpoints are never
         mixed unknowingly; raises ``ShardUnavailableError`` when a shard has none yet.
+
+        ``checkpoint``: the rows exactly as they were at the training checkpoint of that
+        batch id, on every shard, while later ones are applied — what a model reading
+        several tables needs to never mix two checkpoints. Answered by replicas that
+        still hold it (``Store.served()``'s ``readable``; ``keep_checkpoints`` bounds
+        how many); embedded, by a retained checkpoint (see
+        :meth:`Store.lookup_checkpoint`). Raises :class:`~embank.errors.NotFoundError`
+        when none holds it.
         """
         if min_checkpoint is not None and min_checkpoint < 0:
             raise InvalidInputError(f"min_checkpoint must be >= 0, got {min_checkpoint}")
-        rows, found = self._t.lookup(_keys(keys), None if min_checkpoint is None else int(min_checkpoint))
+        if checkpoint is not None:
+            if min_checkpoint is not None:
+                raise InvalidInputError("give checkpoint= (exact) or min_checkpoint= (at least), not both")
+            if checkpoint < 0:
+                raise InvalidInputError(f"checkpoint must be >= 0, got {checkpoint}")
+            if self._store is None:
+                raise InvalidInputError("checkpoint= needs a table obtained from its store")
+            rows, found = self._store.lookup_checkpoint(self.name, int(checkpoint), _keys(keys))
+        else:
+            rows, found = self._t.lookup(_keys(keys), None if min_checkpoint is None else int(min_checkpoint))
         if default is not None:
             fill = np.asarray(default, dtype=np.float32)
             if fill.ndim > 1 or (fill.ndim == 1 and fill.shape[0] != self.dim):
@@ -507,11 +531,11 @@ class Store:
         if lifecycle is not None:
             options["lifecycle"] = json.loads(lifecycle)
         native = self._s.create_table(name, json.dumps(options))
-        return Table(native, self._listeners_of(name))
+        return Table(native, self._listeners_of(name), self._s)
 
     def table(self, name: str) -> Table:
         """The table called ``name``; raises :class:`~embank.errors.NotFoundError` (a ``KeyError``)."""
-        return Table(self._s.table(name), self._listeners_of(name))
+        return Table(self._s.table(name), self._listeners_of(name), self._s)
 
     def __getitem__(self, name: str) -> Table:
         return self.table(name)
@@ -634,7 +658,9 @@ class Store:
 
     def served(self) -> list[dict[str, Any]]:
         """Which training checkpoint each shard serves: ``batch_id``, ``seq``, whether
-        it is a ``replica`` and its ``state`` (embedded: the newest retained checkpoint)."""
+        it is a ``replica``, its ``state`` and the checkpoints it can be read at exactly
+        (``readable``, oldest first; embedded: the newest retained checkpoint and the
+        retained ones)."""
         out: list[dict[str, Any]] = json.loads(self._s.served_json())
         return out
 
@@ -677,11 +703,13 @@ class Store:
     def lookup_checkpoint(
         self, table: str, batch_id: int, keys: KeysLike
     ) -> tuple[Rows, npt.NDArray[np.bool_]]:
-        """``(rows, found)`` of ``keys`` of ``table`` as they were at retained checkpoint
-        ``batch_id``, while training goes on (embedded stores): like
-        :meth:`Table.lookup`, at the checkpoint. Each call costs a pass over the keys
-        changed since the checkpoint. Raises :class:`~embank.errors.NotFoundError` if the
-        checkpoint is not retained."""
+        """``(rows, found)`` of ``keys`` of ``table`` as they were at checkpoint
+        ``batch_id``, while training goes on or later checkpoints are applied: like
+        :meth:`Table.lookup`, at the checkpoint (``table.lookup(keys, checkpoint=...)``).
+        Embedded: a retained checkpoint; each call costs a pass over the keys changed
+        since. Remote: every shard answers at that training checkpoint, from a replica
+        that holds it (see :meth:`served`'s ``readable``). Raises
+        :class:`~embank.errors.NotFoundError` if none holds it."""
         return self._s.lookup_checkpoint(table, int(batch_id), _keys(keys))
 
     def restore(self, batch_id: int) -> None:

@@ -118,14 +118,18 @@ pub trait StoreApi: Send + Sync {
     fn restore(&self, batch_id: u64) -> Result<()>;
     fn stats_json(&self) -> Result<serde_json::Value>;
     /// Which checkpoint the store serves, per shard: `[{"batch_id", "seq", "replica",
-    /// "state"}]` (embedded: its newest retained checkpoint; nulls when none).
+    /// "state", "readable"}]` (embedded: its newest retained checkpoint, nulls when none;
+    /// `readable`: the checkpoints it can be read at exactly, oldest first).
     fn served(&self) -> Result<serde_json::Value> {
-        let last = self.checkpoints()?.pop();
+        let list = self.checkpoints()?;
+        let readable: Vec<u64> = list.iter().map(|c| c.batch_id).collect();
+        let last = list.last();
         Ok(serde_json::json!([{
-            "batch_id": last.as_ref().map(|c| c.batch_id),
+            "batch_id": last.map(|c| c.batch_id),
             "seq": last.map(|c| c.seq),
             "replica": false,
             "state": "primary",
+            "readable": readable,
         }]))
     }
     /// Waits until no table's background repair after a crash is pending (row counts

@@ -394,9 +394,14 @@ impl Client {
     /// Whether `op` may go to any replica of the shard (and fail over).
     fn spreads(&self, shard: &Shard, op: Op) -> bool {
         match op {
-            Op::Lookup | Op::Len | Op::TableStats | Op::StoreStats | Op::ListTables | Op::OpenTable | Op::Served => {
-                true
-            }
+            Op::Lookup
+            | Op::LookupAt
+            | Op::Len
+            | Op::TableStats
+            | Op::StoreStats
+            | Op::ListTables
+            | Op::OpenTable
+            | Op::Served => true,
             Op::Pull => shard.replicas[0].read_only.load(Ordering::Relaxed),
             _ => false,
         }
@@ -451,6 +456,11 @@ impl Client {
 
     /// Asks replica `r` which checkpoint it serves (and caches the answer).
     fn served_by(&self, shard: &Shard, r: usize) -> Result<Option<u64>> {
+        Ok(self.served_reply(shard, r)?["batch_id"].as_u64())
+    }
+
+    /// Replica `r`'s whole answer to `Served` (its batch id cached).
+    fn served_reply(&self, shard: &Shard, r: usize) -> Result<serde_json::Value> {
         let mut conn = self.take_conn(shard, r)?;
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let h = Header::request(Op::Served, id, 0, 0, 0);
@@ -461,9 +471,8 @@ impl Client {
         shard.replicas[r].pool.lock().push(conn);
         let v: serde_json::Value =
             serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad served reply: {e}")))?;
-        let b = v["batch_id"].as_u64();
-        *shard.replicas[r].served.lock() = b;
-        Ok(b)
+        *shard.replicas[r].served.lock() = v["batch_id"].as_u64();
+        Ok(v)
     }
 
     /// Sends request `i` to the first of its candidate replicas not in `tried` that takes it.
@@ -539,6 +548,18 @@ impl Client {
                     }
                 };
                 let body = check_reply(shard, r, &h, &rh, body);
+                // A replica that no longer holds the checkpoint of an exact read: another
+                // of the group may (the error names what each holds if none does).
+                if reqs[i].op == Op::LookupAt && shard.replicas.len() > 1 {
+                    if let Err(e) = &body {
+                        if e.kind() == ErrorKind::NotFound {
+                            pooled.push((reqs[i].shard, r, conn));
+                            tried[i].push((r, body.unwrap_err()));
+                            in_flight.push_back(self.dispatch(reqs, i, &mut tried[i])?);
+                            continue;
+                        }
+                    }
+                }
                 // An error reply leaves the connection in step: keep it.
                 match queues[reqs[i].shard].pop_front() {
                     Some(next) if body.is_ok() => {
@@ -730,15 +751,19 @@ impl Client {
     }
 
     /// Which checkpoint every replica serves: `[shard][replica]`, each `{"batch_id", "seq",
-    /// "replica", "state", "address"}` or `{"error": ...}` for one that does not answer.
+    /// "replica", "state", "readable", "address"}` or `{"error": ...}` for one that does
+    /// not answer.
     pub fn served_all(&self) -> Vec<Vec<serde_json::Value>> {
         self.inner
             .shards
             .iter()
             .map(|shard| {
                 (0..shard.replicas.len())
-                    .map(|r| match self.served_by(shard, r) {
-                        Ok(b) => serde_json::json!({"batch_id": b, "address": shard.replicas[r].addr}),
+                    .map(|r| match self.served_reply(shard, r) {
+                        Ok(mut v) => {
+                            v["address"] = serde_json::json!(shard.replicas[r].addr);
+                            v
+                        }
                         Err(e) => serde_json::json!({"error": e.to_string(), "address": shard.replicas[r].addr}),
                     })
                     .collect()
@@ -1031,17 +1056,34 @@ impl RemoteTable {
         let mut plan = self.plan(Op::Lookup, keys, None);
         let min_checkpoint = min_checkpoint.or(self.client.inner.opts.min_checkpoint);
         plan.reqs.iter_mut().for_each(|r| r.min_checkpoint = min_checkpoint);
-        self.client.run(&plan.reqs, |i, _, _, body| {
-            let positions = &plan.positions[i];
-            let m = mask_bytes(positions.len());
-            if body.len() < m {
-                return Err(Error::corrupt("lookup reply shorter than its mask"));
-            }
-            for (j, &p) in positions.iter().enumerate() {
-                found[p] = body[j / 8] & (1 << (j % 8)) != 0;
-            }
-            self.scatter(&body, m, positions, out)
-        })
+        self.client.run(&plan.reqs, |i, _, _, body| self.read_mask(&body, &plan.positions[i], out, found))
+    }
+
+    /// Rows of `keys` and a found mask exactly as they were at the publisher's checkpoint
+    /// `batch_id` (a replica group fed by an update stream; a primary: its retained
+    /// checkpoint of that batch id), every shard at that same checkpoint: a model reading
+    /// several tables at one `batch_id` never mixes two. Each shard's replicas holding it
+    /// answer (see [`Client::served`]'s `readable`); fails with `NotFound` when none does.
+    pub fn lookup_at(&self, batch_id: u64, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        self.check_rows("lookup_at", keys.len(), out.len())?;
+        if found.len() != keys.len() {
+            return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
+        }
+        let mut plan = self.plan_with(Op::LookupAt, &[batch_id], keys, None);
+        plan.reqs.iter_mut().for_each(|r| r.min_checkpoint = Some(batch_id));
+        self.client.run(&plan.reqs, |i, _, _, body| self.read_mask(&body, &plan.positions[i], out, found))
+    }
+
+    /// Reads a lookup reply (found mask, then rows) into `out` and `found`.
+    fn read_mask(&self, body: &[u8], positions: &[usize], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        let m = mask_bytes(positions.len());
+        if body.len() < m {
+            return Err(Error::corrupt("lookup reply shorter than its mask"));
+        }
+        for (j, &p) in positions.iter().enumerate() {
+            found[p] = body[j / 8] & (1 << (j % 8)) != 0;
+        }
+        self.scatter(body, m, positions, out)
     }
 
     fn check_finite(&self, what: &str, keys: &[u64], rows: &[f32]) -> Result<()> {
@@ -1387,6 +1429,16 @@ impl embank_core::StoreApi for Client {
     }
     fn served(&self) -> Result<serde_json::Value> {
         Ok(serde_json::Value::Array(Client::served(self)?))
+    }
+    fn lookup_checkpoint(
+        &self,
+        name: &str,
+        batch_id: u64,
+        keys: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<()> {
+        Client::table(self, name)?.lookup_at(batch_id, keys, out, found)
     }
     fn is_remote(&self) -> bool {
         true

@@ -63,6 +63,10 @@ pub struct StoreSection {
     pub io_depth: u32,
     pub mmap_random_access: bool,
     pub verify: bool,
+    /// Checkpoints kept (at least 1). On a replica: how many of the publisher's
+    /// checkpoints stay readable exactly (`lookup(checkpoint=N)`), each holding the rows
+    /// changed since it from reuse.
+    pub keep_checkpoints: usize,
     /// Automatic hot placement (`[store_options.hot_placement]`; absent: off).
     pub hot_placement: Option<embank_core::HotOptions>,
 }
@@ -76,6 +80,7 @@ impl Default for StoreSection {
             io_depth: d.io_depth,
             mmap_random_access: d.mmap_random_access,
             verify: d.verify,
+            keep_checkpoints: d.keep_checkpoints,
             hot_placement: None,
         }
     }
@@ -231,12 +236,16 @@ impl ServeConfig {
         if s.io_depth == 0 {
             return Err(Error::config("store_options.io_depth must be at least 1"));
         }
+        if s.keep_checkpoints == 0 {
+            return Err(Error::config("store_options.keep_checkpoints must be at least 1"));
+        }
         Ok(StoreOptions {
             cache_bytes: s.cache_bytes,
             io_engine: IoChoice::parse(&s.io_engine).map_err(|e| e.context("store_options.io_engine"))?,
             io_depth: s.io_depth,
             mmap_random_access: s.mmap_random_access,
             verify: s.verify,
+            keep_checkpoints: s.keep_checkpoints,
             hot_placement: s.hot_placement.clone(),
             ..StoreOptions::default()
         })

@@ -83,6 +83,11 @@ pub enum Op {
     /// serves (a replica: the publisher's checkpoint it applied last; otherwise the
     /// store's newest retained checkpoint; nulls when none).
     Served = 33,
+    /// Body: the checkpoint (the publisher's batch id, as [`Op::Served`] reports it),
+    /// then `count` keys. Reply as `Lookup`: the rows as they were at that checkpoint,
+    /// exactly. Refused with `Unavailable` when this server no longer (or does not yet)
+    /// hold it: `Served`'s `readable` lists those it holds.
+    LookupAt = 34,
 }
 
 impl Op {
@@ -114,6 +119,7 @@ impl Op {
             31 => Restore,
             32 => EvictExpired,
             33 => Served,
+            34 => LookupAt,
             _ => return None,
         })
     }
@@ -147,10 +153,11 @@ impl Op {
             Restore => "restore",
             EvictExpired => "evict_expired",
             Served => "served",
+            LookupAt => "lookup_at",
         }
     }
 
-    pub const ALL: [Op; 25] = [
+    pub const ALL: [Op; 26] = [
         Op::Hello,
         Op::ListTables,
         Op::OpenTable,
@@ -176,6 +183,7 @@ impl Op {
         Op::Restore,
         Op::EvictExpired,
         Op::Served,
+        Op::LookupAt,
     ];
 
     /// Whether the op changes rows, tables or checkpoints (refused by a read-only replica).
@@ -203,6 +211,7 @@ impl Op {
             self,
             Op::Pull
                 | Op::Lookup
+                | Op::LookupAt
                 | Op::Push
                 | Op::Delete
                 | Op::PushGrad
@@ -217,11 +226,11 @@ impl Op {
         matches!(self, Op::Push | Op::PushGrad | Op::PushGradHeld)
     }
 
-    /// u64 words before the keys (worker id, timeout).
+    /// u64 words before the keys (worker id, timeout; a checkpoint).
     pub fn prefix_words(self) -> usize {
         match self {
             Op::PullHeld => 2,
-            Op::PushGradHeld => 1,
+            Op::PushGradHeld | Op::LookupAt => 1,
             _ => 0,
         }
     }

@@ -664,11 +664,14 @@ impl<'a> Conn<'a> {
                 let reply = match self.ctx.metrics.replica.get() {
                     Some(f) => {
                         let r = f();
-                        serde_json::json!({"batch_id": r.checkpoint_batch_id, "seq": r.checkpoint_seq, "replica": true, "state": r.state})
+                        let readable = crate::stream::view::readable(&self.ctx.store);
+                        serde_json::json!({"batch_id": r.checkpoint_batch_id, "seq": r.checkpoint_seq, "replica": true, "state": r.state, "readable": readable})
                     }
                     None => {
-                        let last = self.ctx.store.checkpoints().map_err(|e| Ok(e.into()))?.pop();
-                        serde_json::json!({"batch_id": last.as_ref().map(|c| c.batch_id), "seq": last.map(|c| c.seq), "replica": false, "state": "primary"})
+                        let list = self.ctx.store.checkpoints().map_err(|e| Ok(e.into()))?;
+                        let readable: Vec<u64> = list.iter().map(|c| c.batch_id).collect();
+                        let last = list.last();
+                        serde_json::json!({"batch_id": last.map(|c| c.batch_id), "seq": last.map(|c| c.seq), "replica": false, "state": "primary", "readable": readable})
                     }
                 };
                 self.reply_bytes(h, 0, reply.to_string().as_bytes()).map_err(Err)
@@ -774,6 +777,29 @@ impl<'a> Conn<'a> {
                 let r = self.send(&mut [IoSlice::new(&head), IoSlice::new(&mask), IoSlice::new(as_bytes(&rows))]);
                 self.rows = rows;
                 r.map_err(Err)
+            }
+            Op::LookupAt => {
+                let (batch_id, keys) = (prefix[0], &body[..n]);
+                let mut rows = std::mem::take(&mut self.rows);
+                rows.clear();
+                rows.resize(n * dim, 0.0);
+                let mut found = vec![false; n];
+                let read = match self.ctx.view.get() {
+                    Some(v) => v.lookup_at(&self.ctx.store, &table, batch_id, keys, &mut rows, &mut found),
+                    None => self.ctx.store.lookup_checkpoint(table.name(), batch_id, keys, &mut rows, &mut found),
+                };
+                let sent = match read {
+                    Ok(()) => {
+                        let mask = found_mask(&found);
+                        let head =
+                            h.reply(h.count, mask.len() + rows.len() * proto::ROW_ELEMENT_BYTES, status::OK).encode();
+                        self.send(&mut [IoSlice::new(&head), IoSlice::new(&mask), IoSlice::new(as_bytes(&rows))])
+                            .map_err(Err)
+                    }
+                    Err(e) => Err(eng(e)),
+                };
+                self.rows = rows;
+                sent
             }
             Op::Push | Op::PushGrad => {
                 let (keys, rows) = proto::split_keyed(&body[..n + (n * dim).div_ceil(2)], n);

@@ -153,9 +153,13 @@ impl Replica {
             status.checkpoint_seq = Some(m.seq);
             status.checkpoint_unix_seconds = Some(m.unix_micros as f64 * 1e-6);
         }
+        let view = ServedView::new(STAGED_BYTES_MAX_DEFAULT);
+        if let Some(m) = &last {
+            view.set_served(m.batch_id);
+        }
         let shared = Arc::new(Shared {
             store,
-            view: Arc::new(ServedView::new(STAGED_BYTES_MAX_DEFAULT)),
+            view: Arc::new(view),
             opts,
             status: Mutex::new(status),
             stop: AtomicBool::new(false),
@@ -434,7 +438,7 @@ fn apply_all(
                 let blob = serde_json::to_vec(&serde_json::json!({ "replica": meta })).expect("serializes");
                 s.store.checkpoint_with_meta(applied.next_batch, &blob)?;
                 applied.next_batch += 1;
-                s.view.commit();
+                s.view.commit(meta.batch_id);
                 let mut st = s.status.lock();
                 st.checkpoints_not_atomic = s.view.given_up_total.load(Ordering::Relaxed);
                 st.commits += 1;

@@ -18,7 +18,9 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use embank_core::{Result, Table};
+use embank_core::{Error, ErrorKind, Result, Store, Table};
+
+use super::replica::ReplicaMeta;
 use parking_lot::RwLock;
 
 /// Bound of the rows a view keeps for one checkpoint in progress, by default.
@@ -40,7 +42,12 @@ pub struct ServedView {
     given_up: AtomicBool,
     /// Checkpoints whose overlay passed its bound.
     pub given_up_total: AtomicU64,
+    /// The publisher's batch id of the served checkpoint; [`NONE`] before the first.
+    served: AtomicU64,
 }
+
+/// [`ServedView::served`] before the first checkpoint.
+const NONE: u64 = u64::MAX;
 
 impl ServedView {
     pub fn new(bytes_max: u64) -> ServedView {
@@ -51,18 +58,57 @@ impl ServedView {
             bytes_max,
             given_up: AtomicBool::new(false),
             given_up_total: AtomicU64::new(0),
+            served: AtomicU64::new(NONE),
         }
+    }
+
+    /// The publisher's batch id of the checkpoint reads see, None before the first.
+    pub fn served(&self) -> Option<u64> {
+        Some(self.served.load(Ordering::Acquire)).filter(|&b| b != NONE)
+    }
+
+    /// Sets the served checkpoint without a switch (a replica starting at its last).
+    pub fn set_served(&self, batch_id: u64) {
+        self.served.store(batch_id, Ordering::Release);
     }
 
     /// Looks `keys` of `table` up as the served checkpoint has them (a [`Table::lookup`]
     /// otherwise): never a mix of two checkpoints.
     pub fn lookup(&self, table: &Table, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        self.lookup_served(table, None, keys, out, found).map(|_| ())
+    }
+
+    /// [`lookup`](Self::lookup) if the served checkpoint is the publisher's `batch_id`
+    /// throughout the read (true), else nothing read (false): an exact read of the newest
+    /// checkpoint, at the cost of a plain one.
+    pub fn lookup_exact(
+        &self,
+        table: &Table,
+        batch_id: u64,
+        keys: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<bool> {
+        self.lookup_served(table, Some(batch_id), keys, out, found)
+    }
+
+    fn lookup_served(
+        &self,
+        table: &Table,
+        want: Option<u64>,
+        keys: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<bool> {
         let d = table.dim();
         loop {
             let before = self.generation.load(Ordering::Acquire);
             if before & 1 == 1 {
                 std::thread::yield_now();
                 continue;
+            }
+            if want.is_some_and(|b| self.served.load(Ordering::Acquire) != b || self.given_up.load(Ordering::Acquire)) {
+                return Ok(false);
             }
             table.lookup(keys, out, found)?;
             {
@@ -77,7 +123,7 @@ impl ServedView {
                 }
             }
             if self.generation.load(Ordering::Acquire) == before {
-                return Ok(());
+                return Ok(true);
             }
         }
     }
@@ -125,10 +171,11 @@ impl ServedView {
         Ok(())
     }
 
-    /// Called by the applier once the replica's checkpoint of a commit is taken: reads
-    /// switch to it, every table at once.
-    pub fn commit(&self) {
+    /// Called by the applier once the replica's checkpoint of a commit is taken (the
+    /// publisher's `batch_id`): reads switch to it, every table at once.
+    pub fn commit(&self, batch_id: u64) {
         self.generation.fetch_add(1, Ordering::AcqRel);
+        self.served.store(batch_id, Ordering::Release);
         let kept = std::mem::take(&mut *self.overlay.write());
         self.bytes.store(0, Ordering::Relaxed);
         self.given_up.store(false, Ordering::Relaxed);
@@ -136,8 +183,68 @@ impl ServedView {
         drop(kept); // freed after the switch: readers wait only for the swap
     }
 
+    /// Looks `keys` of `table` up exactly as they were at the publisher's checkpoint
+    /// `batch_id`, if this replica still holds it: the served one through the view (the
+    /// cost of a plain read), an older one through the store's retained checkpoint taken
+    /// at its commit (a pass over the keys changed since, per call: see
+    /// [`Store::lookup_checkpoint`]). Fails with `Unavailable`, naming what is readable,
+    /// for a checkpoint not held (dropped by `keep_checkpoints`, or not applied yet).
+    pub fn lookup_at(
+        &self,
+        store: &Store,
+        table: &Table,
+        batch_id: u64,
+        keys: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<()> {
+        if self.lookup_exact(table, batch_id, keys, out, found)? {
+            return Ok(());
+        }
+        let own = store
+            .checkpoints()?
+            .into_iter()
+            .rev()
+            .find(|c| ReplicaMeta::parse(&c.meta).is_some_and(|m| m.batch_id == batch_id));
+        let dropped = |e: Error| match e.kind() {
+            ErrorKind::NotFound => not_held(store, batch_id),
+            _ => e,
+        };
+        match own {
+            Some(c) => store.lookup_checkpoint(table.name(), c.batch_id, keys, out, found).map_err(dropped),
+            None => Err(not_held(store, batch_id)),
+        }
+    }
+
     /// Bytes the overlay holds now.
     pub fn staged_bytes(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
     }
+}
+
+/// The publisher's checkpoints a replica's store can be read at exactly (oldest first):
+/// those of its retained checkpoints (`keep_checkpoints` of them).
+pub fn readable(store: &Store) -> Vec<u64> {
+    let mut v: Vec<u64> = store
+        .checkpoints()
+        .map(|list| list.iter().filter_map(|c| ReplicaMeta::parse(&c.meta)).map(|m| m.batch_id).collect())
+        .unwrap_or_default();
+    v.sort_unstable();
+    v
+}
+
+fn not_held(store: &Store, batch_id: u64) -> Error {
+    let held = readable(store);
+    Error::new(
+        ErrorKind::Unavailable,
+        format!(
+            "checkpoint {batch_id} is not readable on this replica: it holds {} (store_options.keep_checkpoints \
+             bounds how many)",
+            if held.is_empty() {
+                "none yet".to_string()
+            } else {
+                held.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(", ")
+            }
+        ),
+    )
 }
