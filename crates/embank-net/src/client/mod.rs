@@ -1,0 +1,415 @@
+//! The client: a remote store of N shards with the same operations as an embedded one.
+//!
+//! Keys are routed by [`proto::shard_of`] (a consistent hash, identical in every
+//! client). A batch is split by shard, then into requests of at most
+//! `keys_per_request_max` keys; the requests go out at once, each on its own pooled
+//! connection (up to `in_flight_per_shard` per shard), and the replies are put back
+//! in the caller's order. One request per connection at a time: a server thread
+//! never blocks writing a reply that nobody reads, so big batches cannot deadlock.
+//!
+//! Connections are opened on demand and kept; a pooled connection whose server went
+//! away (restart, crash) is noticed before use and replaced, so a restarted shard is
+//! picked up by the next call. A shard that cannot be reached fails the call with
+//! `Unavailable`, naming the shard.
+//!
+//! The parts: `pool` (the shards' replicas, their connections and health), `route`
+//! (which replica takes a request, sending, failing over), `table` (the remote table).
+
+mod pool;
+mod route;
+mod table;
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use embank_core::catalog::TableMeta;
+use embank_core::{Error, ErrorKind, Result, TableOptions};
+use parking_lot::Mutex;
+
+use crate::proto::{Header, Op};
+use crate::tls::ClientTls;
+
+use pool::{Endpoint, Shard};
+use route::{join_errors, TableIds, UNKNOWN_ID};
+pub use table::{merge_stats, RemoteTable};
+
+/// How a client talks to its shards.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Token the servers require (sent in HELLO on every new connection).
+    pub token: Option<String>,
+    /// Most keys per request; a larger batch is split. Default 500.
+    pub keys_per_request_max: usize,
+    /// Longest wait for a reply (or for a request to be taken). Default 30 s. For a shard
+    /// of n replicas each attempt gets `timeout / n`, so a read that fails over past
+    /// replicas that hang still ends within `timeout`.
+    pub timeout: Duration,
+    /// Longest wait to connect. Default 5 s.
+    pub connect_timeout: Duration,
+    /// Most requests of one call in flight to one shard. Default 8.
+    pub in_flight_per_shard: usize,
+    /// TLS to the shards (the CA to verify them, optionally a client certificate).
+    /// Default none: plain TCP.
+    pub tls: Option<ClientTls>,
+    /// Reads go only to replicas serving at least this checkpoint (the publisher's batch
+    /// id, see [`Client::served`]); a shard with none fails the call, naming what each
+    /// replica serves. Default none.
+    pub min_checkpoint: Option<u64>,
+    /// A replica that failed a request is skipped by reads for this long. Default 1 s.
+    pub replica_retry_after: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            token: None,
+            keys_per_request_max: 500,
+            timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+            in_flight_per_shard: 8,
+            tls: None,
+            min_checkpoint: None,
+            replica_retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+struct Inner {
+    shards: Vec<Shard>,
+    opts: ClientOptions,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+}
+
+/// A connection to a set of shards; cheap to clone, usable from many threads.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl Client {
+    /// Connects to every shard (checking the token), so a wrong address fails here. An
+    /// address `a:7070|b:7070` is a shard of two replicas (see [`connect_groups`](Self::connect_groups)).
+    pub fn connect<S: AsRef<str>>(addrs: &[S], opts: ClientOptions) -> Result<Client> {
+        let groups: Vec<Vec<String>> = addrs
+            .iter()
+            .map(|a| a.as_ref().split('|').filter(|s| !s.trim().is_empty()).map(str::to_string).collect())
+            .collect();
+        Self::connect_groups(&groups, opts)
+    }
+
+    /// Connects to shards of several replicas each (`groups[i]`: shard i's replicas, the
+    /// first its primary). Reads (lookup, len, stats, and pull on read-only replicas) are
+    /// spread over a shard's healthy replicas and fail over to another on an error or a
+    /// timeout; writes go to the primary alone. At least one replica of every shard must
+    /// answer now; one that does not is skipped until it does.
+    pub fn connect_groups<S: AsRef<str>>(groups: &[Vec<S>], opts: ClientOptions) -> Result<Client> {
+        if groups.is_empty() || groups.iter().any(|g| g.is_empty()) {
+            return Err(Error::config("connect: give at least one shard, each with at least one address"));
+        }
+        if opts.keys_per_request_max == 0 || opts.in_flight_per_shard == 0 {
+            return Err(Error::config("keys_per_request_max and in_flight_per_shard must be at least 1"));
+        }
+        let shards = groups
+            .iter()
+            .enumerate()
+            .map(|(index, g)| Shard {
+                index,
+                replicas: g
+                    .iter()
+                    .map(|a| Endpoint {
+                        addr: a.as_ref().trim().trim_start_matches("tcp://").to_string(),
+                        pool: Mutex::new(Vec::new()),
+                        down_until: Mutex::new(None),
+                        served: Mutex::new(None),
+                        read_only: AtomicBool::new(false),
+                    })
+                    .collect(),
+                next: AtomicUsize::new(index),
+            })
+            .collect();
+        let client = Client {
+            inner: Arc::new(Inner { shards, opts, next_id: AtomicU64::new(1), closed: AtomicBool::new(false) }),
+        };
+        for shard in &client.inner.shards {
+            let mut errors = Vec::new();
+            for r in 0..shard.replicas.len() {
+                match client.open_conn(shard, r) {
+                    Ok(conn) => shard.replicas[r].pool.lock().push(conn),
+                    Err(e) if shard.replicas.len() > 1 && e.kind() == ErrorKind::Unavailable => {
+                        client.mark_down(shard, r);
+                        errors.push(e);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            if errors.len() == shard.replicas.len() {
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    format!("no replica of {} answers: {}", shard.name(), join_errors(&errors)),
+                ));
+            }
+        }
+        Ok(client)
+    }
+
+    pub fn shard_count(&self) -> usize {
+        self.inner.shards.len()
+    }
+
+    /// The shards' primary addresses, in routing order.
+    pub fn addrs(&self) -> Vec<String> {
+        self.inner.shards.iter().map(|s| s.replicas[0].addr.clone()).collect()
+    }
+
+    /// Every shard's replica addresses, in routing order.
+    pub fn groups(&self) -> Vec<Vec<String>> {
+        self.inner.shards.iter().map(|s| s.replicas.iter().map(|r| r.addr.clone()).collect()).collect()
+    }
+
+    pub fn options(&self) -> &ClientOptions {
+        &self.inner.opts
+    }
+}
+
+impl Client {
+    /// Creates a table on every shard.
+    pub fn create_table(&self, name: &str, options: TableOptions) -> Result<RemoteTable> {
+        embank_core::table::validate_name(name)?;
+        options.validate()?;
+        let body = serde_json::json!({ "name": name, "options": options }).to_string();
+        let replies = self.broadcast_from(Op::CreateTable, body.as_bytes(), None)?;
+        self.table_from(name, replies)
+    }
+
+    /// Opens a table that exists on every shard.
+    pub fn table(&self, name: &str) -> Result<RemoteTable> {
+        let replies = self.broadcast_from(Op::OpenTable, name.as_bytes(), None)?;
+        self.table_from(name, replies)
+    }
+
+    fn table_from(&self, name: &str, replies: Vec<(usize, Header, Vec<u8>)>) -> Result<RemoteTable> {
+        let ids = TableIds {
+            name: name.to_string(),
+            ids: self
+                .inner
+                .shards
+                .iter()
+                .map(|s| s.replicas.iter().map(|_| AtomicU32::new(UNKNOWN_ID)).collect())
+                .collect(),
+        };
+        let mut meta: Option<TableMeta> = None;
+        for (s, (r, h, body)) in replies.into_iter().enumerate() {
+            let shard = &self.inner.shards[s];
+            let m: TableMeta = serde_json::from_slice(&body)
+                .map_err(|e| Error::corrupt(format!("{}: bad table description: {e}", shard.replica_name(r))))?;
+            if let Some(first) = &meta {
+                if first.dim != m.dim {
+                    return Err(Error::config(format!(
+                        "table {name:?} has dim {} on shard 0 but {} on {}",
+                        first.dim,
+                        m.dim,
+                        shard.replica_name(r)
+                    )));
+                }
+            }
+            ids.ids[s][r].store(h.table_id, Ordering::Relaxed);
+            meta.get_or_insert(m);
+        }
+        let meta = meta.expect("at least one shard");
+        Ok(RemoteTable {
+            client: self.clone(),
+            name: name.to_string(),
+            dim: meta.dim as usize,
+            ids: Arc::new(ids),
+            meta,
+        })
+    }
+
+    /// Names of the tables on the servers (their union), sorted.
+    pub fn tables(&self) -> Result<Vec<String>> {
+        let mut names = std::collections::BTreeSet::new();
+        for (_, body) in self.broadcast(Op::ListTables, &[], None)? {
+            let list: Vec<String> =
+                serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad table list: {e}")))?;
+            names.extend(list);
+        }
+        Ok(names.into_iter().collect())
+    }
+
+    pub fn drop_table(&self, name: &str) -> Result<()> {
+        self.broadcast(Op::DropTable, name.as_bytes(), None).map(|_| ())
+    }
+
+    /// Makes every write acknowledged before this call durable on every shard.
+    pub fn flush(&self) -> Result<()> {
+        self.broadcast(Op::Flush, &[], None).map(|_| ())
+    }
+
+    /// Store statistics with the embedded store's fields, summed over the shards
+    /// (tables matched by name), and each shard's own under `"shards"`.
+    pub fn stats(&self) -> Result<serde_json::Value> {
+        let mut shards = Vec::new();
+        for (s, (r, _, body)) in self.broadcast_from(Op::StoreStats, &[], None)?.into_iter().enumerate() {
+            let mut v: serde_json::Value =
+                serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad stats: {e}")))?;
+            v["shard"] = serde_json::json!(self.inner.shards[s].replicas[r].addr);
+            shards.push(v);
+        }
+        let mut total = merge_stats(&shards);
+        total["path"] = serde_json::json!(self.url());
+        total["shards"] = serde_json::Value::Array(shards);
+        Ok(total)
+    }
+
+    /// A checkpoint of every shard at this batch boundary (call it between batches).
+    pub fn checkpoint(&self, batch_id: u64) -> Result<()> {
+        self.checkpoint_with_meta(batch_id, &[])
+    }
+
+    /// A checkpoint of every shard at `batch_id` that keeps `meta` (at most 64 KiB) with it.
+    pub fn checkpoint_with_meta(&self, batch_id: u64, meta: &[u8]) -> Result<()> {
+        let mut body = batch_id.to_le_bytes().to_vec();
+        body.extend_from_slice(meta);
+        self.broadcast(Op::Checkpoint, &body, None).map(|_| ())
+    }
+
+    /// The checkpoints every shard retains, oldest first.
+    /// Which checkpoint each shard serves (`{"batch_id", "seq", "replica", "state"}`, in
+    /// shard order): a replica's the publisher's checkpoint it applied last, a primary's
+    /// its newest retained checkpoint.
+    pub fn served(&self) -> Result<Vec<serde_json::Value>> {
+        self.broadcast_from(Op::Served, &[], None)?
+            .into_iter()
+            .enumerate()
+            .map(|(s, (r, _, body))| {
+                let mut v: serde_json::Value =
+                    serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad served reply: {e}")))?;
+                *self.inner.shards[s].replicas[r].served.lock() = v["batch_id"].as_u64();
+                v["address"] = serde_json::json!(self.inner.shards[s].replicas[r].addr);
+                Ok(v)
+            })
+            .collect()
+    }
+
+    /// Which checkpoint every replica serves: `[shard][replica]`, each `{"batch_id", "seq",
+    /// "replica", "state", "readable", "address"}` or `{"error": ...}` for one that does
+    /// not answer.
+    pub fn served_all(&self) -> Vec<Vec<serde_json::Value>> {
+        self.inner
+            .shards
+            .iter()
+            .map(|shard| {
+                (0..shard.replicas.len())
+                    .map(|r| match self.served_reply(shard, r) {
+                        Ok(mut v) => {
+                            v["address"] = serde_json::json!(shard.replicas[r].addr);
+                            v
+                        }
+                        Err(e) => serde_json::json!({"error": e.to_string(), "address": shard.replicas[r].addr}),
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    pub fn checkpoints(&self) -> Result<Vec<embank_core::store::CheckpointInfo>> {
+        let mut common: Option<Vec<embank_core::store::CheckpointInfo>> = None;
+        for (_, body) in self.broadcast(Op::Checkpoints, &[], None)? {
+            let list: Vec<embank_core::store::CheckpointInfo> =
+                serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad checkpoint list: {e}")))?;
+            common = Some(match common {
+                None => list,
+                Some(c) => c.into_iter().filter(|x| list.iter().any(|y| y.batch_id == x.batch_id)).collect(),
+            });
+        }
+        Ok(common.unwrap_or_default())
+    }
+
+    /// Returns every shard to checkpoint `batch_id`.
+    pub fn restore(&self, batch_id: u64) -> Result<()> {
+        self.broadcast(Op::Restore, &batch_id.to_le_bytes(), None).map(|_| ())
+    }
+
+    /// `tcp://host:port,host:port` (a shard's replicas joined by `|`).
+    pub fn url(&self) -> String {
+        format!("tcp://{}", self.groups().iter().map(|g| g.join("|")).collect::<Vec<_>>().join(","))
+    }
+
+    /// Closes every pooled connection; later calls fail with `Closed`. The servers keep running.
+    pub fn close(&self) {
+        self.inner.closed.store(true, Ordering::Relaxed);
+        for s in &self.inner.shards {
+            for r in &s.replicas {
+                r.pool.lock().clear();
+            }
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::Relaxed)
+    }
+}
+
+impl embank_core::StoreApi for Client {
+    fn location(&self) -> String {
+        self.url()
+    }
+    fn served(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::Value::Array(Client::served(self)?))
+    }
+    fn lookup_checkpoint(
+        &self,
+        name: &str,
+        batch_id: u64,
+        keys: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<()> {
+        Client::table(self, name)?.lookup_at(batch_id, keys, out, found)
+    }
+    fn is_remote(&self) -> bool {
+        true
+    }
+    fn is_closed(&self) -> bool {
+        Client::is_closed(self)
+    }
+    fn create_table(&self, name: &str, options: TableOptions) -> Result<std::sync::Arc<dyn embank_core::TableApi>> {
+        Ok(std::sync::Arc::new(Client::create_table(self, name, options)?))
+    }
+    fn table(&self, name: &str) -> Result<std::sync::Arc<dyn embank_core::TableApi>> {
+        Ok(std::sync::Arc::new(Client::table(self, name)?))
+    }
+    fn tables(&self) -> Result<Vec<String>> {
+        Client::tables(self)
+    }
+    fn drop_table(&self, name: &str) -> Result<()> {
+        Client::drop_table(self, name)
+    }
+    fn flush(&self) -> Result<()> {
+        Client::flush(self)
+    }
+    fn close(&self) -> Result<()> {
+        if Client::is_closed(self) {
+            return Ok(());
+        }
+        // Read-only replica groups (fed by an update stream) take no writes to flush.
+        let read_only = self.inner.shards.iter().all(|s| s.replicas[0].read_only.load(Ordering::Relaxed));
+        let flushed = if read_only { Ok(()) } else { Client::flush(self) };
+        Client::close(self);
+        flushed
+    }
+    fn checkpoint(&self, batch_id: u64, meta: &[u8]) -> Result<()> {
+        self.checkpoint_with_meta(batch_id, meta)
+    }
+    fn checkpoints(&self) -> Result<Vec<embank_core::CheckpointInfo>> {
+        Client::checkpoints(self)
+    }
+    fn restore(&self, batch_id: u64) -> Result<()> {
+        Client::restore(self, batch_id)
+    }
+    fn stats_json(&self) -> Result<serde_json::Value> {
+        Client::stats(self)
+    }
+}
