@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from types import TracebackType
@@ -65,6 +66,11 @@ def _rows(rows: Rows, n: int, dim: int, table: str) -> Rows:
     if not rows.flags.c_contiguous:
         raise InvalidInputError("rows must be a C-contiguous array (use np.ascontiguousarray)")
     return rows
+
+
+def _deprecated(old: str, new: str) -> None:
+    message = f"{old}= is deprecated: use {new}= (bounds are named with _max last)"
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
 
 
 def _lifecycle_json(
@@ -607,10 +613,11 @@ class Store:
         topic: str = "embank-updates",
         partitions: int = 1,
         every: int = 1,
-        max_pending: int = 4,
+        checkpoints_pending_max: int = 4,
         message_bytes: int = 1 << 20,
         tables: Sequence[str] | None = None,
         timeout: float = 10.0,
+        max_pending: int | None = None,
     ) -> Publisher:
         """Publishes this store's checkpoints to an update stream that serving replicas
         (``embank serve`` with an ``[updates]`` section) apply.
@@ -629,15 +636,19 @@ class Store:
             partitions: one per serving shard; keys go by the shard hash of
                 :func:`embank.connect`.
             every: publish every n-th checkpoint.
-            max_pending: checkpoints that may wait for an unreachable broker; past
+            checkpoints_pending_max: checkpoints that may wait for an unreachable broker; past
                 that :meth:`checkpoint` raises :class:`~embank.errors.PublishError`
                 (the checkpoint is taken; updates are never dropped silently).
             message_bytes: bound of one message.
             tables: only these tables (default all).
             timeout: seconds one broker operation may take.
+            max_pending: the old name of ``checkpoints_pending_max`` (deprecated).
 
         Embedded stores only (a shard publishes with ``embank publish``).
         """
+        if max_pending is not None:
+            _deprecated("max_pending", "checkpoints_pending_max")
+            checkpoints_pending_max = max_pending
         if every < 1:
             from .errors import ConfigError
 
@@ -649,7 +660,7 @@ class Store:
             "timeout_seconds": float(timeout),
             "partitions": int(partitions),
             "message_bytes": int(message_bytes),
-            "max_pending": int(max_pending),
+            "checkpoints_pending_max": int(checkpoints_pending_max),
             "tables": None if tables is None else [str(t) for t in tables],
         }
         p = Publisher(self._s.publisher(json.dumps(options)), every)

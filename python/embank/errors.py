@@ -76,7 +76,7 @@ class ShardUnavailableError(EmbankError, ConnectionError):
 
 
 class PublishError(EmbankError, ConnectionError):
-    """Checkpoints cannot reach the update stream: more than ``max_pending`` wait for
+    """Checkpoints cannot reach the update stream: more than ``checkpoints_pending_max`` wait for
     the broker. The checkpoint itself was taken; the stream gets a full snapshot once
     the broker is back (see :meth:`embank.Store.publisher`).
 

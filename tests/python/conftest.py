@@ -47,7 +47,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tls_dir: Path) -> Iterator
         config = d / "serve.toml"
         min_bytes = 0 if i == 0 else 1024
         config.write_text(
-            f'store = "{d / "store"}"\n[limits]\nzero_copy_min_row_bytes = {min_bytes}\n'
+            f'store = "{d / "store"}"\n[limits]\nzero_copy_row_bytes_min = {min_bytes}\n'
             + tls_section(tls_dir)
         )
         p = subprocess.Popen(

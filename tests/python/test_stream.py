@@ -216,7 +216,7 @@ def test_publisher_raises_when_the_broker_stays_down(tmp_path: Path, redis: Redi
     rng = np.random.default_rng(4)
     with embank.open(tmp_path / "trainer") as trainer:
         trainer.create_table("emb", dim=DIM, optimizer=embank.optim.SGD(lr=0.1))
-        with trainer.publisher("redis", redis.url, topic="down", max_pending=1, timeout=1) as pub:
+        with trainer.publisher("redis", redis.url, topic="down", checkpoints_pending_max=1, timeout=1) as pub:
             train(trainer, range(1, 2), rng)
             pub.flush(timeout=30)
             redis.kill()
@@ -239,6 +239,13 @@ def test_publisher_raises_when_the_broker_stays_down(tmp_path: Path, redis: Redi
             assert pub.status()["full_snapshots"] == 2
 
 
+def test_the_old_name_of_a_bound_still_works_and_warns(tmp_path: Path, redis: Redis) -> None:
+    with embank.open(tmp_path / "trainer") as trainer:
+        with pytest.warns(DeprecationWarning, match="max_pending= is deprecated: use checkpoints"):
+            pub = trainer.publisher("redis", redis.url, topic="old", max_pending=1)
+        pub.close()
+
+
 def test_a_failing_publisher_does_not_hold_back_the_others(tmp_path: Path, redis: Redis) -> None:
     """Two publishers, one per broker: while the first one's broker is down, the second
     is still told of every checkpoint (its replicas stay fresh without a flush), and
@@ -250,8 +257,8 @@ def test_a_failing_publisher_does_not_hold_back_the_others(tmp_path: Path, redis
         with embank.open(tmp_path / "trainer") as trainer:
             trainer.create_table("emb", dim=DIM, optimizer=embank.optim.SGD(lr=0.1))
             # The failing one first: the order in which checkpoint() tells them.
-            down = trainer.publisher("redis", redis.url, topic="a", max_pending=1, timeout=1)
-            up = trainer.publisher("redis", second.url, topic="b", max_pending=1, timeout=1)
+            down = trainer.publisher("redis", redis.url, topic="a", checkpoints_pending_max=1, timeout=1)
+            up = trainer.publisher("redis", second.url, topic="b", checkpoints_pending_max=1, timeout=1)
             train(trainer, range(1, 2), rng)
             down.flush(timeout=30)
             up.flush(timeout=30)

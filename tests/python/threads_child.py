@@ -64,7 +64,7 @@ def filled_store(path: Path) -> embank.Store:
 def publisher_down(store: embank.Store, url: str, redis_pid: int) -> embank.Publisher:
     """A publisher that published checkpoint 1, then lost its broker, with checkpoint 2
     waiting: its flush waits for its whole timeout."""
-    p = store.publisher("redis", url, topic="threads", max_pending=1000, timeout=1)
+    p = store.publisher("redis", url, topic="threads", checkpoints_pending_max=1000, timeout=1)
     p.flush(timeout=30)
     os.kill(redis_pid, signal.SIGKILL)
     store.checkpoint(2)

@@ -7,7 +7,7 @@
 //!   20 times (`EMBANK_REPLICA_KILLS`; `make test-long`: 1,000) and restarted, and the broker is killed and
 //!   restarted once mid-stream. At the end the replica's export equals the trainer's
 //!   export at the last checkpoint, restricted to the partition's keys, row for row.
-//! - A publisher whose broker stays down fails `notify` loudly past `max_pending`,
+//! - A publisher whose broker stays down fails `notify` loudly past `checkpoints_pending_max`,
 //!   then catches up with a full snapshot once the broker is back.
 
 use std::collections::BTreeMap;
@@ -200,7 +200,7 @@ fn replica_survives_kills_and_a_broker_restart(kind: BrokerKind) {
     let mut opts = PublishOptions::new(stream.clone());
     opts.partitions = PARTS;
     opts.message_bytes = 16 << 10; // many messages per checkpoint
-    opts.max_pending = 1000;
+    opts.checkpoints_pending_max = 1000;
     let publisher = Publisher::start(Arc::clone(&store), opts).unwrap();
     let config = dir.path().join("replica.toml");
     let (transport, brokers) = (if kind == BrokerKind::Kafka { "kafka" } else { "redis" }, broker.brokers());
@@ -301,7 +301,7 @@ fn publisher_fails_loudly_while_the_broker_is_down_then_catches_up() {
     let stream = stream(BrokerKind::Redis, &broker, "loud");
     let store = trainer(&dir.path().join("trainer"));
     let mut opts = PublishOptions::new(stream.clone());
-    opts.max_pending = 2;
+    opts.checkpoints_pending_max = 2;
     let publisher = Publisher::start(Arc::clone(&store), opts).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut b = 0;
@@ -558,7 +558,7 @@ fn a_resync_after_a_broker_outage_never_empties_the_replica() {
         emb.push(chunk, &vec![1.0; chunk.len() * DIM]).unwrap();
     }
     let mut opts = PublishOptions::new(stream.clone());
-    opts.max_pending = 1;
+    opts.checkpoints_pending_max = 1;
     let publisher = Publisher::start(Arc::clone(&store), opts).unwrap();
     store.checkpoint(1).unwrap();
     publisher.notify().unwrap();
@@ -656,7 +656,7 @@ fn a_resync_with_replicas_killed_during_it_never_misses_a_key() {
         emb.push(chunk, &vec![1.0; chunk.len() * DIM]).unwrap();
     }
     let mut opts = PublishOptions::new(stream);
-    opts.max_pending = 1;
+    opts.checkpoints_pending_max = 1;
     let publisher = Publisher::start(Arc::clone(&store), opts).unwrap();
     store.checkpoint(1).unwrap();
     publisher.notify().unwrap();

@@ -111,7 +111,7 @@ fn two_shards_match_a_model() {
     let dir = tempfile::tempdir().unwrap();
     // Shard a sends every pull/lookup reply zero-copy, shard b copies (rows this small
     // are copied by default): the model checks both paths.
-    let a = Shard::start(dir.path(), "a", "[limits]\nzero_copy_min_row_bytes = 0\n");
+    let a = Shard::start(dir.path(), "a", "[limits]\nzero_copy_row_bytes_min = 0\n");
     let b = Shard::start(dir.path(), "b", "");
     let c = client(&[&a, &b]);
     let dim = 6;
@@ -334,7 +334,7 @@ fn still_serving(addr: &str, token: Option<&str>) {
 #[test]
 fn bad_input_gets_errors_and_the_server_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
-    let a = Shard::start(dir.path(), "a", "[limits]\nkeys_per_request_max = 1000\nmax_frame_bytes = 100000\n");
+    let a = Shard::start(dir.path(), "a", "[limits]\nkeys_per_request_max = 1000\nframe_bytes_max = 100000\n");
     let c = client(&[&a]);
     let t = c.create_table("t", TableOptions::new(4)).unwrap();
     t.push(&[1, 2, 3], &[1.0; 12]).unwrap();
@@ -374,7 +374,7 @@ fn bad_input_gets_errors_and_the_server_keeps_serving() {
     let (h, body) = recv(&mut s).unwrap();
     assert_eq!((h.status, body.len()), (0, 16), "the connection still works");
 
-    // A frame over max_frame_bytes: refused and closed without reading 4 GiB.
+    // A frame over frame_bytes_max: refused and closed without reading 4 GiB.
     let mut s = raw(&a.addr);
     s.write_all(&Header::request(Op::Pull, 1, id, u32::MAX, u32::MAX).encode()).unwrap();
     let (h, _) = recv(&mut s).unwrap();
@@ -523,9 +523,9 @@ fn bad_config_is_named_and_sigterm_shuts_down_cleanly() {
 #[test]
 fn idle_sockets_cannot_lock_out_a_client_with_the_token() {
     let dir = tempfile::tempdir().unwrap();
-    let config = "token = \"s3cret\"\n[limits]\nmax_connections = 16\npending_max = 8\nauth_timeout_seconds = 2\n";
+    let config = "token = \"s3cret\"\n[limits]\nconnections_max = 16\npending_max = 8\nauth_timeout_seconds = 2\n";
     let shard = Shard::start(dir.path(), "a", config);
-    // Twice max_connections sockets that never send a byte (no token, nothing).
+    // Twice connections_max sockets that never send a byte (no token, nothing).
     let idle: Vec<TcpStream> = (0..32).map(|_| TcpStream::connect(&shard.addr).unwrap()).collect();
     std::thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();

@@ -53,6 +53,9 @@ pub struct ServeConfig {
     /// `timeout_ms`, `backoff_ms`).
     #[serde(default)]
     pub shared_tier: Option<crate::redis_tier::RedisTierConfig>,
+    /// What the file spelt the old way (each also logged as a warning when parsed).
+    #[serde(skip)]
+    pub deprecated: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -89,32 +92,65 @@ impl Default for StoreSection {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
-    pub max_frame_bytes: u32,
+    pub frame_bytes_max: u32,
     pub keys_per_request_max: u32,
-    pub max_connections: usize,
+    pub connections_max: usize,
     pub auth_timeout_seconds: f64,
     pub pending_max: usize,
     pub pending_per_peer_max: usize,
     pub idle_timeout_seconds: f64,
     pub frame_timeout_seconds: f64,
     pub zero_copy: bool,
-    pub zero_copy_min_row_bytes: usize,
+    pub zero_copy_row_bytes_min: usize,
+    /// Old spellings, still read (a warning names the new one).
+    #[serde(rename = "max_frame_bytes")]
+    old_frame_bytes_max: Option<u32>,
+    #[serde(rename = "max_connections")]
+    old_connections_max: Option<usize>,
+    #[serde(rename = "zero_copy_min_row_bytes")]
+    old_zero_copy_row_bytes_min: Option<usize>,
+}
+
+impl Limits {
+    /// Moves values given under old spellings to their fields; one message per spelling.
+    fn take_old_spellings(&mut self) -> Vec<String> {
+        let mut said = Vec::new();
+        let mut note = |old: &str, new: &str| {
+            said.push(format!("limits.{old} is deprecated: write limits.{new} (bounds are named with _max last)"))
+        };
+        if let Some(v) = self.old_frame_bytes_max.take() {
+            self.frame_bytes_max = v;
+            note("max_frame_bytes", "frame_bytes_max");
+        }
+        if let Some(v) = self.old_connections_max.take() {
+            self.connections_max = v;
+            note("max_connections", "connections_max");
+        }
+        if let Some(v) = self.old_zero_copy_row_bytes_min.take() {
+            self.zero_copy_row_bytes_min = v;
+            note("zero_copy_min_row_bytes", "zero_copy_row_bytes_min");
+        }
+        said
+    }
 }
 
 impl Default for Limits {
     fn default() -> Self {
         let d = ServerOptions::default();
         Limits {
-            max_frame_bytes: d.max_frame_bytes,
+            frame_bytes_max: d.frame_bytes_max,
             keys_per_request_max: d.keys_per_request_max,
-            max_connections: d.max_connections,
+            connections_max: d.connections_max,
             auth_timeout_seconds: d.auth_timeout.as_secs_f64(),
             pending_max: d.pending_max,
             pending_per_peer_max: d.pending_per_peer_max,
             idle_timeout_seconds: d.idle_timeout.as_secs_f64(),
             frame_timeout_seconds: d.frame_timeout.as_secs_f64(),
             zero_copy: d.zero_copy,
-            zero_copy_min_row_bytes: d.zero_copy_min_row_bytes,
+            zero_copy_row_bytes_min: d.zero_copy_row_bytes_min,
+            old_frame_bytes_max: None,
+            old_connections_max: None,
+            old_zero_copy_row_bytes_min: None,
         }
     }
 }
@@ -165,7 +201,11 @@ impl ServeConfig {
 
     /// Parses config text (relative paths stay relative).
     pub fn parse(text: &str) -> Result<ServeConfig> {
-        let c: ServeConfig = toml::from_str(text).map_err(|e| Error::config(e.to_string()))?;
+        let mut c: ServeConfig = toml::from_str(text).map_err(|e| Error::config(e.to_string()))?;
+        c.deprecated = c.limits.take_old_spellings();
+        for d in &c.deprecated {
+            tracing::warn!("{d}");
+        }
         if c.token.is_some() && c.token_file.is_some() {
             return Err(Error::config("set `token` or `token_file`, not both"));
         }
@@ -184,29 +224,29 @@ impl ServeConfig {
     pub fn server_options(&self) -> Result<ServerOptions> {
         let l = &self.limits;
         if l.keys_per_request_max == 0
-            || l.max_connections == 0
+            || l.connections_max == 0
             || l.pending_max == 0
             || l.pending_per_peer_max == 0
-            || l.max_frame_bytes < 64
+            || l.frame_bytes_max < 64
         {
             return Err(Error::config(
-                "limits: keys_per_request_max, max_connections, pending_max and pending_per_peer_max must be at least 1, max_frame_bytes at least 64",
+                "limits: keys_per_request_max, connections_max, pending_max and pending_per_peer_max must be at least 1, frame_bytes_max at least 64",
             ));
         }
         Ok(ServerOptions {
             token: self.token.clone(),
             tls: None,
             insecure: self.insecure,
-            max_frame_bytes: l.max_frame_bytes,
+            frame_bytes_max: l.frame_bytes_max,
             keys_per_request_max: l.keys_per_request_max,
-            max_connections: l.max_connections,
+            connections_max: l.connections_max,
             auth_timeout: seconds("limits.auth_timeout_seconds", l.auth_timeout_seconds)?,
             pending_max: l.pending_max,
             pending_per_peer_max: l.pending_per_peer_max,
             idle_timeout: seconds("limits.idle_timeout_seconds", l.idle_timeout_seconds)?,
             frame_timeout: seconds("limits.frame_timeout_seconds", l.frame_timeout_seconds)?,
             zero_copy: l.zero_copy,
-            zero_copy_min_row_bytes: l.zero_copy_min_row_bytes,
+            zero_copy_row_bytes_min: l.zero_copy_row_bytes_min,
             read_only: self.updates.as_ref().map(|u| {
                 format!(
                     "this server is a replica of {} (partition {}): write to the training store",
@@ -389,6 +429,18 @@ mod tests {
         let user = &c.table_options().unwrap()[0].1;
         assert_eq!(user.optimizer.name(), "rowwise_adagrad");
         assert_eq!(user.optimizer.state_len(64), 1);
+    }
+
+    #[test]
+    fn old_spellings_of_bounds_are_read_and_named() {
+        let text =
+            "store = \"s\"\n[limits]\nmax_frame_bytes = 4096\nmax_connections = 7\nzero_copy_min_row_bytes = 9\n";
+        let c = ServeConfig::parse(text).unwrap();
+        let o = c.server_options().unwrap();
+        assert_eq!((o.frame_bytes_max, o.connections_max, o.zero_copy_row_bytes_min), (4096, 7, 9));
+        assert_eq!(c.deprecated.len(), 3, "{:?}", c.deprecated);
+        assert!(c.deprecated[0].contains("limits.max_frame_bytes is deprecated: write limits.frame_bytes_max"));
+        assert!(ServeConfig::parse(SAMPLE).unwrap().deprecated.is_empty());
     }
 
     #[test]

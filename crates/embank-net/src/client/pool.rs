@@ -88,7 +88,7 @@ impl Client {
     /// connection is therefore tried again on a new one (a hello changes nothing), up to
     /// 8 times, each pause drawn from a range that doubles (1-11 ms, ..., 1-1,281 ms). A
     /// hello that times out is not tried again: the server may hang, and the call has
-    /// its timeout. A server at `max_connections` answers BUSY, which is final.
+    /// its timeout. A server at `connections_max` answers BUSY, which is final.
     pub(super) fn open_conn(&self, shard: &Shard, r: usize) -> Result<Stream> {
         let mut tries = 0;
         loop {

@@ -78,7 +78,7 @@ pub(super) struct Conn<'a> {
     pub(super) id: u64,
     pub(super) accepted: Instant,
     pub(super) authed: bool,
-    /// Counted against `max_connections` (and no longer pending).
+    /// Counted against `connections_max` (and no longer pending).
     pub(super) established: bool,
     pub(super) body: Vec<u64>,
     pub(super) rows: Vec<f32>,
@@ -100,10 +100,10 @@ impl<'a> Conn<'a> {
     }
 
     /// The connection authenticated (or, without a token, sent a whole frame): it leaves
-    /// the pending set and counts against `max_connections`, or is refused if at it.
+    /// the pending set and counts against `connections_max`, or is refused if at it.
     pub(super) fn establish(&mut self) -> std::result::Result<(), Refusal> {
         self.ctx.forget_pending(self.id);
-        let limit = self.ctx.opts.max_connections as u64;
+        let limit = self.ctx.opts.connections_max as u64;
         let claimed = self.ctx.open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1));
         if claimed.is_err() {
             self.ctx.metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
@@ -149,11 +149,11 @@ impl<'a> Conn<'a> {
                     );
                 }
             };
-            if h.body_len > self.ctx.opts.max_frame_bytes {
+            if h.body_len > self.ctx.opts.frame_bytes_max {
                 self.ctx.metrics.record(Op::from_u16(h.opcode), 0, 0, status::TOO_LARGE);
                 let message = format!(
-                    "frame body of {} bytes is over this server's limit of {} (max_frame_bytes)",
-                    h.body_len, self.ctx.opts.max_frame_bytes
+                    "frame body of {} bytes is over this server's limit of {} (frame_bytes_max)",
+                    h.body_len, self.ctx.opts.frame_bytes_max
                 );
                 return self.refuse(&h, Refusal { status: status::TOO_LARGE, message, close: true });
             }

@@ -47,12 +47,12 @@ pub struct ServerOptions {
     /// the network in clear text; logged loudly). Default false.
     pub insecure: bool,
     /// Largest request body accepted. Default 64 MiB.
-    pub max_frame_bytes: u32,
+    pub frame_bytes_max: u32,
     /// Most keys in one request. Default 65 536.
     pub keys_per_request_max: u32,
     /// Most established client connections at once (authenticated, or past their
     /// first frame on a server without a token). Default 1024.
-    pub max_connections: usize,
+    pub connections_max: usize,
     /// A new connection must authenticate (or, without a token, send its first whole
     /// frame) within this, or it is closed. Default 5 s.
     pub auth_timeout: Duration,
@@ -73,7 +73,7 @@ pub struct ServerOptions {
     /// ... but only for rows of at least this many bytes. Default 1024: measured on
     /// loopback, 512-byte rows went out ~15 % faster copied into one buffer (the kernel's
     /// per-segment cost outweighs the copy), 2 KiB rows ~23 % faster zero-copy.
-    pub zero_copy_min_row_bytes: usize,
+    pub zero_copy_row_bytes_min: usize,
     /// A replica fed by the update stream: requests that would change rows are refused
     /// with this reason, and `pull` answers missing rows with the table's missing-row
     /// default without creating them (as `lookup` does). None: a writable server.
@@ -86,16 +86,16 @@ impl Default for ServerOptions {
             token: None,
             tls: None,
             insecure: false,
-            max_frame_bytes: 64 << 20,
+            frame_bytes_max: 64 << 20,
             keys_per_request_max: 65_536,
-            max_connections: 1024,
+            connections_max: 1024,
             auth_timeout: Duration::from_secs(5),
             pending_max: 64,
             pending_per_peer_max: 16,
             idle_timeout: Duration::from_secs(600),
             frame_timeout: Duration::from_secs(30),
             zero_copy: true,
-            zero_copy_min_row_bytes: 1024,
+            zero_copy_row_bytes_min: 1024,
             read_only: None,
         }
     }

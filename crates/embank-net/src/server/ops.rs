@@ -69,7 +69,7 @@ impl Conn<'_> {
                     "version": env!("CARGO_PKG_VERSION"),
                     "protocol": proto::VERSION,
                     "keys_per_request_max": self.ctx.opts.keys_per_request_max,
-                    "max_frame_bytes": self.ctx.opts.max_frame_bytes,
+                    "frame_bytes_max": self.ctx.opts.frame_bytes_max,
                     "read_only": self.ctx.opts.read_only.is_some(),
                 });
                 self.answer(h, 0, info.to_string().as_bytes())
@@ -208,7 +208,7 @@ impl Conn<'_> {
                 let view = self.ctx.view.get();
                 if view.is_none()
                     && self.ctx.opts.zero_copy
-                    && proto::row_bytes(dim) >= self.ctx.opts.zero_copy_min_row_bytes
+                    && proto::row_bytes(dim) >= self.ctx.opts.zero_copy_row_bytes_min
                 {
                     let metrics = Arc::clone(&self.ctx.metrics);
                     let stream = &mut self.stream;

@@ -9,11 +9,11 @@
 //! retention, since the next publish starts from it.
 //!
 //! The first publish, and any publish after the publisher lost its place (the
-//! checkpoint it published was restored away, or it gave up after `max_pending`
+//! checkpoint it published was restored away, or it gave up after `checkpoints_pending_max`
 //! failures), sends every table whole after a reset marker.
 //!
 //! While the broker is down, checkpoints queue up (retained by the pin, retried with
-//! backoff). When more than `max_pending` are waiting, `notify` fails loudly — the
+//! backoff). When more than `checkpoints_pending_max` are waiting, `notify` fails loudly — the
 //! caller's `checkpoint()` raises — and the publisher drops its pin so retention goes on:
 //! once the broker is back it sends a full snapshot. It never reports a checkpoint as
 //! published that the broker did not acknowledge.
@@ -46,8 +46,8 @@ pub struct PublishOptions {
     #[serde(default = "default_message_bytes")]
     pub message_bytes: usize,
     /// Checkpoints that may wait for the broker before `checkpoint()` fails.
-    #[serde(default = "default_max_pending")]
-    pub max_pending: usize,
+    #[serde(default = "default_checkpoints_pending_max", alias = "max_pending")]
+    pub checkpoints_pending_max: usize,
     /// Tables to publish (default: all).
     #[serde(default)]
     pub tables: Option<Vec<String>>,
@@ -59,7 +59,7 @@ fn one() -> u32 {
 fn default_message_bytes() -> usize {
     1 << 20
 }
-fn default_max_pending() -> usize {
+fn default_checkpoints_pending_max() -> usize {
     4
 }
 
@@ -69,7 +69,7 @@ impl PublishOptions {
             stream,
             partitions: 1,
             message_bytes: default_message_bytes(),
-            max_pending: default_max_pending(),
+            checkpoints_pending_max: default_checkpoints_pending_max(),
             tables: None,
         }
     }
@@ -86,8 +86,8 @@ impl PublishOptions {
                 self.message_bytes
             )));
         }
-        if self.max_pending == 0 {
-            return Err(Error::config("publish: max_pending must be at least 1"));
+        if self.checkpoints_pending_max == 0 {
+            return Err(Error::config("publish: checkpoints_pending_max must be at least 1"));
         }
         Ok(())
     }
@@ -224,7 +224,7 @@ impl Publisher {
     }
 
     /// A checkpoint was taken: publish up to the newest one. Fails (the checkpoint
-    /// itself stands) when more than `max_pending` checkpoints wait for the broker.
+    /// itself stands) when more than `checkpoints_pending_max` checkpoints wait for the broker.
     pub fn notify(&self) -> Result<()> {
         let latest = self.shared.store.checkpoints()?.last().map(|c| c.seq).unwrap_or(0);
         let mut st = self.shared.state.lock();
@@ -237,7 +237,7 @@ impl Publisher {
         self.shared.wake.notify_all();
         // Checkpoints taken while a publish is under way are sent together by the next
         // one: only a broker that fails makes them a problem.
-        if pending > self.shared.opts.max_pending && st.status.last_error.is_some() {
+        if pending > self.shared.opts.checkpoints_pending_max && st.status.last_error.is_some() {
             // Give up the place: retention goes on, and the next publish is a full snapshot.
             if let Some((_, pin)) = st.published.as_mut() {
                 *pin = None;
@@ -246,10 +246,10 @@ impl Publisher {
             return Err(Error::new(
                 ErrorKind::Unavailable,
                 format!(
-                    "{pending} checkpoints wait to be published to {} (max_pending {}); the last attempt failed: {}. \
+                    "{pending} checkpoints wait to be published to {} (checkpoints_pending_max {}); the last attempt failed: {}. \
                      The checkpoint was taken; the stream gets a full snapshot once the broker is back",
                     self.shared.opts.stream.describe(),
-                    self.shared.opts.max_pending,
+                    self.shared.opts.checkpoints_pending_max,
                     st.status.last_error.as_deref().unwrap_or("")
                 ),
             ));
