@@ -8,34 +8,9 @@ __version__: str
 
 class Store:
     @staticmethod
-    def open(
-        path: str | PathLike[str],
-        create: bool = True,
-        verify: bool = False,
-        cache_bytes: int = ...,
-        io_engine: str = "auto",
-        io_depth: int = 128,
-        mmap_random_access: bool = True,
-        keep_checkpoints: int = 2,
-        background_repair: bool = True,
-        pooled_cache_bytes: int = 0,
-        hot_placement_json: str | None = None,
-        shared_tier_json: str | None = None,
-    ) -> Store: ...
+    def open(path: str | PathLike[str], options_json: str = "{}") -> Store: ...
     @staticmethod
-    def connect(
-        addrs: list[list[str]],
-        token: str | None = None,
-        timeout: float = 30.0,
-        connect_timeout: float = 5.0,
-        keys_per_request_max: int = 500,
-        in_flight_per_shard: int = 8,
-        tls_ca_file: str | None = None,
-        tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
-        tls_server_name: str | None = None,
-        min_checkpoint: int | None = None,
-    ) -> Store: ...
+    def connect(addrs: list[list[str]], options_json: str = "{}") -> Store: ...
     @property
     def path(self) -> str: ...
     @property

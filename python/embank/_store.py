@@ -874,22 +874,20 @@ def open(
         from .errors import ConfigError
 
         raise ConfigError("cache_bytes and pooled_cache_bytes must be >= 0, io_depth >= 1")
-    return Store(
-        _native.Store.open(
-            os.fspath(path),
-            create,
-            verify,
-            int(cache_bytes),
-            io_engine,
-            int(io_depth),
-            bool(mmap_random_access),
-            int(keep_checkpoints),
-            bool(background_repair),
-            int(pooled_cache_bytes),
-            None if hot_placement is None else json.dumps(hot_placement),
-            None if shared_tier is None else json.dumps(shared_tier),
-        )
-    )
+    options: dict[str, Any] = {
+        "create": bool(create),
+        "verify": bool(verify),
+        "cache_bytes": int(cache_bytes),
+        "io_engine": io_engine,
+        "io_depth": int(io_depth),
+        "mmap_random_access": bool(mmap_random_access),
+        "keep_checkpoints": int(keep_checkpoints),
+        "background_repair": bool(background_repair),
+        "pooled_cache_bytes": int(pooled_cache_bytes),
+        "hot_placement": hot_placement,
+        "shared_tier": shared_tier,
+    }
+    return Store(_native.Store.open(os.fspath(path), json.dumps(options)))
 
 
 def _from_config(path: str) -> tuple[list[list[str]], dict[str, Any]]:
@@ -904,10 +902,10 @@ def connect(
     addrs: str | os.PathLike[str] | Sequence[str | Sequence[str]],
     *,
     token: str | None = None,
-    timeout: float = 30.0,
-    connect_timeout: float = 5.0,
-    keys_per_request_max: int = 500,
-    in_flight_per_shard: int = 8,
+    timeout: float | None = None,
+    connect_timeout: float | None = None,
+    keys_per_request_max: int | None = None,
+    in_flight_per_shard: int | None = None,
     tls_ca_file: str | os.PathLike[str] | None = None,
     tls_cert_file: str | os.PathLike[str] | None = None,
     tls_key_file: str | os.PathLike[str] | None = None,
@@ -929,10 +927,12 @@ def connect(
 
     Args:
         token: the servers' shared secret (required when they listen beyond loopback).
-        timeout: seconds to wait for a reply before raising ``EmbankTimeoutError``.
-        connect_timeout: seconds to wait for a connection.
-        keys_per_request_max: keys per request (the servers' own limit is higher).
-        in_flight_per_shard: most requests of one call in flight to one shard.
+        timeout: seconds to wait for a reply before raising ``EmbankTimeoutError``
+            (default 30).
+        connect_timeout: seconds to wait for a connection (default 5).
+        keys_per_request_max: keys per request (default 500; the servers' own limit is
+            higher).
+        in_flight_per_shard: most requests of one call in flight to one shard (default 8).
         tls_ca_file: connect over TLS, verifying each server against these CA
             certificates (PEM; ``embank cert`` writes a development CA).
         tls_cert_file, tls_key_file: this client's certificate and key (PEM), for
@@ -957,23 +957,27 @@ def connect(
         ShardUnavailableError: a shard cannot be reached (the message names it).
         UnauthorizedError: a shard refused the token.
     """
+
+    def path(p: str | os.PathLike[str] | None) -> str | None:
+        return None if p is None else os.fspath(p)
+
+    given: dict[str, Any] = {
+        "token": token,
+        "timeout_seconds": None if timeout is None else float(timeout),
+        "connect_timeout_seconds": None if connect_timeout is None else float(connect_timeout),
+        "keys_per_request_max": None if keys_per_request_max is None else int(keys_per_request_max),
+        "in_flight_per_shard": None if in_flight_per_shard is None else int(in_flight_per_shard),
+        "tls_ca_file": path(tls_ca_file),
+        "tls_cert_file": path(tls_cert_file),
+        "tls_key_file": path(tls_key_file),
+        "tls_server_name": tls_server_name,
+        "min_checkpoint": None if min_checkpoint is None else int(min_checkpoint),
+    }
+    # What is given here wins over the file, the file over the environment.
+    options = {k: v for k, v in given.items() if v is not None}
     if isinstance(addrs, os.PathLike) or (isinstance(addrs, str) and addrs.endswith(".toml")):
         addrs, conf = _from_config(os.fspath(addrs))
-        token = token if token is not None else conf.get("token")
-        tls_ca_file = tls_ca_file if tls_ca_file is not None else conf.get("tls_ca_file")
-        tls_cert_file = tls_cert_file if tls_cert_file is not None else conf.get("tls_cert_file")
-        tls_key_file = tls_key_file if tls_key_file is not None else conf.get("tls_key_file")
-        tls_server_name = tls_server_name if tls_server_name is not None else conf.get("tls_server_name")
-        min_checkpoint = min_checkpoint if min_checkpoint is not None else conf.get("min_checkpoint")
-        # Numbers left at their defaults here take the file's.
-        if timeout == 30.0:
-            timeout = float(conf.get("timeout_seconds", timeout))
-        if connect_timeout == 5.0:
-            connect_timeout = float(conf.get("connect_timeout_seconds", connect_timeout))
-        if keys_per_request_max == 500:
-            keys_per_request_max = int(conf.get("keys_per_request_max", keys_per_request_max))
-        if in_flight_per_shard == 8:
-            in_flight_per_shard = int(conf.get("in_flight_per_shard", in_flight_per_shard))
+        options = {**conf, **options}
     elif isinstance(addrs, str):
         addrs = [a for a in addrs.removeprefix("tcp://").split(",") if a]
     groups: list[list[str]] = []
@@ -988,36 +992,11 @@ def connect(
         from .errors import ConfigError
 
         raise ConfigError("connect: give at least one shard address")
-    if keys_per_request_max < 1 or in_flight_per_shard < 1:
-        from .errors import ConfigError
-
-        raise ConfigError("keys_per_request_max and in_flight_per_shard must be at least 1")
-    env = os.environ
-    tls_ca_file = tls_ca_file if tls_ca_file is not None else env.get("EMBANK_TLS_CA_FILE")
-    tls_cert_file = tls_cert_file if tls_cert_file is not None else env.get("EMBANK_TLS_CERT_FILE")
-    tls_key_file = tls_key_file if tls_key_file is not None else env.get("EMBANK_TLS_KEY_FILE")
-    if tls_ca_file is None and (
-        tls_cert_file is not None or tls_key_file is not None or tls_server_name is not None
+    for key, var in (
+        ("tls_ca_file", "EMBANK_TLS_CA_FILE"),
+        ("tls_cert_file", "EMBANK_TLS_CERT_FILE"),
+        ("tls_key_file", "EMBANK_TLS_KEY_FILE"),
     ):
-        from .errors import ConfigError
-
-        raise ConfigError("tls_cert_file, tls_key_file and tls_server_name need tls_ca_file")
-
-    def path(p: str | os.PathLike[str] | None) -> str | None:
-        return None if p is None else os.fspath(p)
-
-    return Store(
-        _native.Store.connect(
-            groups,
-            token,
-            float(timeout),
-            float(connect_timeout),
-            int(keys_per_request_max),
-            int(in_flight_per_shard),
-            path(tls_ca_file),
-            path(tls_cert_file),
-            path(tls_key_file),
-            tls_server_name,
-            None if min_checkpoint is None else int(min_checkpoint),
-        )
-    )
+        if key not in options and var in os.environ:
+            options[key] = os.environ[var]
+    return Store(_native.Store.connect(groups, json.dumps(options)))

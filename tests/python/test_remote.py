@@ -100,13 +100,33 @@ def test_token_and_a_shard_that_goes_down(lone_shard: tuple[subprocess.Popen[str
         s.table("t")
 
 
-def test_connect_argument_errors() -> None:
+def test_connect_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EMBANK_TLS_CA_FILE", raising=False)
     with pytest.raises(errors.ConfigError, match="at least one"):
         embank.connect([])
     with pytest.raises(errors.ConfigError, match="timeout"):
         embank.connect(["127.0.0.1:1"], timeout=0)
     with pytest.raises(errors.ShardUnavailableError):
         embank.connect(["127.0.0.1:1"], connect_timeout=0.5)
+    with pytest.raises(errors.ConfigError, match="in_flight_per_shard must be at least 1"):
+        embank.connect(["127.0.0.1:1"], in_flight_per_shard=0)
+    with pytest.raises(errors.ConfigError, match="need tls_ca_file"):
+        embank.connect(["127.0.0.1:1"], tls_server_name="x")
+
+
+def test_a_cluster_file_gives_what_the_arguments_do_not(tmp_path: Path) -> None:
+    """A setting of the file applies unless given as an argument, whatever its value
+    (an argument equal to the default still wins); a key the client does not know is
+    refused, named."""
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text('timeout_seconds = -1.0\n[[shards]]\nreplicas = ["127.0.0.1:1"]\n')
+    with pytest.raises(errors.ConfigError, match="timeout_seconds must be a positive"):
+        embank.connect(cluster)
+    with pytest.raises(errors.ShardUnavailableError):  # the argument wins: no config error
+        embank.connect(cluster, timeout=30.0, connect_timeout=0.5)
+    cluster.write_text('timeout = 3.0\n[[shards]]\nreplicas = ["127.0.0.1:1"]\n')
+    with pytest.raises(errors.ConfigError, match="timeout"):
+        embank.connect(cluster)
 
 
 def test_mutual_tls(tmp_path: Path, tls_dir: Path) -> None:

@@ -75,52 +75,52 @@ fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, core::Error> 
     py.detach(f).map_err(to_py_err)
 }
 
+/// `embank.open`'s keyword arguments, as they cross into Rust (absent: the default).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OpenOptions {
+    create: Option<bool>,
+    verify: Option<bool>,
+    cache_bytes: Option<u64>,
+    io_engine: Option<String>,
+    io_depth: Option<u32>,
+    mmap_random_access: Option<bool>,
+    keep_checkpoints: Option<usize>,
+    background_repair: Option<bool>,
+    pooled_cache_bytes: Option<u64>,
+    hot_placement: Option<core::HotOptions>,
+    shared_tier: Option<net::redis_tier::RedisTierConfig>,
+}
+
 #[pymethods]
 impl Store {
+    /// Opens (or creates) the store at `path`; `options_json` is an [`OpenOptions`]
+    /// object (`embank.open`'s keyword arguments).
     #[staticmethod]
-    #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.open
-    #[pyo3(signature = (path, create=true, verify=false, cache_bytes=core::store::CACHE_BYTES_DEFAULT, io_engine="auto", io_depth=core::store::IO_DEPTH_DEFAULT, mmap_random_access=true, keep_checkpoints=2, background_repair=true, pooled_cache_bytes=0, hot_placement_json=None, shared_tier_json=None))]
-    fn open(
-        py: Python<'_>,
-        path: PathBuf,
-        create: bool,
-        verify: bool,
-        cache_bytes: u64,
-        io_engine: &str,
-        io_depth: u32,
-        mmap_random_access: bool,
-        keep_checkpoints: usize,
-        background_repair: bool,
-        pooled_cache_bytes: u64,
-        hot_placement_json: Option<&str>,
-        shared_tier_json: Option<&str>,
-    ) -> PyResult<Store> {
-        let hot_placement = match hot_placement_json {
-            Some(j) => Some(
-                serde_json::from_str::<core::HotOptions>(j)
-                    .map_err(|e| to_py_err(core::Error::config(format!("bad hot_placement: {e}"))))?,
-            ),
-            None => None,
-        };
-        let io_engine = core::IoChoice::parse(io_engine).map_err(to_py_err)?;
+    #[pyo3(signature = (path, options_json="{}"))]
+    fn open(py: Python<'_>, path: PathBuf, options_json: &str) -> PyResult<Store> {
+        let o: OpenOptions =
+            serde_json::from_str(options_json).map_err(|e| to_py_err(core::Error::config(format!("open: {e}"))))?;
+        let d = core::StoreOptions::default();
         let options = core::StoreOptions {
-            create,
-            verify,
-            cache_bytes,
-            io_engine,
-            io_depth,
-            mmap_random_access,
-            keep_checkpoints,
-            background_repair,
-            pooled_cache_bytes,
-            hot_placement,
-            ..Default::default()
+            create: o.create.unwrap_or(d.create),
+            verify: o.verify.unwrap_or(d.verify),
+            cache_bytes: o.cache_bytes.unwrap_or(d.cache_bytes),
+            io_engine: match &o.io_engine {
+                Some(e) => core::IoChoice::parse(e).map_err(to_py_err)?,
+                None => d.io_engine,
+            },
+            io_depth: o.io_depth.unwrap_or(d.io_depth),
+            mmap_random_access: o.mmap_random_access.unwrap_or(d.mmap_random_access),
+            keep_checkpoints: o.keep_checkpoints.unwrap_or(d.keep_checkpoints),
+            background_repair: o.background_repair.unwrap_or(d.background_repair),
+            pooled_cache_bytes: o.pooled_cache_bytes.unwrap_or(d.pooled_cache_bytes),
+            hot_placement: o.hot_placement,
+            ..d
         };
-        let tier = match shared_tier_json {
-            Some(j) => {
-                let c: net::redis_tier::RedisTierConfig = serde_json::from_str(j)
-                    .map_err(|e| to_py_err(core::Error::config(format!("bad shared_tier: {e}"))))?;
-                let t = net::redis_tier::RedisClusterTier::new(&c).map_err(|e| to_py_err(core::Error::config(e)))?;
+        let tier = match &o.shared_tier {
+            Some(c) => {
+                let t = net::redis_tier::RedisClusterTier::new(c).map_err(|e| to_py_err(core::Error::config(e)))?;
                 Some(Arc::new(t) as Arc<dyn core::tier::SharedTier>)
             }
             None => None,
@@ -132,53 +132,14 @@ impl Store {
         Ok(Store { inner: store.clone(), embedded: Some(store) })
     }
 
-    /// Connects to the shards of a remote store (`embank serve` processes).
+    /// Connects to the shards of a remote store (`embank serve` processes): `addrs`, one
+    /// replica group per shard; `options_json` a [`net::ClientConfig`].
     #[staticmethod]
-    #[allow(clippy::too_many_arguments)] // mirrors the keyword arguments of embank.connect
-    #[pyo3(signature = (addrs, token=None, timeout=30.0, connect_timeout=5.0, keys_per_request_max=500, in_flight_per_shard=8, tls_ca_file=None, tls_cert_file=None, tls_key_file=None, tls_server_name=None, min_checkpoint=None))]
-    fn connect(
-        py: Python<'_>,
-        addrs: Vec<Vec<String>>,
-        token: Option<String>,
-        timeout: f64,
-        connect_timeout: f64,
-        keys_per_request_max: usize,
-        in_flight_per_shard: usize,
-        tls_ca_file: Option<PathBuf>,
-        tls_cert_file: Option<PathBuf>,
-        tls_key_file: Option<PathBuf>,
-        tls_server_name: Option<String>,
-        min_checkpoint: Option<u64>,
-    ) -> PyResult<Store> {
-        let tls = match tls_ca_file {
-            Some(ca_file) => Some(
-                net::ClientTls::load(&net::ClientTlsFiles {
-                    ca_file,
-                    cert_file: tls_cert_file,
-                    key_file: tls_key_file,
-                    server_name: tls_server_name,
-                })
-                .map_err(to_py_err)?,
-            ),
-            None => None,
-        };
-        let secs = |what: &str, s: f64| {
-            if s.is_finite() && s > 0.0 {
-                Ok(std::time::Duration::from_secs_f64(s))
-            } else {
-                Err(to_py_err(core::Error::config(format!("{what} must be a positive number of seconds, got {s}"))))
-            }
-        };
-        let options = net::ClientOptions {
-            token,
-            keys_per_request_max,
-            timeout: secs("timeout", timeout)?,
-            connect_timeout: secs("connect_timeout", connect_timeout)?,
-            in_flight_per_shard,
-            tls,
-            min_checkpoint,
-            ..Default::default()
-        };
+    #[pyo3(signature = (addrs, options_json="{}"))]
+    fn connect(py: Python<'_>, addrs: Vec<Vec<String>>, options_json: &str) -> PyResult<Store> {
+        let config: net::ClientConfig =
+            serde_json::from_str(options_json).map_err(|e| to_py_err(core::Error::config(format!("connect: {e}"))))?;
+        let options = config.options().map_err(to_py_err)?;
         let client = detached(py, || net::Client::connect_groups(&addrs, options))?;
         Ok(Store { inner: Arc::new(client), embedded: None })
     }

@@ -60,6 +60,65 @@ pub struct ClientOptions {
     pub replica_retry_after: Duration,
 }
 
+/// A client's options as a configuration gives them (a cluster file's keys, or
+/// `embank.connect`'s keyword arguments): every field optional, the rest defaulted.
+#[derive(Clone, Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientConfig {
+    pub token: Option<String>,
+    pub timeout_seconds: Option<f64>,
+    pub connect_timeout_seconds: Option<f64>,
+    pub keys_per_request_max: Option<usize>,
+    pub in_flight_per_shard: Option<usize>,
+    pub tls_ca_file: Option<std::path::PathBuf>,
+    pub tls_cert_file: Option<std::path::PathBuf>,
+    pub tls_key_file: Option<std::path::PathBuf>,
+    pub tls_server_name: Option<String>,
+    pub min_checkpoint: Option<u64>,
+}
+
+impl ClientConfig {
+    /// The options, checked (TLS files loaded): errors name the key.
+    pub fn options(&self) -> Result<ClientOptions> {
+        let d = ClientOptions::default();
+        let secs = |what: &str, s: Option<f64>, default: Duration| match s {
+            None => Ok(default),
+            Some(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
+            Some(s) => Err(Error::config(format!("{what} must be a positive number of seconds, got {s}"))),
+        };
+        let at_least_one = |what: &str, n: Option<usize>, default: usize| match n {
+            Some(0) => Err(Error::config(format!("{what} must be at least 1"))),
+            n => Ok(n.unwrap_or(default)),
+        };
+        let tls = match &self.tls_ca_file {
+            Some(ca_file) => Some(crate::tls::ClientTls::load(&crate::tls::ClientTlsFiles {
+                ca_file: ca_file.clone(),
+                cert_file: self.tls_cert_file.clone(),
+                key_file: self.tls_key_file.clone(),
+                server_name: self.tls_server_name.clone(),
+            })?),
+            None if self.tls_cert_file.is_some() || self.tls_key_file.is_some() || self.tls_server_name.is_some() => {
+                return Err(Error::config("tls_cert_file, tls_key_file and tls_server_name need tls_ca_file"));
+            }
+            None => None,
+        };
+        Ok(ClientOptions {
+            token: self.token.clone(),
+            keys_per_request_max: at_least_one(
+                "keys_per_request_max",
+                self.keys_per_request_max,
+                d.keys_per_request_max,
+            )?,
+            timeout: secs("timeout_seconds", self.timeout_seconds, d.timeout)?,
+            connect_timeout: secs("connect_timeout_seconds", self.connect_timeout_seconds, d.connect_timeout)?,
+            in_flight_per_shard: at_least_one("in_flight_per_shard", self.in_flight_per_shard, d.in_flight_per_shard)?,
+            tls,
+            min_checkpoint: self.min_checkpoint,
+            ..d
+        })
+    }
+}
+
 impl Default for ClientOptions {
     fn default() -> Self {
         ClientOptions {
