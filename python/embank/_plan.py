@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,8 @@ def plan(
     budget_gpu: int | str | None = None,
     target_hit_rate: float = 0.9,
     sample_rate: float | None = None,
-    max_tracked: int = 4_000_000,
+    tracked_max: int = 4_000_000,
+    max_tracked: int | None = None,
     **workload_options: Any,
 ) -> dict[str, Any]:
     """Predicts, per table, the hit rate of the DRAM row cache and of a GPU cache at every
@@ -61,35 +61,37 @@ def plan(
         cache_bytes: row-cache sizes to predict the hit rate at.
         budget_dram, budget_gpu: budgets in bytes (``"8G"`` works too).
     """
-    argv: list[str] = ["--dim", str(dim), "--dtype", dtype, "--optimizer", optimizer, "--medium", medium]
-    argv += ["--target-hit-rate", str(target_hit_rate), "--max-tracked", str(max_tracked)]
-    if cache_bytes:
-        argv += ["--cache-bytes", ",".join(str(c) for c in cache_bytes)]
-    if budget_dram is not None:
-        argv += ["--budget-dram", str(budget_dram)]
-    if budget_gpu is not None:
-        argv += ["--budget-gpu", str(budget_gpu)]
-    if sample_rate is not None:
-        argv += ["--sample-rate", str(sample_rate)]
-    if workload is not None:
-        argv += ["--workload", workload]
-    for f in criteo:
-        argv += ["--criteo", os.fspath(f)]
-    if features:
-        argv += ["--features", ",".join(str(f) for f in features)]
-    if training:
-        argv.append("--training")
-    if lookahead:
-        argv.append("--lookahead")
-    for k, v in workload_options.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    with tempfile.TemporaryDirectory(prefix="embank-plan-") as tmp:
-        for name, t in (traces or {}).items():
-            if isinstance(t, (str, os.PathLike)):
-                path = Path(t)
-            else:
-                path = Path(tmp) / f"{name}.npy"
-                np.save(path, np.ascontiguousarray(np.asarray(t).astype(np.uint64, copy=False)))
-            argv += ["--trace", f"{name}={path}"]
-        result: dict[str, Any] = json.loads(_native.plan_json(argv))
+    if max_tracked is not None:
+        warnings.warn("max_tracked= is deprecated: use tracked_max=", DeprecationWarning, stacklevel=2)
+        tracked_max = max_tracked
+    request: dict[str, Any] = {
+        "dim": int(dim),
+        "dtype": dtype,
+        "optimizer": optimizer,
+        "medium": medium,
+        "target_hit_rate": float(target_hit_rate),
+        "tracked_max": int(tracked_max),
+        "cache_bytes": [c if isinstance(c, str) else int(c) for c in cache_bytes],
+        "budget_dram": budget_dram,
+        "budget_gpu": budget_gpu,
+        "sample_rate": sample_rate,
+        "workload": workload,
+        "criteo": [os.fspath(f) for f in criteo],
+        "features": [int(f) for f in features],
+        "training": bool(training),
+        "lookahead": bool(lookahead),
+        **workload_options,
+    }
+    names: list[str] = []
+    arrays: list[npt.NDArray[np.uint64]] = []
+    paths: list[str] = []
+    for name, t in (traces or {}).items():
+        if isinstance(t, (str, os.PathLike)):
+            paths.append(f"{name}={os.fspath(t)}")
+        else:
+            names.append(name)
+            arrays.append(np.ascontiguousarray(np.asarray(t).astype(np.uint64, copy=False)))
+    request["traces"] = paths
+    request = {k: v for k, v in request.items() if v is not None}
+    result: dict[str, Any] = json.loads(_native.plan_json(json.dumps(request), names, arrays))
     return result

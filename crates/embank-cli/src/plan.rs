@@ -12,6 +12,8 @@ use clap::Args;
 use embank_core::plan::{row_cache_shards, tier_bytes, Access, SampledStream, StackDistances, TableShape, TierBytes};
 use embank_core::{DType, MediumKind, Optimizer};
 use plotters::prelude::*;
+use std::sync::Arc;
+
 use serde::Serialize;
 
 use crate::bench::{parse_bytes, parse_dtype};
@@ -90,12 +92,12 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 0.9)]
     pub target_hit_rate: f64,
     /// Fraction of keys tracked (SHARDS sampling); default: all for traces up to
-    /// --max-tracked accesses, fewer beyond.
+    /// --tracked-max accesses, fewer beyond.
     #[arg(long)]
     pub sample_rate: Option<f64>,
     /// Sampled accesses tracked at most (memory: about 30 bytes each).
-    #[arg(long, default_value_t = 4_000_000)]
-    pub max_tracked: usize,
+    #[arg(long, default_value_t = 4_000_000, alias = "max-tracked")]
+    pub tracked_max: usize,
     /// Measure this machine's limits (memory copy bandwidth; with the block medium, the
     /// device's random read rate at the record size, on a scratch file in --dir) and
     /// turn each predicted hit rate into the keys/s to expect: hits at the copy bound,
@@ -111,6 +113,10 @@ pub struct PlanArgs {
     /// Draw the hit-rate curves here (PNG).
     #[arg(long)]
     pub png: Option<PathBuf>,
+    /// Key traces given in memory (the API's, see [`plan_request`]): name, keys in
+    /// access order.
+    #[arg(skip)]
+    pub trace_keys: Vec<(String, Arc<Vec<u64>>)>,
 }
 
 #[derive(Debug, Serialize)]
@@ -225,6 +231,7 @@ fn each_access(args: &PlanArgs, source: &Source, f: &mut dyn FnMut(u64, bool)) -
                 done += m;
             }
         }
+        Source::Keys(keys) => keys.iter().for_each(|&k| f(k, true)),
         Source::Criteo(n) => each_criteo_line(args, &[*n], &mut |ids| f(ids[0], true))?,
         Source::Workload(zipf) => {
             let streams: Vec<Vec<u64>> = (0..args.threads.max(1))
@@ -250,6 +257,7 @@ fn each_access(args: &PlanArgs, source: &Source, f: &mut dyn FnMut(u64, bool)) -
 
 enum Source {
     File(PathBuf),
+    Keys(Arc<Vec<u64>>),
     Workload(f64),
     /// Categorical feature `n` (1-based) of Criteo files.
     Criteo(usize),
@@ -293,6 +301,7 @@ fn each_criteo_line(args: &PlanArgs, features: &[usize], f: &mut dyn FnMut(&[u64
 fn accesses_of(args: &PlanArgs, source: &Source, criteo_lines: &mut Option<u64>) -> Result<u64, String> {
     Ok(match source {
         Source::File(p) => NpyReader::open(p)?.shape.first().copied().unwrap_or(0) as u64,
+        Source::Keys(keys) => keys.len() as u64,
         Source::Workload(_) => 3 * (args.threads.max(1) * args.stream_batches * args.batch) as u64,
         Source::Criteo(_) => match criteo_lines {
             Some(n) => *n,
@@ -351,6 +360,9 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
         };
         sources.push((name, Source::File(path)));
     }
+    for (name, keys) in &args.trace_keys {
+        sources.push((name.clone(), Source::Keys(Arc::clone(keys))));
+    }
     if let Some(w) = &args.workload {
         let zipf = match w.as_str() {
             "ycsb-c" => args.zipf.unwrap_or(0.99),
@@ -382,8 +394,8 @@ pub fn plan(args: &PlanArgs) -> Result<Plan, String> {
     let mut criteo_lines: Option<u64> = None;
     for (name, source) in &sources {
         let accesses = accesses_of(args, source, &mut criteo_lines)?;
-        let rate = args.sample_rate.unwrap_or_else(|| (args.max_tracked as f64 / accesses.max(1) as f64).min(1.0));
-        let capacity = ((accesses as f64 * rate * 1.2) as usize + 1024).min(args.max_tracked.max(1024) * 2);
+        let rate = args.sample_rate.unwrap_or_else(|| (args.tracked_max as f64 / accesses.max(1) as f64).min(1.0));
+        let capacity = ((accesses as f64 * rate * 1.2) as usize + 1024).min(args.tracked_max.max(1024) * 2);
         let mut sd = StackDistances::new(rate, capacity);
         let mut sample = SampledStream::new(rate);
         let bar = crate::tools::progress(accesses, name);
@@ -508,8 +520,8 @@ fn store_plan(
 ) -> Result<StorePlan, String> {
     let per_id = 1 + args.training as u64 + args.lookahead as u64;
     let events = lines * features.len() as u64 * per_id;
-    let rate = args.sample_rate.unwrap_or_else(|| (args.max_tracked as f64 / events.max(1) as f64).min(1.0));
-    let max = args.max_tracked.max(1024) * 2;
+    let rate = args.sample_rate.unwrap_or_else(|| (args.tracked_max as f64 / events.max(1) as f64).min(1.0));
+    let max = args.tracked_max.max(1024) * 2;
     let mut sample = SampledStream::new(rate);
     // A step: the maintenance thread reads the next batch's rows ahead while the step
     // pulls, table by table (it got the hints just before the step began).
@@ -662,19 +674,88 @@ fn recommend(
     }
 }
 
-/// `embank plan`'s arguments (without the program and command names) to the plan as
-/// JSON: what the Python package's `embank.plan` calls.
-pub fn plan_json(argv: &[String]) -> Result<String, String> {
+/// A plan asked for through the API (`embank.plan`): the options of `embank plan` by
+/// their long names (`cache_bytes` as numbers or strings such as `"8M"`), absent ones
+/// defaulted as the command defaults them; traces in memory beside.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanRequest {
+    pub traces: Vec<String>,
+    pub criteo: Vec<PathBuf>,
+    pub features: Vec<usize>,
+    pub hash_size: Option<u64>,
+    pub training: bool,
+    pub lookahead: bool,
+    pub workload: Option<String>,
+    pub keys: Option<u64>,
+    pub zipf: Option<f64>,
+    pub batch: Option<usize>,
+    pub threads: Option<usize>,
+    pub stream_batches: Option<usize>,
+    pub seed: Option<u64>,
+    pub dim: Option<usize>,
+    pub dtype: Option<String>,
+    pub optimizer: Option<String>,
+    pub medium: Option<String>,
+    pub cache_bytes: Vec<Bytes>,
+    pub budget_dram: Option<Bytes>,
+    pub budget_gpu: Option<Bytes>,
+    pub target_hit_rate: Option<f64>,
+    pub sample_rate: Option<f64>,
+    pub tracked_max: Option<usize>,
+}
+
+/// A size in bytes: a number, or a string such as `"8M"`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(untagged)]
+pub enum Bytes {
+    Number(u64),
+    Text(String),
+}
+
+impl Bytes {
+    fn get(&self) -> Result<u64, String> {
+        match self {
+            Bytes::Number(n) => Ok(*n),
+            Bytes::Text(t) => parse_bytes(t),
+        }
+    }
+}
+
+/// The plan of `request` (JSON, a [`PlanRequest`]) with the traces of `keys`: what the
+/// Python package's `embank.plan` calls, without argument strings or files.
+pub fn plan_request(request: &str, keys: Vec<(String, Arc<Vec<u64>>)>) -> Result<Plan, String> {
     #[derive(clap::Parser)]
     struct Wrapper {
         #[command(flatten)]
         args: PlanArgs,
     }
     use clap::Parser;
-    let w = Wrapper::try_parse_from(std::iter::once("plan".to_owned()).chain(argv.iter().cloned()))
-        .map_err(|e| e.to_string())?;
-    let p = plan(&w.args)?;
-    Ok(serde_json::to_string(&p).expect("serializes"))
+    let r: PlanRequest = serde_json::from_str(request).map_err(|e| format!("plan: {e}"))?;
+    let mut a = Wrapper::try_parse_from(["plan"]).map_err(|e| e.to_string())?.args;
+    a.traces = r.traces;
+    a.criteo = r.criteo;
+    a.features = r.features;
+    a.hash_size = r.hash_size;
+    a.training = r.training;
+    a.lookahead = r.lookahead;
+    a.workload = r.workload;
+    a.trace_keys = keys;
+    a.cache_bytes = r.cache_bytes.iter().map(Bytes::get).collect::<Result<_, _>>()?;
+    a.budget_dram = r.budget_dram.as_ref().map(Bytes::get).transpose()?;
+    a.budget_gpu = r.budget_gpu.as_ref().map(Bytes::get).transpose()?;
+    a.zipf = r.zipf.or(a.zipf);
+    a.sample_rate = r.sample_rate.or(a.sample_rate);
+    if let Some(d) = &r.dtype {
+        a.dtype = parse_dtype(d)?;
+    }
+    macro_rules! given {
+        ($($field:ident <- $from:ident),*) => { $(if let Some(v) = r.$from { a.$field = v; })* };
+    }
+    given!(keys <- keys, batch <- batch, threads <- threads, stream_batches <- stream_batches,
+        seed <- seed, dim <- dim, optimizer <- optimizer, medium <- medium,
+        target_hit_rate <- target_hit_rate, tracked_max <- tracked_max);
+    plan(&a)
 }
 
 pub fn run(args: PlanArgs) -> Result<(), String> {

@@ -556,10 +556,24 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
     py.detach(|| embank_cli::run(argv))
 }
 
-/// `embank plan` with `argv` (its options); the plan as JSON.
+/// `embank plan` through its API: `request_json` its options (a `PlanRequest`), the
+/// traces given as arrays (`names[i]` -> `traces[i]`); the plan as JSON.
 #[pyfunction]
-fn plan_json(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
-    py.detach(|| embank_cli::plan::plan_json(&argv)).map_err(|e| to_py_err(core::Error::config(e)))
+fn plan_json<'py>(
+    py: Python<'py>,
+    request_json: &str,
+    names: Vec<String>,
+    traces: Vec<PyReadonlyArray1<'py, u64>>,
+) -> PyResult<String> {
+    let keys = names
+        .into_iter()
+        .zip(&traces)
+        .map(|(n, t)| Ok((n, Arc::new(slice(t, "trace")?.to_vec()))))
+        .collect::<PyResult<Vec<_>>>()?;
+    let plan = py
+        .detach(|| embank_cli::plan::plan_request(request_json, keys))
+        .map_err(|e| to_py_err(core::Error::config(e)))?;
+    Ok(serde_json::to_string(&plan).expect("a plan serializes"))
 }
 
 /// A publisher of an embedded store's checkpoints to an update stream.
