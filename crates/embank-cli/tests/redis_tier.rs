@@ -3,13 +3,14 @@
 //! `embank serve` processes. A row one server read from its medium is a cluster hit
 //! for the other; a cluster node SIGKILLed mid-load loses no request.
 
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod common;
 
 use embank_core::{MediumKind, Store, StoreOptions, TableOptions};
 use embank_net::{Client, ClientOptions};
@@ -124,18 +125,9 @@ fn serve(dir: &Path, name: &str, ports: &[u16]) -> Server {
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_embank"))
-        .args(["serve", "--config"])
-        .arg(&config)
-        .env("EMBANK_LOG", "error")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-    assert!(line.contains("listening on"), "unexpected first line {line:?}");
-    let addr = line.split("listening on ").nth(1).unwrap().split_whitespace().next().unwrap().trim_end_matches(',');
-    Server { _child: Killed(child), addr: addr.to_string() }
+    let s = common::try_serve(&config, &[], common::Stderr::Shown, &[("EMBANK_LOG", "error")])
+        .expect("embank serve started");
+    Server { _child: Killed(s.child), addr: s.addr }
 }
 
 fn client(s: &Server) -> Client {

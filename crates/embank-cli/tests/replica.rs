@@ -11,13 +11,15 @@
 //!   then catches up with a full snapshot once the broker is back.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{http_get, sigkill};
 use embank_cli::brokers::{BrokerKind, LocalBroker};
 use embank_core::{MediumKind, Optimizer, Placement, Store, StoreOptions, TableOptions};
 use embank_net::proto::shard_of;
@@ -104,42 +106,22 @@ fn stream(kind: BrokerKind, broker: &LocalBroker, topic: &str) -> StreamConfig {
     s
 }
 
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
 /// Starts `embank serve` as a replica: its process, protocol address and admin address
 /// (empty without one).
 fn start_replica_admin(config: &Path) -> (Child, String, String) {
-    let (child, addr, line) = spawn_replica(config);
-    let admin = line.split("admin http://").nth(1).map_or(String::new(), |a| a.split(')').next().unwrap().to_string());
-    (child, addr, admin)
+    let r = spawn_replica(config);
+    (r.child, r.addr, r.admin)
 }
 
 fn start_replica(config: &Path) -> (Child, String) {
-    let (child, addr, _) = spawn_replica(config);
-    (child, addr)
+    let r = spawn_replica(config);
+    (r.child, r.addr)
 }
 
-fn spawn_replica(config: &Path) -> (Child, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_embank"))
-        .arg("serve")
-        .arg("--config")
-        .arg(config)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-    assert!(line.contains("listening on") && line.contains("replica of"), "unexpected first line {line:?}");
-    let addr = line.split("listening on ").nth(1).unwrap().split_whitespace().next().unwrap();
-    (child, addr.trim_end_matches(',').to_string(), line.clone())
+fn spawn_replica(config: &Path) -> common::Serve {
+    let r = common::serve(config, &[], common::Stderr::Hidden);
+    assert!(r.line.contains("replica of"), "unexpected first line {:?}", r.line);
+    r
 }
 
 /// Waits until the replica at `addr` serves publisher seq `seq`; returns its export.
@@ -179,12 +161,6 @@ fn replica_rows(addr: &str, seq: u64) -> (Rows, Rows) {
     }
     let [a, b] = out;
     (a, b)
-}
-
-fn sigkill(child: &mut Child) {
-    // SAFETY: signalling a child this test started.
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-    let _ = child.wait();
 }
 
 fn replica_survives_kills_and_a_broker_restart(kind: BrokerKind) {

@@ -3,12 +3,15 @@
 //! raw sockets, metrics, and a graceful shutdown.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::http_get;
 use embank_core::{ErrorKind, Initializer, Optimizer, TableOptions};
 use embank_net::proto::{self, Header, Op, HEADER_BYTES};
 use embank_net::{Client, ClientOptions};
@@ -39,17 +42,8 @@ impl Shard {
     }
 
     fn start_with(store: PathBuf, config: PathBuf, listen: Option<&str>) -> Shard {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_embank"));
-        cmd.arg("serve").arg("--config").arg(&config);
-        if let Some(l) = listen {
-            cmd.args(["--listen", l]);
-        }
-        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-        assert!(line.contains("listening on"), "unexpected first line {line:?}");
-        let addr = line.split("listening on ").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
-        let admin = line.split("admin http://").nth(1).unwrap().split(')').next().unwrap().to_string();
+        let args: Vec<&str> = listen.map_or(vec![], |l| vec!["--listen", l]);
+        let common::Serve { child, addr, admin, .. } = common::serve(&config, &args, common::Stderr::Shown);
         Shard { child, addr, admin, store, config }
     }
 
@@ -63,17 +57,12 @@ impl Shard {
         let addr = self.addr.clone();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_embank"));
-            cmd.args(["serve", "--listen", &addr, "--config"]).arg(&self.config);
-            let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-            let mut line = String::new();
-            BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-            if line.contains("listening on") {
-                self.child = child;
+            let started = common::try_serve(&self.config, &["--listen", &addr], common::Stderr::Hidden, &[]);
+            if let Some(s) = started {
+                self.child = s.child;
                 return;
             }
             // The port may linger for a moment: try again.
-            let _ = child.wait();
             assert!(Instant::now() < deadline, "shard could not listen on {addr} again");
             std::thread::sleep(Duration::from_millis(200));
         }
@@ -450,14 +439,6 @@ fn bad_input_gets_errors_and_the_server_keeps_serving() {
     assert!(metrics.contains("embank_replies_zero_copy_total"));
     assert!(http_get(&a.admin, "/healthz").ends_with("ok\n"));
     assert!(http_get(&a.admin, "/nope").starts_with("HTTP/1.1 404"));
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }
 
 #[test]

@@ -13,12 +13,13 @@
 //! `EMBANK_SERVER_KILLS` sets the kills (default 20; `make test-long` runs 1,000);
 //! `EMBANK_SERVER_SEED` replays a run (the seed is printed).
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod common;
 
 use embank_core::TableOptions;
 use embank_net::{Client, ClientOptions, RemoteTable};
@@ -42,19 +43,8 @@ fn new_keys(g: u64) -> Vec<u64> {
 }
 
 fn start(config: &Path) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_embank"))
-        .arg("serve")
-        .arg("--config")
-        .arg(config)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
-    assert!(line.contains("listening on"), "unexpected first line {line:?}");
-    let addr = line.split("listening on ").nth(1).unwrap().split_whitespace().next().unwrap();
-    (child, addr.trim_end_matches(',').to_string())
+    let s = common::serve(config, &[], common::Stderr::Hidden);
+    (s.child, s.addr)
 }
 
 fn connect(addr: &str) -> Client {
