@@ -6,7 +6,7 @@
 //! | 0 | 4 | magic `EBUP` |
 //! | 4 | 2 | version (1) |
 //! | 6 | 1 | kind: 1 rows, 2 deletes, 3 commit, 4 reset |
-//! | 7 | 1 | dtype of the rows: 0 = f32 |
+//! | 7 | 1 | dtype of the rows: the record format's code (`DType::code`), 1 = f32; 0, an older f32, is read too |
 //! | 8 | 8 | checkpoint seq on the publishing store |
 //! | 16 | 8 | checkpoint batch id |
 //! | 24 | 8 | checkpoint time, microseconds since the Unix epoch |
@@ -18,7 +18,7 @@
 //! | … | 4·count·dim | rows, row-major (rows only) |
 //! | end−4 | 4 | CRC-32C of every byte before it |
 
-use embank_core::{Error, ErrorKind, Result, DIM_MAX};
+use embank_core::{DType, Error, ErrorKind, Result, DIM_MAX};
 
 pub const MAGIC: [u8; 4] = *b"EBUP";
 pub const VERSION: u16 = 1;
@@ -78,7 +78,7 @@ fn header(out: &mut Vec<u8>, kind: Kind, ck: CheckpointId, dim: u32, count: u32,
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.push(kind as u8);
-    out.push(0); // f32
+    out.push(DType::F32.code());
     out.extend_from_slice(&ck.seq.to_le_bytes());
     out.extend_from_slice(&ck.batch_id.to_le_bytes());
     out.extend_from_slice(&ck.unix_micros.to_le_bytes());
@@ -177,7 +177,9 @@ pub fn decode(b: &[u8]) -> Result<Message> {
         return Err(Error::new(ErrorKind::ChecksumMismatch, "update message: checksum mismatch"));
     }
     let kind = Kind::from_u8(b[6]).ok_or_else(|| bad(format!("unknown kind {}", b[6])))?;
-    if b[7] != 0 {
+    // Rows travel as f32 (a compact table publishes them de-quantized); 0 is how
+    // messages written before the codes were the record's spelled it.
+    if b[7] != 0 && b[7] != DType::F32.code() {
         return Err(bad(format!("unknown dtype {}", b[7])));
     }
     let checkpoint = CheckpointId { seq: u64_at(b, 8), batch_id: u64_at(b, 16), unix_micros: u64_at(b, 24) };
@@ -250,7 +252,7 @@ mod tests {
     fn layout_matches_the_documented_offsets() {
         let b = encode_rows(CK, "ab", 1, &[0x0102], &[1.0]);
         assert_eq!(&b[..4], b"EBUP");
-        assert_eq!((b[6], b[7]), (1, 0));
+        assert_eq!((b[6], b[7]), (1, DType::F32.code()));
         assert_eq!(u64_at(&b, 8), 7);
         assert_eq!(u64_at(&b, 16), 700);
         assert_eq!((u32_at(&b, 32), u32_at(&b, 36), u16_at(&b, 40)), (1, 1, 2));
