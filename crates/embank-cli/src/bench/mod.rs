@@ -752,6 +752,16 @@ fn mem_available_bytes() -> Option<u64> {
     line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
 }
 
+/// A share of a limit as a percentage, or `-` when the limit was not measured (skipped
+/// limits leave NaN or infinity behind).
+fn share(f: f64) -> String {
+    if f.is_finite() {
+        format!("{:.0}%", f * 100.0)
+    } else {
+        "-".into()
+    }
+}
+
 fn print_table(r: &Report) {
     println!();
     println!(
@@ -775,7 +785,7 @@ fn print_table(r: &Report) {
             continue;
         }
         println!(
-            "{:<18} {:>8.2} {:>9.2}M {:>9.1} {:>9.1} {:>9.1} {:>10} {:>9} {:>6} {:>7.0}% {:>7.0}% {:>8}",
+            "{:<18} {:>8.2} {:>9.2}M {:>9.1} {:>9.1} {:>9.1} {:>10} {:>9} {:>6} {:>8} {:>8} {:>8}",
             e.engine,
             e.load_seconds,
             e.keys_per_second / 1e6,
@@ -785,8 +795,8 @@ fn print_table(r: &Report) {
             human_bytes(e.resident_bytes),
             e.ratio_to_hashmap.map_or("-".into(), |x| format!("{x:.2}x")),
             e.hit_rate.map_or("-".into(), |x| format!("{:.1}%", x * 100.0)),
-            e.fraction_of_gather * 100.0,
-            e.fraction_of_copy_bound * 100.0,
+            share(e.fraction_of_gather),
+            share(e.fraction_of_copy_bound),
             e.fraction_of_device_io.map_or("-".into(), |f| format!("{:.0}%", f * 100.0))
         );
     }
@@ -815,5 +825,15 @@ fn print_table(r: &Report) {
                 e.keys_per_second / p.none_keys_per_second
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod share_tests {
+    #[test]
+    fn a_limit_not_measured_prints_a_dash() {
+        assert_eq!(super::share(f64::NAN), "-");
+        assert_eq!(super::share(f64::INFINITY), "-");
+        assert_eq!(super::share(0.404), "40%");
     }
 }
