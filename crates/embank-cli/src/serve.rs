@@ -38,6 +38,10 @@ pub struct ServeArgs {
     /// Print a commented sample config and exit.
     #[arg(long)]
     pub print_sample_config: bool,
+    /// Check the config (every key, the tables' options, TLS and token files) and exit:
+    /// 0 and "config ok" when it would start, else the error naming the key.
+    #[arg(long)]
+    pub check_config: bool,
 }
 
 pub fn run(args: ServeArgs) -> Result<(), String> {
@@ -60,6 +64,18 @@ pub fn run(args: ServeArgs) -> Result<(), String> {
     }
     if let Some(a) = args.admin {
         config.admin = Some(a);
+    }
+    if args.check_config {
+        config.server_options_loaded().map_err(|e| e.to_string())?;
+        let what = match &config.updates {
+            Some(u) => format!("a replica of {} (partition {})", u.stream.describe(), u.partition),
+            None => "a primary".into(),
+        };
+        println!("config ok: {what} of store {}, {} table(s) declared", config.store.display(), config.tables.len());
+        for d in &config.deprecated {
+            println!("warning: {d}");
+        }
+        return Ok(());
     }
     serve(config).map_err(|e| e.to_string())
 }

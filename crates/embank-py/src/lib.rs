@@ -133,11 +133,11 @@ impl Store {
     }
 
     /// Connects to the shards of a remote store (`embank serve` processes): `addrs`, one
-    /// replica group per shard; `options_json` a [`net::ClientConfig`].
+    /// replica group per shard; `options_json` a [`net::ClientSettings`].
     #[staticmethod]
     #[pyo3(signature = (addrs, options_json="{}"))]
     fn connect(py: Python<'_>, addrs: Vec<Vec<String>>, options_json: &str) -> PyResult<Store> {
-        let config: net::ClientConfig =
+        let config: net::ClientSettings =
             serde_json::from_str(options_json).map_err(|e| to_py_err(core::Error::config(format!("connect: {e}"))))?;
         let options = config.options().map_err(to_py_err)?;
         let client = detached(py, || net::Client::connect_groups(&addrs, options))?;

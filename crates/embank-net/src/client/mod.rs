@@ -60,11 +60,11 @@ pub struct ClientOptions {
     pub replica_retry_after: Duration,
 }
 
-/// A client's options as a configuration gives them (a cluster file's keys, or
+/// A client's options as settings give them (a cluster file's keys, [`crate::config::ClientConfig`], or
 /// `embank.connect`'s keyword arguments): every field optional, the rest defaulted.
 #[derive(Clone, Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ClientConfig {
+pub struct ClientSettings {
     pub token: Option<String>,
     pub timeout_seconds: Option<f64>,
     pub connect_timeout_seconds: Option<f64>,
@@ -77,7 +77,7 @@ pub struct ClientConfig {
     pub min_checkpoint: Option<u64>,
 }
 
-impl ClientConfig {
+impl ClientSettings {
     /// The options, checked (TLS files loaded): errors name the key.
     pub fn options(&self) -> Result<ClientOptions> {
         let d = ClientOptions::default();
