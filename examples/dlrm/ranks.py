@@ -8,6 +8,7 @@ scores in the order one process would have them, and sums counts.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -65,6 +66,16 @@ class Ranks:
     def barrier(self) -> None:
         if self.dist is not None:
             self.dist.barrier()
+
+    @contextlib.contextmanager
+    def rank_zero_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (creating what the others then open), the other
+        ranks after it."""
+        if self.rank != 0:
+            self.barrier()
+        yield
+        if self.rank == 0:
+            self.barrier()
 
     def share(self, batches: Iterable[ds.Batch]) -> Iterator[ds.Batch]:
         """This rank's contiguous share of every global batch (a last batch too small to

@@ -105,9 +105,7 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Name
         p.error("--medium and --cache-fraction are the shards' own settings (their serve config)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if not remote:
-            p.error(
-                "torchrun's processes share tables on embank serve shards: give --local-shards or --connect"
-            )
+            p.error("torchrun's ranks share the tables on shards: give --local-shards or --connect")
         if args.staleness is not None:
             p.error("under torchrun every step updates each row once for all ranks: no --staleness")
     return args
@@ -152,16 +150,14 @@ def open_store(args: argparse.Namespace, ranks: Ranks, cards: list[int], fresh: 
 
 
 def tables_of(store: embank.Store, args: argparse.Namespace, cards: list[int], ranks: Ranks) -> list[Any]:
-    """One table per categorical feature, created by rank 0 while the others wait."""
-    if ranks.rank != 0:
-        ranks.barrier()
+    """One table per categorical feature (Adagrad in the store), or the existing ones."""
     tables = []
-    for j, name in enumerate(FEATURES):
-        if name in store.tables():
-            tables.append(store.table(name))
-            continue
-        tables.append(
-            store.create_table(
+    with ranks.rank_zero_first():  # rank 0 creates them while the others wait
+        for j, name in enumerate(FEATURES):
+            if name in store.tables():
+                tables.append(store.table(name))
+                continue
+            t = store.create_table(
                 name,
                 dim=args.dim,
                 init=embank.init.uniform(-args.init, args.init),
@@ -171,9 +167,7 @@ def tables_of(store: embank.Store, args: argparse.Namespace, cards: list[int], r
                 staleness_bound=args.staleness,
                 capacity=max(cards[j] if cards else (args.hash_size or 1 << 20), 1024),
             )
-        )
-    if ranks.rank == 0:
-        ranks.barrier()
+            tables.append(t)
     return tables
 
 
