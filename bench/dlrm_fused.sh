@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# DLRM training throughput, --preload (training only, parsing excluded), 3 rounds of
+# DLRM training throughput (bench/dlrm_compare.py: the DLRM example with its comparison
+# modes), --preload (training only, parsing excluded), 3 rounds of
 # alternating runs: embank's fused collection (tables in DRAM; with every row created
 # before training, as TorchRec's and nn.EmbeddingBag's are: fused-mat; on the block medium
 # with a row cache of 10 % of the tables' bytes; and checkpointing every 100 batches:
@@ -40,7 +41,7 @@ for r in $(seq "$ROUNDS"); do
     w="$WORK/$name-$r"
     mkdir -p "$w" && ln -s "$WORK"/data/synthetic-* "$w/"
     # shellcheck disable=SC2086
-    $PY examples/dlrm/train.py --synthetic "$N" --batch-size 512 --threads 2 --seed 0 --work "$w" \
+    $PY bench/dlrm_compare.py --synthetic "$N" --batch-size 512 --threads 2 --seed 0 --work "$w" \
       --preload --quiet --metrics-out "$w/m.json" ${RUNS[$name]} >/dev/null 2>&1
     $PY - "$name" "$r" "$w/m.json" <<'EOF'
 import json, sys

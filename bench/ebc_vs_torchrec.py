@@ -3,7 +3,7 @@
 
 Both sides train the same 26 features of dim 16 (Adagrad, lr 0.05, sum pooling, batch
 512, one id per feature and example, DLRM-like Zipf ids over 100,000 rows each) through
-their PyTorch modules, as ``examples/dlrm/train.py`` uses them:
+their PyTorch modules, as ``bench/dlrm_compare.py`` uses them:
 
 - embank: ``embank.torch.EmbeddingBagCollection`` over 26 tables on the mmap medium,
   forward, ``backward`` of the pooled output, ``SparseOptimizer.step``;

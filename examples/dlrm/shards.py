@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -109,4 +110,16 @@ def start(work: Path, n: int, fresh: bool) -> list[str]:
     tmp = root / "shards.json.tmp"
     tmp.write_text(json.dumps({"addrs": addrs, "pids": pids}))
     os.replace(tmp, root / "shards.json")
+    return addrs
+
+
+def shared(work: Path, n: int, fresh: bool, rank: int, barrier: Callable[[], None]) -> list[str]:
+    """The addresses of ``n`` shards every rank shares: rank 0 starts them (or, unless
+    ``fresh``, finds them running) while the others wait at ``barrier``."""
+    if rank == 0:
+        start(work, n, fresh)
+    barrier()
+    addrs = running(work)
+    if addrs is None:
+        raise RuntimeError(f"the local shards under {work} are not running")
     return addrs

@@ -1,6 +1,6 @@
 """examples/dlrm/train.py as a user runs it: SIGKILLed mid-epoch (twice) and resumed, it
-ends exactly where an uninterrupted run ends; the --baseline (torch.nn.EmbeddingBag)
-learns the same data about as well."""
+ends exactly where an uninterrupted run ends; bench/dlrm_compare.py's --baseline
+(torch.nn.EmbeddingBag) learns the same data about as well."""
 
 from __future__ import annotations
 
@@ -19,15 +19,17 @@ import pytest
 pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-TRAIN = Path(__file__).resolve().parents[2] / "examples" / "dlrm" / "train.py"
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "examples" / "dlrm" / "train.py"
+COMPARE = ROOT / "bench" / "dlrm_compare.py"  # the example with the comparison modes
 ARGS = ["--synthetic", "12000", "--synthetic-scale", "20000", "--batch-size", "256", "--epochs", "2",
         "--threads", "1", "--quiet"]  # fmt: skip
 
 
-def run(work: Path, *extra: str) -> dict[str, Any]:
+def run(work: Path, *extra: str, script: Path = TRAIN) -> dict[str, Any]:
     out = work / "metrics.json"
     r = subprocess.run(
-        [sys.executable, str(TRAIN), "--work", str(work), "--metrics-out", str(out), *ARGS, *extra],
+        [sys.executable, str(script), "--work", str(work), "--metrics-out", str(out), *ARGS, *extra],
         capture_output=True,
         text=True,
         timeout=300,
@@ -76,7 +78,7 @@ def test_killed_and_resumed_ends_like_an_uninterrupted_run(tmp_path: Path) -> No
 
 def test_baseline_learns_the_same_data(tmp_path: Path) -> None:
     ours = run(tmp_path / "e")
-    base = run(tmp_path / "b", "--baseline")
+    base = run(tmp_path / "b", "--baseline", script=COMPARE)
     assert base["mode"] == "baseline" and ours["mode"] == "embank-mmap"
     assert base["auc"] > 0.6 and ours["auc"] > 0.6
     # Same model, same start, same data: apart from float rounding the same training
@@ -84,12 +86,12 @@ def test_baseline_learns_the_same_data(tmp_path: Path) -> None:
     assert abs(base["auc"] - ours["auc"]) < 0.02, (ours, base)
     # Rows created up front (--materialize, as the baseline's are) are the ones the
     # steps' first pulls create: the same run, to the bit.
-    made = run(tmp_path / "m", "--materialize")
+    made = run(tmp_path / "m", "--materialize", script=COMPARE)
     assert (made["auc"], made["logloss"]) == (ours["auc"], ours["logloss"]), (made, ours)
 
 
 def test_served_as_f16_and_int8_keeps_the_auc_of_f32_serving(tmp_path: Path) -> None:
-    r = run(tmp_path / "s", "--serve-dtypes", "f16,int8", "--gpu-cache-rows", "2048")
+    r = run(tmp_path / "s", "--serve-dtypes", "f16,int8", "--gpu-cache-rows", "2048", script=COMPARE)
     f32 = r["auc"]
     # Through a GPU cache (on the CPU here, PyTorch kernels) the rows are the table's: the
     # same AUC, with a cache small enough to evict.
@@ -106,7 +108,13 @@ def test_served_as_f16_and_int8_keeps_the_auc_of_f32_serving(tmp_path: Path) -> 
 
 
 def test_help_explains_the_options() -> None:
-    r = subprocess.run([sys.executable, str(TRAIN), "--help"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0
-    for opt in ("--resume", "--baseline", "--checkpoint-every", "--staleness", "--cache-fraction"):
-        assert opt in r.stdout
+    for script, opts in (
+        (TRAIN, ("--resume", "--checkpoint-every", "--staleness", "--cache-fraction", "--local-shards")),
+        (COMPARE, ("--baseline", "--torchrec", "--per-table", "--serve-dtypes", "--checkpoint-every")),
+    ):
+        r = subprocess.run(
+            [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, (script, r.stderr[-2000:])
+        for opt in opts:
+            assert opt in r.stdout, (script, opt)
