@@ -86,7 +86,9 @@ def parser(description: str | None = __doc__) -> argparse.ArgumentParser:
         "--staleness", type=int, metavar="K", help="SSP: gradients reach the tables K steps late"
     )
     tables.add_argument(
-        "--connect", metavar="ADDRS", help="tables on running `embank serve` shards (host:port,..)"
+        "--connect",
+        metavar="ADDRS",
+        help="tables on running `embank serve` shards (host:port,..), or a cluster file (cluster.toml)",
     )
     tables.add_argument(
         "--local-shards", type=int, default=0, metavar="N", help="start N local shards for them"
@@ -130,7 +132,7 @@ def open_store(args: argparse.Namespace, ranks: Ranks, cards: list[int], fresh: 
     """The tables' store: embedded under ``--work``, or on ``embank serve`` shards every
     rank shares (``--connect``, or ``--local-shards`` started by rank 0)."""
     if args.connect:
-        store = embank.connect(args.connect.split(","))
+        store = embank.connect(args.connect if args.connect.endswith(".toml") else args.connect.split(","))
     elif args.local_shards:
         store = embank.connect(shards.shared(args.work, args.local_shards, fresh, ranks.rank, ranks.barrier))
     else:
