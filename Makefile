@@ -46,8 +46,8 @@ test: develop $(VENV)/.installed lint test-rust test-python fuzz-smoke
 lint: $(VENV)/.installed
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
-	$(BIN)/ruff check python tests/python examples tools/newcomer.py
-	$(BIN)/ruff format --check python tests/python examples tools/newcomer.py
+	$(BIN)/ruff check python tests/python examples bench tools/newcomer.py
+	$(BIN)/ruff format --check python tests/python examples bench tools/newcomer.py
 	$(BIN)/mypy
 	$(BIN)/mypy --strict tools/newcomer.py
 
