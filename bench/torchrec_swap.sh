@@ -13,10 +13,11 @@ N=${1:-400000}
 ROUNDS=${2:-3}
 WORK=${3:-/tmp/embank-torchrec-swap}
 PY=${PY:-.venv/bin/python}
+THREADS=${THREADS:-2}  # torch threads of each run
 mkdir -p "$WORK"
 for r in $(seq "$ROUNDS"); do
   for ebc in torchrec embank; do
-    $PY examples/torchrec_swap/train.py --ebc "$ebc" --rows "$N" --work "$WORK" 2>/dev/null
+    $PY examples/torchrec_swap/train.py --ebc "$ebc" --rows "$N" --threads "$THREADS" --work "$WORK" 2>/dev/null
   done
 done
-$PY examples/torchrec_swap/train.py --ebc embank --optimizer ftrl --rows "$N" --work "$WORK" 2>/dev/null
+$PY examples/torchrec_swap/train.py --ebc embank --optimizer ftrl --rows "$N" --threads "$THREADS" --work "$WORK" 2>/dev/null

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,16 @@ def load(path: Path, rows: int, part: int, sizes: list[int], batch: int) -> list
     parsed = path.with_suffix(f".{rows}.npz")
     if not parsed.exists():
         ds.write_synthetic(path, rows, seed=0, part=part)
-        whole = list(ds.read_criteo(path, rows))[0]
-        np.savez(parsed, dense=whole.dense, sparse=whole.sparse, labels=whole.labels)
-    data = np.load(parsed)
+        parts = list(ds.read_criteo(path, 65_536))
+        np.savez(
+            parsed,
+            **{k: np.concatenate([getattr(b, k) for b in parts]) for k in ("dense", "sparse", "labels")},
+        )
+    with np.load(parsed) as f:
+        dense, sparse, labels = f["dense"], f["sparse"], f["labels"]
     out = []
-    for i in range(0, len(data["labels"]), batch):
-        b = ds.Batch(*(data[k][i : i + batch] for k in ("dense", "sparse", "labels")))
+    for i in range(0, len(labels), batch):
+        b = ds.Batch(dense[i : i + batch], sparse[i : i + batch], labels[i : i + batch].copy())
         ids = b.sparse % np.asarray(sizes, dtype=np.int64)  # one id per feature per example
         kjt = torchrec.KeyedJaggedTensor(
             keys=FEATURES,
@@ -105,7 +110,7 @@ def main() -> None:
                 lr=args.lr, l1=args.l1, beta=args.beta, initial_accumulator_value=args.ftrl_init
             )
         start = ebc.state_dict()  # the same starting rows as the TorchRec run
-        store = embank.open(args.work / f"store-{os.getpid()}")
+        store = embank.open(tempfile.mkdtemp(dir=args.work, prefix="store-"))
         ebc = et.EmbeddingBagCollection.from_configs(store, tables, optimizer=optimizer)  # SWAP
         et.load_state_dict(store, start)
     model = DLRM(
@@ -147,6 +152,7 @@ def main() -> None:
             zeros, total = zeros + int((rows == 0).sum()), total + rows.size
         result["zero_share_of_trained_rows"] = round(zeros / total, 4)
         store.close()
+        shutil.rmtree(store.path)
     print(json.dumps(result))
     sys.stdout.flush()
 

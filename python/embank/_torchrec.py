@@ -33,7 +33,7 @@ import torch
 from . import init as embank_init
 from . import optim
 from ._store import Store, Table
-from .errors import ConfigError, InvalidInputError, NotFoundError
+from .errors import ConfigError, InvalidInputError
 
 __all__ = [
     "EmbeddingBagConfig",
@@ -318,7 +318,8 @@ def _sources(
         sizes = dict(num_embeddings)
     else:
         raise InvalidInputError(
-            f"expected an embank Store or an EmbeddingBagCollection made by from_configs, got {type(source).__name__}"
+            "expected an embank Store or an EmbeddingBagCollection made by from_configs, "
+            f"got {type(source).__name__}"
         )
     names = list(tables) if tables is not None else list(sizes)
     missing = [n for n in names if n not in sizes]
@@ -398,10 +399,8 @@ def export_state_dict(
 
 
 def _rows_of(source: Any, key: str, num_embeddings: Mapping[str, int] | None) -> int:
-    name = _table_name(key)[0]
-    for table, rows in _sources(source, [name], num_embeddings):
-        return rows
-    raise NotFoundError(name)  # pragma: no cover - _sources names every table asked for
+    [(_, rows)] = _sources(source, [_table_name(key)[0]], num_embeddings)
+    return rows
 
 
 _KEY = re.compile(r"^(?:.*\.)?embedding_bags\.(?P<table>.+?)\.weight(?:\.(?P<state>momentum1|momentum_1))?$")
@@ -434,7 +433,7 @@ def _flat_momentum(optimizer: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     (TorchRec's sharded layout ``<t>.momentum1`` or ``FusedEmbeddingBagCollection``'s
     ``<t>.weight.momentum_1``)."""
     out: dict[str, torch.Tensor] = {}
-    for param, entries in optimizer.get("state", optimizer).items():
+    for entries in optimizer.get("state", optimizer).values():
         for name, tensor in entries.items():
             m = re.match(r"^(?P<table>.+?)(?:\.weight)?\.(?:momentum1|momentum_1)$", name)
             if m is not None:
@@ -465,7 +464,9 @@ def load_state_dict(
     their optimizer state starts afresh."""
     store = target.store if hasattr(target, "embedding_bag_configs") else target
     if not isinstance(store, Store):
-        raise InvalidInputError(f"expected an embank Store or a from_configs collection, got {type(target).__name__}")
+        raise InvalidInputError(
+            f"expected an embank Store or a from_configs collection, got {type(target).__name__}"
+        )
     if chunk_rows < 1:
         raise InvalidInputError("chunk_rows must be at least 1")
     if isinstance(state_dict, Mapping):

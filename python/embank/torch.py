@@ -717,7 +717,9 @@ class EmbeddingBagCollection(torch.nn.Module):
                 return out
             parts = [out[n] for n in self.feature_names]
             return self._keyed_tensor(
-                keys=self.feature_names, length_per_key=[p.shape[1] for p in parts], values=torch.cat(parts, 1)
+                keys=self.feature_names,
+                length_per_key=[p.shape[1] for p in parts],
+                values=torch.cat(parts, 1),
             )
         values, offsets, weights = self._inputs(features)
         training = torch.is_grad_enabled() and self.training
@@ -806,7 +808,8 @@ def _ids64(t: Any, what: str) -> npt.NDArray[np.int64]:
 def _kjt_inputs(
     kjt: Any, names: list[str], mode: str
 ) -> (
-    tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[npt.NDArray[np.float32] | None]] | None
+    tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[npt.NDArray[np.float32] | None]]
+    | None
 ):
     """Every feature's ``(values, offsets, weights)`` straight from a TorchRec
     ``KeyedJaggedTensor``'s flat values and offsets (no per-feature tensors); None for
