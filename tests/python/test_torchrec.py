@@ -31,7 +31,9 @@ def torchrec_or_skip() -> Any:
 
 def configs(torchrec: Any) -> list[Any]:
     return [
-        torchrec.EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=SIZES["t0"], feature_names=["f0"]),
+        torchrec.EmbeddingBagConfig(
+            name="t0", embedding_dim=8, num_embeddings=SIZES["t0"], feature_names=["f0"]
+        ),
         torchrec.EmbeddingBagConfig(
             name="t1", embedding_dim=4, num_embeddings=SIZES["t1"], feature_names=["f1", "f2"]
         ),
@@ -259,7 +261,9 @@ def test_optimizer_specs() -> None:
     assert spec(("adam", {"lr": 0.1, "betas": (0.8, 0.9)})) == o.Adam(0.1, betas=(0.8, 0.9))
     assert spec(("adamw", {"lr": 0.1, "weight_decay": 0.1})) == o.AdamW(0.1, weight_decay=0.1)
     assert spec(("ftrl", {"lr": 0.1, "l1": 0.5})) == o.Ftrl(0.1, l1=0.5)
-    assert spec({"optimizer": "sgd", "lr": 0.1, "stochastic_rounding": True, "weight_decay": 0.0}) == o.SGD(0.1)
+    assert spec({"optimizer": "sgd", "lr": 0.1, "stochastic_rounding": True, "weight_decay": 0.0}) == o.SGD(
+        0.1
+    )
     assert spec((torch.optim.Adagrad, {"lr": 0.3})) == o.Adagrad(0.3)
     same = o.Ftrl(0.1)
     assert spec(same) is same
@@ -288,14 +292,23 @@ def test_look_alikes_without_torchrec(tmp_path: Path) -> None:
     torch.testing.assert_close(kt["b"], torch.tensor([[2.0, 3.0, 4.0], [7.0, 8.0, 9.0]]))
     torch.testing.assert_close(kt.to_dict()["a"], torch.tensor([[0.0, 1.0], [5.0, 6.0]]))
     cfgs = [
-        et.EmbeddingBagConfig(num_embeddings=10, embedding_dim=2, name="x", feature_names=["fx"], pooling="mean"),
-        et.EmbeddingBagConfig(10, 3, "y", ["fy"], pooling=et.PoolingType.MEAN, weight_init_min=1, weight_init_max=2),
+        et.EmbeddingBagConfig(
+            num_embeddings=10, embedding_dim=2, name="x", feature_names=["fx"], pooling="mean"
+        ),
+        et.EmbeddingBagConfig(
+            10, 3, "y", ["fy"], pooling=et.PoolingType.MEAN, weight_init_min=1, weight_init_max=2
+        ),
     ]
     with embank.open(tmp_path / "s") as store:
         ebc = et.EmbeddingBagCollection.from_configs(store, cfgs, optimizer=("sgd", {"lr": 0.1}))
         assert store.tables() == ["x", "y"]
         assert store.table("y").options["init"] == {"kind": "uniform", "low": 1.0, "high": 2.0}
-        out = ebc({"fx": (torch.tensor([1, 2]), torch.tensor([0, 1])), "fy": (torch.tensor([3, 3]), torch.tensor([0, 1]))})
+        out = ebc(
+            {
+                "fx": (torch.tensor([1, 2]), torch.tensor([0, 1])),
+                "fy": (torch.tensor([3, 3]), torch.tensor([0, 1])),
+            }
+        )
         assert out.keys() == ["fx", "fy"] and out.values().shape == (2, 5)
         assert float(out["fy"].detach().min()) >= 1.0
         # Reopening the same tables, mixed pooling and a dim that disagrees.
