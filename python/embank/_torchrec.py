@@ -19,6 +19,7 @@ initial value. So an export is the model embank would compute with, row for row.
 from __future__ import annotations
 
 import enum
+import importlib
 import importlib.util
 import json
 import math
@@ -139,9 +140,7 @@ class KeyedTensor:
 def keyed_tensor_class() -> Any:
     """TorchRec's ``KeyedTensor`` when TorchRec is installed, else :class:`KeyedTensor`."""
     if importlib.util.find_spec("torchrec") is not None:
-        from torchrec.sparse.jagged_tensor import KeyedTensor as TorchRecKeyedTensor
-
-        return TorchRecKeyedTensor
+        return importlib.import_module("torchrec.sparse.jagged_tensor").KeyedTensor
     return KeyedTensor
 
 

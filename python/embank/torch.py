@@ -715,11 +715,11 @@ class EmbeddingBagCollection(torch.nn.Module):
             out = self._forward_per_table(features)
             if self._keyed_tensor is None:
                 return out
-            parts = [out[n] for n in self.feature_names]
+            pooled = [out[n] for n in self.feature_names]
             return self._keyed_tensor(
                 keys=self.feature_names,
-                length_per_key=[p.shape[1] for p in parts],
-                values=torch.cat(parts, 1),
+                length_per_key=[p.shape[1] for p in pooled],
+                values=torch.cat(pooled, 1),
             )
         values, offsets, weights = self._inputs(features)
         training = torch.is_grad_enabled() and self.training
