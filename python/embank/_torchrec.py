@@ -14,6 +14,18 @@ A key embank does not hold (never pulled or pushed) exports as what a pull would
 it: the table's initializer row when the table was made by ``from_configs`` (``missing
 ="init"``), else the table's ``missing`` default; its accumulator as the optimizer's
 initial value. So an export is the model embank would compute with, row for row.
+
+Nothing holds a whole table in memory on embank's side: :func:`state_dict_chunks`
+reads ``chunk_rows`` ids at a time, :func:`load_state_dict` writes that many at a
+time (so a memory-mapped source tensor is paged in piece by piece). TorchRec's layout
+does need one tensor per table at the other end: for a table larger than DRAM, export
+into file-backed tensors (``export_state_dict(..., out={key: torch.from_file(path,
+shared=True, size=rows * dim).view(rows, dim)})``), whose pages the kernel writes back
+to the file, and hand those to ``torch.distributed.checkpoint.save`` (which runs in
+one process without a process group and writes each tensor as one item). Only Adagrad
+and row-wise Adagrad state crosses (``momentum1``, as FBGEMM keeps it); Adam's
+per-row step counts and FTRL's ``z``/``n`` have no FBGEMM counterpart and stay behind
+(a load starts them afresh).
 """
 
 from __future__ import annotations
