@@ -678,7 +678,9 @@ class EmbeddingBagCollection(torch.nn.Module):
 
         ``optimizer``: see :func:`optimizer_from_spec` — e.g.
         ``(EmbOptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.02, "eps": 1e-8})``, TorchRec's
-        ``fused_params`` dict, or an :mod:`embank.optim` optimizer. ``push="step"`` instead
+        ``fused_params`` dict, or an :mod:`embank.optim` optimizer; ``None`` keeps an
+        existing table's optimizer and gives a new table none (inference: training it
+        raises :class:`~embank.errors.ConfigError`). ``push="step"`` instead
         gathers gradients for :class:`SparseOptimizer` (delays, many trainers)."""
         if not tables:
             raise InvalidInputError("from_configs needs at least one table config")
