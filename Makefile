@@ -12,9 +12,12 @@ $(VENV)/.demo-installed: requirements-demo.txt
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements-demo.txt
 	touch $@
 
-# The tests' tools besides: pytest, ruff, mypy, PyTorch (about 5 GB with its CUDA libraries).
-$(VENV)/.installed: requirements-dev.txt $(VENV)/.demo-installed
+# The tests' tools besides: pytest, ruff, mypy, PyTorch (about 5 GB with its CUDA libraries),
+# and TorchRec with FBGEMM's CPU kernels for the parity tests (without their dependencies,
+# which would replace torch: requirements-torchrec.txt lists what they import).
+$(VENV)/.installed: requirements-dev.txt requirements-torchrec.txt $(VENV)/.demo-installed
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements-dev.txt
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements-torchrec.txt
 	touch $@
 
 # Builds the Rust engine and installs the Python package (and the `embank` command) into .venv.

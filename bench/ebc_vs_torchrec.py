@@ -18,6 +18,11 @@ their ratio. Needs TorchRec and fbgemm-gpu-cpu (``pip install --no-deps torchrec
 fbgemm-gpu-cpu``; only for this comparison)::
 
     python bench/ebc_vs_torchrec.py [--rounds 7] [--steps 150] [--threads 2] [--ids zipf|dlrm]
+
+``--swap``: the drop-in of issue 35 instead: exact row-wise Adagrad on both sides (lr
+0.05, eps 1e-8), embank's collection made by ``EmbeddingBagCollection.from_configs`` from
+the same ``torchrec.EmbeddingBagConfig``s (``KeyedTensor`` out, the update in backward,
+no ``SparseOptimizer``), both fed the same ``KeyedJaggedTensor``.
 """
 
 from __future__ import annotations
@@ -79,34 +84,55 @@ class Embank:
         self.opt.step()
 
 
+class Swapped:
+    """embank's from_configs collection, as a TorchRec model would hold it."""
+
+    def __init__(self, path: str, torchrec: TorchRec) -> None:
+        self.store = embank.open(path)
+        optimizer = ("exact_rowwise_adagrad", {"lr": LR, "eps": 1e-8})
+        self.ebc = et.EmbeddingBagCollection.from_configs(self.store, torchrec.configs, optimizer=optimizer)
+        self.torchrec = torchrec
+
+    def step(self, ids: torch.Tensor, proj: torch.Tensor) -> None:
+        pooled = self.ebc(self.torchrec.features(ids)).to_dict()
+        out = torch.stack([pooled[n] for n in self.torchrec.names], dim=1)
+        (out * proj).sum().backward()  # row-wise Adagrad runs inside backward
+
+
 class TorchRec:
-    def __init__(self) -> None:
+    def __init__(self, rowwise: bool = False) -> None:
         from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
         from torchrec.modules.embedding_configs import PoolingType
         from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
         self.kjt = KeyedJaggedTensor
         self.names = [f"c{j}" for j in range(TABLES)]
+        self.configs = [
+            EmbeddingBagConfig(
+                name=f"t_{n}",
+                embedding_dim=DIM,
+                num_embeddings=ROWS,
+                feature_names=[n],
+                pooling=PoolingType.SUM,
+            )
+            for n in self.names
+        ]
+        if rowwise:
+            from torchrec.optim import RowWiseAdagrad
+
+            kind, kwargs = RowWiseAdagrad, {"lr": LR, "eps": 1e-8}
+        else:
+            kind, kwargs = torch.optim.Adagrad, {"lr": LR, "eps": 1e-10}
         self.ebc = FusedEmbeddingBagCollection(
-            [
-                EmbeddingBagConfig(
-                    name=f"t_{n}",
-                    embedding_dim=DIM,
-                    num_embeddings=ROWS,
-                    feature_names=[n],
-                    pooling=PoolingType.SUM,
-                )
-                for n in self.names
-            ],
-            optimizer_type=torch.optim.Adagrad,
-            optimizer_kwargs={"lr": LR, "eps": 1e-10},
-            device=torch.device("cpu"),
+            self.configs, optimizer_type=kind, optimizer_kwargs=kwargs, device=torch.device("cpu")
         )
         self.lengths = torch.ones(BATCH * TABLES, dtype=torch.int32)
 
+    def features(self, ids: torch.Tensor) -> object:
+        return self.kjt.from_lengths_sync(keys=self.names, values=ids.t().reshape(-1), lengths=self.lengths)
+
     def step(self, ids: torch.Tensor, proj: torch.Tensor) -> None:
-        kjt = self.kjt.from_lengths_sync(keys=self.names, values=ids.t().reshape(-1), lengths=self.lengths)
-        pooled = self.ebc(kjt).to_dict()
+        pooled = self.ebc(self.features(ids)).to_dict()
         out = torch.stack([pooled[n] for n in self.names], dim=1)
         (out * proj).sum().backward()  # Adagrad runs inside backward
 
@@ -123,12 +149,15 @@ def main() -> None:
         help="zipf: Zipf 1.2 over 100,000 rows per feature (default); dlrm: the DLRM example's "
         "synthetic draw (power law 1.1 over cardinalities from 100,000 down to 10)",
     )
+    p.add_argument("--swap", action="store_true", help="row-wise Adagrad, embank through from_configs")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     data = batches(50, seed=0, ids=args.ids)
     proj = torch.randn(BATCH, TABLES, DIM, generator=torch.Generator().manual_seed(1))
-    emb = Embank(os.path.join(tempfile.mkdtemp(), "s"))
-    sides: dict[str, Embank | TorchRec] = {"embank": emb, "torchrec": TorchRec()}
+    reference = TorchRec(rowwise=args.swap)
+    path = os.path.join(tempfile.mkdtemp(), "s")
+    emb: Embank | Swapped = Swapped(path, reference) if args.swap else Embank(path)
+    sides: dict[str, Embank | Swapped | TorchRec] = {"embank": emb, "torchrec": reference}
     for side in sides.values():  # warm: every row of the data exists, caches are warm
         for ids in data:
             side.step(ids, proj)

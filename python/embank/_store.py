@@ -271,6 +271,41 @@ class Table:
         finally:
             self._listeners.notify(k)
 
+    @property
+    def state_len(self) -> int:
+        """``float32`` values of optimizer state kept with each row: 0 without an
+        optimizer (or SGD), 1 for row-wise Adagrad, ``dim`` for Adagrad, ``2 * dim`` for
+        FTRL (``z`` then ``n``), ``2 * dim + 1`` for Adam and AdamW (moments, then the
+        step count)."""
+        return self._t.state_len
+
+    def lookup_with_state(self, keys: KeysLike) -> tuple[Rows, npt.NDArray[np.bool_]]:
+        """Like :meth:`lookup`, with each row's optimizer state after it:
+        ``(records, found)`` where ``records`` is ``(n, dim + state_len)``. A missing key
+        gets the missing default and the optimizer's initial state; nothing is created.
+        Embedded stores only."""
+        return self._t.lookup_with_state(_keys(keys))
+
+    def push_with_state(self, keys: KeysLike, records: Rows) -> None:
+        """Writes rows together with their optimizer state (``(n, dim + state_len)``
+        float32, laid out as :meth:`lookup_with_state` returns them); :meth:`push` starts
+        the state afresh instead. A non-finite value, or a state the optimizer cannot
+        reach (a negative accumulator), is refused with nothing written. Embedded stores
+        only; not on tables with a lifecycle."""
+        k = _keys(keys)
+        width = self.dim + self.state_len
+        if not isinstance(records, np.ndarray) or records.dtype != np.float32:
+            raise TypeError("records must be a float32 numpy array")
+        if records.shape != (len(k), width):
+            raise InvalidInputError(
+                f"records must have shape ({len(k)}, {width}) for {len(k)} keys of table {self.name!r} "
+                f"(dim {self.dim} + state {self.state_len}), got {records.shape}"
+            )
+        try:
+            self._t.push_with_state(k, np.ascontiguousarray(records))
+        finally:
+            self._listeners.notify(k)
+
     def delete(self, keys: KeysLike) -> int:
         """Deletes keys; returns how many were present."""
         k = _keys(keys)

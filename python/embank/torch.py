@@ -77,7 +77,21 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
-from ._store import Table, Worker
+from ._store import Store, Table, Worker
+from ._torchrec import (
+    EmbeddingBagConfig,
+    KeyedTensor,
+    PoolingType,
+    Spec,
+    export_state_dict,
+    keyed_tensor_class,
+    load_state_dict,
+    optimizer_from_spec,
+    optimizer_state_dict,
+    pooling_mode,
+    state_dict_chunks,
+    table_for_config,
+)
 from .errors import EmbankError, InvalidInputError
 from .gpu import GpuCache
 
@@ -85,9 +99,17 @@ __all__ = [
     "Embedding",
     "EmbeddingBag",
     "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "KeyedTensor",
+    "PoolingType",
     "SparseOptimizer",
     "checkpoint",
+    "export_state_dict",
+    "load_state_dict",
     "lookahead",
+    "optimizer_from_spec",
+    "optimizer_state_dict",
+    "state_dict_chunks",
 ]
 
 Source = Union[Table, Worker]
@@ -494,6 +516,11 @@ class EmbeddingBagCollection(torch.nn.Module):
 
     :meth:`prefetch` wraps a batch iterator so each batch's rows are read into the
     store's row cache while the batch before it trains.
+
+    ``output="keyed_tensor"`` returns TorchRec's ``KeyedTensor`` (the look-alike
+    :class:`KeyedTensor` without TorchRec) instead of a dict: every feature's pooled rows
+    side by side, in the collection's order. :meth:`from_configs` makes such a collection
+    from TorchRec's table configs, a drop-in for ``torchrec.EmbeddingBagCollection``.
     """
 
     _where: torch.Tensor
@@ -507,6 +534,7 @@ class EmbeddingBagCollection(torch.nn.Module):
         pooled: bool = False,
         fused: bool | None = None,
         threads: int | None = None,
+        output: str = "dict",
     ) -> None:
         super().__init__()
         if not features:
@@ -515,6 +543,12 @@ class EmbeddingBagCollection(torch.nn.Module):
             raise InvalidInputError(f'mode must be "sum" or "mean", got {mode!r}')
         if push not in ("step", "backward"):
             raise InvalidInputError(f'push must be "step" or "backward", got {push!r}')
+        if output not in ("dict", "keyed_tensor"):
+            raise InvalidInputError(f'output must be "dict" or "keyed_tensor", got {output!r}')
+        self.output = output
+        self._keyed_tensor: Any = keyed_tensor_class() if output == "keyed_tensor" else None
+        self._configs: list[Any] | None = None
+        self.store: Store | None = None
         plain = all(isinstance(s, (Table, Worker)) for s in features.values())
         if fused is None:
             fused = plain and not pooled
@@ -598,6 +632,9 @@ class EmbeddingBagCollection(torch.nn.Module):
             ids = _ids64(features, "ids").T.copy()  # one contiguous row per feature
             starts = np.arange(ids.shape[1], dtype=np.int64)
             return list(ids), [starts] * len(ids), [None] * len(ids)
+        fast = _kjt_inputs(features, self.feature_names, self.mode)
+        if fast is not None:
+            return fast
         jagged = self._jagged(features)
         values: list[npt.NDArray[np.int64]] = []
         offsets: list[npt.NDArray[np.int64]] = []
@@ -612,9 +649,80 @@ class EmbeddingBagCollection(torch.nn.Module):
             weights.append(None if wt is None else np.ascontiguousarray(_np(wt, torch.float32), np.float32))
         return values, offsets, weights
 
-    def forward(self, features: Any) -> dict[str, torch.Tensor]:
+    @classmethod
+    def from_configs(
+        cls,
+        store: Store,
+        tables: Sequence[Any],
+        optimizer: Spec | None = None,
+        *,
+        table_options: Mapping[str, Any] | None = None,
+        push: str = "backward",
+        threads: int | None = None,
+    ) -> EmbeddingBagCollection:
+        """A drop-in for ``torchrec.EmbeddingBagCollection(tables=...)`` with a fused
+        optimizer: ``forward(kjt)`` takes a ``KeyedJaggedTensor`` and returns a
+        ``KeyedTensor`` (keys: the feature names in config order, ``length_per_key``:
+        their dims), and backward applies the optimizer to the rows in the store (as
+        FBGEMM's fused backward does: no optimizer step to call for the tables).
+
+        ``tables``: ``torchrec.EmbeddingBagConfig`` objects, or
+        :class:`embank.torch.EmbeddingBagConfig` without TorchRec. Each opens the table of
+        its ``name`` in ``store`` or creates it: ``num_embeddings`` as capacity (ids are
+        keys, so the table grows past it if ids do), ``embedding_dim``, TorchRec's
+        uniform initializer (``weight_init_min``/``max``, default
+        ``±sqrt(1 / num_embeddings)``), ``missing="init"``. A table with several
+        ``feature_names`` serves each; their gradients make one update per step. Every
+        config must pool alike (SUM or MEAN). ``table_options`` go to
+        :meth:`~embank.Store.create_table` (``medium``, ``placement``, ``dtype``, ...).
+
+        ``optimizer``: see :func:`optimizer_from_spec` — e.g.
+        ``(EmbOptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.02, "eps": 1e-8})``, TorchRec's
+        ``fused_params`` dict, or an :mod:`embank.optim` optimizer; ``None`` keeps an
+        existing table's optimizer and gives a new table none (inference: training it
+        raises :class:`~embank.errors.ConfigError`). ``push="step"`` instead
+        gathers gradients for :class:`SparseOptimizer` (delays, many trainers)."""
+        if not tables:
+            raise InvalidInputError("from_configs needs at least one table config")
+        opt = None if optimizer is None else optimizer_from_spec(optimizer)
+        modes = {pooling_mode(c) for c in tables}
+        if len(modes) != 1:
+            raise InvalidInputError(
+                f"tables pool differently ({sorted(modes)}): make one collection per pooling"
+            )
+        features: dict[str, Source | GpuCache] = {}
+        for c in tables:
+            table = table_for_config(store, c, opt, table_options or {})
+            for f in c.feature_names:
+                if f in features:
+                    raise InvalidInputError(f"feature {f!r} is in two table configs")
+                features[f] = table
+        if not features:
+            raise InvalidInputError("the table configs name no feature_names")
+        made = cls(features, modes.pop(), push=push, threads=threads, output="keyed_tensor")
+        made._configs = list(tables)
+        made.store = store
+        return made
+
+    def embedding_bag_configs(self) -> list[Any]:
+        """The table configs of :meth:`from_configs` (as TorchRec's collection has them)."""
+        if self._configs is None:
+            raise InvalidInputError("this collection was not made by from_configs: it has no table configs")
+        return self._configs
+
+    def forward(self, features: Any) -> Any:
+        """Pooled rows of every feature: ``name -> (batch, dim)``, or a ``KeyedTensor``
+        with ``output="keyed_tensor"``."""
         if not self.fused:
-            return self._forward_per_table(features)
+            out = self._forward_per_table(features)
+            if self._keyed_tensor is None:
+                return out
+            pooled = [out[n] for n in self.feature_names]
+            return self._keyed_tensor(
+                keys=self.feature_names,
+                length_per_key=[p.shape[1] for p in pooled],
+                values=torch.cat(pooled, 1),
+            )
         values, offsets, weights = self._inputs(features)
         training = torch.is_grad_enabled() and self.training
         if training:
@@ -626,6 +734,10 @@ class EmbeddingBagCollection(torch.nn.Module):
         flat = _to_device(flat, self._output_device(features))
         bags = len(offsets[0])
         parts = torch.split(flat, [bags * d for d in self.dims])
+        if self._keyed_tensor is not None:
+            # TorchRec's layout: (batch, sum of dims), features side by side.
+            side = torch.cat([p.view(bags, d) for p, d in zip(parts, self.dims)], 1)
+            return self._keyed_tensor(keys=self.feature_names, length_per_key=self.dims, values=side)
         return {n: p.view(bags, d) for n, p, d in zip(self.feature_names, parts, self.dims)}
 
     def _output_device(self, features: Any) -> torch.device:
@@ -693,6 +805,43 @@ def _ids64(t: Any, what: str) -> npt.NDArray[np.int64]:
     if a.dtype.kind not in "iu":
         raise InvalidInputError(f"{what} must be integers, got {a.dtype}")
     return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _kjt_inputs(
+    kjt: Any, names: list[str], mode: str
+) -> (
+    tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[npt.NDArray[np.float32] | None]]
+    | None
+):
+    """Every feature's ``(values, offsets, weights)`` straight from a TorchRec
+    ``KeyedJaggedTensor``'s flat values and offsets (no per-feature tensors); None for
+    anything else (or a KJT whose features have batches of different sizes)."""
+    if not (hasattr(kjt, "length_per_key") and hasattr(kjt, "offsets") and hasattr(kjt, "stride")):
+        return None
+    if getattr(kjt, "variable_stride_per_key", lambda: False)():
+        return None
+    position = {k: i for i, k in enumerate(kjt.keys())}
+    missing = [n for n in names if n not in position]
+    if missing:
+        raise InvalidInputError(f"features missing from the input: {missing}")
+    stride = int(kjt.stride())
+    values = _ids64(kjt.values(), "values of the KeyedJaggedTensor")
+    offsets = _ids64(kjt.offsets(), "offsets of the KeyedJaggedTensor")
+    w = kjt.weights_or_none()
+    if w is not None and mode != "sum":
+        raise InvalidInputError('per_sample_weights need mode="sum" (as in torch.nn.EmbeddingBag)')
+    weights_all = None if w is None else np.ascontiguousarray(_np(w, torch.float32), np.float32)
+    out_v: list[npt.NDArray[np.int64]] = []
+    out_o: list[npt.NDArray[np.int64]] = []
+    out_w: list[npt.NDArray[np.float32] | None] = []
+    for name in names:
+        f = position[name]
+        o = offsets[f * stride : (f + 1) * stride + 1]
+        lo, hi = int(o[0]), int(o[-1])
+        out_v.append(values[lo:hi])
+        out_o.append(o[:-1] - lo)
+        out_w.append(None if weights_all is None else weights_all[lo:hi])
+    return out_v, out_o, out_w
 
 
 def _as_jagged(features: Any) -> Jagged:

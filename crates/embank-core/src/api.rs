@@ -84,6 +84,14 @@ pub trait TableApi: Send + Sync {
     fn home_fraction(&self, _keys: &[u64]) -> Result<(f64, u64)> {
         Err(Error::new(ErrorKind::Unsupported, "home_fraction runs where the store is"))
     }
+    /// Rows with their optimizer state ([`Table::lookup_with_state`]). Embedded tables only.
+    fn lookup_with_state(&self, _keys: &[u64], _out: &mut [f32], _found: &mut [bool]) -> Result<()> {
+        Err(Error::new(ErrorKind::Unsupported, "reading optimizer state runs where the store is"))
+    }
+    /// Writes rows with their optimizer state ([`Table::push_with_state`]). Embedded tables only.
+    fn push_with_state(&self, _keys: &[u64], _records: &[f32]) -> Result<()> {
+        Err(Error::new(ErrorKind::Unsupported, "writing optimizer state runs where the store is"))
+    }
 }
 
 /// True when stats JSON (a table's, or a remote table's with its shards') says a
@@ -241,6 +249,12 @@ impl TableApi for Table {
     }
     fn home_fraction(&self, keys: &[u64]) -> Result<(f64, u64)> {
         Table::home_fraction(self, keys)
+    }
+    fn lookup_with_state(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
+        Table::lookup_with_state(self, keys, out, found)
+    }
+    fn push_with_state(&self, keys: &[u64], records: &[f32]) -> Result<()> {
+        Table::push_with_state(self, keys, records)
     }
 }
 

@@ -344,6 +344,40 @@ impl Table {
         Ok((out, found))
     }
 
+    /// `f32`s of optimizer state stored after each row (0 without an optimizer).
+    #[getter]
+    fn state_len(&self) -> usize {
+        self.inner.meta().optimizer.state_len(self.dim())
+    }
+
+    /// Rows of `keys` with their optimizer state after each (`dim + state_len` columns)
+    /// and the found-mask; missing keys get the missing default and the initial state.
+    fn lookup_with_state<'py>(&self, py: Python<'py>, keys: PyReadonlyArray1<'py, u64>) -> PyResult<LookupResult<'py>> {
+        let keys = slice(&keys, "keys")?;
+        let out = PyArray2::<f32>::zeros(py, [keys.len(), self.dim() + self.state_len()], false);
+        let found = PyArray1::<bool>::zeros(py, [keys.len()], false);
+        {
+            let mut rw = out.readwrite();
+            let mut fw = found.readwrite();
+            let records = rw.as_slice_mut().expect("new array is contiguous");
+            let mask = fw.as_slice_mut().expect("new array is contiguous");
+            detached(py, || self.inner.lookup_with_state(keys, records, mask))?;
+        }
+        Ok((out, found))
+    }
+
+    /// Writes rows with their optimizer state (`dim + state_len` columns).
+    fn push_with_state(
+        &self,
+        py: Python<'_>,
+        keys: PyReadonlyArray1<'_, u64>,
+        records: PyReadonlyArray2<'_, f32>,
+    ) -> PyResult<()> {
+        let keys = slice(&keys, "keys")?;
+        let records = records.as_slice().map_err(|_| PyValueError::new_err("records must be a C-contiguous array"))?;
+        detached(py, || self.inner.push_with_state(keys, records))
+    }
+
     /// Hot placement of `keys`; the report as JSON.
     fn place_hot(&self, py: Python<'_>, keys: PyReadonlyArray1<'_, u64>) -> PyResult<String> {
         let keys = slice(&keys, "keys")?;

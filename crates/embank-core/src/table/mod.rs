@@ -48,6 +48,7 @@ mod pooled;
 mod read;
 mod repair;
 mod serve;
+mod state;
 mod stats;
 mod tiered;
 mod write;

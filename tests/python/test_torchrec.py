@@ -1,0 +1,361 @@
+"""embank as a drop-in for TorchRec's EmbeddingBagCollection: step-for-step parity of
+row-wise Adagrad with FBGEMM's own CPU kernel, TorchRec-layout state dicts in and out
+(weights and row-wise momentum), a DCP round trip, and the look-alikes that work without
+TorchRec. The TorchRec comparisons skip cleanly when torchrec or fbgemm-gpu-cpu is absent
+(``requirements-torchrec.txt``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import embank
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+et = pytest.importorskip("embank.torch")
+
+pytestmark = pytest.mark.torch
+
+LR, EPS = 0.05, 1e-8
+# A small vocabulary and bags of up to 5 ids: every batch repeats ids within a bag and
+# across bags and features (t1 serves two features).
+SIZES = {"t0": 40, "t1": 25}
+
+
+def torchrec_or_skip() -> Any:
+    pytest.importorskip("fbgemm_gpu")
+    return pytest.importorskip("torchrec")
+
+
+def configs(torchrec: Any) -> list[Any]:
+    return [
+        torchrec.EmbeddingBagConfig(
+            name="t0", embedding_dim=8, num_embeddings=SIZES["t0"], feature_names=["f0"]
+        ),
+        torchrec.EmbeddingBagConfig(
+            name="t1", embedding_dim=4, num_embeddings=SIZES["t1"], feature_names=["f1", "f2"]
+        ),
+    ]
+
+
+def fused(torchrec: Any) -> Any:
+    """TorchRec's collection with FBGEMM's fused exact row-wise Adagrad on the CPU."""
+    modules = pytest.importorskip("torchrec.modules.fused_embedding_modules")
+    torch.manual_seed(0)
+    return modules.FusedEmbeddingBagCollection(
+        tables=configs(torchrec),
+        optimizer_type=torchrec.optim.RowWiseAdagrad,
+        optimizer_kwargs={"lr": LR, "eps": EPS},
+        device=torch.device("cpu"),
+    )
+
+
+def batches(torchrec: Any, steps: int, seed: int = 1) -> list[tuple[Any, Any]]:
+    """``steps`` random (KeyedJaggedTensor, target) pairs, batch 6, bags of 0 to 5 ids."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        lengths = rng.integers(0, 6, size=18)  # 3 features x 6 examples
+        vocab = np.repeat([SIZES["t0"], SIZES["t1"], SIZES["t1"]], 6)
+        values = np.concatenate([rng.integers(0, v, size=n) for v, n in zip(vocab, lengths)])
+        kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(
+            keys=["f0", "f1", "f2"], values=torch.from_numpy(values), lengths=torch.from_numpy(lengths)
+        )
+        out.append((kjt, torch.from_numpy(rng.standard_normal((6, 16)).astype(np.float32))))
+    return out
+
+
+def step(ebc: Any, kjt: Any, target: Any) -> None:
+    """One training step of a squared loss on the pooled output (both fused: backward updates)."""
+    values = ebc(kjt).values()
+    ((values - target) ** 2).sum().backward()
+
+
+def fbgemm_state(febc: Any) -> dict[str, Any]:
+    """The fused collection's weights and row-wise momentum, in the flat export layout."""
+    out = {k: v.detach().clone() for k, v in febc.state_dict().items()}
+    for param, entries in febc.fused_optimizer().state_dict()["state"].items():
+        for name, m in entries.items():
+            out[f"embedding_bags.{param}.momentum1"] = m.detach().clone()
+            assert name == f"{param}.momentum_1"
+    return out
+
+
+def assert_rows_close(got: Any, want: Any, what: str, rtol: float = 1e-6) -> None:
+    """Row by row: the largest difference within ``rtol`` of the row's largest value."""
+    got, want = got.reshape(len(got), -1), want.reshape(len(want), -1)
+    scale = want.abs().amax(dim=1).clamp_min(1e-30)
+    rel = (got - want).abs().amax(dim=1) / scale
+    worst = int(rel.argmax())
+    assert float(rel[worst]) <= rtol, (
+        f"{what}: row {worst} differs by {float(rel[worst]):.3g} relative (> {rtol}): "
+        f"embank {got[worst].tolist()} vs TorchRec {want[worst].tolist()}"
+    )
+
+
+def assert_state_close(store_or_ebc: Any, want: dict[str, Any], what: str) -> None:
+    got = et.export_state_dict(store_or_ebc, num_embeddings=SIZES, optimizer_state=True, chunk_rows=7)
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for key in want:
+        assert_rows_close(got[key], want[key], f"{what}: {key}")
+
+
+def test_rowwise_adagrad_matches_fbgemm_step_for_step(tmp_path: Path) -> None:
+    """100 steps of batches with repeated ids: every row and every row-wise accumulator
+    within 1e-6 relative of FBGEMM's CPU kernel (EXACT_ROWWISE_ADAGRAD), checked every
+    10 steps."""
+    torchrec = torchrec_or_skip()
+    EmbOptimType = pytest.importorskip("fbgemm_gpu.split_embedding_configs").EmbOptimType
+
+    reference = fused(torchrec)
+    with embank.open(tmp_path / "s") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(
+            store, configs(torchrec), optimizer=(EmbOptimType.EXACT_ROWWISE_ADAGRAD, {"lr": LR, "eps": EPS})
+        )
+        et.load_state_dict(store, reference.state_dict())  # the same starting rows
+        for i, (kjt, target) in enumerate(batches(torchrec, 100)):
+            step(reference, kjt, target)
+            step(ebc, kjt, target)
+            if (i + 1) % 10 == 0:
+                assert_state_close(ebc, fbgemm_state(reference), f"after step {i + 1}")
+
+
+def test_output_is_torchrecs_keyed_tensor(tmp_path: Path) -> None:
+    torchrec = torchrec_or_skip()
+    reference = fused(torchrec)
+    with embank.open(tmp_path / "s") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(
+            store, configs(torchrec), optimizer={"optimizer": "exact_rowwise_adagrad", "learning_rate": LR}
+        )
+        et.load_state_dict(store, reference.state_dict())
+        kjt, _ = batches(torchrec, 1)[0]
+        got, want = ebc(kjt), reference(kjt)
+        assert isinstance(got, torchrec.KeyedTensor)
+        assert got.keys() == want.keys() == ["f0", "f1", "f2"]
+        assert got.length_per_key() == want.length_per_key() == [8, 4, 4]
+        torch.testing.assert_close(got.values(), want.values(), rtol=1e-6, atol=1e-7)
+        assert [c.name for c in ebc.embedding_bag_configs()] == ["t0", "t1"]
+
+
+def test_trained_in_torchrec_then_embank_then_torchrec_equals_torchrec_throughout(tmp_path: Path) -> None:
+    """30 steps in TorchRec, the state (weights and momentum) loaded into embank, 30 steps
+    there, exported back into a fresh TorchRec collection, 30 more steps: after each leg
+    equal to TorchRec having trained all along."""
+    torchrec = torchrec_or_skip()
+    data = batches(torchrec, 90, seed=5)
+    reference = fused(torchrec)
+    leg = fused(torchrec)
+    for kjt, target in data[:30]:
+        step(reference, kjt, target)
+        step(leg, kjt, target)
+    with embank.open(tmp_path / "s") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(
+            store, configs(torchrec), optimizer=("exact_rowwise_adagrad", {"lr": LR, "eps": EPS})
+        )
+        loaded = et.load_state_dict(
+            store, leg.state_dict(), optimizer_state_dict=leg.fused_optimizer().state_dict(), chunk_rows=9
+        )
+        assert loaded == ["t0", "t1"]
+        assert_state_close(ebc, fbgemm_state(reference), "loaded into embank")
+        for kjt, target in data[30:60]:
+            step(reference, kjt, target)
+            step(ebc, kjt, target)
+        assert_state_close(ebc, fbgemm_state(reference), "trained in embank")
+        exported = et.export_state_dict(ebc, optimizer_state=True)
+    back = fused(torchrec)
+    back.load_state_dict({k: v for k, v in exported.items() if not k.endswith("momentum1")})
+    for param, entries in back.fused_optimizer().state_dict()["state"].items():
+        for m in entries.values():  # views of FBGEMM's own accumulators
+            m.copy_(exported[f"embedding_bags.{param}.momentum1"])
+    assert_rows_close(fbgemm_state(back)["embedding_bags.t0.weight.momentum1"], exported[
+        "embedding_bags.t0.weight.momentum1"], "momentum written into FBGEMM")  # fmt: skip
+    for kjt, target in data[60:]:
+        step(reference, kjt, target)
+        step(back, kjt, target)
+    want, got = fbgemm_state(reference), fbgemm_state(back)
+    for key in want:
+        assert_rows_close(got[key], want[key], f"back in TorchRec: {key}")
+
+
+def test_distributed_checkpoint_round_trip_without_a_process_group(tmp_path: Path) -> None:
+    """The exported state dict saved with torch.distributed.checkpoint in one process (no
+    process group), loaded into preallocated tensors, loaded into a fresh store."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=50, embedding_dim=4, name="t", feature_names=["f"])]
+    opt = embank.optim.RowWiseAdagrad(lr=0.1)
+    with embank.open(tmp_path / "a") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(store, cfgs, optimizer=opt)
+        for i in range(5):
+            ids = torch.tensor([i, i + 1, i + 1, 40])
+            ebc({"f": (ids, torch.tensor([0, 2]))}).values().sum().backward()
+        # Exported into file-backed tensors (how a table larger than DRAM leaves:
+        # its pages go to the file), which DCP then reads like any tensor.
+        files = {
+            "embedding_bags.t.weight": (50, 4),
+            "embedding_bags.t.weight.momentum1": (50,),
+        }
+        out = {
+            k: torch.from_file(str(tmp_path / k), shared=True, size=int(np.prod(shape))).view(shape)
+            for k, shape in files.items()
+        }
+        saved = et.export_state_dict(ebc, optimizer_state=True, out=out)
+        assert all(saved[k] is out[k] for k in out)
+    assert sorted(saved) == ["embedding_bags.t.weight", "embedding_bags.t.weight.momentum1"]
+    assert int((saved["embedding_bags.t.weight.momentum1"] > 0).sum()) == 7  # keys 0..5 and 40
+    dcp.save(saved, checkpoint_id=str(tmp_path / "dcp"))
+    into = {k: torch.zeros_like(v) for k, v in saved.items()}
+    dcp.load(into, checkpoint_id=str(tmp_path / "dcp"))
+    with embank.open(tmp_path / "b") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(store, cfgs, optimizer=opt)
+        et.load_state_dict(ebc, into)
+        again = et.export_state_dict(ebc, optimizer_state=True)
+    for k in saved:
+        torch.testing.assert_close(again[k], saved[k], rtol=0, atol=0)
+
+
+def test_chunks_stream_and_load(tmp_path: Path) -> None:
+    """state_dict_chunks yields at most chunk_rows rows at a time, in order; loading the
+    chunks into another store reproduces the table; a key never written exports as the
+    initializer's row (what a pull would give), its accumulator as 0."""
+    cfgs = [et.EmbeddingBagConfig(num_embeddings=23, embedding_dim=3, name="t", feature_names=["f"])]
+    with embank.open(tmp_path / "a") as a, embank.open(tmp_path / "b") as b:
+        ebc = et.EmbeddingBagCollection.from_configs(a, cfgs, optimizer=("sgd", {"lr": 0.5}))
+        ebc({"f": (torch.tensor([3, 4]), torch.tensor([0]))}).values().sum().backward()
+        chunks = list(et.state_dict_chunks(ebc, chunk_rows=5))
+        assert [(k, s, len(r)) for k, s, r in chunks] == [
+            ("embedding_bags.t.weight", s, min(5, 23 - s)) for s in range(0, 23, 5)
+        ]
+        table = a.table("t")
+        whole = torch.cat([r for _, _, r in chunks])
+        fresh = torch.from_numpy(table.pull(np.arange(23, dtype=np.uint64)))  # creates the rest
+        torch.testing.assert_close(whole, fresh, rtol=0, atol=0)
+        assert len(table) == 23
+        low, high = cfgs[0].get_weight_init_min(), cfgs[0].get_weight_init_max()
+        assert float(whole.min()) >= low - 0.5 and float(whole.max()) <= high
+        et.EmbeddingBagCollection.from_configs(b, cfgs, optimizer=("sgd", {"lr": 0.5}))
+        assert et.load_state_dict(b, iter(chunks)) == ["t"]
+        torch.testing.assert_close(
+            torch.from_numpy(b.table("t").pull(np.arange(23, dtype=np.uint64))), whole, rtol=0, atol=0
+        )
+
+
+def test_push_with_state_round_trips_and_refuses_bad_state(tmp_path: Path) -> None:
+    with embank.open(tmp_path / "s") as store:
+        t = store.create_table("t", dim=2, optimizer=embank.optim.RowWiseAdagrad(lr=0.1))
+        assert t.state_len == 1
+        records = np.array([[1.0, 2.0, 0.5], [3.0, 4.0, 0.0]], np.float32)
+        t.push_with_state([7, 9], records)
+        got, found = t.lookup_with_state([7, 9, 11])
+        np.testing.assert_array_equal(got[:2], records)
+        np.testing.assert_array_equal(found, [True, True, False])
+        np.testing.assert_array_equal(got[2], [0.0, 0.0, 0.0])
+        t.push_grad([7], np.array([[1.0, 1.0]], np.float32))  # the loaded accumulator is used
+        step = 0.1 / (np.sqrt(0.5 + 1.0) + 1e-8)  # s = 0.5 + mean([1, 1]^2)
+        np.testing.assert_allclose(t.pull([7])[0], [1 - step, 2 - step], rtol=1e-6)
+        with pytest.raises(embank.errors.InvalidInputError, match="accumulator"):
+            t.push_with_state([8], np.array([[1.0, 1.0, -1.0]], np.float32))
+        with pytest.raises(embank.errors.InvalidInputError, match="non-finite"):
+            t.push_with_state([8], np.array([[np.nan, 1.0, 1.0]], np.float32))
+        assert t.lookup_with_state([8])[1].tolist() == [False]
+
+
+def test_optimizer_specs() -> None:
+    spec = et.optimizer_from_spec
+    o = embank.optim
+    assert spec(("exact_rowwise_adagrad", {"lr": 0.02, "eps": 1e-6})) == o.RowWiseAdagrad(0.02, eps=1e-6)
+    assert spec({"optimizer": "EXACT_ROW_WISE_ADAGRAD", "learning_rate": 0.02}) == o.RowWiseAdagrad(0.02)
+    assert spec(("adagrad", {"lr": 0.1})) == o.Adagrad(0.1)
+    assert spec(("exact_sgd", {"learning_rate": 0.1})) == o.SGD(0.1)
+    assert spec(("adam", {"lr": 0.1, "betas": (0.8, 0.9)})) == o.Adam(0.1, betas=(0.8, 0.9))
+    assert spec(("adamw", {"lr": 0.1, "weight_decay": 0.1})) == o.AdamW(0.1, weight_decay=0.1)
+    assert spec(("ftrl", {"lr": 0.1, "l1": 0.5})) == o.Ftrl(0.1, l1=0.5)
+    assert spec({"optimizer": "sgd", "lr": 0.1, "stochastic_rounding": True, "weight_decay": 0.0}) == o.SGD(
+        0.1
+    )
+    assert spec((torch.optim.Adagrad, {"lr": 0.3})) == o.Adagrad(0.3)
+    same = o.Ftrl(0.1)
+    assert spec(same) is same
+    with pytest.raises(embank.errors.ConfigError, match="weight_decay"):
+        spec(("exact_rowwise_adagrad", {"lr": 0.1, "weight_decay": 0.01}))
+    with pytest.raises(embank.errors.ConfigError, match="not supported"):
+        spec(("lamb", {"lr": 0.1}))
+    with pytest.raises(embank.errors.ConfigError, match="learning rate"):
+        spec({"optimizer": "sgd"})
+
+
+def test_optimizer_specs_take_fbgemms_enum() -> None:
+    torchrec_or_skip()
+    EmbOptimType = pytest.importorskip("fbgemm_gpu.split_embedding_configs").EmbOptimType
+
+    spec = et.optimizer_from_spec
+    assert spec((EmbOptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.1})) == embank.optim.RowWiseAdagrad(0.1)
+    assert spec({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1}) == embank.optim.Adagrad(0.1)
+    assert spec((EmbOptimType.EXACT_SGD, {"lr": 0.1})) == embank.optim.SGD(0.1)
+
+
+def test_look_alikes_without_torchrec(tmp_path: Path) -> None:
+    """embank's own config and KeyedTensor: the same shapes as TorchRec's."""
+    kt = et.KeyedTensor(keys=["a", "b"], length_per_key=[2, 3], values=torch.arange(10.0).view(2, 5))
+    assert kt.keys() == ["a", "b"] and kt.length_per_key() == [2, 3] and kt.offset_per_key() == [0, 2, 5]
+    torch.testing.assert_close(kt["b"], torch.tensor([[2.0, 3.0, 4.0], [7.0, 8.0, 9.0]]))
+    torch.testing.assert_close(kt.to_dict()["a"], torch.tensor([[0.0, 1.0], [5.0, 6.0]]))
+    cfgs = [
+        et.EmbeddingBagConfig(
+            num_embeddings=10, embedding_dim=2, name="x", feature_names=["fx"], pooling="mean"
+        ),
+        et.EmbeddingBagConfig(
+            10, 3, "y", ["fy"], pooling=et.PoolingType.MEAN, weight_init_min=1, weight_init_max=2
+        ),
+    ]
+    with embank.open(tmp_path / "s") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(store, cfgs, optimizer=("sgd", {"lr": 0.1}))
+        assert store.tables() == ["x", "y"]
+        assert store.table("y").options["init"] == {"kind": "uniform", "low": 1.0, "high": 2.0}
+        out = ebc(
+            {
+                "fx": (torch.tensor([1, 2]), torch.tensor([0, 1])),
+                "fy": (torch.tensor([3, 3]), torch.tensor([0, 1])),
+            }
+        )
+        assert out.keys() == ["fx", "fy"] and out.values().shape == (2, 5)
+        assert float(out["fy"].detach().min()) >= 1.0
+        # Reopening the same tables, mixed pooling and a dim that disagrees.
+        et.EmbeddingBagCollection.from_configs(store, cfgs, optimizer=("sgd", {"lr": 0.1}))
+        with pytest.raises(embank.errors.ConfigError, match="dim"):
+            et.EmbeddingBagCollection.from_configs(store, [et.EmbeddingBagConfig(10, 4, "x", ["fx"])])
+        with pytest.raises(embank.errors.InvalidInputError, match="pool differently"):
+            mixed = [cfgs[0], et.EmbeddingBagConfig(10, 3, "z", ["fz"])]
+            et.EmbeddingBagCollection.from_configs(store, mixed)
+        with pytest.raises(embank.errors.ConfigError, match="optimizer"):
+            et.EmbeddingBagCollection.from_configs(store, cfgs, optimizer=("adagrad", {"lr": 0.1}))
+
+
+def test_torchrec_swap_example_learns_alike(tmp_path: Path) -> None:
+    """examples/torchrec_swap as a user runs it, on a small set: TorchRec's DLRM trains
+    with either collection to about the same AUC, and FTRL's L1 leaves exact zeros."""
+    torchrec_or_skip()
+    import json
+    import subprocess
+    import sys
+
+    train = Path(__file__).resolve().parents[2] / "examples" / "torchrec_swap" / "train.py"
+
+    def run(*extra: str) -> dict[str, Any]:
+        r = subprocess.run(
+            [sys.executable, str(train), "--rows", "8000", "--threads", "1", "--work", str(tmp_path), *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        result: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+        return result
+
+    reference, swapped = run("--ebc", "torchrec"), run("--ebc", "embank")
+    assert reference["auc"] > 0.6, reference
+    assert abs(swapped["auc"] - reference["auc"]) < 0.005, (swapped, reference)
+    ftrl = run("--ebc", "embank", "--optimizer", "ftrl")
+    assert ftrl["zero_share_of_trained_rows"] > 0.05, ftrl
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("store-")]  # removed after
