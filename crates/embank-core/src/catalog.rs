@@ -94,6 +94,14 @@ pub struct TableMeta {
     pub lifecycle: crate::lifecycle::LifecycleOptions,
 }
 
+impl TableMeta {
+    /// The layout of the table's records.
+    pub fn layout(&self) -> crate::layout::RecordLayout {
+        let dim = self.dim as usize;
+        crate::layout::RecordLayout::new(dim, self.optimizer.state_len(dim), self.dtype)
+    }
+}
+
 fn default_lease() -> f64 {
     60.0
 }

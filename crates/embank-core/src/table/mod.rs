@@ -52,12 +52,12 @@ mod stats;
 mod tiered;
 mod write;
 
+pub use crate::pooled::check_bags;
 pub use export::ExportCursor;
 pub use grow::PlaceReport;
 pub(crate) use options::RepairMode;
 pub(crate) use options::LOAD_FACTOR_TARGET;
 pub use options::{validate_name, RecoverStats, TableOptions, TableStats, DIM_MAX, NAME_BYTES_MAX};
-pub use pooled::check_bags;
 
 /// Writer stripes per table: writers of keys in different stripes never wait on each other.
 const STRIPES: usize = 1024;

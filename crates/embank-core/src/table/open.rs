@@ -15,7 +15,6 @@ use crate::catalog::{Catalog, Placement, TableMeta};
 use crate::checkpoint::{self, CheckpointState, TableCheckpoints};
 use crate::error::{Error, Result};
 use crate::index::{buckets_for, Index, RecoverReport};
-use crate::layout::RecordLayout;
 use crate::lifecycle::Lifecycle;
 use crate::medium::{AnyMedium, Medium, MediumKind};
 use crate::runtime::{Maintained, Runtime};
@@ -179,7 +178,7 @@ impl Table {
             buckets_for(capacity, LOAD_FACTOR_TARGET),
             meta.seed,
         )?;
-        let medium = AnyMedium::create(dir, meta.medium, RecordLayout::of(&meta), &runtime.io)?;
+        let medium = AnyMedium::create(dir, meta.medium, meta.layout(), &runtime.io)?;
         index.flush()?;
         medium.flush()?;
         let checkpoints = TableCheckpoints::create(dir, runtime.gate.interval())?;
@@ -201,7 +200,7 @@ impl Table {
         let placement = resolve_placement(&meta, &runtime, false)?;
         remove_other_indexes(dir, meta.index_generation);
         let mut index = Index::open(&index_path(dir, meta.index_generation))?;
-        let medium = AnyMedium::open(dir, meta.medium, RecordLayout::of(&meta), &runtime.io)
+        let medium = AnyMedium::open(dir, meta.medium, meta.layout(), &runtime.io)
             .map_err(|e| e.context(dir.display().to_string()))?;
         let closed_cleanly = index.was_closed_cleanly();
         let clean = closed_cleanly && medium.alloc().load_free_list(index.free_list_generation());
@@ -260,7 +259,7 @@ impl Table {
             shared: Arc::new(Shared {
                 id: meta.id,
                 name: meta.name.clone(),
-                layout: RecordLayout::of(&meta),
+                layout: meta.layout(),
                 dir: dir.to_owned(),
                 catalog,
                 runtime: Arc::clone(&runtime),

@@ -4,7 +4,7 @@
 //! its rows.
 
 use super::Table;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::pooled::{bag_hash, check_batch, pool_bags, Pooling};
 
 impl Table {
@@ -69,33 +69,4 @@ impl Table {
         }
         Ok(())
     }
-}
-
-/// Checks the shape of a batch of bags; the error names what is wrong.
-pub fn check_bags(ids: &[u64], offsets: &[usize], weights: Option<&[f32]>, mode: Pooling) -> Result<()> {
-    let bad = |why: String| Err(Error::invalid(format!("lookup_pooled: {why}")));
-    if offsets.first() != Some(&0) || offsets.last() != Some(&ids.len()) {
-        return bad(format!(
-            "offsets must start at 0 and end at the number of ids ({}), one entry more than there are bags; got {} entries from {:?} to {:?}",
-            ids.len(),
-            offsets.len(),
-            offsets.first(),
-            offsets.last()
-        ));
-    }
-    if let Some(b) = offsets.windows(2).position(|w| w[0] > w[1]) {
-        return bad(format!("offsets decrease at bag {b} ({} then {})", offsets[b], offsets[b + 1]));
-    }
-    if let Some(w) = weights {
-        if mode != Pooling::Sum {
-            return bad("weights need mode \"sum\"".into());
-        }
-        if w.len() != ids.len() {
-            return bad(format!("{} weights for {} ids", w.len(), ids.len()));
-        }
-        if let Some(i) = crate::optim::first_non_finite(w) {
-            return bad(format!("weight {i} is not finite ({})", w[i]));
-        }
-    }
-    Ok(())
 }
