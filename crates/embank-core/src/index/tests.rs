@@ -1,4 +1,3 @@
-
 use super::bucket::match_fp;
 use super::*;
 use proptest::prelude::*;

@@ -430,7 +430,7 @@ impl Table {
     /// instead of the mmap fast path.
     #[inline]
     fn tiered(&self) -> bool {
-        self.shared.medium_kind != MediumKind::Mmap || self.shared.placement != Placement::Bypass
+        !self.shared.medium_kind.is_mapped() || self.shared.placement != Placement::Bypass
     }
 
     /// The tiers this table reads and writes through.

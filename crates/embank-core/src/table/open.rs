@@ -16,7 +16,7 @@ use crate::checkpoint::{self, CheckpointState, TableCheckpoints};
 use crate::error::{Error, Result};
 use crate::index::{buckets_for, Index, RecoverReport};
 use crate::lifecycle::Lifecycle;
-use crate::medium::{AnyMedium, Medium, MediumKind};
+use crate::medium::{AnyMedium, Medium};
 use crate::runtime::{Maintained, Runtime};
 use crate::staleness::Holds;
 
@@ -28,7 +28,7 @@ pub(super) fn index_path(dir: &Path, generation: u64) -> PathBuf {
 fn resolve_placement(meta: &TableMeta, runtime: &Runtime, creating: bool) -> Result<Placement> {
     let has_cache = runtime.cache.is_some();
     Ok(match (meta.placement, meta.medium) {
-        (Placement::Auto, MediumKind::Block) if has_cache => Placement::Cache,
+        (Placement::Auto, m) if !m.is_mapped() && has_cache => Placement::Cache,
         (Placement::Auto, _) => Placement::Bypass,
         (p @ (Placement::Cache | Placement::Pin), _) if !has_cache => {
             if creating {

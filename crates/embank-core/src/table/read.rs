@@ -7,15 +7,15 @@ use std::sync::atomic::Ordering;
 use super::write::{Change, Outcome, Publisher};
 use super::{State, Table};
 use crate::error::{Error, Result};
-use crate::medium::{Medium, MmapMedium, ReadItem};
+use crate::medium::{Mapped, Medium, ReadItem};
 
 /// How far ahead of the key being resolved its home bucket is prefetched.
 pub(super) const PREFETCH_KEYS_AHEAD: usize = 8;
 
 impl Table {
-    /// The mapped medium of a table on the fast path (only mmap tables bypassing the tiers).
+    /// The records of a table on the fast path (only tables on a mapped medium without tiers).
     #[inline(always)]
-    pub(super) fn mapped<'s>(&self, st: &'s State) -> &'s MmapMedium {
+    pub(super) fn mapped<'s>(&self, st: &'s State) -> Mapped<'s> {
         st.medium.as_mapped().expect("tables without a mapped medium take the tiered path")
     }
 
