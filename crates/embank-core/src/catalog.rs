@@ -166,6 +166,11 @@ impl Catalog {
         Ok(Catalog { path, data: Mutex::new(data) })
     }
 
+    /// The entry of table `id`, if the catalog has it.
+    pub fn table(&self, id: u32) -> Option<TableMeta> {
+        self.data.lock().tables.iter().find(|m| m.id == id).cloned()
+    }
+
     pub fn snapshot(&self) -> CatalogData {
         self.data.lock().clone()
     }

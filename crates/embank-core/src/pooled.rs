@@ -463,6 +463,13 @@ pub fn pool(mode: Pooling, rows: &[&[f32]], weights: Option<&[f32]>, out: &mut [
     }
 }
 
+/// The pooled-bag cache hears of every changed row: bags holding one are stale.
+impl crate::tier::Listener for PooledCache {
+    fn rows_changed(&self, changed: &crate::tier::Changed<'_>) {
+        self.invalidate(changed.table, changed.keys);
+    }
+}
+
 /// Checks the shape of a batch of bags; the error names what is wrong.
 pub fn check_bags(ids: &[u64], offsets: &[usize], weights: Option<&[f32]>, mode: Pooling) -> crate::Result<()> {
     let bad = |why: String| Err(crate::Error::invalid(format!("lookup_pooled: {why}")));

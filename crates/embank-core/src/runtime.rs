@@ -19,7 +19,7 @@ use crate::error::{ErrorKind, Result};
 use crate::io::IoEngine;
 use crate::journal::Journal;
 use crate::pooled::PooledCache;
-use crate::tier::RowCache;
+use crate::tier::{Listener, RowCache, StoreTiers, Tier};
 
 /// Lookahead requests queued at most; more are dropped (and counted), never waited for.
 const LOOKAHEAD_QUEUE: usize = 256;
@@ -59,7 +59,8 @@ enum Job {
 }
 
 pub(crate) struct Runtime {
-    pub cache: Option<Arc<RowCache>>,
+    /// The store's tiers (the DRAM row cache, a shared tier) and listeners of changes.
+    pub tiers: Arc<StoreTiers>,
     /// The pooled-embedding cache of inference bags (absent when its budget is 0).
     pub pooled: Option<Arc<PooledCache>>,
     /// Automatic hot placement (absent: off).
@@ -74,8 +75,6 @@ pub(crate) struct Runtime {
     pub lookahead_requests: AtomicU64,
     /// The store's checkpoint gate and current interval.
     pub gate: Gate,
-    /// A tier shared with other stores (set after open by the serving process).
-    pub shared: parking_lot::RwLock<Option<Arc<dyn crate::tier::SharedTier>>>,
 }
 
 impl Runtime {
@@ -87,8 +86,11 @@ impl Runtime {
         mmap_random: bool,
     ) -> Arc<Runtime> {
         let (tx, rx) = sync_channel(LOOKAHEAD_QUEUE);
+        let near: Vec<Arc<dyn Tier>> = cache.into_iter().map(|c| c as Arc<dyn Tier>).collect();
+        // The pooled-bag cache drops the bags of changed rows.
+        let listeners: Vec<Arc<dyn Listener>> = pooled.iter().map(|p| Arc::clone(p) as Arc<dyn Listener>).collect();
         let tier = Arc::new(Runtime {
-            cache,
+            tiers: Arc::new(StoreTiers::new(near, listeners)),
             pooled,
             hot,
             io,
@@ -99,7 +101,6 @@ impl Runtime {
             lookahead_dropped: AtomicU64::new(0),
             lookahead_requests: AtomicU64::new(0),
             gate: Gate::default(),
-            shared: parking_lot::RwLock::new(None),
         });
         let weak = Arc::downgrade(&tier);
         let handle = std::thread::Builder::new()
@@ -189,8 +190,7 @@ impl Runtime {
     }
 
     fn write_back_round(&self) {
-        let Some(cache) = &self.cache else { return };
-        if cache.dirty_bytes() <= cache.dirty_target() {
+        if !self.tiers.dirty_over_target() {
             return;
         }
         let tables: Vec<Arc<dyn Maintained>> = self.tables.lock().iter().filter_map(|t| t.upgrade()).collect();

@@ -23,7 +23,7 @@ use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::io::{FaultPlan, FaultyEngine, IoChoice, IoStats};
 use crate::runtime::Runtime;
 use crate::table::{validate_name, RepairMode, Table, TableOptions, TableStats};
-use crate::tier::{CacheStats, RowCache, Tier};
+use crate::tier::{CacheStats, RowCache};
 
 pub use crate::checkpoint::CheckpointInfo;
 
@@ -646,14 +646,14 @@ impl Store {
         }
         let bytes_on_disk = dir_bytes(&inner.dir);
         let runtime = &inner.runtime;
-        let shared_tier = runtime.shared.read().as_ref().map(|s| s.stats());
+        let shared_tier = runtime.tiers.shared().map(|s| s.stats());
         Ok(StoreStats {
             path: inner.dir.display().to_string(),
             rows: tables.iter().map(|t| t.rows).sum(),
             bytes_mapped: tables.iter().map(|t| t.bytes_mapped).sum(),
             bytes_on_disk,
             tables,
-            cache: runtime.cache.as_ref().map(|c| Tier::stats(c.as_ref())),
+            cache: runtime.tiers.near().first().map(|c| c.stats()),
             pooled: runtime.pooled.as_ref().map(|p| p.stats()),
             io: runtime.io.stats(),
             lookahead_requests: runtime.lookahead_requests.load(std::sync::atomic::Ordering::Relaxed),
@@ -668,7 +668,17 @@ impl Store {
     pub fn set_shared_tier(&self, tier: Option<Arc<dyn crate::tier::SharedTier>>) -> Result<()> {
         let guard = self.inner.read();
         let inner = guard.as_ref().ok_or_else(|| self.closed())?;
-        *inner.runtime.shared.write() = tier;
+        inner.runtime.tiers.set_shared(tier);
+        Ok(())
+    }
+
+    /// Registers a listener that hears of every batch of changed rows (written,
+    /// created or deleted) of this store's tables, after the change: the hook of a
+    /// cache outside the store (a GPU cache of rows) that must drop what changed.
+    pub fn add_change_listener(&self, listener: Arc<dyn crate::tier::Listener>) -> Result<()> {
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        inner.runtime.tiers.add_listener(listener);
         Ok(())
     }
 }

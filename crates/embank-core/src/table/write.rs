@@ -18,7 +18,11 @@
 //!
 //! and [`Publisher::finish`] settles the batch: replaced records a retained
 //! checkpoint needs are held, the others retired to the epoch collector, records
-//! allocated but not published go back to the allocator.
+//! allocated but not published go back to the allocator. When the pass ends, the
+//! keys it published go out in one notice through the tier stack
+//! ([`TierStack::changed`]): the tiers, the pooled-bag cache and the store's
+//! listeners hear of them. (A push that stays in a tier, dirty, sends its own
+//! notice from `tiered.rs`; a write-back changes nothing readers see and sends none.)
 //!
 //! Invariants asserted here (`strict_assert!`, on in tests and debug builds): a
 //! record published on a mapped medium holds its key; the record the journal
@@ -60,15 +64,9 @@ pub(super) enum Outcome {
 impl Table {
     /// Takes keys out of the index (and the tiers); returns how many were present.
     pub(super) fn remove(&self, keys: &[u64]) -> Result<u64> {
-        let result = self.remove_keys(keys);
-        self.rows_changed(keys);
-        result
-    }
-
-    fn remove_keys(&self, keys: &[u64]) -> Result<u64> {
         let _gate = self.shared.runtime.gate.batch();
         let st = self.state()?;
-        let mut p = Publisher::new(self, st.as_ref().unwrap());
+        let mut p = Publisher::new(self, &st);
         for &key in keys {
             p.publish(key, Change::Remove, |_| false, |_| {})?;
         }
@@ -80,7 +78,10 @@ impl Table {
 pub(super) struct Publisher<'a> {
     table: &'a Table,
     st: &'a State,
-    tiers: TierStack<'a>,
+    tiers: &'a TierStack,
+    /// Keys published, for the batch's notice (`None`: a pass that changes no row as
+    /// readers see it, a write-back).
+    changed: Option<Vec<u64>>,
     interval: u64,
     jw: Option<journal::Writer>,
     guard: Guard,
@@ -96,6 +97,7 @@ impl<'a> Publisher<'a> {
             table,
             st,
             tiers: table.tiers(),
+            changed: Some(Vec::new()),
             interval: table.shared.runtime.gate.interval(),
             jw: None,
             guard: crossbeam_epoch::pin(),
@@ -103,6 +105,14 @@ impl<'a> Publisher<'a> {
             held: Vec::new(),
             unused: Vec::new(),
         }
+    }
+
+    /// A write-back's pass: it publishes rows readers already see in a tier, so it sends
+    /// no notice.
+    pub fn write_back(table: &'a Table, st: &'a State) -> Publisher<'a> {
+        let mut p = Publisher::new(table, st);
+        p.changed = None;
+        p
     }
 
     /// Hints the CPU to load what publishing `key` will read: its home bucket and, while a
@@ -163,7 +173,7 @@ impl<'a> Publisher<'a> {
         let checkpoints = &self.table.shared.checkpoints;
         let keep = checkpoints
             .journal_first_change(self.interval, &mut self.jw, index, key, h)
-            .map_err(|e| e.context(format!("table {:?}", self.table.shared.name)))?;
+            .map_err(|e| e.context(format!("table {:?}", self.table.shared.config.name)))?;
         let old = match change {
             Change::Create(ptr) => {
                 if !index.insert_new(key, h, ptr) {
@@ -200,18 +210,31 @@ impl<'a> Publisher<'a> {
             }
         }
         after(&mut locks);
+        if let Some(changed) = &mut self.changed {
+            changed.push(key);
+        }
         Ok(Outcome::Published)
     }
 
     /// Ends the pass: holds what the latest checkpoint needs, retires the other replaced
     /// records, returns unpublished ones to the allocator. Returns the records replaced
     /// or removed.
-    pub fn finish(self) -> u64 {
+    pub fn finish(mut self) -> u64 {
         let alloc = self.st.medium.alloc();
         let replaced = (self.retired.len() + self.held.len()) as u64;
-        alloc.release(self.unused);
-        alloc.retire(&self.guard, self.retired);
-        self.table.shared.checkpoints.hold(self.interval, self.held);
+        alloc.release(std::mem::take(&mut self.unused));
+        alloc.retire(&self.guard, std::mem::take(&mut self.retired));
+        self.table.shared.checkpoints.hold(self.interval, std::mem::take(&mut self.held));
         replaced
+    }
+}
+
+impl Drop for Publisher<'_> {
+    /// The batch's notice: the keys this pass published changed (sent also when the
+    /// pass failed part way: the keys published before the failure changed).
+    fn drop(&mut self) {
+        if let Some(changed) = &self.changed {
+            self.tiers.changed(changed);
+        }
     }
 }
