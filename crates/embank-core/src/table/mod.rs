@@ -1,11 +1,13 @@
 //! A table: the index and the medium of one embedding table under its tiers, and
-//! its batch operations. This file holds the handle and the public batch calls;
-//! the work behind them lives beside it, one job per file:
+//! its batch operations. This file holds the handle, the parts it is assembled
+//! from (each owning its state and lock: `Config`, `Files`, the `TierStack`,
+//! `Training`, the checkpoints, `Repairs`, the lifecycle) and the public batch
+//! calls; the work behind them lives beside it, one job per file:
 //!
 //! | file | job |
 //! | --- | --- |
 //! | `write.rs` | the write protocol: every change of a key's index slot |
-//! | `read.rs` | reads: the lock-free mmap fast path and the tiered path (tiers → index → medium) |
+//! | `read.rs` | reads: the lock-free fast path of mapped media and the tiered path (tiers → index → medium) |
 //! | `tiered.rs` | writes through the tiers: dirty rows, write-through, write-back, lookahead, pinned loads |
 //! | `grow.rs` | room in the index: the load check, the rebuild into a larger index, the retry loop |
 //! | `open.rs` | create, open with recovery and rollback, clean close, the maintenance hooks |
@@ -13,6 +15,7 @@
 //! | `export.rs` | full, paged and checkpoint exports, the keys changed since a checkpoint |
 //! | `serve.rs` | zero-copy reads for the server |
 //! | `evict.rs` | admission and eviction around the batch calls |
+//! | `pooled.rs` | `lookup_pooled`: bags pooled through the store's pooled-bag cache |
 //! | `stats.rs` | the numbers |
 //!
 //! Reads take no lock: they pin an epoch, resolve keys in the index (prefetching
@@ -183,10 +186,9 @@ impl Table {
 
     /// Changes the optimizer's learning rate; durable at once (the catalog is rewritten).
     pub fn set_lr(&self, lr: f32) -> Result<()> {
-        let mut optimizer = self.shared.training.optimizer.lock();
-        let new = optimizer.with_lr(lr)?;
+        let new = self.optimizer().with_lr(lr)?;
         self.update_meta(|m| m.optimizer = new)?;
-        *optimizer = new;
+        *self.shared.training.optimizer.lock() = new;
         Ok(())
     }
 

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::write::{Change, Outcome, Publisher};
+use super::write::{Change, Notice, Outcome, Publisher};
 use super::{State, Table};
 use crate::error::{Error, Result};
 use crate::medium::{Mapped, Medium, ReadItem};
@@ -146,6 +146,7 @@ impl Table {
     /// Creates the rows at `positions` with the initializer (written through to the
     /// medium, entering the tiers); a key another writer created first is read instead.
     fn create_missing(&self, keys: &[u64], positions: &[usize], out: &mut [f32]) -> Result<()> {
+        let notice = Notice::new(self.tiers());
         let w = self.shared.config.layout.elems();
         for &i in positions {
             self.init_record(keys[i], &mut out[i * w..(i + 1) * w]);
@@ -154,7 +155,7 @@ impl Table {
         self.with_room(|st, from| {
             let todo = &positions[from..];
             let ptrs = self.write_records(st, todo.iter().map(|&i| (keys[i], &out[i * w..(i + 1) * w])))?;
-            let mut p = Publisher::new(self, st);
+            let mut p = Publisher::new(self, st, Some(&notice));
             for (j, &i) in todo.iter().enumerate() {
                 // A tier that has the row by now (another writer created it): its copy is the row.
                 let mut cached: Option<Vec<f32>> = None;

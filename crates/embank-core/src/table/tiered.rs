@@ -17,7 +17,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::write::{Change, Outcome, Publisher};
+use super::write::{Change, Notice, Outcome, Publisher};
 use super::Table;
 use crate::error::Result;
 use crate::medium::{Medium, ReadItem};
@@ -33,6 +33,7 @@ const PUBLISH_AHEAD: usize = super::read::PREFETCH_KEYS_AHEAD;
 impl Table {
     /// Writes whole records (row and optimizer state).
     pub(super) fn push_records(&self, keys: &[u64], records: &[f32]) -> Result<()> {
+        let notice = Notice::new(self.tiers());
         let _gate = self.shared.runtime.gate.batch();
         let w = self.shared.config.layout.elems();
         let tiers = self.tiers();
@@ -51,13 +52,11 @@ impl Table {
                     through.push(i);
                 }
             }
-            // The notice of the rows that stay in the tier (those written through get
-            // theirs from the write protocol).
-            tiers.changed(&dirty);
+            notice.add(&dirty);
             through
         };
         if !through.is_empty() {
-            self.write_through(keys, records, &through)?;
+            self.write_through(keys, records, &through, &notice)?;
         }
         // Back-pressure: a writer that outruns write-back writes back itself.
         while tiers.dirty_over_high() {
@@ -70,12 +69,12 @@ impl Table {
 
     /// Writes the records at `positions` to fresh records and publishes them (insert or
     /// replace; with duplicate keys the last wins).
-    fn write_through(&self, keys: &[u64], records: &[f32], positions: &[usize]) -> Result<()> {
+    fn write_through(&self, keys: &[u64], records: &[f32], positions: &[usize], notice: &Notice) -> Result<()> {
         let w = self.shared.config.layout.elems();
         self.with_room(|st, from| {
             let todo = &positions[from..];
             let ptrs = self.write_records(st, todo.iter().map(|&i| (keys[i], &records[i * w..(i + 1) * w])))?;
-            let mut p = Publisher::new(self, st);
+            let mut p = Publisher::new(self, st, Some(notice));
             for (j, &i) in todo.iter().enumerate() {
                 if let Some(&ahead) = todo.get(j + PUBLISH_AHEAD) {
                     p.prefetch(keys[ahead]);
@@ -115,7 +114,8 @@ impl Table {
         let result = self.with_room_from(&mut progress, |st, from| {
             let todo: &[DirtyRow] = &rows[from..];
             let ptrs = self.write_records(st, todo.iter().map(|r| (r.key, &r.row[..])))?;
-            let mut p = Publisher::write_back(self, st);
+            // Rows readers already see in a tier: no notice.
+            let mut p = Publisher::new(self, st, None);
             for (j, r) in todo.iter().enumerate() {
                 if let Some(ahead) = todo.get(j + PUBLISH_AHEAD) {
                     p.prefetch(ahead.key);

@@ -18,15 +18,18 @@
 //!
 //! and [`Publisher::finish`] settles the batch: replaced records a retained
 //! checkpoint needs are held, the others retired to the epoch collector, records
-//! allocated but not published go back to the allocator. When the pass ends, the
-//! keys it published go out in one notice through the tier stack
-//! ([`TierStack::changed`]): the tiers, the pooled-bag cache and the store's
-//! listeners hear of them. (A push that stays in a tier, dirty, sends its own
-//! notice from `tiered.rs`; a write-back changes nothing readers see and sends none.)
+//! allocated but not published go back to the allocator. The keys published go
+//! into the batch's [`Notice`], which tells them to the tier stack once, when the
+//! batch's locks are released ([`TierStack::changed`]): the tiers, the pooled-bag
+//! cache and the store's listeners hear of them. (A push that stays in a tier,
+//! dirty, adds its keys to the same notice; a write-back changes nothing readers
+//! see and has none.)
 //!
 //! Invariants asserted here (`strict_assert!`, on in tests and debug builds): a
 //! record published on a mapped medium holds its key; the record the journal
 //! step recorded is the one the swap replaced.
+
+use std::cell::RefCell;
 
 use crossbeam_epoch::Guard;
 
@@ -64,13 +67,40 @@ pub(super) enum Outcome {
 impl Table {
     /// Takes keys out of the index (and the tiers); returns how many were present.
     pub(super) fn remove(&self, keys: &[u64]) -> Result<u64> {
+        let notice = Notice::new(self.tiers());
         let _gate = self.shared.runtime.gate.batch();
         let st = self.state()?;
-        let mut p = Publisher::new(self, &st);
+        let mut p = Publisher::new(self, &st, Some(&notice));
         for &key in keys {
             p.publish(key, Change::Remove, |_| false, |_| {})?;
         }
         Ok(p.finish())
+    }
+}
+
+/// The keys one batch changed, told to the tier stack ([`TierStack::changed`]) once,
+/// when the notice is dropped: the writer makes it before it takes the batch's locks,
+/// so it goes out after they are released, also when the batch failed part way (the
+/// keys published before the failure changed).
+pub(super) struct Notice<'a> {
+    tiers: &'a TierStack,
+    keys: RefCell<Vec<u64>>,
+}
+
+impl<'a> Notice<'a> {
+    pub fn new(tiers: &'a TierStack) -> Notice<'a> {
+        Notice { tiers, keys: RefCell::new(Vec::new()) }
+    }
+
+    /// Keys changed without a publish (a push that stays in a tier, dirty).
+    pub fn add(&self, keys: &[u64]) {
+        self.keys.borrow_mut().extend_from_slice(keys);
+    }
+}
+
+impl Drop for Notice<'_> {
+    fn drop(&mut self) {
+        self.tiers.changed(self.keys.get_mut());
     }
 }
 
@@ -79,9 +109,9 @@ pub(super) struct Publisher<'a> {
     table: &'a Table,
     st: &'a State,
     tiers: &'a TierStack,
-    /// Keys published, for the batch's notice (`None`: a pass that changes no row as
-    /// readers see it, a write-back).
-    changed: Option<Vec<u64>>,
+    /// The batch's notice, which hears of every key published (`None`: a pass that
+    /// changes no row as readers see it, a write-back).
+    notice: Option<&'a Notice<'a>>,
     interval: u64,
     jw: Option<journal::Writer>,
     guard: Guard,
@@ -92,12 +122,12 @@ pub(super) struct Publisher<'a> {
 
 impl<'a> Publisher<'a> {
     /// The caller holds the store's checkpoint gate (shared) for the whole batch.
-    pub fn new(table: &'a Table, st: &'a State) -> Publisher<'a> {
+    pub fn new(table: &'a Table, st: &'a State, notice: Option<&'a Notice<'a>>) -> Publisher<'a> {
         Publisher {
             table,
             st,
             tiers: table.tiers(),
-            changed: Some(Vec::new()),
+            notice,
             interval: table.shared.runtime.gate.interval(),
             jw: None,
             guard: crossbeam_epoch::pin(),
@@ -105,14 +135,6 @@ impl<'a> Publisher<'a> {
             held: Vec::new(),
             unused: Vec::new(),
         }
-    }
-
-    /// A write-back's pass: it publishes rows readers already see in a tier, so it sends
-    /// no notice.
-    pub fn write_back(table: &'a Table, st: &'a State) -> Publisher<'a> {
-        let mut p = Publisher::new(table, st);
-        p.changed = None;
-        p
     }
 
     /// Hints the CPU to load what publishing `key` will read: its home bucket and, while a
@@ -210,8 +232,8 @@ impl<'a> Publisher<'a> {
             }
         }
         after(&mut locks);
-        if let Some(changed) = &mut self.changed {
-            changed.push(key);
+        if let Some(notice) = self.notice {
+            notice.keys.borrow_mut().push(key);
         }
         Ok(Outcome::Published)
     }
@@ -219,22 +241,12 @@ impl<'a> Publisher<'a> {
     /// Ends the pass: holds what the latest checkpoint needs, retires the other replaced
     /// records, returns unpublished ones to the allocator. Returns the records replaced
     /// or removed.
-    pub fn finish(mut self) -> u64 {
+    pub fn finish(self) -> u64 {
         let alloc = self.st.medium.alloc();
         let replaced = (self.retired.len() + self.held.len()) as u64;
-        alloc.release(std::mem::take(&mut self.unused));
-        alloc.retire(&self.guard, std::mem::take(&mut self.retired));
-        self.table.shared.checkpoints.hold(self.interval, std::mem::take(&mut self.held));
+        alloc.release(self.unused);
+        alloc.retire(&self.guard, self.retired);
+        self.table.shared.checkpoints.hold(self.interval, self.held);
         replaced
-    }
-}
-
-impl Drop for Publisher<'_> {
-    /// The batch's notice: the keys this pass published changed (sent also when the
-    /// pass failed part way: the keys published before the failure changed).
-    fn drop(&mut self) {
-        if let Some(changed) = &self.changed {
-            self.tiers.changed(changed);
-        }
     }
 }
