@@ -46,7 +46,7 @@ impl Table {
             let mut dirty = Vec::new();
             for (i, &key) in keys.iter().enumerate() {
                 let record = &records[i * w..(i + 1) * w];
-                if tiers.lock(key).write_dirty(record, || index.get(key, index.hash(key)).is_some()) {
+                if tiers.locked(key, |locks| locks.write_dirty(record, || index.get(key, index.hash(key)).is_some())) {
                     dirty.push(key);
                 } else {
                     through.push(i);
@@ -206,7 +206,7 @@ impl Table {
         let mut load = |items: &mut Vec<ReadItem>, rows: &mut Vec<f32>| -> Result<()> {
             st.medium.read(items, rows)?;
             for it in items.iter() {
-                tiers.lock(it.key).load(&rows[it.pos * w..(it.pos + 1) * w]);
+                tiers.locked(it.key, |locks| locks.load(&rows[it.pos * w..(it.pos + 1) * w]));
             }
             total += items.len() as u64;
             items.clear();

@@ -167,15 +167,29 @@ impl<'a> Publisher<'a> {
         veto: impl FnOnce(&KeyLocks) -> bool,
         after: impl FnOnce(&mut KeyLocks),
     ) -> Result<Outcome> {
-        let index = &self.st.index;
-        let h = index.hash(key);
+        let h = self.st.index.hash(key);
         let _stripe = self.table.stripe(h).lock();
-        let mut locks = self.tiers.lock(key);
+        let tiers = self.tiers;
+        tiers.locked(key, |locks| self.publish_locked(key, h, change, locks, veto, after))
+    }
+
+    /// [`publish`](Self::publish) under the key's stripe lock and tier locks.
+    #[inline(always)]
+    fn publish_locked(
+        &mut self,
+        key: u64,
+        h: u64,
+        change: Change,
+        locks: &mut KeyLocks,
+        veto: impl FnOnce(&KeyLocks) -> bool,
+        after: impl FnOnce(&mut KeyLocks),
+    ) -> Result<Outcome> {
+        let index = &self.st.index;
         let new = match change {
             Change::Create(p) | Change::Upsert(p) => Some(p),
             Change::Remove => None,
         };
-        if veto(&locks) {
+        if veto(locks) {
             self.unused.extend(new);
             return Ok(Outcome::Skipped);
         }
@@ -231,7 +245,7 @@ impl<'a> Publisher<'a> {
                 self.retired.push(old);
             }
         }
-        after(&mut locks);
+        after(locks);
         if let Some(notice) = self.notice {
             notice.keys.borrow_mut().push(key);
         }

@@ -327,8 +327,9 @@ impl super::Tier for RowCache {
         RowCache::requeue(self, table, keys)
     }
 
-    fn lock(&self, table: u32, key: u64) -> Box<dyn super::TierKey + '_> {
-        Box::new(KeyEntry { locked: self.lock(self.hash(table, key)), table, key })
+    #[inline]
+    fn with_key(&self, table: u32, key: u64, f: &mut dyn FnMut(&mut dyn super::TierKey)) {
+        f(&mut KeyEntry { locked: self.lock(self.hash(table, key)), table, key })
     }
 
     fn dirty_over_high(&self) -> bool {

@@ -62,9 +62,10 @@ pub trait Tier: Send + Sync {
     );
     /// The keys of `keys` the tier does not hold.
     fn absent(&self, table: u32, keys: &[u64]) -> Vec<u64>;
-    /// Locks `key`'s entry, held across a change of the key's index slot (the caller
-    /// holds the key's stripe lock).
-    fn lock(&self, table: u32, key: u64) -> Box<dyn TierKey + '_>;
+    /// Locks `key`'s entry and calls `f` with it: the write protocol changes the key's
+    /// index slot inside `f` (the caller holds the key's stripe lock). The lock lives
+    /// on the tier's stack, so a key's lock costs no allocation.
+    fn with_key(&self, table: u32, key: u64, f: &mut dyn FnMut(&mut dyn TierKey));
     /// Copies out up to `max` dirty records of `table` for write-back.
     fn take_dirty(&self, table: u32, layout: &RecordLayout, max: usize) -> Vec<DirtyRow>;
     /// Puts records whose write-back failed back on the dirty queues.
@@ -177,8 +178,8 @@ pub(crate) struct TierStack {
 /// nearest first). Dirty records live in the nearest tier only; the others hold clean
 /// copies.
 pub(crate) struct KeyLocks<'a> {
-    held: [Option<Box<dyn TierKey + 'a>>; TIERS_MAX],
-    layout: &'a RecordLayout,
+    held: [Option<&'a mut (dyn TierKey + 'a)>; TIERS_MAX],
+    layout: RecordLayout,
     pinned: bool,
 }
 
@@ -288,14 +289,36 @@ impl TierStack {
         absent
     }
 
-    /// Locks `key` in every near tier (call with the key's stripe lock held).
+    /// Locks `key` in every near tier, nearest first, and calls `f` with the locks (call
+    /// with the key's stripe lock held).
     #[inline]
-    pub fn lock(&self, key: u64) -> KeyLocks<'_> {
-        let mut held: [Option<Box<dyn TierKey + '_>>; TIERS_MAX] = Default::default();
-        for (slot, tier) in held.iter_mut().zip(&self.near) {
-            *slot = Some(tier.lock(self.table, key));
-        }
-        KeyLocks { held, layout: &self.layout, pinned: self.pinned }
+    pub fn locked<R>(&self, key: u64, f: impl FnOnce(&mut KeyLocks<'_>) -> R) -> R {
+        let (mut f, mut out) = (Some(f), None);
+        let held: [Option<&mut dyn TierKey>; TIERS_MAX] = Default::default();
+        self.nest(0, key, held, &mut |locks| out = f.take().map(|f| f(locks)));
+        out.expect("the innermost tier calls back once")
+    }
+
+    /// Takes the lock of near tier `depth` and goes on with the next, `held` the locks
+    /// taken so far; with every lock held, calls `body`.
+    fn nest(
+        &self,
+        depth: usize,
+        key: u64,
+        mut held: [Option<&mut dyn TierKey>; TIERS_MAX],
+        body: &mut dyn FnMut(&mut KeyLocks<'_>),
+    ) {
+        let Some(tier) = self.near.get(depth) else {
+            return body(&mut KeyLocks { held, layout: self.layout, pinned: self.pinned });
+        };
+        tier.with_key(self.table, key, &mut |locked| {
+            let mut next: [Option<&mut dyn TierKey>; TIERS_MAX] = Default::default();
+            for (n, h) in next.iter_mut().zip(held.iter_mut()) {
+                *n = h.as_deref_mut().map(|h| h as &mut dyn TierKey);
+            }
+            next[depth] = Some(locked);
+            self.nest(depth + 1, key, next, body);
+        });
     }
 
     /// Up to `max` dirty rows for write-back (the nearest tier holds them).
@@ -349,14 +372,14 @@ impl<'a> KeyLocks<'a> {
         self.held.iter().map_while(|h| h.as_deref())
     }
 
-    fn tiers_mut(&mut self) -> impl Iterator<Item = &mut Box<dyn TierKey + 'a>> + '_ {
+    fn tiers_mut(&mut self) -> impl Iterator<Item = &mut &'a mut (dyn TierKey + 'a)> + '_ {
         self.held.iter_mut().map_while(|h| h.as_mut())
     }
 
     /// The record a tier holds for the key, decoded, if any (nearest first).
     pub fn cached(&self) -> Option<Vec<f32>> {
         let mut out = vec![0f32; self.layout.elems()];
-        self.tiers().any(|t| t.get(self.layout, &mut out)).then_some(out)
+        self.tiers().any(|t| t.get(&self.layout, &mut out)).then_some(out)
     }
 
     /// True when the nearest tier still holds the dirty copy of `version` (a write-back's).
@@ -371,11 +394,11 @@ impl<'a> KeyLocks<'a> {
         let (layout, pinned) = (self.layout, self.pinned);
         let mut tiers = self.tiers_mut();
         let Some(near) = tiers.next() else { return false };
-        if !near.replace(layout, record, true) {
+        if !near.replace(&layout, record, true) {
             if !present() {
                 return false;
             }
-            near.insert(layout, record, true, pinned);
+            near.insert(&layout, record, true, pinned);
         }
         // The farther tiers' copies are older now.
         for t in tiers {
@@ -388,7 +411,7 @@ impl<'a> KeyLocks<'a> {
     pub fn created(&mut self, record: &[f32]) {
         let (layout, pinned) = (self.layout, self.pinned);
         for t in self.tiers_mut() {
-            t.insert(layout, record, false, pinned);
+            t.insert(&layout, record, false, pinned);
         }
     }
 
@@ -398,8 +421,8 @@ impl<'a> KeyLocks<'a> {
     pub fn written(&mut self, record: &[f32]) {
         let (layout, pinned) = (self.layout, self.pinned);
         for t in self.tiers_mut() {
-            if !t.replace(layout, record, false) && pinned {
-                t.insert(layout, record, false, true);
+            if !t.replace(&layout, record, false) && pinned {
+                t.insert(&layout, record, false, true);
             }
         }
     }
@@ -423,7 +446,7 @@ impl<'a> KeyLocks<'a> {
         let layout = self.layout;
         for t in self.tiers_mut() {
             if !t.contains() {
-                t.insert(layout, record, false, true);
+                t.insert(&layout, record, false, true);
             }
         }
     }

@@ -126,8 +126,8 @@ impl Tier for Fifo {
         let rows = self.rows.lock();
         keys.iter().copied().filter(|&k| !rows.map.contains_key(&(table, k))).collect()
     }
-    fn lock(&self, table: u32, key: u64) -> Box<dyn TierKey + '_> {
-        Box::new(FifoKey { fifo: self, rows: self.rows.lock(), id: (table, key) })
+    fn with_key(&self, table: u32, key: u64, f: &mut dyn FnMut(&mut dyn TierKey)) {
+        f(&mut FifoKey { fifo: self, rows: self.rows.lock(), id: (table, key) })
     }
     fn take_dirty(&self, table: u32, _layout: &RecordLayout, max: usize) -> Vec<DirtyRow> {
         let rows = self.rows.lock();
@@ -204,16 +204,16 @@ fn fifo_tier_alone_reads_writes_back_and_notifies() {
     assert_eq!(read(&tiers, &[3]).1, 1);
     assert_eq!(tiers.absent(&[1, 2, 3]), vec![1], "FIFO evicted the oldest row");
     // A push of a held row stays in the tier, dirty, and is written back by version.
-    assert!(tiers.lock(2).write_dirty(&[5.0, 5.0], || true));
+    assert!(tiers.locked(2, |locks| locks.write_dirty(&[5.0, 5.0], || true)));
     tiers.changed(&[2]);
     let dirty = tiers.take_dirty(10);
     assert_eq!(dirty.len(), 1);
     assert_eq!((dirty[0].key, &dirty[0].row[..]), (2, &[5.0, 5.0][..]));
-    let mut locks = tiers.lock(2);
-    assert!(locks.dirty_at(dirty[0].version));
-    locks.written_back(dirty[0].version);
-    assert!(!locks.dirty_at(dirty[0].version));
-    drop(locks);
+    tiers.locked(2, |locks| {
+        assert!(locks.dirty_at(dirty[0].version));
+        locks.written_back(dirty[0].version);
+        assert!(!locks.dirty_at(dirty[0].version));
+    });
     assert!(tiers.take_dirty(10).is_empty());
     assert_eq!(*heard.0.lock(), vec![2], "the listener heard the batch's notice");
 }
@@ -225,12 +225,12 @@ fn fifo_tier_under_the_row_cache() {
     let tiers = stack(vec![Arc::new(super::RowCache::new(64 << 10)), Arc::clone(&fifo) as Arc<dyn Tier>], &heard);
     read(&tiers, &[1, 2, 3]);
     // Taken out of the nearest tier only: the farther one answers.
-    tiers.lock(2).remove();
+    tiers.locked(2, |locks| locks.remove());
     fifo.insert(&mut fifo.rows.lock(), (7, 2), &[9.0, 9.0], false);
     let (rows, missed) = read(&tiers, &[1, 2, 3]);
     assert_eq!((missed, &rows[2..4]), (0, &[9.0, 9.0][..]));
     // A dirty write lands in the nearest tier and drops the farther copy.
-    assert!(tiers.lock(1).write_dirty(&[4.0, 4.0], || true));
-    assert_eq!(tiers.lock(1).cached(), Some(vec![4.0, 4.0]));
+    assert!(tiers.locked(1, |locks| locks.write_dirty(&[4.0, 4.0], || true)));
+    assert_eq!(tiers.locked(1, |locks| locks.cached()), Some(vec![4.0, 4.0]));
     assert_eq!(fifo.absent(7, &[1]), vec![1]);
 }
