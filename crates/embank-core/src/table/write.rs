@@ -164,13 +164,13 @@ impl<'a> Publisher<'a> {
         &mut self,
         key: u64,
         change: Change,
-        veto: impl FnOnce(&KeyLocks) -> bool,
-        after: impl FnOnce(&mut KeyLocks),
+        mut veto: impl FnMut(&KeyLocks) -> bool,
+        mut after: impl FnMut(&mut KeyLocks),
     ) -> Result<Outcome> {
         let h = self.st.index.hash(key);
         let _stripe = self.table.stripe(h).lock();
         let tiers = self.tiers;
-        tiers.locked(key, |locks| self.publish_locked(key, h, change, locks, veto, after))
+        tiers.locked(key, |locks| self.publish_locked(key, h, change, locks, &mut veto, &mut after))
     }
 
     /// [`publish`](Self::publish) under the key's stripe lock and tier locks.
@@ -181,8 +181,8 @@ impl<'a> Publisher<'a> {
         h: u64,
         change: Change,
         locks: &mut KeyLocks,
-        veto: impl FnOnce(&KeyLocks) -> bool,
-        after: impl FnOnce(&mut KeyLocks),
+        veto: &mut impl FnMut(&KeyLocks) -> bool,
+        after: &mut impl FnMut(&mut KeyLocks),
     ) -> Result<Outcome> {
         let index = &self.st.index;
         let new = match change {

@@ -292,11 +292,20 @@ impl TierStack {
     /// Locks `key` in every near tier, nearest first, and calls `f` with the locks (call
     /// with the key's stripe lock held).
     #[inline]
-    pub fn locked<R>(&self, key: u64, f: impl FnOnce(&mut KeyLocks<'_>) -> R) -> R {
-        let (mut f, mut out) = (Some(f), None);
-        let held: [Option<&mut dyn TierKey>; TIERS_MAX] = Default::default();
-        self.nest(0, key, held, &mut |locks| out = f.take().map(|f| f(locks)));
-        out.expect("the innermost tier calls back once")
+    pub fn locked<R>(&self, key: u64, mut f: impl FnMut(&mut KeyLocks<'_>) -> R) -> R {
+        let (layout, pinned) = (self.layout, self.pinned);
+        let mut out = None;
+        match self.near.as_slice() {
+            [] => return f(&mut KeyLocks { held: Default::default(), layout, pinned }),
+            // One tier (the common stack): no walk over the others.
+            [tier] => tier.with_key(self.table, key, &mut |locked| {
+                let mut held: [Option<&mut dyn TierKey>; TIERS_MAX] = Default::default();
+                held[0] = Some(locked);
+                out = Some(f(&mut KeyLocks { held, layout, pinned }));
+            }),
+            _ => self.nest(0, key, Default::default(), &mut |locks| out = Some(f(locks))),
+        }
+        out.expect("the innermost tier calls back")
     }
 
     /// Takes the lock of near tier `depth` and goes on with the next, `held` the locks
