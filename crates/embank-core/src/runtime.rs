@@ -19,7 +19,7 @@ use crate::error::{ErrorKind, Result};
 use crate::io::IoEngine;
 use crate::journal::Journal;
 use crate::pooled::PooledCache;
-use crate::tier::{Listener, RowCache, StoreTiers, Tier};
+use crate::tier::{Listener, StoreTiers, Tier};
 
 /// Lookahead requests queued at most; more are dropped (and counted), never waited for.
 const LOOKAHEAD_QUEUE: usize = 256;
@@ -79,14 +79,13 @@ pub(crate) struct Runtime {
 
 impl Runtime {
     pub fn new(
-        cache: Option<Arc<RowCache>>,
+        near: Vec<Arc<dyn Tier>>,
         pooled: Option<Arc<PooledCache>>,
         hot: Option<crate::hot::HotOptions>,
         io: Arc<dyn IoEngine>,
         mmap_random: bool,
     ) -> Arc<Runtime> {
         let (tx, rx) = sync_channel(LOOKAHEAD_QUEUE);
-        let near: Vec<Arc<dyn Tier>> = cache.into_iter().map(|c| c as Arc<dyn Tier>).collect();
         // The pooled-bag cache drops the bags of changed rows.
         let listeners: Vec<Arc<dyn Listener>> = pooled.iter().map(|p| Arc::clone(p) as Arc<dyn Listener>).collect();
         let tier = Arc::new(Runtime {
@@ -261,6 +260,7 @@ fn maintenance(tier: Weak<Runtime>, rx: Receiver<Job>) {
 mod tests {
     use super::*;
     use crate::layout::RecordLayout;
+    use crate::tier::RowCache;
 
     /// A table that records what the maintenance thread asks of it.
     struct Recorder {
@@ -307,7 +307,7 @@ mod tests {
         }
         assert!(cache.dirty_bytes() > cache.dirty_target());
         let io = crate::io::engine(crate::io::IoChoice::Pread, 4).unwrap();
-        let rt = Runtime::new(Some(cache), None, None, io, false);
+        let rt = Runtime::new(vec![cache], None, None, io, false);
         let recorder =
             Arc::new(Recorder { events: Mutex::new(Vec::new()), first_warm: std::sync::atomic::AtomicBool::new(true) });
         let table: Arc<dyn Maintained> = recorder.clone();

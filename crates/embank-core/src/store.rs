@@ -23,7 +23,7 @@ use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::io::{FaultPlan, FaultyEngine, IoChoice, IoStats};
 use crate::runtime::Runtime;
 use crate::table::{validate_name, RepairMode, Table, TableOptions, TableStats};
-use crate::tier::{CacheStats, RowCache};
+use crate::tier::{CacheStats, RowCache, Tier};
 
 pub use crate::checkpoint::CheckpointInfo;
 
@@ -184,13 +184,17 @@ impl Store {
         if let Some(plan) = &options.fault {
             io = Arc::new(FaultyEngine { inner: io, plan: Arc::clone(plan) });
         }
-        let cache = (options.cache_bytes > 0).then(|| Arc::new(RowCache::new(options.cache_bytes)));
+        // The near tiers, nearest first: the DRAM row cache when it has a budget.
+        let mut near: Vec<Arc<dyn Tier>> = Vec::new();
+        if options.cache_bytes > 0 {
+            near.push(Arc::new(RowCache::new(options.cache_bytes)));
+        }
         let pooled = (options.pooled_cache_bytes > 0)
             .then(|| Arc::new(crate::pooled::PooledCache::new(options.pooled_cache_bytes)));
         if let Some(h) = &options.hot_placement {
             h.validate()?;
         }
-        let runtime = Runtime::new(cache, pooled, options.hot_placement.clone(), io, options.mmap_random_access);
+        let runtime = Runtime::new(near, pooled, options.hot_placement.clone(), io, options.mmap_random_access);
         let catalog = Arc::new(if exists { Catalog::open(&dir)? } else { Catalog::create(&dir)? });
         let data = catalog.snapshot();
         // Directories of tables the catalog does not know are left-overs of an
