@@ -48,6 +48,7 @@ test: develop $(VENV)/.installed lint test-rust test-python fuzz-smoke
 
 lint: $(VENV)/.installed
 	cargo fmt --all --check
+	python3 tools/import_cycles.py crates/embank-core/src
 	cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 	$(BIN)/ruff check python tests/python examples bench tools/newcomer.py
 	$(BIN)/ruff format --check python tests/python examples bench tools/newcomer.py

@@ -94,6 +94,14 @@ pub struct TableMeta {
     pub lifecycle: crate::lifecycle::LifecycleOptions,
 }
 
+impl TableMeta {
+    /// The layout of the table's records.
+    pub fn layout(&self) -> crate::layout::RecordLayout {
+        let dim = self.dim as usize;
+        crate::layout::RecordLayout::new(dim, self.optimizer.state_len(dim), self.dtype)
+    }
+}
+
 fn default_lease() -> f64 {
     60.0
 }
@@ -156,6 +164,11 @@ impl Catalog {
         let bytes = std::fs::read(&path).map_err(|e| io_at("cannot read", &path, e))?;
         let data = decode(&bytes).map_err(|e| e.context(path.display().to_string()))?;
         Ok(Catalog { path, data: Mutex::new(data) })
+    }
+
+    /// The entry of table `id`, if the catalog has it.
+    pub fn table(&self, id: u32) -> Option<TableMeta> {
+        self.data.lock().tables.iter().find(|m| m.id == id).cloned()
     }
 
     pub fn snapshot(&self) -> CatalogData {

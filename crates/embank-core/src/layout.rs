@@ -31,7 +31,6 @@
 //!   the recomputed scale). A row holding a NaN or an infinity stores NaN for
 //!   every element (there is no finite scale for it).
 
-use crate::catalog::TableMeta;
 use crate::format::DType;
 
 /// Layout of one table's records.
@@ -48,12 +47,6 @@ pub struct RecordLayout {
 impl RecordLayout {
     pub fn new(dim: usize, state_len: usize, dtype: DType) -> RecordLayout {
         RecordLayout { dim, state_len, dtype }
-    }
-
-    /// The layout of a table's records from its catalog entry.
-    pub fn of(meta: &TableMeta) -> RecordLayout {
-        let dim = meta.dim as usize;
-        RecordLayout::new(dim, meta.optimizer.state_len(dim), meta.dtype)
     }
 
     /// `f32`s of a decoded record: the row, then its optimizer state.

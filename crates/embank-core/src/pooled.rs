@@ -393,7 +393,7 @@ pub fn check_batch(
     dim: usize,
     out: &[f32],
 ) -> crate::Result<usize> {
-    crate::table::check_bags(ids, offsets, weights, mode)?;
+    check_bags(ids, offsets, weights, mode)?;
     let bags = offsets.len() - 1;
     if out.len() != bags * dim {
         return Err(crate::Error::invalid(format!(
@@ -461,6 +461,42 @@ pub fn pool(mode: Pooling, rows: &[&[f32]], weights: Option<&[f32]>, out: &mut [
             *o /= n;
         }
     }
+}
+
+/// The pooled-bag cache hears of every changed row: bags holding one are stale.
+impl crate::tier::Listener for PooledCache {
+    fn rows_changed(&self, changed: &crate::tier::Changed<'_>) {
+        self.invalidate(changed.table, changed.keys);
+    }
+}
+
+/// Checks the shape of a batch of bags; the error names what is wrong.
+pub fn check_bags(ids: &[u64], offsets: &[usize], weights: Option<&[f32]>, mode: Pooling) -> crate::Result<()> {
+    let bad = |why: String| Err(crate::Error::invalid(format!("lookup_pooled: {why}")));
+    if offsets.first() != Some(&0) || offsets.last() != Some(&ids.len()) {
+        return bad(format!(
+            "offsets must start at 0 and end at the number of ids ({}), one entry more than there are bags; got {} entries from {:?} to {:?}",
+            ids.len(),
+            offsets.len(),
+            offsets.first(),
+            offsets.last()
+        ));
+    }
+    if let Some(b) = offsets.windows(2).position(|w| w[0] > w[1]) {
+        return bad(format!("offsets decrease at bag {b} ({} then {})", offsets[b], offsets[b + 1]));
+    }
+    if let Some(w) = weights {
+        if mode != Pooling::Sum {
+            return bad("weights need mode \"sum\"".into());
+        }
+        if w.len() != ids.len() {
+            return bad(format!("{} weights for {} ids", w.len(), ids.len()));
+        }
+        if let Some(i) = crate::optim::first_non_finite(w) {
+            return bad(format!("weight {i} is not finite ({})", w[i]));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use crate::error::{ErrorKind, Result};
 use crate::io::IoEngine;
 use crate::journal::Journal;
 use crate::pooled::PooledCache;
-use crate::tier::RowCache;
+use crate::tier::{Listener, StoreTiers, Tier};
 
 /// Lookahead requests queued at most; more are dropped (and counted), never waited for.
 const LOOKAHEAD_QUEUE: usize = 256;
@@ -59,7 +59,8 @@ enum Job {
 }
 
 pub(crate) struct Runtime {
-    pub cache: Option<Arc<RowCache>>,
+    /// The store's tiers (the DRAM row cache, a shared tier) and listeners of changes.
+    pub tiers: Arc<StoreTiers>,
     /// The pooled-embedding cache of inference bags (absent when its budget is 0).
     pub pooled: Option<Arc<PooledCache>>,
     /// Automatic hot placement (absent: off).
@@ -74,21 +75,21 @@ pub(crate) struct Runtime {
     pub lookahead_requests: AtomicU64,
     /// The store's checkpoint gate and current interval.
     pub gate: Gate,
-    /// A tier shared with other stores (set after open by the serving process).
-    pub shared: parking_lot::RwLock<Option<Arc<dyn crate::tier::SharedTier>>>,
 }
 
 impl Runtime {
     pub fn new(
-        cache: Option<Arc<RowCache>>,
+        near: Vec<Arc<dyn Tier>>,
         pooled: Option<Arc<PooledCache>>,
         hot: Option<crate::hot::HotOptions>,
         io: Arc<dyn IoEngine>,
         mmap_random: bool,
     ) -> Arc<Runtime> {
         let (tx, rx) = sync_channel(LOOKAHEAD_QUEUE);
+        // The pooled-bag cache drops the bags of changed rows.
+        let listeners: Vec<Arc<dyn Listener>> = pooled.iter().map(|p| Arc::clone(p) as Arc<dyn Listener>).collect();
         let tier = Arc::new(Runtime {
-            cache,
+            tiers: Arc::new(StoreTiers::new(near, listeners)),
             pooled,
             hot,
             io,
@@ -99,7 +100,6 @@ impl Runtime {
             lookahead_dropped: AtomicU64::new(0),
             lookahead_requests: AtomicU64::new(0),
             gate: Gate::default(),
-            shared: parking_lot::RwLock::new(None),
         });
         let weak = Arc::downgrade(&tier);
         let handle = std::thread::Builder::new()
@@ -189,8 +189,7 @@ impl Runtime {
     }
 
     fn write_back_round(&self) {
-        let Some(cache) = &self.cache else { return };
-        if cache.dirty_bytes() <= cache.dirty_target() {
+        if !self.tiers.dirty_over_target() {
             return;
         }
         let tables: Vec<Arc<dyn Maintained>> = self.tables.lock().iter().filter_map(|t| t.upgrade()).collect();
@@ -261,6 +260,7 @@ fn maintenance(tier: Weak<Runtime>, rx: Receiver<Job>) {
 mod tests {
     use super::*;
     use crate::layout::RecordLayout;
+    use crate::tier::RowCache;
 
     /// A table that records what the maintenance thread asks of it.
     struct Recorder {
@@ -307,7 +307,7 @@ mod tests {
         }
         assert!(cache.dirty_bytes() > cache.dirty_target());
         let io = crate::io::engine(crate::io::IoChoice::Pread, 4).unwrap();
-        let rt = Runtime::new(Some(cache), None, None, io, false);
+        let rt = Runtime::new(vec![cache], None, None, io, false);
         let recorder =
             Arc::new(Recorder { events: Mutex::new(Vec::new()), first_warm: std::sync::atomic::AtomicBool::new(true) });
         let table: Arc<dyn Maintained> = recorder.clone();

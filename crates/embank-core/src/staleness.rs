@@ -63,6 +63,11 @@ impl Holds {
         self.bound
     }
 
+    /// How long a hold lasts without its push.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
     /// Takes one hold of each distinct key for `worker`, waiting (at most `timeout` in
     /// all) while a key has more than `bound` holds. On a timeout the holds this call
     /// took are given back and the error names the key.

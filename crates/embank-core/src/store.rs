@@ -184,13 +184,17 @@ impl Store {
         if let Some(plan) = &options.fault {
             io = Arc::new(FaultyEngine { inner: io, plan: Arc::clone(plan) });
         }
-        let cache = (options.cache_bytes > 0).then(|| Arc::new(RowCache::new(options.cache_bytes)));
+        // The near tiers, nearest first: the DRAM row cache when it has a budget.
+        let mut near: Vec<Arc<dyn Tier>> = Vec::new();
+        if options.cache_bytes > 0 {
+            near.push(Arc::new(RowCache::new(options.cache_bytes)));
+        }
         let pooled = (options.pooled_cache_bytes > 0)
             .then(|| Arc::new(crate::pooled::PooledCache::new(options.pooled_cache_bytes)));
         if let Some(h) = &options.hot_placement {
             h.validate()?;
         }
-        let runtime = Runtime::new(cache, pooled, options.hot_placement.clone(), io, options.mmap_random_access);
+        let runtime = Runtime::new(near, pooled, options.hot_placement.clone(), io, options.mmap_random_access);
         let catalog = Arc::new(if exists { Catalog::open(&dir)? } else { Catalog::create(&dir)? });
         let data = catalog.snapshot();
         // Directories of tables the catalog does not know are left-overs of an
@@ -646,14 +650,14 @@ impl Store {
         }
         let bytes_on_disk = dir_bytes(&inner.dir);
         let runtime = &inner.runtime;
-        let shared_tier = runtime.shared.read().as_ref().map(|s| s.stats());
+        let shared_tier = runtime.tiers.shared().map(|s| s.stats());
         Ok(StoreStats {
             path: inner.dir.display().to_string(),
             rows: tables.iter().map(|t| t.rows).sum(),
             bytes_mapped: tables.iter().map(|t| t.bytes_mapped).sum(),
             bytes_on_disk,
             tables,
-            cache: runtime.cache.as_ref().map(|c| Tier::stats(c.as_ref())),
+            cache: runtime.tiers.near().first().map(|c| c.stats()),
             pooled: runtime.pooled.as_ref().map(|p| p.stats()),
             io: runtime.io.stats(),
             lookahead_requests: runtime.lookahead_requests.load(std::sync::atomic::Ordering::Relaxed),
@@ -668,7 +672,17 @@ impl Store {
     pub fn set_shared_tier(&self, tier: Option<Arc<dyn crate::tier::SharedTier>>) -> Result<()> {
         let guard = self.inner.read();
         let inner = guard.as_ref().ok_or_else(|| self.closed())?;
-        *inner.runtime.shared.write() = tier;
+        inner.runtime.tiers.set_shared(tier);
+        Ok(())
+    }
+
+    /// Registers a listener that hears of every batch of changed rows (written,
+    /// created or deleted) of this store's tables, after the change: the hook of a
+    /// cache outside the store (a GPU cache of rows) that must drop what changed.
+    pub fn add_change_listener(&self, listener: Arc<dyn crate::tier::Listener>) -> Result<()> {
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        inner.runtime.tiers.add_listener(listener);
         Ok(())
     }
 }

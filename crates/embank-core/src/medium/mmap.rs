@@ -20,6 +20,7 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use super::alloc::RecordAlloc;
 use super::codec::RecordCodec;
+use super::mapped::Mapped;
 use super::ReadItem;
 use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::format::{self, record_stride, RowsHeader, ROWS_HEADER_BYTES};
@@ -124,19 +125,23 @@ impl MmapMedium {
         &self.alloc
     }
 
+    /// The records as memory (the fast path's view).
+    #[inline(always)]
+    pub fn mapped(&self) -> Mapped<'_> {
+        // SAFETY: the mapping reserves `RESERVE_BYTES`, which holds every record the
+        // allocator hands out, and lives as long as `self`.
+        unsafe { Mapped::new(self.map.as_mut_ptr(), &self.codec, &self.alloc) }
+    }
+
     #[inline(always)]
     fn record_ptr(&self, ptr: u64) -> *mut u8 {
-        debug_assert!(ptr + self.stride() <= self.alloc.file_bytes());
-        // SAFETY: callers pass pointers of handed-out records, all inside the file.
-        unsafe { self.map.as_mut_ptr().add(ptr as usize) }
+        self.mapped().record_ptr(ptr)
     }
 
     /// The bytes of a handed-out record (header and payload).
     #[inline(always)]
     fn record(&self, ptr: u64) -> &[u8] {
-        // SAFETY: a handed-out record inside the file; a published one is immutable until
-        // reclaimed, and the caller's epoch guard keeps it from being reclaimed.
-        unsafe { std::slice::from_raw_parts(self.record_ptr(ptr), self.codec.record_bytes()) }
+        self.mapped().record(ptr)
     }
 
     /// Writes a record. `ptr` must come from the allocator and not be published yet.
@@ -150,49 +155,36 @@ impl MmapMedium {
     /// Key stored in a record.
     #[inline(always)]
     pub fn key_at(&self, ptr: u64) -> u64 {
-        // SAFETY: a handed-out record inside the file.
-        unsafe { u64::from_le((self.record_ptr(ptr) as *const u64).read()) }
+        self.mapped().key_at(ptr)
     }
 
     /// Decodes a published record (row and optimizer state) into `out`.
     #[inline(always)]
     pub fn read_into(&self, ptr: u64, out: &mut [f32]) {
-        self.codec.decode(self.record(ptr), out)
+        self.mapped().read_into(ptr, out)
     }
 
     /// The stored bytes of a published record's row (for zero-copy serving of `f32` rows).
     #[inline(always)]
     pub fn row_bytes(&self, ptr: u64) -> &[u8] {
-        &self.codec.payload(self.record(ptr))[..self.layout().row_bytes()]
+        self.mapped().row_bytes(ptr)
     }
 
     /// Hints the CPU to load a record.
     #[inline(always)]
     pub fn prefetch(&self, ptr: u64) {
-        self.each_line(ptr, crate::prefetch::prefetch_read)
+        self.mapped().prefetch(ptr)
     }
 
     /// Hints the CPU to fetch a record's lines for writing.
     #[inline(always)]
     fn prefetch_for_write(&self, ptr: u64) {
-        self.each_line(ptr, crate::prefetch::prefetch_write)
-    }
-
-    /// Calls `hint` with the address of each cache line of a record.
-    #[inline(always)]
-    fn each_line(&self, ptr: u64, hint: fn(*const u8)) {
-        let p = self.record_ptr(ptr);
-        let mut off = 0;
-        while off < self.stride() as usize {
-            // SAFETY: within the record.
-            hint(unsafe { p.add(off) });
-            off += 64;
-        }
+        self.mapped().each_line(ptr, crate::prefetch::prefetch_write)
     }
 
     /// True when the record's checksum matches its key and payload.
     pub fn checksum_ok(&self, ptr: u64) -> bool {
-        self.codec.checksum_ok(self.record(ptr))
+        self.mapped().checksum_ok(ptr)
     }
 
     /// Checks that the record at `ptr` holds `key` (and, with `checksum`, its checksum).

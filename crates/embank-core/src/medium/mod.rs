@@ -9,11 +9,13 @@
 pub mod alloc;
 pub mod block;
 pub mod codec;
+pub mod mapped;
 pub mod mmap;
 
 pub use alloc::RecordAlloc;
 pub use block::BlockMedium;
 pub use codec::RecordCodec;
+pub use mapped::Mapped;
 pub use mmap::MmapMedium;
 
 use std::path::{Path, PathBuf};
@@ -64,8 +66,9 @@ pub trait Medium: Send + Sync {
     /// Makes written records durable.
     fn flush(&self) -> Result<()>;
     /// Byte-addressable records in memory, for the lock-free fast path and zero-copy
-    /// serving; `None` on media read through I/O.
-    fn as_mapped(&self) -> Option<&MmapMedium> {
+    /// serving; `None` on media read through I/O. A medium that returns `Some` must do so
+    /// from its open to its drop, and its [`MediumKind::is_mapped`] says so beforehand.
+    fn as_mapped(&self) -> Option<Mapped<'_>> {
         None
     }
     /// `MADV_RANDOM` where the medium is mapped.
@@ -95,8 +98,9 @@ impl Medium for MmapMedium {
     fn flush(&self) -> Result<()> {
         MmapMedium::flush(self)
     }
-    fn as_mapped(&self) -> Option<&MmapMedium> {
-        Some(self)
+    #[inline(always)]
+    fn as_mapped(&self) -> Option<Mapped<'_>> {
+        Some(self.mapped())
     }
     fn advise_random(&self) {
         MmapMedium::advise_random(self)
@@ -207,7 +211,7 @@ impl Medium for AnyMedium {
         delegate!(self, m => Medium::flush(m))
     }
     #[inline(always)]
-    fn as_mapped(&self) -> Option<&MmapMedium> {
+    fn as_mapped(&self) -> Option<Mapped<'_>> {
         delegate!(self, m => Medium::as_mapped(m))
     }
     fn advise_random(&self) {
@@ -252,6 +256,16 @@ impl MediumKind {
             "mmap" => Ok(MediumKind::Mmap),
             "block" => Ok(MediumKind::Block),
             other => Err(Error::config(format!("unknown medium {other:?}: use mmap or block"))),
+        }
+    }
+
+    /// True when the medium's records are byte-addressable memory
+    /// ([`Medium::as_mapped`]): reads then take the lock-free fast path unless the table
+    /// caches rows, and `placement = auto` leaves the table uncached.
+    pub fn is_mapped(self) -> bool {
+        match self {
+            MediumKind::Mmap => true,
+            MediumKind::Block => false,
         }
     }
 

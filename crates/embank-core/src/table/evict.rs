@@ -20,7 +20,7 @@ impl Table {
     /// for the admitted ones, then they are created.
     pub(super) fn pull_lifecycle(&self, life: &Lifecycle, keys: &[u64], out: &mut [f32]) -> Result<()> {
         let _gate = self.shared.runtime.gate.batch();
-        let w = self.shared.layout.elems();
+        let w = self.shared.config.layout.elems();
         let mut records = vec![0f32; keys.len() * w];
         let mut found = vec![false; keys.len()];
         let missing = self.lookup_records(keys, &mut records, &mut found)?;
@@ -57,7 +57,7 @@ impl Table {
         let _gate = self.shared.runtime.gate.batch();
         life.written(keys);
         if life.opts.max_rows.is_some() {
-            let mut records = vec![0f32; keys.len() * self.shared.layout.elems()];
+            let mut records = vec![0f32; keys.len() * self.shared.config.layout.elems()];
             let mut found = vec![false; keys.len()];
             let missing = self.lookup_records(keys, &mut records, &mut found)?;
             let new: Vec<u64> = missing.iter().map(|&i| keys[i]).collect();
@@ -83,7 +83,7 @@ impl Table {
             return Ok((uniq, sums));
         }
         let d = self.dim();
-        let mut records = vec![0f32; uniq.len() * self.shared.layout.elems()];
+        let mut records = vec![0f32; uniq.len() * self.shared.config.layout.elems()];
         let mut found = vec![false; uniq.len()];
         let missing = self.lookup_records(&uniq, &mut records, &mut found)?;
         if missing.is_empty() {
@@ -113,7 +113,7 @@ impl Table {
         if distinct.len() as u64 > max {
             return Err(Error::invalid(format!(
                 "table {:?}: a batch creates {} rows, more than max_rows ({max}); nothing was created",
-                self.shared.name,
+                self.shared.config.name,
                 distinct.len()
             )));
         }

@@ -25,7 +25,7 @@ impl Table {
     fn grew_during_export(&self) -> Error {
         Error::new(
             ErrorKind::Unsupported,
-            format!("table {:?} grew during the export; run the export again", self.shared.name),
+            format!("table {:?} grew during the export; run the export again", self.shared.config.name),
         )
     }
 
@@ -57,15 +57,15 @@ impl Table {
     /// does if the index is rebuilt between two chunks.
     pub fn export_keys(&self, chunk_keys: usize, mut f: impl FnMut(&[u64]) -> Result<()>) -> Result<()> {
         let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
-        let generation = self.shared.meta.lock().index_generation;
+        let generation = self.state()?.generation;
         let mut keys = Vec::with_capacity(chunk_keys);
         let mut bucket = 0u64;
         loop {
             keys.clear();
             let done = {
                 let st = self.state()?;
-                let st = st.as_ref().unwrap();
-                if self.shared.meta.lock().index_generation != generation {
+                let st = &*st;
+                if self.state()?.generation != generation {
                     return Err(self.grew_during_export());
                 }
                 // Dirty cached rows belong to keys the index has: no write-back needed.
@@ -106,8 +106,8 @@ impl Table {
         }
         let mut bucket = cursor.bucket;
         let st = self.state()?;
-        let st = st.as_ref().unwrap();
-        let current = self.shared.meta.lock().index_generation;
+        let st = &*st;
+        let current = self.state()?.generation;
         let generation = if cursor == ExportCursor::START { current } else { cursor.generation };
         if generation != current {
             return Err(self.grew_during_export());
@@ -126,7 +126,7 @@ impl Table {
     /// Reads the records at `items` (key, record) into rows of the user's dim, checking
     /// that each record holds its key and its checksum.
     fn read_records(&self, st: &State, items: &[(u64, u64)], rows: &mut Vec<f32>) -> Result<()> {
-        let w = self.shared.layout.elems();
+        let w = self.shared.config.layout.elems();
         let mut records = vec![0f32; items.len() * w];
         match st.medium.as_mapped() {
             Some(m) => {
@@ -134,7 +134,7 @@ impl Table {
                     if m.key_at(ptr) != key || !m.checksum_ok(ptr) {
                         return Err(Error::new(
                             ErrorKind::ChecksumMismatch,
-                            format!("table {:?}: row of key {key} fails its checksum", self.shared.name),
+                            format!("table {:?}: row of key {key} fails its checksum", self.shared.config.name),
                         ));
                     }
                     m.read_into(ptr, &mut records[i * w..(i + 1) * w]);
@@ -147,7 +147,7 @@ impl Table {
             }
         }
         rows.clear();
-        if self.shared.layout.has_state() {
+        if self.shared.config.layout.has_state() {
             rows.resize(items.len() * self.dim(), 0.0);
             self.copy_rows(&records, rows);
         } else {
@@ -170,7 +170,7 @@ impl Table {
             return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
         }
         let st = self.state()?;
-        let st = st.as_ref().unwrap();
+        let st = &*st;
         let _pin = crossbeam_epoch::pin();
         let mut ptrs: Vec<u64> = keys.iter().map(|&k| st.index.get(k, st.index.hash(k)).unwrap_or(0)).collect();
         // The journals after the index: a change is journaled before the index sees it,
@@ -217,14 +217,14 @@ impl Table {
         let mut journals = BTreeMap::new();
         let mut emitted = HashSet::new();
         let mut bucket = 0u64;
-        let generation = self.shared.meta.lock().index_generation;
+        let generation = self.state()?.generation;
         let mut rows = Vec::new();
         loop {
             let mut pairs = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
             let (keys, done) = {
                 let st = self.state()?;
-                let st = st.as_ref().unwrap();
-                if self.shared.meta.lock().index_generation != generation {
+                let st = &*st;
+                if self.state()?.generation != generation {
                     return Err(self.grew_during_export());
                 }
                 let _pin = crossbeam_epoch::pin();
@@ -258,7 +258,7 @@ impl Table {
         for chunk in rest.chunks(chunk_keys) {
             let st = self.state()?;
             let _pin = crossbeam_epoch::pin();
-            self.read_records(st.as_ref().unwrap(), chunk, &mut rows)?;
+            self.read_records(&st, chunk, &mut rows)?;
             let keys: Vec<u64> = chunk.iter().map(|&(k, _)| k).collect();
             drop(st);
             f(&keys, &rows)?;
@@ -286,7 +286,7 @@ impl Table {
         // can be read later, chunk by chunk.
         let ptrs: Vec<u64> = {
             let st = self.state()?;
-            let index = &st.as_ref().unwrap().index;
+            let index = &st.index;
             changed.iter().map(|&k| index.get(k, index.hash(k)).unwrap_or(0)).collect()
         };
         let mut first = HashMap::new();
@@ -303,7 +303,7 @@ impl Table {
             }
             {
                 let st = self.state()?;
-                self.read_records(st.as_ref().unwrap(), &items, &mut rows)?;
+                self.read_records(&st, &items, &mut rows)?;
             }
             let keys: Vec<u64> = items.iter().map(|&(k, _)| k).collect();
             f(&keys, &rows, &deleted)?;

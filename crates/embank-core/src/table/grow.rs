@@ -14,7 +14,7 @@ impl Table {
     /// True when one more key fits under the table's load limit.
     #[inline]
     pub(super) fn has_room(&self, index: &Index) -> bool {
-        (index.len() + 1) as f64 <= self.shared.load_factor_max * index.slot_count() as f64
+        (index.len() + 1) as f64 <= self.shared.config.load_factor_max * index.slot_count() as f64
     }
 
     /// Runs a write pass over a batch until it is done, growing the index whenever the
@@ -29,7 +29,7 @@ impl Table {
         loop {
             let stopped = {
                 let st = self.state()?;
-                pass(st.as_ref().unwrap(), *progress)?
+                pass(&st, *progress)?
             };
             match stopped {
                 None => return Ok(()),
@@ -50,29 +50,29 @@ impl Table {
     pub(super) fn make_room(&self) -> Result<()> {
         // The rebuild copies the index and checks the key count: both need the repair done.
         self.wait_repaired();
-        let mut guard = self.shared.state.write();
+        let mut guard = self.shared.files.state.write();
         let st = guard
             .as_mut()
-            .ok_or_else(|| Error::new(ErrorKind::Closed, format!("table {:?} is closed", self.shared.name)))?;
+            .ok_or_else(|| Error::new(ErrorKind::Closed, format!("table {:?} is closed", self.shared.config.name)))?;
         let rows = st.index.len();
-        if !self.shared.growth {
+        if !self.shared.config.growth {
             return Err(Error::new(
                 ErrorKind::TableFull,
                 format!(
                     "table {:?} is full: {rows} rows in {} slots (load factor max {}), and growth is off",
-                    self.shared.name,
+                    self.shared.config.name,
                     st.index.slot_count(),
-                    self.shared.load_factor_max
+                    self.shared.config.load_factor_max
                 ),
             ));
         }
         let t0 = Instant::now();
         let old_buckets = st.index.bucket_count();
         let buckets = buckets_for(rows.max(1) * 2, LOAD_FACTOR_TARGET).max(old_buckets * 2);
-        let (index, buckets, generation) = self.build_index(&st.index, buckets, &[])?;
+        let (index, buckets, generation) = self.build_index(st, buckets, &[])?;
         self.install_index(st, index, generation, true)?;
         tracing::info!(
-            table = %self.shared.name,
+            table = %self.shared.config.name,
             rows,
             buckets_from = old_buckets,
             buckets_to = buckets,
@@ -87,10 +87,11 @@ impl Table {
     /// inserted first, so each lands in its home bucket unless that fills with other
     /// `first` keys; then every other key. Returns the index, its bucket count and
     /// generation. The caller keeps writers out (the state's write lock, or the gate).
-    fn build_index(&self, old: &Index, mut buckets: u64, first: &[u64]) -> Result<(Index, u64, u64)> {
+    fn build_index(&self, st: &State, mut buckets: u64, first: &[u64]) -> Result<(Index, u64, u64)> {
+        let old = &st.index;
         let rows = old.len();
-        let generation = self.shared.meta.lock().index_generation + 1;
-        let path = super::open::index_path(&self.shared.dir, generation);
+        let generation = st.generation + 1;
+        let path = super::open::index_path(&self.shared.config.dir, generation);
         let placed: std::collections::HashSet<u64> = first.iter().copied().collect();
         let index = loop {
             let _ = std::fs::remove_file(&path);
@@ -117,7 +118,7 @@ impl Table {
             let _ = std::fs::remove_file(&path);
             return Err(Error::corrupt(format!(
                 "rebuild of table {:?} saw {} rows, expected {rows}",
-                self.shared.name,
+                self.shared.config.name,
                 index.len()
             )));
         }
@@ -129,7 +130,7 @@ impl Table {
     /// the state's write lock.
     fn install_index(&self, st: &mut State, index: Index, generation: u64, grown: bool) -> Result<()> {
         index.flush()?;
-        crate::fsutil::sync_dir(&self.shared.dir)?;
+        crate::fsutil::sync_dir(&self.shared.config.dir)?;
         // The catalog names the new index first: a crash from here on opens it. (The state's
         // write lock is held, so nobody sees the new generation before the new index.)
         self.update_meta(|m| {
@@ -143,6 +144,7 @@ impl Table {
             index.advise_random();
         }
         st.index = index;
+        st.generation = generation;
         let _ = std::fs::remove_file(&old_path);
         Ok(())
     }
@@ -161,17 +163,16 @@ impl Table {
         let _gate = self.shared.runtime.gate.lock.write();
         let (index, generation, before) = {
             let st = self.state()?;
-            let old = &st.as_ref().unwrap().index;
-            let before = home_fraction(old, keys);
-            let (index, _, generation) = self.build_index(old, old.bucket_count(), keys)?;
+            let before = home_fraction(&st.index, keys);
+            let (index, _, generation) = self.build_index(&st, st.index.bucket_count(), keys)?;
             (index, generation, before)
         };
         let after = home_fraction(&index, keys);
         {
-            let mut guard = self.shared.state.write();
-            let st = guard
-                .as_mut()
-                .ok_or_else(|| Error::new(ErrorKind::Closed, format!("table {:?} is closed", self.shared.name)))?;
+            let mut guard = self.shared.files.state.write();
+            let st = guard.as_mut().ok_or_else(|| {
+                Error::new(ErrorKind::Closed, format!("table {:?} is closed", self.shared.config.name))
+            })?;
             self.install_index(st, index, generation, false)?;
         }
         self.shared.counters.placements.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -182,7 +183,7 @@ impl Table {
             held: after.1,
             seconds: t0.elapsed().as_secs_f64(),
         };
-        tracing::info!(table = %self.shared.name, ?report, "hot keys placed");
+        tracing::info!(table = %self.shared.config.name, ?report, "hot keys placed");
         Ok(report)
     }
 
@@ -190,7 +191,7 @@ impl Table {
     /// bucket read), and how many it holds.
     pub fn home_fraction(&self, keys: &[u64]) -> Result<(f64, u64)> {
         let st = self.state()?;
-        Ok(home_fraction(&st.as_ref().unwrap().index, keys))
+        Ok(home_fraction(&st.index, keys))
     }
 }
 

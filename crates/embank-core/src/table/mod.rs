@@ -1,11 +1,13 @@
 //! A table: the index and the medium of one embedding table under its tiers, and
-//! its batch operations. This file holds the handle and the public batch calls;
-//! the work behind them lives beside it, one job per file:
+//! its batch operations. This file holds the handle, the parts it is assembled
+//! from (each owning its state and lock: `Config`, `Files`, the `TierStack`,
+//! `Training`, the checkpoints, `Repairs`, the lifecycle) and the public batch
+//! calls; the work behind them lives beside it, one job per file:
 //!
 //! | file | job |
 //! | --- | --- |
 //! | `write.rs` | the write protocol: every change of a key's index slot |
-//! | `read.rs` | reads: the lock-free mmap fast path and the tiered path (tiers → index → medium) |
+//! | `read.rs` | reads: the lock-free fast path of mapped media and the tiered path (tiers → index → medium) |
 //! | `tiered.rs` | writes through the tiers: dirty rows, write-through, write-back, lookahead, pinned loads |
 //! | `grow.rs` | room in the index: the load check, the rebuild into a larger index, the retry loop |
 //! | `open.rs` | create, open with recovery and rollback, clean close, the maintenance hooks |
@@ -13,6 +15,7 @@
 //! | `export.rs` | full, paged and checkpoint exports, the keys changed since a checkpoint |
 //! | `serve.rs` | zero-copy reads for the server |
 //! | `evict.rs` | admission and eviction around the batch calls |
+//! | `pooled.rs` | `lookup_pooled`: bags pooled through the store's pooled-bag cache |
 //! | `stats.rs` | the numbers |
 //!
 //! Reads take no lock: they pin an epoch, resolve keys in the index (prefetching
@@ -24,7 +27,7 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use parking_lot::{MappedRwLockReadGuard, Mutex, RwLock, RwLockReadGuard};
 
 use crate::catalog::{Catalog, MissingDefault, Placement, TableMeta};
 use crate::checkpoint::TableCheckpoints;
@@ -53,12 +56,12 @@ mod stats;
 mod tiered;
 mod write;
 
+pub use crate::pooled::check_bags;
 pub use export::ExportCursor;
 pub use grow::PlaceReport;
 pub(crate) use options::RepairMode;
 pub(crate) use options::LOAD_FACTOR_TARGET;
 pub use options::{validate_name, RecoverStats, TableOptions, TableStats, DIM_MAX, NAME_BYTES_MAX};
-pub use pooled::check_bags;
 
 /// Writer stripes per table: writers of keys in different stripes never wait on each other.
 const STRIPES: usize = 1024;
@@ -68,6 +71,9 @@ const _: () = assert!(STRIPES.is_power_of_two());
 struct State {
     index: Index,
     medium: AnyMedium,
+    /// Which `index.<generation>.ebi` is `index` (the catalog names it too: the rebuild
+    /// that bumps it writes the catalog first).
+    generation: u64,
 }
 
 /// Row counts by where reads found them.
@@ -81,44 +87,68 @@ struct ReadCounters {
     placements: AtomicU64,
 }
 
-struct Shared {
+/// What a table is, fixed at open: the settings of its catalog entry its paths read,
+/// resolved. What changes (the learning rate, the index generation) lives with the
+/// part that changes it, and the catalog keeps the durable entry.
+struct Config {
     id: u32,
-    name: String,
+    name: Arc<str>,
+    dir: PathBuf,
     /// Row dim, optimizer state, element type: what a record holds.
     layout: RecordLayout,
-    dir: PathBuf,
-    catalog: Arc<Catalog>,
-    runtime: Arc<Runtime>,
-    meta: Mutex<TableMeta>,
-    optimizer: Mutex<Optimizer>,
     init: Initializer,
     seed: u64,
     missing: MissingDefault,
     growth: bool,
     load_factor_max: f64,
-    medium_kind: MediumKind,
+    medium: MediumKind,
     /// Resolved: never `Auto`.
     placement: Placement,
+}
+
+/// The index and the medium, and the locks of their writers.
+struct Files {
     /// `None` once the table is closed or dropped.
     state: RwLock<Option<State>>,
     stripes: Box<[Mutex<()>]>,
-    /// One `push_grad` at a time per table (read, update, write of each row).
-    grad_lock: Mutex<()>,
     /// One write-back at a time per table, so `flush` waits for one in flight elsewhere.
     write_back_lock: Mutex<()>,
-    counters: ReadCounters,
-    checkpoints: TableCheckpoints,
+}
+
+/// Training: the optimizer (its one copy in memory) and the workers' staleness holds.
+struct Training {
+    optimizer: Mutex<Optimizer>,
+    /// One `push_grad` at a time per table (read, update, write of each row).
+    grad_lock: Mutex<()>,
+    /// Staleness holds of workers (`None`: ASP).
+    holds: Option<Holds>,
+}
+
+/// Repair after a crash.
+struct Repairs {
     /// What the open repaired, when it repaired everything itself (a background repair
     /// keeps its own, see `repair`).
     recovered: Option<RecoverStats>,
     /// The background repair after a crash (`None` when the open repaired everything).
-    repair: Option<Arc<repair::Repair>>,
-    /// Staleness holds of workers (`None`: ASP).
-    holds: Option<Holds>,
+    background: Option<Arc<repair::Repair>>,
+}
+
+/// A table, assembled from parts that each own their state and lock.
+struct Shared {
+    config: Config,
+    catalog: Arc<Catalog>,
+    runtime: Arc<Runtime>,
+    files: Files,
+    /// The only place the table meets its tiers.
+    tiers: TierStack,
+    training: Training,
+    checkpoints: TableCheckpoints,
+    repairs: Repairs,
     /// Admission and eviction state (`None`: the table has neither).
     lifecycle: Option<Lifecycle>,
     /// Sample of the keys reads ask for (automatic hot placement; `None`: off).
     hot: Option<crate::hot::HotSampler>,
+    counters: ReadCounters,
 }
 
 /// A handle to one table; cheap to clone, usable from many threads.
@@ -129,60 +159,85 @@ pub struct Table {
 
 impl std::fmt::Debug for Table {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Table").field("name", &self.shared.name).field("dim", &self.shared.layout.dim).finish()
+        f.debug_struct("Table")
+            .field("name", &self.shared.config.name)
+            .field("dim", &self.shared.config.layout.dim)
+            .finish()
     }
 }
 
 impl Table {
     pub fn name(&self) -> &str {
-        &self.shared.name
+        &self.shared.config.name
     }
 
     pub fn dim(&self) -> usize {
-        self.shared.layout.dim
+        self.shared.config.layout.dim
     }
 
     /// What a record holds: the row's dim and element type, the optimizer state.
     pub fn layout(&self) -> RecordLayout {
-        self.shared.layout
+        self.shared.config.layout
     }
 
     /// The table's optimizer (with its current learning rate).
     pub fn optimizer(&self) -> Optimizer {
-        *self.shared.optimizer.lock()
+        *self.shared.training.optimizer.lock()
     }
 
     /// Changes the optimizer's learning rate; durable at once (the catalog is rewritten).
     pub fn set_lr(&self, lr: f32) -> Result<()> {
         let new = self.optimizer().with_lr(lr)?;
         self.update_meta(|m| m.optimizer = new)?;
-        *self.shared.optimizer.lock() = new;
+        *self.shared.training.optimizer.lock() = new;
         Ok(())
     }
 
-    /// Changes this table's catalog entry, durably (the catalog is rewritten), and the
-    /// copy in memory.
+    /// Changes this table's catalog entry, durably (the catalog is rewritten).
     fn update_meta(&self, change: impl FnOnce(&mut TableMeta)) -> Result<()> {
-        let id = self.shared.id;
-        let meta = self.shared.catalog.update(|c| {
-            let m =
-                c.tables.iter_mut().find(|m| m.id == id).ok_or_else(|| {
-                    Error::new(ErrorKind::Closed, format!("table {:?} was dropped", self.shared.name))
-                })?;
+        let id = self.shared.config.id;
+        self.shared.catalog.update(|c| {
+            let m = c.tables.iter_mut().find(|m| m.id == id).ok_or_else(|| self.dropped())?;
             change(m);
-            Ok(m.clone())
-        })?;
-        *self.shared.meta.lock() = meta;
-        Ok(())
+            Ok(())
+        })
     }
 
+    fn dropped(&self) -> Error {
+        Error::new(ErrorKind::Closed, format!("table {:?} was dropped", self.shared.config.name))
+    }
+
+    /// The table's catalog entry (the catalog keeps the one copy).
     pub fn meta(&self) -> TableMeta {
-        self.shared.meta.lock().clone()
+        let id = self.shared.config.id;
+        self.shared.catalog.table(id).unwrap_or_else(|| {
+            // Dropped from the catalog: its entry as it was is still this handle's.
+            let c = &self.shared.config;
+            TableMeta {
+                id,
+                name: c.name.to_string(),
+                dim: c.layout.dim as u32,
+                dtype: c.layout.dtype,
+                init: c.init,
+                seed: c.seed,
+                growth: c.growth,
+                load_factor_max: c.load_factor_max,
+                missing: c.missing,
+                index_generation: self.shared.files.state.read().as_ref().map_or(0, |s| s.generation),
+                grow_count: 0,
+                medium: c.medium,
+                placement: c.placement,
+                optimizer: self.optimizer(),
+                staleness_bound: self.staleness_bound(),
+                lease_seconds: self.shared.training.holds.as_ref().map_or(60.0, |h| h.lease().as_secs_f64()),
+                lifecycle: self.shared.lifecycle.as_ref().map(|l| l.opts.clone()).unwrap_or_default(),
+            }
+        })
     }
 
     /// Live rows.
     pub fn len(&self) -> Result<u64> {
-        Ok(self.state()?.as_ref().unwrap().index.len())
+        Ok(self.state()?.index.len())
     }
 
     pub fn is_empty(&self) -> Result<bool> {
@@ -198,10 +253,10 @@ impl Table {
         if let Some(life) = &self.shared.lifecycle {
             return self.pull_lifecycle(life, keys, out);
         }
-        if !self.shared.layout.has_state() {
+        if !self.shared.config.layout.has_state() {
             return self.pull_records(keys, out);
         }
-        let mut records = vec![0f32; keys.len() * self.shared.layout.elems()];
+        let mut records = vec![0f32; keys.len() * self.shared.config.layout.elems()];
         self.pull_records(keys, &mut records)?;
         self.copy_rows(&records, out);
         Ok(())
@@ -217,7 +272,7 @@ impl Table {
         if found.len() != keys.len() {
             return Err(Error::invalid(format!("lookup: {} keys but a found-mask of {}", keys.len(), found.len())));
         }
-        let layout = self.shared.layout;
+        let layout = self.shared.config.layout;
         let missing = if layout.has_state() {
             let mut records = vec![0f32; keys.len() * layout.elems()];
             let missing = self.lookup_records(keys, &mut records, found)?;
@@ -251,7 +306,7 @@ impl Table {
 
     /// [`push`](Self::push) of checked rows: a pushed row starts its optimizer state afresh.
     fn push_unchecked(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
-        let layout = self.shared.layout;
+        let layout = self.shared.config.layout;
         if !layout.has_state() {
             return self.push_records(keys, rows);
         }
@@ -305,20 +360,20 @@ impl Table {
             )));
         }
         let opt = self.optimizer();
-        if self.shared.layout.dtype == crate::format::DType::Int8 {
+        if self.shared.config.layout.dtype == crate::format::DType::Int8 {
             return Err(Error::new(
                 crate::error::ErrorKind::Unsupported,
                 format!(
                     "push_grad: table {:?} is int8, a serving type (8-bit rows have no room for small \
                      updates); train in f32 or f16 and serve as int8. Nothing was written",
-                    self.shared.name
+                    self.shared.config.name
                 ),
             ));
         }
         if opt == Optimizer::None {
             return Err(Error::config(format!(
                 "push_grad: table {:?} has no optimizer; create it with one (e.g. optimizer=Adagrad)",
-                self.shared.name
+                self.shared.config.name
             )));
         }
         use std::borrow::Cow;
@@ -328,7 +383,7 @@ impl Table {
             let (u, s) = sum_duplicates(keys, grads, d);
             (Cow::Owned(u), Cow::Owned(s))
         };
-        let _one = self.shared.grad_lock.lock();
+        let _one = self.shared.training.grad_lock.lock();
         let Some(life) = &self.shared.lifecycle else { return self.apply_grads(&uniq, &sums, opt) };
         let (uniq, sums) = self.grads_lifecycle(life, uniq.into_owned(), sums.into_owned())?;
         self.apply_grads(&uniq, &sums, opt)?;
@@ -340,7 +395,7 @@ impl Table {
 
     /// Reads, updates and writes back the records of distinct `uniq` keys.
     fn apply_grads(&self, uniq: &[u64], sums: &[f32], opt: Optimizer) -> Result<()> {
-        let (w, d) = (self.shared.layout.elems(), self.dim());
+        let (w, d) = (self.shared.config.layout.elems(), self.dim());
         let mut records = vec![0f32; uniq.len() * w];
         self.pull_records(uniq, &mut records)?;
         for (rec, g) in records.chunks_exact_mut(w).zip(sums.chunks_exact(d)) {
@@ -361,8 +416,8 @@ impl Table {
     /// `Timeout` naming the key). Without a bound (ASP) it is a plain pull.
     pub fn pull_held(&self, worker: u64, keys: &[u64], out: &mut [f32], timeout: std::time::Duration) -> Result<()> {
         self.check_rows("pull", keys.len(), out.len())?;
-        let Some(holds) = &self.shared.holds else { return self.pull(keys, out) };
-        holds.acquire(worker, keys, timeout, &self.shared.name)?;
+        let Some(holds) = &self.shared.training.holds else { return self.pull(keys, out) };
+        holds.acquire(worker, keys, timeout, &self.shared.config.name)?;
         self.pull(keys, out).inspect_err(|_| holds.give_back(worker, keys))
     }
 
@@ -371,7 +426,7 @@ impl Table {
     /// stay, so the worker can retry.
     pub fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
         self.push_grad(keys, grads)?;
-        if let Some(holds) = &self.shared.holds {
+        if let Some(holds) = &self.shared.training.holds {
             let mut uniq = keys.to_vec();
             uniq.sort_unstable();
             uniq.dedup();
@@ -383,12 +438,12 @@ impl Table {
     /// Gives back every hold of `worker` (a worker that stops, or dies and is noticed).
     /// Returns how many holds it had.
     pub fn release(&self, worker: u64) -> u64 {
-        self.shared.holds.as_ref().map_or(0, |h| h.release(worker))
+        self.shared.training.holds.as_ref().map_or(0, |h| h.release(worker))
     }
 
     /// The staleness bound (`None`: ASP).
     pub fn staleness_bound(&self) -> Option<u32> {
-        self.shared.holds.as_ref().map(Holds::bound)
+        self.shared.training.holds.as_ref().map(Holds::bound)
     }
 
     /// Asks the maintenance thread to load these rows into the row cache (or, on an
@@ -407,7 +462,7 @@ impl Table {
         self.write_back_all()?;
         self.shared.checkpoints.flush()?;
         let st = self.state()?;
-        let State { index, medium } = st.as_ref().unwrap();
+        let State { index, medium, .. } = &*st;
         medium.flush()?;
         index.flush()
     }
@@ -419,35 +474,31 @@ impl Table {
 
     // Helpers shared by the files of this module.
 
-    fn state(&self) -> Result<RwLockReadGuard<'_, Option<State>>> {
-        let guard = self.shared.state.read();
-        if guard.is_none() {
-            return Err(Error::new(ErrorKind::Closed, format!("table {:?} is closed", self.shared.name)));
-        }
-        Ok(guard)
+    fn state(&self) -> Result<MappedRwLockReadGuard<'_, State>> {
+        RwLockReadGuard::try_map(self.shared.files.state.read(), Option::as_ref).map_err(|_| self.closed())
+    }
+
+    fn closed(&self) -> Error {
+        Error::new(ErrorKind::Closed, format!("table {:?} is closed", self.shared.config.name))
     }
 
     /// True when reads and writes take the tiered path (row cache and/or block medium)
     /// instead of the mmap fast path.
     #[inline]
     fn tiered(&self) -> bool {
-        self.shared.medium_kind != MediumKind::Mmap || self.shared.placement != Placement::Bypass
+        !self.shared.config.medium.is_mapped() || self.shared.config.placement != Placement::Bypass
     }
 
     /// The tiers this table reads and writes through.
-    #[inline]
-    fn tiers(&self) -> TierStack<'_> {
-        let dram = match self.shared.placement {
-            Placement::Cache | Placement::Pin => self.shared.runtime.cache.as_deref(),
-            Placement::Auto | Placement::Bypass => None,
-        };
-        TierStack::new(dram, self.shared.id, self.shared.layout, self.shared.placement == Placement::Pin)
+    #[inline(always)]
+    fn tiers(&self) -> &TierStack {
+        &self.shared.tiers
     }
 
     #[inline(always)]
     fn stripe(&self, hash: u64) -> &Mutex<()> {
         // The stripe comes from bits the home bucket does not use first.
-        &self.shared.stripes[((hash >> 40) as usize) & (STRIPES - 1)]
+        &self.shared.files.stripes[((hash >> 40) as usize) & (STRIPES - 1)]
     }
 
     fn check_rows(&self, what: &str, keys: usize, rows: usize) -> Result<()> {
@@ -455,7 +506,7 @@ impl Table {
         if rows != keys * dim {
             return Err(Error::invalid(format!(
                 "{what}: table {:?} has dim {dim}, so {keys} keys need {} row elements, got {rows}{}",
-                self.shared.name,
+                self.shared.config.name,
                 keys * dim,
                 if keys > 0 && rows.is_multiple_of(keys) {
                     format!(" (rows of dim {})", rows / keys)
@@ -472,14 +523,14 @@ impl Table {
     /// initial state.
     fn init_record(&self, key: u64, record: &mut [f32]) {
         let (row, state) = record.split_at_mut(self.dim());
-        self.shared.init.fill(self.shared.seed, key, row);
-        self.shared.layout.round_trip(row);
+        self.shared.config.init.fill(self.shared.config.seed, key, row);
+        self.shared.config.layout.round_trip(row);
         self.optimizer().init_state(state);
     }
 
     /// Copies the row part of each record.
     fn copy_rows(&self, records: &[f32], out: &mut [f32]) {
-        let (w, d) = (self.shared.layout.elems(), self.dim());
+        let (w, d) = (self.shared.config.layout.elems(), self.dim());
         for (rec, row) in records.chunks_exact(w).zip(out.chunks_exact_mut(d)) {
             row.copy_from_slice(&rec[..d]);
         }
@@ -490,10 +541,10 @@ impl Table {
         let dim = self.dim();
         for &i in positions {
             let row = &mut out[i * dim..(i + 1) * dim];
-            match self.shared.missing {
+            match self.shared.config.missing {
                 MissingDefault::Zeros => row.fill(0.0),
                 MissingDefault::Value { value } => row.fill(value),
-                MissingDefault::Init => self.shared.init.fill(self.shared.seed, keys[i], row),
+                MissingDefault::Init => self.shared.config.init.fill(self.shared.config.seed, keys[i], row),
             }
         }
     }

@@ -10,16 +10,16 @@ use parking_lot::{Mutex, RwLock};
 
 use super::options::{RecoverStats, RepairMode, LOAD_FACTOR_TARGET};
 use super::repair::{self, Repair};
-use super::{ReadCounters, Shared, State, Table, STRIPES};
+use super::{Config, Files, ReadCounters, Repairs, Shared, State, Table, Training, STRIPES};
 use crate::catalog::{Catalog, Placement, TableMeta};
 use crate::checkpoint::{self, CheckpointState, TableCheckpoints};
 use crate::error::{Error, Result};
 use crate::index::{buckets_for, Index, RecoverReport};
-use crate::layout::RecordLayout;
 use crate::lifecycle::Lifecycle;
-use crate::medium::{AnyMedium, Medium, MediumKind};
+use crate::medium::{AnyMedium, Medium};
 use crate::runtime::{Maintained, Runtime};
 use crate::staleness::Holds;
+use crate::tier::{TierStack, TierUse};
 
 pub(super) fn index_path(dir: &Path, generation: u64) -> PathBuf {
     dir.join(format!("index.{generation}.ebi"))
@@ -27,9 +27,9 @@ pub(super) fn index_path(dir: &Path, generation: u64) -> PathBuf {
 
 /// Resolves `Auto` and checks that a cached placement has a cache to use.
 fn resolve_placement(meta: &TableMeta, runtime: &Runtime, creating: bool) -> Result<Placement> {
-    let has_cache = runtime.cache.is_some();
+    let has_cache = !runtime.tiers.near().is_empty();
     Ok(match (meta.placement, meta.medium) {
-        (Placement::Auto, MediumKind::Block) if has_cache => Placement::Cache,
+        (Placement::Auto, m) if !m.is_mapped() && has_cache => Placement::Cache,
         (Placement::Auto, _) => Placement::Bypass,
         (p @ (Placement::Cache | Placement::Pin), _) if !has_cache => {
             if creating {
@@ -179,12 +179,12 @@ impl Table {
             buckets_for(capacity, LOAD_FACTOR_TARGET),
             meta.seed,
         )?;
-        let medium = AnyMedium::create(dir, meta.medium, RecordLayout::of(&meta), &runtime.io)?;
+        let medium = AnyMedium::create(dir, meta.medium, meta.layout(), &runtime.io)?;
         index.flush()?;
         medium.flush()?;
         let checkpoints = TableCheckpoints::create(dir, runtime.gate.interval())?;
         crate::fsutil::sync_dir(dir)?;
-        let st = State { index, medium };
+        let st = State { index, medium, generation: meta.index_generation };
         advise(&runtime, &st);
         Ok(Self::new(dir, meta, st, catalog, None, None, runtime, placement, checkpoints))
     }
@@ -201,7 +201,7 @@ impl Table {
         let placement = resolve_placement(&meta, &runtime, false)?;
         remove_other_indexes(dir, meta.index_generation);
         let mut index = Index::open(&index_path(dir, meta.index_generation))?;
-        let medium = AnyMedium::open(dir, meta.medium, RecordLayout::of(&meta), &runtime.io)
+        let medium = AnyMedium::open(dir, meta.medium, meta.layout(), &runtime.io)
             .map_err(|e| e.context(dir.display().to_string()))?;
         let closed_cleanly = index.was_closed_cleanly();
         let clean = closed_cleanly && medium.alloc().load_free_list(index.free_list_generation());
@@ -220,7 +220,7 @@ impl Table {
         } else {
             (None, None)
         };
-        let st = State { index, medium };
+        let st = State { index, medium, generation: meta.index_generation };
         let checkpoints = TableCheckpoints::open(dir, ckpt, &st.index)?;
         st.index.mark_open()?;
         advise(&runtime, &st);
@@ -256,34 +256,43 @@ impl Table {
             }
             Lifecycle::new(meta.lifecycle.clone(), keys)
         });
+        let config = Config {
+            id: meta.id,
+            name: Arc::from(meta.name.as_str()),
+            dir: dir.to_owned(),
+            layout: meta.layout(),
+            init: meta.init,
+            seed: meta.seed,
+            missing: meta.missing,
+            growth: meta.growth,
+            load_factor_max: meta.load_factor_max,
+            medium: meta.medium,
+            placement,
+        };
+        let uses = TierUse {
+            near: matches!(placement, Placement::Cache | Placement::Pin),
+            shared: placement == Placement::Cache,
+            pinned: placement == Placement::Pin,
+        };
+        let tiers =
+            TierStack::new(Arc::clone(&runtime.tiers), uses, config.id, Arc::clone(&config.name), config.layout);
         let table = Table {
             shared: Arc::new(Shared {
-                id: meta.id,
-                name: meta.name.clone(),
-                layout: RecordLayout::of(&meta),
-                dir: dir.to_owned(),
+                config,
                 catalog,
                 runtime: Arc::clone(&runtime),
-                optimizer: Mutex::new(meta.optimizer),
-                init: meta.init,
-                seed: meta.seed,
-                missing: meta.missing,
-                growth: meta.growth,
-                load_factor_max: meta.load_factor_max,
-                medium_kind: meta.medium,
-                placement,
-                meta: Mutex::new(meta),
-                state: RwLock::new(Some(state)),
-                stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
-                grad_lock: Mutex::new(()),
-                write_back_lock: Mutex::new(()),
-                counters: ReadCounters::default(),
+                files: Files {
+                    state: RwLock::new(Some(state)),
+                    stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+                    write_back_lock: Mutex::new(()),
+                },
+                tiers,
+                training: Training { optimizer: Mutex::new(meta.optimizer), grad_lock: Mutex::new(()), holds },
                 checkpoints,
-                recovered,
-                repair,
-                holds,
+                repairs: Repairs { recovered, background: repair },
                 lifecycle,
                 hot: runtime.hot.as_ref().map(crate::hot::HotSampler::new),
+                counters: ReadCounters::default(),
             }),
         };
         runtime.register(table.maintained());
@@ -299,13 +308,13 @@ impl Table {
     /// Flushes, saves the free list and marks the files closed cleanly. Further calls
     /// on any handle of this table fail with `Closed`.
     pub(crate) fn close(&self) -> Result<()> {
-        if self.shared.state.read().is_none() {
+        if self.shared.files.state.read().is_none() {
             return Ok(());
         }
         // The free list and the key count are whole only once a background repair is done.
         self.wait_repaired();
         self.write_back_all()?;
-        let mut guard = self.shared.state.write();
+        let mut guard = self.shared.files.state.write();
         let Some(st) = guard.take() else { return Ok(()) };
         self.tiers().drop_table();
         st.medium.flush()?;
@@ -318,7 +327,7 @@ impl Table {
 
     /// Closes without saving anything (the table is being dropped).
     pub(crate) fn detach(&self) {
-        self.shared.state.write().take();
+        self.shared.files.state.write().take();
         self.tiers().drop_table();
     }
 
@@ -335,7 +344,7 @@ impl Table {
         if !freed.is_empty() {
             let st = self.state()?;
             let guard = crossbeam_epoch::pin();
-            st.as_ref().unwrap().medium.alloc().retire_cold(&guard, freed);
+            st.medium.alloc().retire_cold(&guard, freed);
         }
         Ok(())
     }
@@ -350,7 +359,7 @@ impl Table {
 /// The table as the maintenance thread sees it (`runtime.rs` does not import the table).
 impl Maintained for Shared {
     fn name(&self) -> String {
-        self.name.clone()
+        self.config.name.to_string()
     }
 
     fn write_back(self: Arc<Self>, max: usize) -> Result<usize> {
@@ -392,7 +401,7 @@ impl Maintained for Shared {
     }
 
     fn housekeep(self: Arc<Self>, dropped: &[u64]) {
-        let open = self.state.read().is_some();
-        self.checkpoints.housekeep(dropped, open, &self.name);
+        let open = self.files.state.read().is_some();
+        self.checkpoints.housekeep(dropped, open, &self.config.name);
     }
 }

@@ -1,25 +1,13 @@
 //! `lookup_pooled`: inference bags pooled in the store, through the store's
-//! pooled-embedding cache when it has one (`pooled.rs` at the crate root), and the
-//! hook every write path calls so a cached bag never outlives a change of one of
-//! its rows.
+//! pooled-embedding cache when it has one (`pooled.rs` at the crate root; it hears
+//! of changed rows from the tier stack's notice, so a cached bag never outlives a
+//! change of one of its rows).
 
 use super::Table;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::pooled::{bag_hash, check_batch, pool_bags, Pooling};
 
 impl Table {
-    /// The rows of `keys` changed (written, created, deleted): drops the cached bags
-    /// holding them. Call after the change.
-    pub(super) fn rows_changed(&self, keys: &[u64]) {
-        if let Some(p) = &self.shared.runtime.pooled {
-            p.invalidate(self.shared.id, keys);
-        }
-        // A shared tier's copies of these rows are older than this store's now.
-        if let Some(t) = self.shared.runtime.shared.read().as_ref() {
-            t.invalidate(&self.shared.name, keys);
-        }
-    }
-
     /// Pooled rows of bags, as `torch.nn.EmbeddingBag` computes them: bag `b` is
     /// `ids[offsets[b]..offsets[b + 1]]` (`offsets` has one entry more than there are
     /// bags, starts at 0, ends at `ids.len()`, never decreases), pooled by `mode` —
@@ -41,7 +29,7 @@ impl Table {
     ) -> Result<()> {
         let dim = self.dim();
         let bags = check_batch(ids, offsets, weights, mode, dim, out)?;
-        let table = self.shared.id;
+        let table = self.shared.config.id;
         let cache = self.shared.runtime.pooled.as_deref();
         let mut hit = vec![false; bags];
         let (hashes, epoch) = match cache {
@@ -69,33 +57,4 @@ impl Table {
         }
         Ok(())
     }
-}
-
-/// Checks the shape of a batch of bags; the error names what is wrong.
-pub fn check_bags(ids: &[u64], offsets: &[usize], weights: Option<&[f32]>, mode: Pooling) -> Result<()> {
-    let bad = |why: String| Err(Error::invalid(format!("lookup_pooled: {why}")));
-    if offsets.first() != Some(&0) || offsets.last() != Some(&ids.len()) {
-        return bad(format!(
-            "offsets must start at 0 and end at the number of ids ({}), one entry more than there are bags; got {} entries from {:?} to {:?}",
-            ids.len(),
-            offsets.len(),
-            offsets.first(),
-            offsets.last()
-        ));
-    }
-    if let Some(b) = offsets.windows(2).position(|w| w[0] > w[1]) {
-        return bad(format!("offsets decrease at bag {b} ({} then {})", offsets[b], offsets[b + 1]));
-    }
-    if let Some(w) = weights {
-        if mode != Pooling::Sum {
-            return bad("weights need mode \"sum\"".into());
-        }
-        if w.len() != ids.len() {
-            return bad(format!("{} weights for {} ids", w.len(), ids.len()));
-        }
-        if let Some(i) = crate::optim::first_non_finite(w) {
-            return bad(format!("weight {i} is not finite ({})", w[i]));
-        }
-    }
-    Ok(())
 }

@@ -4,25 +4,25 @@
 
 use std::sync::atomic::Ordering;
 
-use super::write::{Change, Outcome, Publisher};
+use super::write::{Change, Notice, Outcome, Publisher};
 use super::{State, Table};
 use crate::error::{Error, Result};
-use crate::medium::{Medium, MmapMedium, ReadItem};
+use crate::medium::{Mapped, Medium, ReadItem};
 
 /// How far ahead of the key being resolved its home bucket is prefetched.
 pub(super) const PREFETCH_KEYS_AHEAD: usize = 8;
 
 impl Table {
-    /// The mapped medium of a table on the fast path (only mmap tables bypassing the tiers).
+    /// The records of a table on the fast path (only tables on a mapped medium without tiers).
     #[inline(always)]
-    pub(super) fn mapped<'s>(&self, st: &'s State) -> &'s MmapMedium {
+    pub(super) fn mapped<'s>(&self, st: &'s State) -> Mapped<'s> {
         st.medium.as_mapped().expect("tables without a mapped medium take the tiered path")
     }
 
     /// Fast path: resolves every key (lock-free, prefetching), copying found records into
     /// `out`. Returns the positions of keys that were not found; fills `found` if given.
     fn gather(&self, st: &State, keys: &[u64], out: &mut [f32], found: Option<&mut [bool]>) -> Result<Vec<usize>> {
-        let w = self.shared.layout.elems();
+        let w = self.shared.config.layout.elems();
         let (index, medium) = (&st.index, self.mapped(st));
         let n = keys.len();
         let mut hashes = Vec::with_capacity(n);
@@ -61,7 +61,7 @@ impl Table {
         if let Some(i) = corrupt {
             return Err(Error::corrupt(format!(
                 "table {:?}: the index points key {} at a record of another key",
-                self.shared.name, keys[i]
+                self.shared.config.name, keys[i]
             )));
         }
         Ok(missing)
@@ -92,7 +92,7 @@ impl Table {
                 None => absent.push(i),
             }
         }
-        let shared_hits = self.read_through_shared(st, &mut items, out)?;
+        let shared_hits = tiers.read_below(&items, out, |items, out| st.medium.read(items, out))?;
         // A read admitted only if the index still points at the record read: a stale
         // read never lands in a tier.
         // Reads that are not counted (lookahead, a re-read) are ahead of their use.
@@ -112,57 +112,15 @@ impl Table {
         Ok(absent)
     }
 
-    /// Reads `items` (keys this table holds that no tier above had) into `out`: from the
-    /// shared tier when the store has one and the table caches, the rest from the
-    /// medium, which then fill the shared tier. Returns how many the shared tier gave.
-    fn read_through_shared(&self, st: &State, items: &mut [ReadItem], out: &mut [f32]) -> Result<usize> {
-        let shared = match self.shared.placement {
-            crate::table::Placement::Cache if !items.is_empty() => self.shared.runtime.shared.read().clone(),
-            _ => None,
-        };
-        let Some(tier) = shared else {
-            st.medium.read(items, out)?;
-            return Ok(0);
-        };
-        let layout = self.shared.layout;
-        let (w, enc) = (layout.elems(), layout.payload_bytes());
-        let keys: Vec<u64> = items.iter().map(|it| it.key).collect();
-        let got = tier.get(&self.shared.name, &keys);
-        // Shared hits first, then what the medium must give.
-        let mut hit = vec![false; items.len()];
-        for (j, g) in got.iter().enumerate() {
-            if let Some(bytes) = g.as_deref().filter(|b| b.len() == enc) {
-                let pos = items[j].pos;
-                layout.decode(bytes, &mut out[pos * w..(pos + 1) * w]);
-                hit[j] = true;
-            }
-        }
-        let hits = hit.iter().filter(|&&h| h).count();
-        let below: Vec<ReadItem> = items.iter().zip(&hit).filter(|(_, &h)| !h).map(|(it, _)| *it).collect();
-        st.medium.read(&below, out)?;
-        if !below.is_empty() {
-            let puts = below
-                .iter()
-                .map(|it| {
-                    let mut b = vec![0u8; enc];
-                    layout.encode(&out[it.pos * w..(it.pos + 1) * w], &mut b);
-                    (it.key, b)
-                })
-                .collect();
-            tier.put(&self.shared.name, puts);
-        }
-        Ok(hits)
-    }
-
     /// Whole records of the keys that exist (never creates); `found[i]` tells which.
     /// Returns the positions of the missing keys.
     pub(super) fn lookup_records(&self, keys: &[u64], records: &mut [f32], found: &mut [bool]) -> Result<Vec<usize>> {
         let st = self.state()?;
         let _pin = crossbeam_epoch::pin();
         if self.tiered() {
-            self.tier_read(st.as_ref().unwrap(), keys, records, Some(found), true)
+            self.tier_read(&st, keys, records, Some(found), true)
         } else {
-            self.gather(st.as_ref().unwrap(), keys, records, Some(found))
+            self.gather(&st, keys, records, Some(found))
         }
     }
 
@@ -174,9 +132,9 @@ impl Table {
             let st = self.state()?;
             let _pin = crossbeam_epoch::pin();
             if self.tiered() {
-                self.tier_read(st.as_ref().unwrap(), keys, out, None, true)?
+                self.tier_read(&st, keys, out, None, true)?
             } else {
-                self.gather(st.as_ref().unwrap(), keys, out, None)?
+                self.gather(&st, keys, out, None)?
             }
         };
         if missing.is_empty() {
@@ -188,15 +146,8 @@ impl Table {
     /// Creates the rows at `positions` with the initializer (written through to the
     /// medium, entering the tiers); a key another writer created first is read instead.
     fn create_missing(&self, keys: &[u64], positions: &[usize], out: &mut [f32]) -> Result<()> {
-        let created: Vec<u64> = positions.iter().map(|&i| keys[i]).collect();
-        let result = self.create_missing_rows(keys, positions, out);
-        // A cached bag pooled the missing default of these keys: it is stale now.
-        self.rows_changed(&created);
-        result
-    }
-
-    fn create_missing_rows(&self, keys: &[u64], positions: &[usize], out: &mut [f32]) -> Result<()> {
-        let w = self.shared.layout.elems();
+        let notice = Notice::new(self.tiers());
+        let w = self.shared.config.layout.elems();
         for &i in positions {
             self.init_record(keys[i], &mut out[i * w..(i + 1) * w]);
         }
@@ -204,7 +155,7 @@ impl Table {
         self.with_room(|st, from| {
             let todo = &positions[from..];
             let ptrs = self.write_records(st, todo.iter().map(|&i| (keys[i], &out[i * w..(i + 1) * w])))?;
-            let mut p = Publisher::new(self, st);
+            let mut p = Publisher::new(self, st, Some(&notice));
             for (j, &i) in todo.iter().enumerate() {
                 // A tier that has the row by now (another writer created it): its copy is the row.
                 let mut cached: Option<Vec<f32>> = None;
@@ -244,7 +195,7 @@ impl Table {
             {
                 let st = self.state()?;
                 let _pin = crossbeam_epoch::pin();
-                self.tier_read(st.as_ref().unwrap(), &sub, &mut rows, None, false)?;
+                self.tier_read(&st, &sub, &mut rows, None, false)?;
             }
             for (j, &i) in reread.iter().enumerate() {
                 out[i * w..(i + 1) * w].copy_from_slice(&rows[j * w..(j + 1) * w]);

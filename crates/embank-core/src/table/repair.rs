@@ -72,12 +72,13 @@ pub(super) fn spawn(table: &Table, repair: Arc<Repair>, live: Vec<u64>, limit: u
     let weak = Arc::downgrade(&table.shared);
     let job = Arc::new(Mutex::new(Some(live)));
     let (r, j, w) = (Arc::clone(&repair), Arc::clone(&job), weak.clone());
-    let spawned = std::thread::Builder::new().name(format!("embank-repair-{}", table.shared.id)).spawn(move || {
-        if let Some(live) = j.lock().take() {
-            run(w, &r, live, limit, throttle);
-        }
-        r.stop();
-    });
+    let spawned =
+        std::thread::Builder::new().name(format!("embank-repair-{}", table.shared.config.id)).spawn(move || {
+            if let Some(live) = j.lock().take() {
+                run(w, &r, live, limit, throttle);
+            }
+            r.stop();
+        });
     if let Err(e) = spawned {
         // Without a thread the repair runs here (the open then takes as long as a full pass).
         tracing::warn!(error = %e, "cannot start the background repair thread; repairing in the open");
@@ -95,7 +96,7 @@ fn run(weak: Weak<Shared>, repair: &Repair, mut live: Vec<u64>, limit: u64, thro
         let Some(shared) = weak.upgrade() else { return };
         let table = Table { shared };
         let Ok(guard) = table.state() else { return };
-        let st = guard.as_ref().expect("state() checked it is open");
+        let st = &*guard;
         let buckets = st.index.bucket_count();
         if next < buckets {
             let end = (next + chunk.max(1)).min(buckets);
@@ -109,7 +110,7 @@ fn run(weak: Weak<Shared>, repair: &Repair, mut live: Vec<u64>, limit: u64, thro
             continue;
         }
         // Every bucket passed: with no writer in flight, set the count, install the free list.
-        let stripes: Vec<_> = table.shared.stripes.iter().map(|s| s.lock()).collect();
+        let stripes: Vec<_> = table.shared.files.stripes.iter().map(|s| s.lock()).collect();
         let report = st.index.finish_lazy_repair();
         let freed = st.medium.alloc().finish_rebuild(&live);
         drop(stripes);
@@ -119,7 +120,7 @@ fn run(weak: Weak<Shared>, repair: &Repair, mut live: Vec<u64>, limit: u64, thro
         stats.records_freed = freed;
         stats.pending = false;
         stats.background_seconds = Some(repair.started.elapsed().as_secs_f64());
-        tracing::info!(table = %table.shared.name, stats = ?*stats, keys = report.keys, "background repair done");
+        tracing::info!(table = %table.shared.config.name, stats = ?*stats, keys = report.keys, "background repair done");
         return;
     }
 }
@@ -129,13 +130,13 @@ impl Table {
     /// clean close): the same as `stats().recovered`, without the rest of the stats
     /// (which walk the whole index).
     pub fn recover_stats(&self) -> Option<RecoverStats> {
-        self.shared.repair.as_ref().map(|r| r.stats()).or_else(|| self.shared.recovered.clone())
+        self.shared.repairs.background.as_ref().map(|r| r.stats()).or_else(|| self.shared.repairs.recovered.clone())
     }
 
     /// Waits until the background repair after a crash (if any) is done: the row count
     /// is then exact and the free list complete.
     pub fn wait_repaired(&self) {
-        if let Some(r) = &self.shared.repair {
+        if let Some(r) = &self.shared.repairs.background {
             r.wait();
         }
     }

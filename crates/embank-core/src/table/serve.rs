@@ -27,14 +27,14 @@ impl Table {
         f: impl FnOnce(&[&[u8]], &[bool]) -> R,
     ) -> Result<Option<R>> {
         // Tables with admission or eviction keep books of every access: the copying path.
-        if self.tiered() || self.shared.lifecycle.is_some() || !self.shared.layout.rows_are_f32() {
+        if self.tiered() || self.shared.lifecycle.is_some() || !self.shared.config.layout.rows_are_f32() {
             return Ok(None);
         }
         let d = self.dim();
         let n = keys.len();
         let st = self.state()?;
-        let index = &st.as_ref().unwrap().index;
-        let medium = self.mapped(st.as_ref().unwrap());
+        let index = &st.index;
+        let medium = self.mapped(&st);
         let _pin = crossbeam_epoch::pin();
         let mut ptrs = vec![0u64; n];
         let mut missing = Vec::new();
@@ -51,7 +51,7 @@ impl Table {
                 Some(_) => {
                     return Err(Error::corrupt(format!(
                         "table {:?}: the index points key {key} at a record of another key",
-                        self.shared.name
+                        self.shared.config.name
                     )))
                 }
                 None => missing.push(i),
@@ -97,8 +97,8 @@ impl Table {
     ) -> Result<Option<R>> {
         let d = self.dim();
         let st = self.state()?;
-        let index = &st.as_ref().unwrap().index;
-        let medium = self.mapped(st.as_ref().unwrap());
+        let index = &st.index;
+        let medium = self.mapped(&st);
         let _pin = crossbeam_epoch::pin();
         let mut found = vec![true; keys.len()];
         for &i in missing {

@@ -17,7 +17,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::write::{Change, Outcome, Publisher};
+use super::write::{Change, Notice, Outcome, Publisher};
 use super::Table;
 use crate::error::Result;
 use crate::medium::{Medium, ReadItem};
@@ -33,32 +33,30 @@ const PUBLISH_AHEAD: usize = super::read::PREFETCH_KEYS_AHEAD;
 impl Table {
     /// Writes whole records (row and optimizer state).
     pub(super) fn push_records(&self, keys: &[u64], records: &[f32]) -> Result<()> {
-        let result = self.push_records_through_tiers(keys, records);
-        // After the rows changed (also after a failure: some may have).
-        self.rows_changed(keys);
-        result
-    }
-
-    fn push_records_through_tiers(&self, keys: &[u64], records: &[f32]) -> Result<()> {
+        let notice = Notice::new(self.tiers());
         let _gate = self.shared.runtime.gate.batch();
-        let w = self.shared.layout.elems();
+        let w = self.shared.config.layout.elems();
         let tiers = self.tiers();
         let through: Vec<usize> = if tiers.is_empty() {
             (0..keys.len()).collect()
         } else {
             let st = self.state()?;
-            let index = &st.as_ref().unwrap().index;
+            let index = &st.index;
             let mut through = Vec::new();
+            let mut dirty = Vec::new();
             for (i, &key) in keys.iter().enumerate() {
                 let record = &records[i * w..(i + 1) * w];
-                if !tiers.lock(key).write_dirty(record, || index.get(key, index.hash(key)).is_some()) {
+                if tiers.locked(key, |locks| locks.write_dirty(record, || index.get(key, index.hash(key)).is_some())) {
+                    dirty.push(key);
+                } else {
                     through.push(i);
                 }
             }
+            notice.add(&dirty);
             through
         };
         if !through.is_empty() {
-            self.write_through(keys, records, &through)?;
+            self.write_through(keys, records, &through, &notice)?;
         }
         // Back-pressure: a writer that outruns write-back writes back itself.
         while tiers.dirty_over_high() {
@@ -71,12 +69,12 @@ impl Table {
 
     /// Writes the records at `positions` to fresh records and publishes them (insert or
     /// replace; with duplicate keys the last wins).
-    fn write_through(&self, keys: &[u64], records: &[f32], positions: &[usize]) -> Result<()> {
-        let w = self.shared.layout.elems();
+    fn write_through(&self, keys: &[u64], records: &[f32], positions: &[usize], notice: &Notice) -> Result<()> {
+        let w = self.shared.config.layout.elems();
         self.with_room(|st, from| {
             let todo = &positions[from..];
             let ptrs = self.write_records(st, todo.iter().map(|&i| (keys[i], &records[i * w..(i + 1) * w])))?;
-            let mut p = Publisher::new(self, st);
+            let mut p = Publisher::new(self, st, Some(notice));
             for (j, &i) in todo.iter().enumerate() {
                 if let Some(&ahead) = todo.get(j + PUBLISH_AHEAD) {
                     p.prefetch(keys[ahead]);
@@ -107,7 +105,7 @@ impl Table {
         if tiers.is_empty() {
             return Ok(0);
         }
-        let _one = self.shared.write_back_lock.lock();
+        let _one = self.shared.files.write_back_lock.lock();
         let rows = tiers.take_dirty(max);
         if rows.is_empty() {
             return Ok(0);
@@ -116,7 +114,8 @@ impl Table {
         let result = self.with_room_from(&mut progress, |st, from| {
             let todo: &[DirtyRow] = &rows[from..];
             let ptrs = self.write_records(st, todo.iter().map(|r| (r.key, &r.row[..])))?;
-            let mut p = Publisher::new(self, st);
+            // Rows readers already see in a tier: no notice.
+            let mut p = Publisher::new(self, st, None);
             for (j, r) in todo.iter().enumerate() {
                 if let Some(ahead) = todo.get(j + PUBLISH_AHEAD) {
                     p.prefetch(ahead.key);
@@ -161,9 +160,9 @@ impl Table {
 
     /// Loads rows without creating any (the work behind `lookahead`).
     pub(super) fn warm(&self, keys: &[u64]) -> Result<()> {
-        let w = self.shared.layout.elems();
+        let w = self.shared.config.layout.elems();
         let st = self.state()?;
-        let st = st.as_ref().unwrap();
+        let st = &*st;
         let _pin = crossbeam_epoch::pin();
         let tiers = self.tiers();
         let loaded = if !tiers.is_empty() {
@@ -193,11 +192,13 @@ impl Table {
     /// Reads every row of a pinned table into its tiers (at open).
     pub(super) fn load_pinned(&self) -> Result<()> {
         let tiers = self.tiers();
-        let Some(cache) = tiers.dram() else { return Ok(()) };
-        let w = self.shared.layout.elems();
+        if tiers.is_empty() {
+            return Ok(());
+        }
+        let w = self.shared.config.layout.elems();
         let t0 = std::time::Instant::now();
         let st = self.state()?;
-        let st = st.as_ref().unwrap();
+        let st = &*st;
         let _pin = crossbeam_epoch::pin();
         let mut items: Vec<ReadItem> = Vec::with_capacity(PIN_LOAD_CHUNK);
         let mut rows = vec![0f32; PIN_LOAD_CHUNK * w];
@@ -205,7 +206,7 @@ impl Table {
         let mut load = |items: &mut Vec<ReadItem>, rows: &mut Vec<f32>| -> Result<()> {
             st.medium.read(items, rows)?;
             for it in items.iter() {
-                tiers.lock(it.key).load(&rows[it.pos * w..(it.pos + 1) * w]);
+                tiers.locked(it.key, |locks| locks.load(&rows[it.pos * w..(it.pos + 1) * w]));
             }
             total += items.len() as u64;
             items.clear();
@@ -227,16 +228,17 @@ impl Table {
             return Err(e);
         }
         load(&mut items, &mut rows)?;
-        let budget = cache.budget();
-        if cache.stats().pinned_bytes > budget {
+        let stats = tiers.stats().expect("a table with tiers");
+        let budget = stats.budget_bytes;
+        if stats.pinned_bytes > budget {
             tracing::warn!(
-                table = %self.shared.name,
-                pinned_bytes = cache.stats().pinned_bytes,
+                table = %self.shared.config.name,
+                pinned_bytes = stats.pinned_bytes,
                 budget,
                 "pinned rows exceed the row cache budget; other tables get no cache room"
             );
         }
-        tracing::info!(table = %self.shared.name, rows = total, seconds = t0.elapsed().as_secs_f64(), "pinned table loaded");
+        tracing::info!(table = %self.shared.config.name, rows = total, seconds = t0.elapsed().as_secs_f64(), "pinned table loaded");
         Ok(())
     }
 }

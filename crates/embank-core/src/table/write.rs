@@ -18,11 +18,18 @@
 //!
 //! and [`Publisher::finish`] settles the batch: replaced records a retained
 //! checkpoint needs are held, the others retired to the epoch collector, records
-//! allocated but not published go back to the allocator.
+//! allocated but not published go back to the allocator. The keys published go
+//! into the batch's [`Notice`], which tells them to the tier stack once, when the
+//! batch's locks are released ([`TierStack::changed`]): the tiers, the pooled-bag
+//! cache and the store's listeners hear of them. (A push that stays in a tier,
+//! dirty, adds its keys to the same notice; a write-back changes nothing readers
+//! see and has none.)
 //!
 //! Invariants asserted here (`strict_assert!`, on in tests and debug builds): a
 //! record published on a mapped medium holds its key; the record the journal
 //! step recorded is the one the swap replaced.
+
+use std::cell::RefCell;
 
 use crossbeam_epoch::Guard;
 
@@ -60,15 +67,10 @@ pub(super) enum Outcome {
 impl Table {
     /// Takes keys out of the index (and the tiers); returns how many were present.
     pub(super) fn remove(&self, keys: &[u64]) -> Result<u64> {
-        let result = self.remove_keys(keys);
-        self.rows_changed(keys);
-        result
-    }
-
-    fn remove_keys(&self, keys: &[u64]) -> Result<u64> {
+        let notice = Notice::new(self.tiers());
         let _gate = self.shared.runtime.gate.batch();
         let st = self.state()?;
-        let mut p = Publisher::new(self, st.as_ref().unwrap());
+        let mut p = Publisher::new(self, &st, Some(&notice));
         for &key in keys {
             p.publish(key, Change::Remove, |_| false, |_| {})?;
         }
@@ -76,11 +78,40 @@ impl Table {
     }
 }
 
+/// The keys one batch changed, told to the tier stack ([`TierStack::changed`]) once,
+/// when the notice is dropped: the writer makes it before it takes the batch's locks,
+/// so it goes out after they are released, also when the batch failed part way (the
+/// keys published before the failure changed).
+pub(super) struct Notice<'a> {
+    tiers: &'a TierStack,
+    keys: RefCell<Vec<u64>>,
+}
+
+impl<'a> Notice<'a> {
+    pub fn new(tiers: &'a TierStack) -> Notice<'a> {
+        Notice { tiers, keys: RefCell::new(Vec::new()) }
+    }
+
+    /// Keys changed without a publish (a push that stays in a tier, dirty).
+    pub fn add(&self, keys: &[u64]) {
+        self.keys.borrow_mut().extend_from_slice(keys);
+    }
+}
+
+impl Drop for Notice<'_> {
+    fn drop(&mut self) {
+        self.tiers.changed(self.keys.get_mut());
+    }
+}
+
 /// Publishes the keys of one pass of one batch (see the module docs).
 pub(super) struct Publisher<'a> {
     table: &'a Table,
     st: &'a State,
-    tiers: TierStack<'a>,
+    tiers: &'a TierStack,
+    /// The batch's notice, which hears of every key published (`None`: a pass that
+    /// changes no row as readers see it, a write-back).
+    notice: Option<&'a Notice<'a>>,
     interval: u64,
     jw: Option<journal::Writer>,
     guard: Guard,
@@ -91,11 +122,12 @@ pub(super) struct Publisher<'a> {
 
 impl<'a> Publisher<'a> {
     /// The caller holds the store's checkpoint gate (shared) for the whole batch.
-    pub fn new(table: &'a Table, st: &'a State) -> Publisher<'a> {
+    pub fn new(table: &'a Table, st: &'a State, notice: Option<&'a Notice<'a>>) -> Publisher<'a> {
         Publisher {
             table,
             st,
             tiers: table.tiers(),
+            notice,
             interval: table.shared.runtime.gate.interval(),
             jw: None,
             guard: crossbeam_epoch::pin(),
@@ -132,18 +164,32 @@ impl<'a> Publisher<'a> {
         &mut self,
         key: u64,
         change: Change,
-        veto: impl FnOnce(&KeyLocks) -> bool,
-        after: impl FnOnce(&mut KeyLocks),
+        mut veto: impl FnMut(&KeyLocks) -> bool,
+        mut after: impl FnMut(&mut KeyLocks),
+    ) -> Result<Outcome> {
+        let h = self.st.index.hash(key);
+        let _stripe = self.table.stripe(h).lock();
+        let tiers = self.tiers;
+        tiers.locked(key, |locks| self.publish_locked(key, h, change, locks, &mut veto, &mut after))
+    }
+
+    /// [`publish`](Self::publish) under the key's stripe lock and tier locks.
+    #[inline(always)]
+    fn publish_locked(
+        &mut self,
+        key: u64,
+        h: u64,
+        change: Change,
+        locks: &mut KeyLocks,
+        veto: &mut impl FnMut(&KeyLocks) -> bool,
+        after: &mut impl FnMut(&mut KeyLocks),
     ) -> Result<Outcome> {
         let index = &self.st.index;
-        let h = index.hash(key);
-        let _stripe = self.table.stripe(h).lock();
-        let mut locks = self.tiers.lock(key);
         let new = match change {
             Change::Create(p) | Change::Upsert(p) => Some(p),
             Change::Remove => None,
         };
-        if veto(&locks) {
+        if veto(locks) {
             self.unused.extend(new);
             return Ok(Outcome::Skipped);
         }
@@ -163,7 +209,7 @@ impl<'a> Publisher<'a> {
         let checkpoints = &self.table.shared.checkpoints;
         let keep = checkpoints
             .journal_first_change(self.interval, &mut self.jw, index, key, h)
-            .map_err(|e| e.context(format!("table {:?}", self.table.shared.name)))?;
+            .map_err(|e| e.context(format!("table {:?}", self.table.shared.config.name)))?;
         let old = match change {
             Change::Create(ptr) => {
                 if !index.insert_new(key, h, ptr) {
@@ -199,7 +245,10 @@ impl<'a> Publisher<'a> {
                 self.retired.push(old);
             }
         }
-        after(&mut locks);
+        after(locks);
+        if let Some(notice) = self.notice {
+            notice.keys.borrow_mut().push(key);
+        }
         Ok(Outcome::Published)
     }
 

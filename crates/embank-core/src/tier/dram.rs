@@ -327,8 +327,17 @@ impl super::Tier for RowCache {
         RowCache::requeue(self, table, keys)
     }
 
+    #[inline]
+    fn with_key(&self, table: u32, key: u64, f: &mut dyn FnMut(&mut dyn super::TierKey)) {
+        f(&mut KeyEntry { locked: self.lock(self.hash(table, key)), table, key })
+    }
+
     fn dirty_over_high(&self) -> bool {
         self.dirty_bytes() > self.dirty_high()
+    }
+
+    fn dirty_over_target(&self) -> bool {
+        self.dirty_bytes() > self.dirty_target()
     }
 
     fn drop_table(&self, table: u32) {
@@ -337,6 +346,49 @@ impl super::Tier for RowCache {
 
     fn stats(&self) -> CacheStats {
         RowCache::stats(self)
+    }
+}
+
+/// One key's entry, its shard write-locked: the cache as the write protocol sees it.
+struct KeyEntry<'a> {
+    locked: Locked<'a>,
+    table: u32,
+    key: u64,
+}
+
+impl super::TierKey for KeyEntry<'_> {
+    fn get(&self, layout: &RecordLayout, out: &mut [f32]) -> bool {
+        let Some(e) = self.locked.get(self.table, self.key) else { return false };
+        layout.decode(&e.row, out);
+        true
+    }
+
+    fn contains(&self) -> bool {
+        self.locked.get(self.table, self.key).is_some()
+    }
+
+    fn dirty_version(&self) -> Option<u64> {
+        self.locked.get(self.table, self.key).filter(|e| e.dirty).map(|e| e.version)
+    }
+
+    fn replace(&mut self, layout: &RecordLayout, record: &[f32], dirty: bool) -> bool {
+        if dirty {
+            self.locked.update_dirty(self.table, self.key, layout, record)
+        } else {
+            self.locked.update_clean(self.table, self.key, layout, record)
+        }
+    }
+
+    fn insert(&mut self, layout: &RecordLayout, record: &[f32], dirty: bool, pinned: bool) {
+        self.locked.insert(self.table, self.key, layout, record, dirty, pinned)
+    }
+
+    fn mark_clean(&mut self, version: u64) {
+        self.locked.mark_clean(self.table, self.key, version);
+    }
+
+    fn remove(&mut self) {
+        self.locked.remove(self.table, self.key);
     }
 }
 

@@ -1,0 +1,167 @@
+//! A bucket as it lies in the file: seqlock version, overflow counter, fingerprints,
+//! slots, checkpoint marks; and the bit tricks that search it.
+
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+/// Bytes of one bucket.
+pub const BUCKET_BYTES: usize = 256;
+/// Slots of one bucket: 8 bytes of header, 16 of fingerprints, 14 * 16 of slots, 8 reserved.
+pub const SLOTS_PER_BUCKET: usize = 14;
+/// Longest probe sequence, in buckets, an insert may walk before the table counts as full.
+pub const PROBE_BUCKETS_MAX: u64 = 64;
+/// Buckets [`Index::probe_histogram`] looks at, at most.
+pub const PROBE_SAMPLE_BUCKETS: u64 = 1 << 16;
+/// Largest bucket count (2^40 buckets: 15 * 10^12 slots, far beyond any table).
+pub const BUCKET_COUNT_MAX: u64 = 1 << 40;
+
+const _: () = assert!(8 + 16 + SLOTS_PER_BUCKET * 16 + 8 == BUCKET_BYTES);
+const _: () = assert!(SLOTS_PER_BUCKET <= 16);
+const _: () = assert!(std::mem::size_of::<Bucket>() == BUCKET_BYTES);
+
+/// One bucket as it lies in the file (little-endian, as this build's target).
+#[repr(C, align(64))]
+pub struct Bucket {
+    /// Seqlock: odd while a writer is inside.
+    pub(super) version: AtomicU32,
+    /// How many keys whose probe sequence passed this bucket live further on.
+    pub(super) overflow: AtomicU32,
+    /// Fingerprints of slots 0..14 (byte i of the 16); 0 = empty. Bytes 14, 15 stay 0.
+    pub(super) fps: [AtomicU64; 2],
+    /// `(key, row pointer)` per slot.
+    pub(super) slots: [[AtomicU64; 2]; SLOTS_PER_BUCKET],
+    /// Checkpoint marks: a 50-bit interval tag and one bit per slot whose key has been
+    /// journaled in that interval ([`Index::journaled`]). Meaningful only to the process
+    /// that wrote them (tags are per open), so garbage after a restart is harmless.
+    pub(super) marks: AtomicU64,
+}
+
+/// Where a key sits: bucket, slot and its row pointer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Found {
+    pub bucket: u64,
+    pub slot: usize,
+    pub ptr: u64,
+}
+
+/// What [`Index::recover`] found and repaired.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoverReport {
+    pub buckets_interrupted: u64,
+    pub slots_dropped: u64,
+    pub keys: u64,
+}
+
+/// Low bits of a bucket's `marks` word: one per slot.
+pub(super) const MARK_SLOT_BITS: u32 = SLOTS_PER_BUCKET as u32;
+/// The interval tag in the rest of the word.
+pub const MARK_TAG_MASK: u64 = (1 << (64 - MARK_SLOT_BITS)) - 1;
+
+pub(super) const LOW_BYTES: u64 = 0x0101_0101_0101_0101;
+pub(super) const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
+
+/// Bit mask (one bit per slot) of the slots whose fingerprint equals `fp`.
+#[inline(always)]
+pub(super) fn match_fp(words: [u64; 2], fp: u8) -> u32 {
+    let pattern = LOW_BYTES.wrapping_mul(fp as u64);
+    let mut mask = 0u32;
+    for (w, word) in words.into_iter().enumerate() {
+        let x = word ^ pattern;
+        // Bytes of x that are zero mark equal fingerprints (exact: no false
+        // positives above a true zero byte, unlike the shorter borrow trick).
+        let y = (x & !HIGH_BITS).wrapping_add(!HIGH_BITS);
+        let mut zeros = !(y | x | !HIGH_BITS);
+        while zeros != 0 {
+            let byte = zeros.trailing_zeros() / 8;
+            mask |= 1 << (w as u32 * 8 + byte);
+            zeros &= zeros - 1;
+        }
+    }
+    mask & ((1 << SLOTS_PER_BUCKET) - 1)
+}
+
+/// Bit mask of empty slots.
+#[inline(always)]
+pub(super) fn empty_slots(words: [u64; 2]) -> u32 {
+    let mut mask = 0u32;
+    for (w, word) in words.into_iter().enumerate() {
+        for byte in 0..8 {
+            if (word >> (byte * 8)) & 0xff == 0 {
+                mask |= 1 << (w * 8 + byte);
+            }
+        }
+    }
+    mask & ((1 << SLOTS_PER_BUCKET) - 1)
+}
+
+impl Bucket {
+    #[inline(always)]
+    pub(super) fn fp_words(&self) -> [u64; 2] {
+        [self.fps[0].load(Ordering::Relaxed), self.fps[1].load(Ordering::Relaxed)]
+    }
+
+    /// Locks the bucket for writing; returns the even version it had.
+    #[inline]
+    pub(super) fn lock(&self) -> u32 {
+        let mut spins = 0u32;
+        loop {
+            let v = self.version.load(Ordering::Relaxed);
+            if v & 1 == 0
+                && self
+                    .version
+                    .compare_exchange_weak(v, v.wrapping_add(1), Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return v;
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    #[inline]
+    pub(super) fn unlock(&self, v: u32) {
+        self.version.store(v.wrapping_add(2), Ordering::Release);
+    }
+
+    pub(super) fn set_fp(&self, slot: usize, fp: u8) {
+        let word = &self.fps[slot / 8];
+        let shift = (slot % 8) * 8;
+        let old = word.load(Ordering::Relaxed);
+        word.store((old & !(0xff << shift)) | ((fp as u64) << shift), Ordering::Release);
+    }
+
+    pub(super) fn fp(&self, slot: usize) -> u8 {
+        (self.fps[slot / 8].load(Ordering::Relaxed) >> ((slot % 8) * 8)) as u8
+    }
+
+    /// Consistent read: the slot holding `key` (if any) and the overflow counter.
+    #[inline(always)]
+    pub(super) fn read(&self, key: u64, fp: u8) -> (Option<(usize, u64)>, u32) {
+        loop {
+            let v1 = self.version.load(Ordering::Acquire);
+            if v1 & 1 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut found = None;
+            let mut candidates = match_fp(self.fp_words(), fp);
+            while candidates != 0 {
+                let slot = candidates.trailing_zeros() as usize;
+                candidates &= candidates - 1;
+                if self.slots[slot][0].load(Ordering::Relaxed) == key {
+                    found = Some((slot, self.slots[slot][1].load(Ordering::Relaxed)));
+                    break;
+                }
+            }
+            let overflow = self.overflow.load(Ordering::Relaxed);
+            fence(Ordering::Acquire);
+            if self.version.load(Ordering::Relaxed) == v1 {
+                return (found, overflow);
+            }
+        }
+    }
+}
