@@ -10,7 +10,7 @@ use crate::optim::Optimizer;
 impl Table {
     /// `f32`s of optimizer state stored after each row (0 without an optimizer).
     pub fn state_len(&self) -> usize {
-        self.shared.layout.state_len
+        self.shared.config.layout.state_len
     }
 
     /// Like [`lookup`](Self::lookup), with each row's optimizer state after it: `out`
@@ -18,13 +18,13 @@ impl Table {
     /// missing-row default and the optimizer's initial state, and `found[i] = false`;
     /// nothing is created.
     pub fn lookup_with_state(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
-        let layout = self.shared.layout;
+        let layout = self.shared.config.layout;
         let (w, d) = (layout.elems(), layout.dim);
         if out.len() != keys.len() * w || found.len() != keys.len() {
             return Err(Error::invalid(format!(
                 "lookup_with_state: table {:?} has records of {w} elements (dim {d}, state {}), so {} keys \
                  need {} elements and {} found flags, got {} and {}",
-                self.shared.name,
+                self.shared.config.name,
                 layout.state_len,
                 keys.len(),
                 keys.len() * w,
@@ -37,10 +37,10 @@ impl Table {
         let opt = self.optimizer();
         for i in missing {
             let (row, state) = out[i * w..(i + 1) * w].split_at_mut(d);
-            match self.shared.missing {
+            match self.shared.config.missing {
                 MissingDefault::Zeros => row.fill(0.0),
                 MissingDefault::Value { value } => row.fill(value),
-                MissingDefault::Init => self.shared.init.fill(self.shared.seed, keys[i], row),
+                MissingDefault::Init => self.shared.config.init.fill(self.shared.config.seed, keys[i], row),
             }
             opt.init_state(state);
         }
@@ -52,13 +52,13 @@ impl Table {
     /// with nothing written when a value is not finite or a state is one the optimizer
     /// cannot reach (a negative accumulator, a fractional Adam step count).
     pub fn push_with_state(&self, keys: &[u64], records: &[f32]) -> Result<()> {
-        let layout = self.shared.layout;
+        let layout = self.shared.config.layout;
         let (w, d) = (layout.elems(), layout.dim);
         if records.len() != keys.len() * w {
             return Err(Error::invalid(format!(
                 "push_with_state: table {:?} has records of {w} elements (dim {d}, state {}), so {} keys need {} \
                  elements, got {}",
-                self.shared.name,
+                self.shared.config.name,
                 layout.state_len,
                 keys.len(),
                 keys.len() * w,
@@ -68,7 +68,7 @@ impl Table {
         if self.shared.lifecycle.is_some() {
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("push_with_state: table {:?} has a lifecycle (admission, TTL or max_rows)", self.shared.name),
+                format!("push_with_state: table {:?} has a lifecycle (admission, TTL or max_rows)", self.shared.config.name),
             ));
         }
         if let Some(i) = crate::optim::first_non_finite(records) {
