@@ -68,7 +68,10 @@ impl Table {
         if self.shared.lifecycle.is_some() {
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("push_with_state: table {:?} has a lifecycle (admission, TTL or max_rows)", self.shared.config.name),
+                format!(
+                    "push_with_state: table {:?} has a lifecycle (admission, TTL or max_rows)",
+                    self.shared.config.name
+                ),
             ));
         }
         if let Some(i) = crate::optim::first_non_finite(records) {
