@@ -11,7 +11,6 @@ use std::time::Instant;
 use clap::Args;
 use embank_core::plan::{row_cache_shards, tier_bytes, Access, SampledStream, StackDistances, TableShape, TierBytes};
 use embank_core::{DType, MediumKind, Optimizer};
-use plotters::prelude::*;
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -20,6 +19,12 @@ use crate::bench::{parse_bytes, parse_dtype};
 use crate::npy::NpyReader;
 use crate::tools::human_bytes;
 use crate::workload::KeyStream;
+
+mod draw;
+mod request;
+
+use draw::draw;
+pub use request::{plan_request, Bytes, PlanRequest};
 
 #[derive(Args, Debug, Clone)]
 pub struct PlanArgs {
@@ -674,90 +679,6 @@ fn recommend(
     }
 }
 
-/// A plan asked for through the API (`embank.plan`): the options of `embank plan` by
-/// their long names (`cache_bytes` as numbers or strings such as `"8M"`), absent ones
-/// defaulted as the command defaults them; traces in memory beside.
-#[derive(Debug, Default, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PlanRequest {
-    pub traces: Vec<String>,
-    pub criteo: Vec<PathBuf>,
-    pub features: Vec<usize>,
-    pub hash_size: Option<u64>,
-    pub training: bool,
-    pub lookahead: bool,
-    pub workload: Option<String>,
-    pub keys: Option<u64>,
-    pub zipf: Option<f64>,
-    pub batch: Option<usize>,
-    pub threads: Option<usize>,
-    pub stream_batches: Option<usize>,
-    pub seed: Option<u64>,
-    pub dim: Option<usize>,
-    pub dtype: Option<String>,
-    pub optimizer: Option<String>,
-    pub medium: Option<String>,
-    pub cache_bytes: Vec<Bytes>,
-    pub budget_dram: Option<Bytes>,
-    pub budget_gpu: Option<Bytes>,
-    pub target_hit_rate: Option<f64>,
-    pub sample_rate: Option<f64>,
-    pub tracked_max: Option<usize>,
-}
-
-/// A size in bytes: a number, or a string such as `"8M"`.
-#[derive(Debug, serde::Deserialize)]
-#[serde(untagged)]
-pub enum Bytes {
-    Number(u64),
-    Text(String),
-}
-
-impl Bytes {
-    fn get(&self) -> Result<u64, String> {
-        match self {
-            Bytes::Number(n) => Ok(*n),
-            Bytes::Text(t) => parse_bytes(t),
-        }
-    }
-}
-
-/// The plan of `request` (JSON, a [`PlanRequest`]) with the traces of `keys`: what the
-/// Python package's `embank.plan` calls, without argument strings or files.
-pub fn plan_request(request: &str, keys: Vec<(String, Arc<Vec<u64>>)>) -> Result<Plan, String> {
-    #[derive(clap::Parser)]
-    struct Wrapper {
-        #[command(flatten)]
-        args: PlanArgs,
-    }
-    use clap::Parser;
-    let r: PlanRequest = serde_json::from_str(request).map_err(|e| format!("plan: {e}"))?;
-    let mut a = Wrapper::try_parse_from(["plan"]).map_err(|e| e.to_string())?.args;
-    a.traces = r.traces;
-    a.criteo = r.criteo;
-    a.features = r.features;
-    a.hash_size = r.hash_size;
-    a.training = r.training;
-    a.lookahead = r.lookahead;
-    a.workload = r.workload;
-    a.trace_keys = keys;
-    a.cache_bytes = r.cache_bytes.iter().map(Bytes::get).collect::<Result<_, _>>()?;
-    a.budget_dram = r.budget_dram.as_ref().map(Bytes::get).transpose()?;
-    a.budget_gpu = r.budget_gpu.as_ref().map(Bytes::get).transpose()?;
-    a.zipf = r.zipf.or(a.zipf);
-    a.sample_rate = r.sample_rate.or(a.sample_rate);
-    if let Some(d) = &r.dtype {
-        a.dtype = parse_dtype(d)?;
-    }
-    macro_rules! given {
-        ($($field:ident <- $from:ident),*) => { $(if let Some(v) = r.$from { a.$field = v; })* };
-    }
-    given!(keys <- keys, batch <- batch, threads <- threads, stream_batches <- stream_batches,
-        seed <- seed, dim <- dim, optimizer <- optimizer, medium <- medium,
-        target_hit_rate <- target_hit_rate, tracked_max <- tracked_max);
-    plan(&a)
-}
-
 pub fn run(args: PlanArgs) -> Result<(), String> {
     let p = plan(&args)?;
     for t in &p.tables {
@@ -865,51 +786,4 @@ fn print_answers(at: &[CurvePoint], for_target: Option<u64>, at_budget: Option<&
             c.hit_rate * 100.0
         );
     }
-}
-
-fn draw(p: &Plan, path: &std::path::Path) -> Result<(), String> {
-    crate::bench::plot::register_font()?;
-    let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
-    let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let max_bytes = p
-        .tables
-        .iter()
-        .flat_map(|t| t.row_cache_curve.iter().map(|c| c.cache_bytes))
-        .max()
-        .unwrap_or(1 << 20)
-        .max(1 << 20) as f64;
-    let min_bytes =
-        p.tables.iter().flat_map(|t| t.gpu_curve.iter().map(|c| c.cache_bytes)).min().unwrap_or(1 << 10).max(1024)
-            as f64;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("predicted hit rate by cache size (embank plan)", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(45)
-        .y_label_area_size(60)
-        .build_cartesian_2d((min_bytes..max_bytes).log_scale(), 0f64..100f64)
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("cache bytes")
-        .y_desc("hit rate %")
-        .x_label_formatter(&|b| human_bytes(*b as u64))
-        .draw()
-        .map_err(|e| err(&e))?;
-    let colors = [RGBColor(31, 119, 180), RGBColor(255, 127, 14), RGBColor(44, 160, 44), RGBColor(214, 39, 40)];
-    for (i, t) in p.tables.iter().enumerate() {
-        let c = colors[i % colors.len()];
-        for (curve, what, dashed) in [(&t.row_cache_curve, "row cache", false), (&t.gpu_curve, "GPU cache", true)] {
-            let pts: Vec<(f64, f64)> =
-                curve.iter().map(|x| (x.cache_bytes.max(1024) as f64, x.hit_rate * 100.0)).collect();
-            let style = if dashed { c.mix(0.5).stroke_width(2) } else { c.stroke_width(3) };
-            chart
-                .draw_series(LineSeries::new(pts, style))
-                .map_err(|e| err(&e))?
-                .label(format!("{} ({what})", t.name))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
-        }
-    }
-    chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw().map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))
 }
