@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from . import errors, init, optim
 from ._native import __version__
+from ._open import connect, open
 from ._plan import plan
-from ._store import Publisher, Store, Table, Worker, connect, open
+from ._publisher import Publisher
+from ._store import Store, Table, Worker
 from .errors import (
     ConfigError,
     CorruptStoreError,

@@ -207,9 +207,12 @@ def test_the_device_path_on_the_cpu_equals_the_cpu_path(
         monkeypatch.setattr(torch.cuda, attr, getattr(fake, attr))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.current)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    transfer = et._Transfer(torch.device("cpu"))
+    import embank._torch_support as support
+
+    transfer = support._Transfer(torch.device("cpu"))
     assert not transfer.pinned
-    monkeypatch.setattr(et, "_transfer_for", lambda device: transfer)  # the CPU takes the CUDA path
+    # The CPU takes the CUDA path.
+    monkeypatch.setattr(support, "_transfer_for", lambda device: transfer)
     seen = _train(case, store, "device", batches, "cpu", read_ahead=True)
     monkeypatch.undo()
 

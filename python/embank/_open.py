@@ -1,0 +1,204 @@
+"""Opening a store: :func:`open` (a directory) and :func:`connect` (``embank serve``
+shards). Each hands its options to the native layer as one JSON object."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from . import _native
+from ._store import Store
+
+__all__ = ["connect", "open"]
+
+
+def open(
+    path: str | os.PathLike[str],
+    *,
+    create: bool = True,
+    verify: bool = False,
+    cache_bytes: int = 256 << 20,
+    io_engine: str = "auto",
+    io_depth: int = 128,
+    mmap_random_access: bool = True,
+    keep_checkpoints: int = 2,
+    background_repair: bool = True,
+    pooled_cache_bytes: int = 0,
+    hot_placement: dict[str, Any] | None = None,
+    shared_tier: dict[str, Any] | None = None,
+) -> Store:
+    """Opens (or creates) the store in directory ``path``.
+
+    Serves at once: tables closed cleanly are mapped, not read. Tables whose
+    process was killed serve at once too: index buckets are repaired when first
+    touched and a background thread finishes the repair (see
+    :meth:`Store.wait_repaired`); after a machine crash, one pass over each index
+    repairs it before ``open`` returns.
+
+    Args:
+        create: create the store if ``path`` holds none (else raise ``NotFoundError``).
+        verify: check every row's checksum on open (after a power loss).
+        cache_bytes: budget of the DRAM row cache shared by the store's tables
+            (0 for none); taken as rows are cached, not up front.
+        io_engine: ``"auto"`` (io_uring where the kernel allows, else pread),
+            ``"uring"`` or ``"pread"``: how block-medium tables are read.
+        io_depth: most block-medium reads in flight per batch.
+        mmap_random_access: map mmap-medium files with ``MADV_RANDOM`` (the default):
+            no read-around, small page-cache folios, so a row write dirties one page.
+            Turn off for read-only tables that fit in memory (reads ~25 % faster).
+        keep_checkpoints: how many :meth:`Store.checkpoint` s are kept for :meth:`Store.restore`.
+        background_repair: after a killed process, repair in the background (the
+            default); ``False`` repairs everything before ``open`` returns.
+        pooled_cache_bytes: budget of the pooled-embedding cache (0, the default: none).
+            For inference: :meth:`Table.lookup_pooled` (and ``embank.torch``'s bags in
+            eval mode) answer a bag whose whole id sequence was pooled before from it,
+            skipping the lookup and pooling; a write to any member row drops the bag.
+        hot_placement: automatic hot placement (off by default): tables sample the keys
+            their reads ask for, and now and then each table's hot set is moved into its
+            home index buckets (one bucket read per lookup; see :meth:`Table.place_hot`).
+            A dict of ``keys`` (hot-set size, 10000), ``every_seconds`` (600),
+            ``sample_every`` (16) and ``min_home_fraction`` (0.99); ``{}`` takes them all.
+        shared_tier: a Redis Cluster shared with other serving stores, between the row
+            cache and the medium of cached tables (HPS's level 2): a dict of
+            ``redis_cluster`` (``["host:port", ...]``), ``ttl_seconds`` (None),
+            ``timeout_ms`` (250) and ``backoff_ms`` (1000), as ``embank serve``'s
+            ``[shared_tier]``. Misses of the row cache are fetched from the cluster,
+            the cluster's misses from the medium and stored there in the background;
+            a node down is counted (``stats()["shared_tier"]``), never an error.
+
+    Raises:
+        StoreLockedError: another process or handle has the store open.
+        FormatVersionError: the store was written by an unknown format version.
+    """
+    if cache_bytes < 0 or io_depth < 1 or pooled_cache_bytes < 0:
+        from .errors import ConfigError
+
+        raise ConfigError("cache_bytes and pooled_cache_bytes must be >= 0, io_depth >= 1")
+    options: dict[str, Any] = {
+        "create": bool(create),
+        "verify": bool(verify),
+        "cache_bytes": int(cache_bytes),
+        "io_engine": io_engine,
+        "io_depth": int(io_depth),
+        "mmap_random_access": bool(mmap_random_access),
+        "keep_checkpoints": int(keep_checkpoints),
+        "background_repair": bool(background_repair),
+        "pooled_cache_bytes": int(pooled_cache_bytes),
+        "hot_placement": hot_placement,
+        "shared_tier": shared_tier,
+    }
+    return Store(_native.Store.open(os.fspath(path), json.dumps(options)))
+
+
+def _from_config(path: str) -> tuple[list[list[str]], dict[str, Any]]:
+    """Shards and settings of a client config file (see :func:`connect`)."""
+    c: dict[str, Any] = json.loads(_native.client_config_json(path))
+    groups = [[str(a) for a in s["replicas"]] for s in c.pop("shards")]
+    c.pop("token_file", None)
+    return groups, {k: v for k, v in c.items() if v is not None}
+
+
+def connect(
+    addrs: str | os.PathLike[str] | Sequence[str | Sequence[str]],
+    *,
+    token: str | None = None,
+    timeout: float | None = None,
+    connect_timeout: float | None = None,
+    keys_per_request_max: int | None = None,
+    in_flight_per_shard: int | None = None,
+    tls_ca_file: str | os.PathLike[str] | None = None,
+    tls_cert_file: str | os.PathLike[str] | None = None,
+    tls_key_file: str | os.PathLike[str] | None = None,
+    tls_server_name: str | None = None,
+    min_checkpoint: int | None = None,
+) -> Store:
+    """Connects to a networked store: the ``embank serve`` processes at ``addrs``
+    (``"host:port"`` each; one shard per address, in the same order in every client).
+
+    A shard may have several replicas: give it as a list of addresses (or
+    ``"a:7070|b:7070"``), its primary first. Reads (``lookup``, and ``pull`` on
+    read-only replicas fed by an update stream) are spread over the healthy replicas
+    and fail over to another within the call on an error or timeout; writes go to the
+    primary alone; errors name the shard and replica.
+
+    Returns a :class:`Store` whose tables have the same methods and errors as those of
+    :func:`open`. Keys go to shards by a consistent hash; a batch is split into requests
+    of at most ``keys_per_request_max`` keys, sent in parallel and put back in order.
+
+    Args:
+        token: the servers' shared secret (required when they listen beyond loopback).
+        timeout: seconds to wait for a reply before raising ``EmbankTimeoutError``
+            (default 30).
+        connect_timeout: seconds to wait for a connection (default 5).
+        keys_per_request_max: keys per request (default 500; the servers' own limit is
+            higher).
+        in_flight_per_shard: most requests of one call in flight to one shard (default 8).
+        tls_ca_file: connect over TLS, verifying each server against these CA
+            certificates (PEM; ``embank cert`` writes a development CA).
+        tls_cert_file, tls_key_file: this client's certificate and key (PEM), for
+            servers that require one (``client_ca_file`` in their ``[tls]``).
+        tls_server_name: the name the servers' certificates must carry (default: the
+            host part of each address).
+        min_checkpoint: reads only from replicas serving the training checkpoint of
+            this batch id or later (see :meth:`Store.served`); per call with
+            ``table.lookup(keys, min_checkpoint=...)``.
+
+    ``addrs`` may instead be the path of a TOML file (``cluster.toml``) with the shards
+    as ``[[shards]] replicas = ["a:7070", "b:7070"]`` and any of ``token`` (or
+    ``token_file``), ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``,
+    ``tls_server_name``, ``timeout_seconds``, ``connect_timeout_seconds``,
+    ``keys_per_request_max``, ``in_flight_per_shard``, ``min_checkpoint``; keyword
+    arguments given here win over the file.
+
+    The TLS files default to the environment variables ``EMBANK_TLS_CA_FILE``,
+    ``EMBANK_TLS_CERT_FILE`` and ``EMBANK_TLS_KEY_FILE`` when not given.
+
+    Raises:
+        ShardUnavailableError: a shard cannot be reached (the message names it).
+        UnauthorizedError: a shard refused the token.
+    """
+
+    def path(p: str | os.PathLike[str] | None) -> str | None:
+        return None if p is None else os.fspath(p)
+
+    given: dict[str, Any] = {
+        "token": token,
+        "timeout_seconds": None if timeout is None else float(timeout),
+        "connect_timeout_seconds": None if connect_timeout is None else float(connect_timeout),
+        "keys_per_request_max": None if keys_per_request_max is None else int(keys_per_request_max),
+        "in_flight_per_shard": None if in_flight_per_shard is None else int(in_flight_per_shard),
+        "tls_ca_file": path(tls_ca_file),
+        "tls_cert_file": path(tls_cert_file),
+        "tls_key_file": path(tls_key_file),
+        "tls_server_name": tls_server_name,
+        "min_checkpoint": None if min_checkpoint is None else int(min_checkpoint),
+    }
+    # What is given here wins over the file, the file over the environment.
+    options = {k: v for k, v in given.items() if v is not None}
+    if isinstance(addrs, os.PathLike) or (isinstance(addrs, str) and addrs.endswith(".toml")):
+        addrs, conf = _from_config(os.fspath(addrs))
+        options = {**conf, **options}
+    elif isinstance(addrs, str):
+        addrs = [a for a in addrs.removeprefix("tcp://").split(",") if a]
+    groups: list[list[str]] = []
+    for a in addrs:
+        group = [x for x in a.split("|") if x] if isinstance(a, str) else [str(x) for x in a]
+        if not group:
+            from .errors import ConfigError
+
+            raise ConfigError("connect: a shard with no address")
+        groups.append(group)
+    if not groups:
+        from .errors import ConfigError
+
+        raise ConfigError("connect: give at least one shard address")
+    for key, var in (
+        ("tls_ca_file", "EMBANK_TLS_CA_FILE"),
+        ("tls_cert_file", "EMBANK_TLS_CERT_FILE"),
+        ("tls_key_file", "EMBANK_TLS_KEY_FILE"),
+    ):
+        if key not in options and var in os.environ:
+            options[key] = os.environ[var]
+    return Store(_native.Store.connect(groups, json.dumps(options)))
