@@ -35,7 +35,6 @@ impl Table {
     pub(super) fn push_records(&self, keys: &[u64], records: &[f32]) -> Result<()> {
         let notice = Notice::new(self.tiers());
         let _gate = self.shared.runtime.gate.batch();
-        let w = self.shared.config.layout.elems();
         let tiers = self.tiers();
         let through: Vec<usize> = if tiers.is_empty() {
             (0..keys.len()).collect()
@@ -43,15 +42,11 @@ impl Table {
             let st = self.state()?;
             let index = &st.index;
             let mut through = Vec::new();
-            let mut dirty = Vec::new();
-            for (i, &key) in keys.iter().enumerate() {
-                let record = &records[i * w..(i + 1) * w];
-                if tiers.locked(key, |locks| locks.write_dirty(record, || index.get(key, index.hash(key)).is_some())) {
-                    dirty.push(key);
-                } else {
-                    through.push(i);
-                }
-            }
+            tiers.write_dirty(keys, records, &mut |key| index.get(key, index.hash(key)).is_some(), &mut through);
+            // The rows that stay in the tier join the batch's notice.
+            let mut skip = through.iter().peekable();
+            let dirty: Vec<u64> =
+                keys.iter().enumerate().filter(|&(i, _)| skip.next_if_eq(&&i).is_none()).map(|(_, &k)| k).collect();
             notice.add(&dirty);
             through
         };

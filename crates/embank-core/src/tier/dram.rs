@@ -327,6 +327,28 @@ impl super::Tier for RowCache {
         RowCache::requeue(self, table, keys)
     }
 
+    fn write_dirty_batch(
+        &self,
+        table: u32,
+        keys: &[u64],
+        layout: &RecordLayout,
+        records: &[f32],
+        pinned: bool,
+        present: &mut dyn FnMut(u64) -> bool,
+        through: &mut Vec<usize>,
+    ) {
+        for (i, (&key, record)) in keys.iter().zip(records.chunks_exact(layout.elems())).enumerate() {
+            let mut l = self.lock(self.hash(table, key));
+            if !l.update_dirty(table, key, layout, record) {
+                if present(key) {
+                    l.insert(table, key, layout, record, true, pinned);
+                } else {
+                    through.push(i);
+                }
+            }
+        }
+    }
+
     #[inline]
     fn with_key(&self, table: u32, key: u64, f: &mut dyn FnMut(&mut dyn super::TierKey)) {
         f(&mut KeyEntry { locked: self.lock(self.hash(table, key)), table, key })

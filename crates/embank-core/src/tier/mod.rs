@@ -66,6 +66,38 @@ pub trait Tier: Send + Sync {
     /// index slot inside `f` (the caller holds the key's stripe lock). The lock lives
     /// on the tier's stack, so a key's lock costs no allocation.
     fn with_key(&self, table: u32, key: u64, f: &mut dyn FnMut(&mut dyn TierKey));
+    /// Writes records that stay in the tier, dirty (no I/O), each under its key's lock:
+    /// replaces a held record, or inserts it where `present(key)` (the index has the
+    /// key); appends the positions it did not take to `through`. The default goes key
+    /// by key through [`with_key`](Self::with_key).
+    #[allow(clippy::too_many_arguments)]
+    fn write_dirty_batch(
+        &self,
+        table: u32,
+        keys: &[u64],
+        layout: &RecordLayout,
+        records: &[f32],
+        pinned: bool,
+        present: &mut dyn FnMut(u64) -> bool,
+        through: &mut Vec<usize>,
+    ) {
+        let w = layout.elems();
+        for (i, (&key, record)) in keys.iter().zip(records.chunks_exact(w)).enumerate() {
+            let mut taken = true;
+            self.with_key(table, key, &mut |k| {
+                if !k.replace(layout, record, true) {
+                    if present(key) {
+                        k.insert(layout, record, true, pinned);
+                    } else {
+                        taken = false;
+                    }
+                }
+            });
+            if !taken {
+                through.push(i);
+            }
+        }
+    }
     /// Copies out up to `max` dirty records of `table` for write-back.
     fn take_dirty(&self, table: u32, layout: &RecordLayout, max: usize) -> Vec<DirtyRow>;
     /// Puts records whose write-back failed back on the dirty queues.
@@ -330,6 +362,36 @@ impl TierStack {
         });
     }
 
+    /// Writes that stay in the tiers (no I/O): the nearest tier takes each record whose
+    /// key it holds, or whose key `present` says the index has, dirty, and the farther
+    /// tiers drop their older copies. Appends the positions it did not take (they go
+    /// through to the medium) to `through`, in order.
+    pub fn write_dirty(
+        &self,
+        keys: &[u64],
+        records: &[f32],
+        present: &mut dyn FnMut(u64) -> bool,
+        through: &mut Vec<usize>,
+    ) {
+        let Some((near, rest)) = self.near.split_first() else {
+            through.extend(0..keys.len());
+            return;
+        };
+        let from = through.len();
+        near.write_dirty_batch(self.table, keys, &self.layout, records, self.pinned, present, through);
+        if rest.is_empty() {
+            return;
+        }
+        let mut skip = through[from..].iter().peekable();
+        for (i, &key) in keys.iter().enumerate() {
+            if skip.next_if_eq(&&i).is_none() {
+                for tier in rest {
+                    tier.with_key(self.table, key, &mut |k| k.remove());
+                }
+            }
+        }
+    }
+
     /// Up to `max` dirty rows for write-back (the nearest tier holds them).
     pub fn take_dirty(&self, max: usize) -> Vec<DirtyRow> {
         self.near.first().map_or_else(Vec::new, |t| t.take_dirty(self.table, &self.layout, max))
@@ -394,26 +456,6 @@ impl<'a> KeyLocks<'a> {
     /// True when the nearest tier still holds the dirty copy of `version` (a write-back's).
     pub fn dirty_at(&self, version: u64) -> bool {
         self.tiers().next().and_then(|t| t.dirty_version()) == Some(version)
-    }
-
-    /// A write that stays in the tiers (no I/O): replaces the nearest tier's record and
-    /// marks it dirty, or, with `present` (the index has the key), inserts it dirty. False
-    /// when it must go through to the medium.
-    pub fn write_dirty(&mut self, record: &[f32], present: impl FnOnce() -> bool) -> bool {
-        let (layout, pinned) = (self.layout, self.pinned);
-        let mut tiers = self.tiers_mut();
-        let Some(near) = tiers.next() else { return false };
-        if !near.replace(&layout, record, true) {
-            if !present() {
-                return false;
-            }
-            near.insert(&layout, record, true, pinned);
-        }
-        // The farther tiers' copies are older now.
-        for t in tiers {
-            t.remove();
-        }
-        true
     }
 
     /// The record was just created on the medium and published.

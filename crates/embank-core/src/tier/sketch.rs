@@ -204,7 +204,9 @@ fn fifo_tier_alone_reads_writes_back_and_notifies() {
     assert_eq!(read(&tiers, &[3]).1, 1);
     assert_eq!(tiers.absent(&[1, 2, 3]), vec![1], "FIFO evicted the oldest row");
     // A push of a held row stays in the tier, dirty, and is written back by version.
-    assert!(tiers.locked(2, |locks| locks.write_dirty(&[5.0, 5.0], || true)));
+    let mut through = Vec::new();
+    tiers.write_dirty(&[2], &[5.0, 5.0], &mut |_| true, &mut through);
+    assert!(through.is_empty(), "a held row stays in the tier");
     tiers.changed(&[2]);
     let dirty = tiers.take_dirty(10);
     assert_eq!(dirty.len(), 1);
@@ -230,7 +232,9 @@ fn fifo_tier_under_the_row_cache() {
     let (rows, missed) = read(&tiers, &[1, 2, 3]);
     assert_eq!((missed, &rows[2..4]), (0, &[9.0, 9.0][..]));
     // A dirty write lands in the nearest tier and drops the farther copy.
-    assert!(tiers.locked(1, |locks| locks.write_dirty(&[4.0, 4.0], || true)));
+    let mut through = Vec::new();
+    tiers.write_dirty(&[1, 99], &[4.0, 4.0, 5.0, 5.0], &mut |key| key == 1, &mut through);
+    assert_eq!(through, vec![1], "a key the index lacks goes through");
     assert_eq!(tiers.locked(1, |locks| locks.cached()), Some(vec![4.0, 4.0]));
     assert_eq!(fifo.absent(7, &[1]), vec![1]);
 }
