@@ -75,23 +75,23 @@ def _deprecated(old: str, new: str) -> None:
 
 
 def _lifecycle_json(
-    admit_after: int, ttl_steps: int | None, ttl_seconds: float | None, max_rows: int | None, evict: str
+    admit_after: int, ttl_steps: int | None, ttl_seconds: float | None, rows_max: int | None, evict: str
 ) -> str | None:
     from .errors import ConfigError
 
     if evict not in ("lru", "lfu"):
         raise ConfigError(f'evict must be "lru" or "lfu", got {evict!r}')
-    for name, v in (("admit_after", admit_after), ("ttl_steps", ttl_steps), ("max_rows", max_rows)):
+    for name, v in (("admit_after", admit_after), ("ttl_steps", ttl_steps), ("rows_max", rows_max)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
             raise ConfigError(f"{name} must be a non-negative int, got {v!r}")
-    if admit_after <= 1 and ttl_steps is None and ttl_seconds is None and max_rows is None:
+    if admit_after <= 1 and ttl_steps is None and ttl_seconds is None and rows_max is None:
         return None
     return json.dumps(
         {
             "admit_after": int(admit_after),
             "ttl_steps": None if ttl_steps is None else int(ttl_steps),
             "ttl_seconds": None if ttl_seconds is None else float(ttl_seconds),
-            "max_rows": None if max_rows is None else int(max_rows),
+            "rows_max": None if rows_max is None else int(rows_max),
             "evict": evict,
         }
     )
@@ -474,8 +474,9 @@ class Store:
         admit_after: int = 0,
         ttl_steps: int | None = None,
         ttl_seconds: float | None = None,
-        max_rows: int | None = None,
+        rows_max: int | None = None,
         evict: str = "lru",
+        max_rows: int | None = None,
     ) -> Table:
         """Creates a table.
 
@@ -520,13 +521,14 @@ class Store:
             ttl_seconds: evict rows not touched for this many seconds. Expired rows are
                 evicted about once a second by the store, or at once by
                 :meth:`Table.evict_expired`.
-            max_rows: the most rows the table keeps: a batch that would create more first
-                evicts victims (``max_rows / 32`` more than needed), never rows of the batch.
-            evict: the victims of ``max_rows``: ``"lru"`` (least recently touched) or
+            rows_max: the most rows the table keeps: a batch that would create more first
+                evicts victims (``rows_max / 32`` more than needed), never rows of the batch
+                (``max_rows``, its old name, is read too, deprecated).
+            evict: the victims of ``rows_max``: ``"lru"`` (least recently touched) or
                 ``"lfu"`` (fewest touches).
 
         Admission counts and touch times live in DRAM (about 48 bytes per row of a table
-        with a TTL or ``max_rows``) and start over when the store is reopened. Evicted
+        with a TTL or ``rows_max``) and start over when the store is reopened. Evicted
         rows are gone from every tier and counted in ``stats()["lifecycle"]``.
         """
         if staleness_bound is not None and staleness_bound < 0:
@@ -569,7 +571,10 @@ class Store:
         }
         if optimizer is not None:
             options["optimizer"] = json.loads(optimizer._json())
-        lifecycle = _lifecycle_json(admit_after, ttl_steps, ttl_seconds, max_rows, evict)
+        if max_rows is not None:
+            _deprecated("max_rows", "rows_max")
+            rows_max = max_rows
+        lifecycle = _lifecycle_json(admit_after, ttl_steps, ttl_seconds, rows_max, evict)
         if lifecycle is not None:
             options["lifecycle"] = json.loads(lifecycle)
         native = self._s.create_table(name, json.dumps(options))

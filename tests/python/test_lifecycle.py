@@ -34,9 +34,9 @@ def test_rows_are_admitted_at_the_nth_sighting(store: embank.Store) -> None:
     assert len(t) == 2 and t.stats()["lifecycle"]["admitted"] == 1
 
 
-@pytest.mark.local_only("max_rows and the TTL clock are per shard")
+@pytest.mark.local_only("rows_max and the TTL clock are per shard")
 def test_a_full_table_evicts_the_least_recently_used(store: embank.Store) -> None:
-    t = store.create_table("t", dim=1, max_rows=10)
+    t = store.create_table("t", dim=1, rows_max=10)
     t.push(np.arange(10, dtype=np.uint64), np.arange(10, dtype=np.float32).reshape(10, 1))
     t.pull(np.arange(5, dtype=np.uint64))  # 0..4 used again; 5..9 not since the push
     t.push(keys(100, 101), np.ones((2, 1), np.float32))
@@ -46,9 +46,9 @@ def test_a_full_table_evicts_the_least_recently_used(store: embank.Store) -> Non
     assert len(t) == 10 and t.stats()["lifecycle"]["evicted_capacity"] == 2
 
 
-@pytest.mark.local_only("max_rows and the TTL clock are per shard")
+@pytest.mark.local_only("rows_max and the TTL clock are per shard")
 def test_lfu_keeps_the_frequent_rows(store: embank.Store) -> None:
-    t = store.create_table("t", dim=1, max_rows=4, evict="lfu")
+    t = store.create_table("t", dim=1, rows_max=4, evict="lfu")
     for _ in range(3):
         t.pull(keys(1, 2, 3))
     t.pull(keys(4))
@@ -56,7 +56,16 @@ def test_lfu_keeps_the_frequent_rows(store: embank.Store) -> None:
     assert sorted(k for ks, _ in t.export() for k in ks.tolist()) == [1, 2, 3, 5]
 
 
-@pytest.mark.local_only("max_rows and the TTL clock are per shard")
+@pytest.mark.local_only("rows_max and the TTL clock are per shard")
+def test_the_old_name_max_rows_still_bounds_the_table(store: embank.Store) -> None:
+    with pytest.warns(DeprecationWarning, match="max_rows= is deprecated: use rows_max="):
+        t = store.create_table("t", dim=1, max_rows=4)
+    for k in range(1, 6):
+        t.pull(keys(k))
+    assert len(t) == 4
+
+
+@pytest.mark.local_only("rows_max and the TTL clock are per shard")
 def test_rows_untouched_for_ttl_steps_are_evicted(store: embank.Store) -> None:
     t = store.create_table("t", dim=1, optimizer=embank.optim.SGD(lr=0.1), ttl_steps=2)
     t.pull(keys(1, 2))
@@ -84,7 +93,7 @@ def test_evict_expired_over_every_backend(store: embank.Store) -> None:
         ({"evict": "mru"}, "evict"),
         ({"ttl_steps": 0}, "ttl_steps"),
         ({"ttl_seconds": -1.0}, "ttl_seconds"),
-        ({"max_rows": 0}, "max_rows"),
+        ({"rows_max": 0}, "rows_max"),
         ({"admit_after": -1}, "admit_after"),
     ],
 )

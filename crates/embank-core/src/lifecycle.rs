@@ -69,8 +69,9 @@ pub struct LifecycleOptions {
     /// Evict rows not touched for this many seconds.
     pub ttl_seconds: Option<f64>,
     /// Most rows the table keeps: creating more evicts victims first.
-    pub max_rows: Option<u64>,
-    /// Victims of `max_rows`.
+    #[serde(alias = "max_rows")]
+    pub rows_max: Option<u64>,
+    /// Victims of `rows_max`.
     pub evict: EvictPolicy,
 }
 
@@ -87,15 +88,15 @@ impl LifecycleOptions {
                 return Err(Error::config(format!("ttl_seconds must be positive, got {s}")));
             }
         }
-        if self.max_rows == Some(0) {
-            return Err(Error::config("max_rows must be at least 1"));
+        if self.rows_max == Some(0) {
+            return Err(Error::config("rows_max must be at least 1"));
         }
         Ok(())
     }
 
     /// Whether rows' touches must be tracked.
     pub fn evicts(&self) -> bool {
-        self.ttl_steps.is_some() || self.ttl_seconds.is_some() || self.max_rows.is_some()
+        self.ttl_steps.is_some() || self.ttl_seconds.is_some() || self.rows_max.is_some()
     }
 
     pub fn admits(&self) -> bool {
@@ -337,14 +338,14 @@ mod tests {
 
     #[test]
     fn victims_follow_the_policy() {
-        let lru = Lifecycle::new(LifecycleOptions { max_rows: Some(10), ..Default::default() }, []);
+        let lru = Lifecycle::new(LifecycleOptions { rows_max: Some(10), ..Default::default() }, []);
         lru.touch([5, 6]);
         lru.touch([7]);
         lru.touch([5]);
         assert_eq!(lru.victims(2, &HashSet::new()), [6, 7]);
         assert_eq!(lru.victims(5, &HashSet::from([6])), [7, 5]);
         let lfu =
-            Lifecycle::new(LifecycleOptions { max_rows: Some(10), evict: EvictPolicy::Lfu, ..Default::default() }, []);
+            Lifecycle::new(LifecycleOptions { rows_max: Some(10), evict: EvictPolicy::Lfu, ..Default::default() }, []);
         lfu.touch([5, 6, 7]);
         lfu.touch([5, 7]);
         lfu.touch([7]);
@@ -371,7 +372,7 @@ mod tests {
             LifecycleOptions { ttl_steps: Some(0), ..Default::default() },
             LifecycleOptions { ttl_seconds: Some(-1.0), ..Default::default() },
             LifecycleOptions { ttl_seconds: Some(f64::NAN), ..Default::default() },
-            LifecycleOptions { max_rows: Some(0), ..Default::default() },
+            LifecycleOptions { rows_max: Some(0), ..Default::default() },
             LifecycleOptions { admit_after: 2_000_000, ..Default::default() },
         ] {
             assert!(o.validate().is_err(), "{o:?}");

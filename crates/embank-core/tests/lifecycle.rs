@@ -51,7 +51,7 @@ impl Model {
     }
 
     fn evicts(&self) -> bool {
-        self.o.ttl_steps.is_some() || self.o.max_rows.is_some()
+        self.o.ttl_steps.is_some() || self.o.rows_max.is_some()
     }
 
     fn touch(&mut self, keys: impl IntoIterator<Item = u64>) {
@@ -78,7 +78,7 @@ impl Model {
     }
 
     fn make_room(&mut self, new: &[u64], batch: &[u64]) {
-        let Some(max) = self.o.max_rows else { return };
+        let Some(max) = self.o.rows_max else { return };
         let distinct: HashSet<u64> = new.iter().copied().collect();
         let len = self.rows.len() as u64;
         if len + distinct.len() as u64 <= max {
@@ -311,7 +311,7 @@ fn run(o: LifecycleOptions, medium: MediumKind, seed: u64, ops: usize) {
             "{}",
             ctx(i, what)
         );
-        if let Some(max) = o.max_rows {
+        if let Some(max) = o.rows_max {
             assert!(t.len().unwrap() <= max, "{}", ctx(i, what));
         }
     }
@@ -321,11 +321,11 @@ fn configs() -> Vec<LifecycleOptions> {
     let lo = LifecycleOptions::default;
     vec![
         LifecycleOptions { admit_after: 3, ..lo() },
-        LifecycleOptions { max_rows: Some(20), ..lo() },
-        LifecycleOptions { max_rows: Some(20), evict: EvictPolicy::Lfu, ..lo() },
+        LifecycleOptions { rows_max: Some(20), ..lo() },
+        LifecycleOptions { rows_max: Some(20), evict: EvictPolicy::Lfu, ..lo() },
         LifecycleOptions { ttl_steps: Some(4), ..lo() },
-        LifecycleOptions { admit_after: 2, max_rows: Some(16), ttl_steps: Some(6), ..lo() },
-        LifecycleOptions { admit_after: 2, max_rows: Some(24), evict: EvictPolicy::Lfu, ..lo() },
+        LifecycleOptions { admit_after: 2, rows_max: Some(16), ttl_steps: Some(6), ..lo() },
+        LifecycleOptions { admit_after: 2, rows_max: Some(24), evict: EvictPolicy::Lfu, ..lo() },
     ]
 }
 
@@ -349,7 +349,7 @@ fn policies_match_the_model_on_block_under_the_cache() {
 
 #[test]
 fn evicted_rows_are_gone_from_the_cache_and_the_medium() {
-    let (_dir, store, t) = fresh(LifecycleOptions { max_rows: Some(100), ..Default::default() }, MediumKind::Block);
+    let (_dir, store, t) = fresh(LifecycleOptions { rows_max: Some(100), ..Default::default() }, MediumKind::Block);
     let keys: Vec<u64> = (0..100).collect();
     let rows: Vec<f32> = keys.iter().flat_map(|&k| [k as f32; DIM]).collect();
     t.push(&keys, &rows).unwrap();
@@ -373,11 +373,11 @@ fn evicted_rows_are_gone_from_the_cache_and_the_medium() {
 
 #[test]
 fn a_batch_larger_than_max_rows_is_refused_with_nothing_created() {
-    let (_dir, _store, t) = fresh(LifecycleOptions { max_rows: Some(4), ..Default::default() }, MediumKind::Mmap);
+    let (_dir, _store, t) = fresh(LifecycleOptions { rows_max: Some(4), ..Default::default() }, MediumKind::Mmap);
     t.pull(&[1, 2], &mut [0f32; 2 * DIM]).unwrap();
     let e = t.pull(&[10, 11, 12, 13, 14], &mut [0f32; 5 * DIM]).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
-    assert!(e.to_string().contains("max_rows"), "{e}");
+    assert!(e.to_string().contains("rows_max"), "{e}");
     assert_eq!(export(&t).keys().copied().collect::<Vec<_>>(), [1, 2]);
 }
 

@@ -203,6 +203,13 @@ impl ServeConfig {
     pub fn parse(text: &str) -> Result<ServeConfig> {
         let mut c: ServeConfig = toml::from_str(text).map_err(|e| Error::config(e.to_string()))?;
         c.deprecated = c.limits.take_old_spellings();
+        for (i, t) in c.tables.iter().enumerate() {
+            if t.get("lifecycle").and_then(|l| l.as_table()).is_some_and(|l| l.contains_key("max_rows")) {
+                c.deprecated.push(format!(
+                    "tables[{i}].lifecycle.max_rows is deprecated: write rows_max (bounds are named with _max last)"
+                ));
+            }
+        }
         for d in &c.deprecated {
             tracing::warn!("{d}");
         }
@@ -417,7 +424,7 @@ mod tests {
         assert_eq!(tables[0].0, "user");
         assert_eq!(tables[0].1.dim, 64);
         let life = &tables[2].1.lifecycle;
-        assert_eq!((life.admit_after, life.max_rows), (3, Some(50_000_000)));
+        assert_eq!((life.admit_after, life.rows_max), (3, Some(50_000_000)));
         assert_eq!(life.evict, embank_core::EvictPolicy::Lfu);
         assert_eq!(c.server_options().unwrap().keys_per_request_max, 65_536);
         assert_eq!(tables[1].1.dtype, embank_core::DType::Int8);
@@ -441,6 +448,10 @@ mod tests {
         assert_eq!(c.deprecated.len(), 3, "{:?}", c.deprecated);
         assert!(c.deprecated[0].contains("limits.max_frame_bytes is deprecated: write limits.frame_bytes_max"));
         assert!(ServeConfig::parse(SAMPLE).unwrap().deprecated.is_empty());
+        let old = "store = \"s\"\n[[tables]]\nname = \"t\"\ndim = 4\nlifecycle = { max_rows = 5 }\n";
+        let c = ServeConfig::parse(old).unwrap();
+        assert_eq!(c.table_options().unwrap()[0].1.lifecycle.rows_max, Some(5));
+        assert!(c.deprecated[0].contains("tables[0].lifecycle.max_rows is deprecated"), "{:?}", c.deprecated);
     }
 
     #[test]

@@ -321,9 +321,9 @@ fn accesses_of(args: &PlanArgs, source: &Source, criteo_lines: &mut Option<u64>)
     })
 }
 
-fn log_sizes(max_rows: f64, entry: u64) -> Vec<(u64, f64)> {
+fn log_sizes(rows_max: f64, entry: u64) -> Vec<(u64, f64)> {
     let mut out = Vec::new();
-    let top = (max_rows.max(1.0) * entry as f64).max(entry as f64);
+    let top = (rows_max.max(1.0) * entry as f64).max(entry as f64);
     let mut bytes = (entry as f64 * 16.0).min(top);
     while bytes < top * 1.0001 {
         out.push((bytes as u64, bytes / entry as f64));

@@ -1,7 +1,7 @@
 //! Admission and eviction around the batch calls of a table with a lifecycle
 //! (`lifecycle.rs` keeps the books; this file decides per batch): pulls admit
 //! keys seen often enough and answer the others with the initializer's row,
-//! writes make room under `max_rows` first, `push_grad` drops the gradients of
+//! writes make room under `rows_max` first, `push_grad` drops the gradients of
 //! rows not admitted. Evictions are ordinary deletes, so they go through the
 //! write protocol (journaled, tiers updated) like any other.
 
@@ -11,7 +11,7 @@ use super::Table;
 use crate::error::{Error, Result};
 use crate::lifecycle::Lifecycle;
 
-/// A full table (`max_rows`) evicts `max_rows / EVICT_SLACK_DIVISOR` rows more than it must.
+/// A full table (`rows_max`) evicts `rows_max / EVICT_SLACK_DIVISOR` rows more than it must.
 const EVICT_SLACK_DIVISOR: u64 = 32;
 
 impl Table {
@@ -56,7 +56,7 @@ impl Table {
     pub(super) fn push_lifecycle(&self, life: &Lifecycle, keys: &[u64], rows: &[f32]) -> Result<()> {
         let _gate = self.shared.runtime.gate.batch();
         life.written(keys);
-        if life.opts.max_rows.is_some() {
+        if life.opts.rows_max.is_some() {
             let mut records = vec![0f32; keys.len() * self.shared.config.layout.elems()];
             let mut found = vec![false; keys.len()];
             let missing = self.lookup_records(keys, &mut records, &mut found)?;
@@ -71,7 +71,7 @@ impl Table {
     }
 
     /// The gradients of a `push_grad` that a table with admission or eviction applies:
-    /// rows not admitted (or evicted since their pull) take no update; with `max_rows`,
+    /// rows not admitted (or evicted since their pull) take no update; with `rows_max`,
     /// room is made for the rows the update creates.
     pub(super) fn grads_lifecycle(
         &self,
@@ -79,7 +79,7 @@ impl Table {
         uniq: Vec<u64>,
         sums: Vec<f32>,
     ) -> Result<(Vec<u64>, Vec<f32>)> {
-        if !(life.opts.admits() || life.opts.max_rows.is_some()) {
+        if !(life.opts.admits() || life.opts.rows_max.is_some()) {
             return Ok((uniq, sums));
         }
         let d = self.dim();
@@ -106,13 +106,13 @@ impl Table {
     }
 
     /// Evicts rows until `new` keys (distinct or not, some possibly present by now) fit
-    /// under `max_rows`; never evicts a key of `batch`.
+    /// under `rows_max`; never evicts a key of `batch`.
     fn make_room_for(&self, life: &Lifecycle, new: &[u64], batch: &[u64]) -> Result<()> {
-        let Some(max) = life.opts.max_rows else { return Ok(()) };
+        let Some(max) = life.opts.rows_max else { return Ok(()) };
         let distinct: HashSet<u64> = new.iter().copied().collect();
         if distinct.len() as u64 > max {
             return Err(Error::invalid(format!(
-                "table {:?}: a batch creates {} rows, more than max_rows ({max}); nothing was created",
+                "table {:?}: a batch creates {} rows, more than rows_max ({max}); nothing was created",
                 self.shared.config.name,
                 distinct.len()
             )));

@@ -69,7 +69,7 @@ impl Table {
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 format!(
-                    "push_with_state: table {:?} has a lifecycle (admission, TTL or max_rows)",
+                    "push_with_state: table {:?} has a lifecycle (admission, TTL or rows_max)",
                     self.shared.config.name
                 ),
             ));
