@@ -20,8 +20,8 @@ pub struct PublishArgs {
     #[arg(long)]
     pub store: PathBuf,
     /// `kafka` or `redis`.
-    #[arg(long, value_parser = ["kafka", "redis"])]
-    pub transport: String,
+    #[arg(long, value_parser = |s: &str| TransportKind::parse(s).map_err(|e| e.to_string()))]
+    pub transport: TransportKind,
     /// Kafka bootstrap servers (host:port,...) or a Redis URL (redis://host:port).
     #[arg(long)]
     pub brokers: String,
@@ -43,8 +43,7 @@ pub struct PublishArgs {
 }
 
 pub fn run(a: PublishArgs) -> Result<(), String> {
-    let transport = if a.transport == "kafka" { TransportKind::Kafka } else { TransportKind::Redis };
-    let mut stream = StreamConfig::new(transport, a.brokers);
+    let mut stream = StreamConfig::new(a.transport, a.brokers);
     stream.topic = a.topic;
     stream.timeout_seconds = a.timeout.clamp(1.0, 600.0);
     let mut opts = PublishOptions::new(stream);

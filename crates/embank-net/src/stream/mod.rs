@@ -32,6 +32,22 @@ pub enum TransportKind {
     Redis,
 }
 
+impl TransportKind {
+    /// Every transport, by name.
+    pub const ALL: [(&'static str, TransportKind); 2] =
+        [("kafka", TransportKind::Kafka), ("redis", TransportKind::Redis)];
+
+    /// The transport called `name` (as configs spell it), or an error naming those there are.
+    pub fn parse(name: &str) -> Result<TransportKind> {
+        Self::ALL.iter().find(|(n, _)| *n == name).map(|&(_, t)| t).ok_or_else(|| {
+            embank_core::Error::config(format!(
+                "unknown transport {name:?}: {}",
+                Self::ALL.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+            ))
+        })
+    }
+}
+
 /// Where the stream is: what a publisher and a replica share.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
