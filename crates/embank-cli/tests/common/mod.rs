@@ -3,6 +3,8 @@
 //! admin port.
 #![allow(dead_code)] // each test file uses some of these
 
+pub mod replica;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
