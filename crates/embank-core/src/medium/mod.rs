@@ -1,4 +1,4 @@
-//! Persistent media (tier T2): where row records live.
+//! Persistent media: where row records live.
 //!
 //! `mmap`: a byte-addressable file mapped into memory (persistent memory, CXL
 //! memory, DAX, or the page cache). `block`: a data file on an SSD read and
@@ -48,7 +48,7 @@ pub struct MediumInfo {
     pub io: Option<IoStats>,
 }
 
-/// A persistent medium of row records (tier T2). Every call carries a batch; records
+/// A persistent medium of row records. Every call carries a batch; records
 /// are copy-on-write (written only between allocation and publication).
 pub trait Medium: Send + Sync {
     fn kind(&self) -> MediumKind;

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::write::{Change, Notice, Outcome, Publisher};
+use super::write::{Change, Notice, Outcome, RecordWriter};
 use super::{State, Table};
 use crate::error::{Error, Result};
 use crate::medium::{Mapped, Medium, ReadItem};
@@ -155,7 +155,7 @@ impl Table {
         self.with_room(|st, from| {
             let todo = &positions[from..];
             let ptrs = self.write_records(st, todo.iter().map(|&i| (keys[i], &out[i * w..(i + 1) * w])))?;
-            let mut p = Publisher::new(self, st, Some(&notice));
+            let mut p = RecordWriter::new(self, st, Some(&notice));
             for (j, &i) in todo.iter().enumerate() {
                 // A tier that has the row by now (another writer created it): its copy is the row.
                 let mut cached: Option<Vec<f32>> = None;

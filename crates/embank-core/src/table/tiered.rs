@@ -17,7 +17,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::write::{Change, Notice, Outcome, Publisher};
+use super::write::{Change, Notice, Outcome, RecordWriter};
 use super::Table;
 use crate::error::Result;
 use crate::medium::{Medium, ReadItem};
@@ -69,7 +69,7 @@ impl Table {
         self.with_room(|st, from| {
             let todo = &positions[from..];
             let ptrs = self.write_records(st, todo.iter().map(|&i| (keys[i], &records[i * w..(i + 1) * w])))?;
-            let mut p = Publisher::new(self, st, Some(notice));
+            let mut p = RecordWriter::new(self, st, Some(notice));
             for (j, &i) in todo.iter().enumerate() {
                 if let Some(&ahead) = todo.get(j + PUBLISH_AHEAD) {
                     p.prefetch(keys[ahead]);
@@ -110,7 +110,7 @@ impl Table {
             let todo: &[DirtyRow] = &rows[from..];
             let ptrs = self.write_records(st, todo.iter().map(|r| (r.key, &r.row[..])))?;
             // Rows readers already see in a tier: no notice.
-            let mut p = Publisher::new(self, st, None);
+            let mut p = RecordWriter::new(self, st, None);
             for (j, r) in todo.iter().enumerate() {
                 if let Some(ahead) = todo.get(j + PUBLISH_AHEAD) {
                     p.prefetch(ahead.key);

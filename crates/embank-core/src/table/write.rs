@@ -1,9 +1,9 @@
 //! The write protocol: the one place where a key's index slot changes.
 //!
 //! Every writer — create (fast and tiered paths), push, write-through,
-//! write-back, delete, eviction — hands its keys to a [`Publisher`], one key at a
+//! write-back, delete, eviction — hands its keys to a [`RecordWriter`], one key at a
 //! time, under the store's checkpoint gate (taken by the caller, once per
-//! batch). For each key, [`Publisher::publish`] runs the sequence:
+//! batch). For each key, [`RecordWriter::publish`] runs the sequence:
 //!
 //! 1. take the key's stripe lock, then its lock in every tier (that order, always);
 //! 2. let the writer veto under those locks (a write-back whose row was pushed
@@ -16,7 +16,7 @@
 //! 5. swap the slot (insert, replace or remove);
 //! 6. let the writer update the tiers under the same locks;
 //!
-//! and [`Publisher::finish`] settles the batch: replaced records a retained
+//! and [`RecordWriter::finish`] settles the batch: replaced records a retained
 //! checkpoint needs are held, the others retired to the epoch collector, records
 //! allocated but not published go back to the allocator. The keys published go
 //! into the batch's [`Notice`], which tells them to the tier stack once, when the
@@ -70,7 +70,7 @@ impl Table {
         let notice = Notice::new(self.tiers());
         let _gate = self.shared.runtime.gate.batch();
         let st = self.state()?;
-        let mut p = Publisher::new(self, &st, Some(&notice));
+        let mut p = RecordWriter::new(self, &st, Some(&notice));
         for &key in keys {
             p.publish(key, Change::Remove, |_| false, |_| {})?;
         }
@@ -105,7 +105,7 @@ impl Drop for Notice<'_> {
 }
 
 /// Publishes the keys of one pass of one batch (see the module docs).
-pub(super) struct Publisher<'a> {
+pub(super) struct RecordWriter<'a> {
     table: &'a Table,
     st: &'a State,
     tiers: &'a TierStack,
@@ -120,10 +120,10 @@ pub(super) struct Publisher<'a> {
     unused: Vec<u64>,
 }
 
-impl<'a> Publisher<'a> {
+impl<'a> RecordWriter<'a> {
     /// The caller holds the store's checkpoint gate (shared) for the whole batch.
-    pub fn new(table: &'a Table, st: &'a State, notice: Option<&'a Notice<'a>>) -> Publisher<'a> {
-        Publisher {
+    pub fn new(table: &'a Table, st: &'a State, notice: Option<&'a Notice<'a>>) -> RecordWriter<'a> {
+        RecordWriter {
             table,
             st,
             tiers: table.tiers(),

@@ -1,4 +1,4 @@
-//! A tier shared by several stores: T2, the DRAM of a cluster that serving nodes read
+//! A tier shared by several stores: the DRAM of a cluster that serving nodes read
 //! through (HugeCTR HPS's level 2), between a store's row cache and its medium.
 //!
 //! The core knows only this trait; an implementation over the network (a Redis
