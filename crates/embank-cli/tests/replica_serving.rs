@@ -32,6 +32,37 @@ fn one_checkpoint(rows: &[f32], found: &[bool], what: &str) -> u64 {
     first as u64
 }
 
+/// With the broker down: checkpoints 2, 3, ... each rewrite 500 random keys and the
+/// `known` ones with their batch id and delete 50 keys not known, until the publisher
+/// gives up its place (`notify` fails past `checkpoints_pending_max`). The last batch id.
+fn train_through_the_outage(
+    store: &Store,
+    publisher: &Publisher,
+    known: &[u64],
+    rows_total: u64,
+    every: u64,
+    seed: u64,
+) -> u64 {
+    let emb = store.table("emb").unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut b = 1;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        b += 1;
+        let keys: Vec<u64> = (0..500).map(|_| rng.random_range(0..rows_total)).chain(known.iter().copied()).collect();
+        emb.push(&keys, &vec![b as f32; keys.len() * DIM]).unwrap();
+        let gone: Vec<u64> = (0..50).map(|_| rng.random_range(0..rows_total)).filter(|k| k % every != 0).collect();
+        emb.delete(&gone).unwrap();
+        store.checkpoint(b).unwrap();
+        if publisher.notify().is_err() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the publisher never gave up: {:?}", publisher.status());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    b
+}
+
 /// A broker outage makes the publisher give up its place and resync with a full
 /// snapshot of 1 M rows; the replica applies it beside what it serves. A reader of 1,000
 /// keys present at every checkpoint (each checkpoint rewrites them with its own number),
@@ -87,23 +118,7 @@ fn a_resync_after_a_broker_outage_never_empties_the_replica() {
         });
         // The outage: checkpoints pile up until the publisher gives up its place.
         broker.kill();
-        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        let mut b = 1;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            b += 1;
-            let keys: Vec<u64> =
-                (0..500).map(|_| rng.random_range(0..rows_total)).chain(known.iter().copied()).collect();
-            emb.push(&keys, &vec![b as f32; keys.len() * DIM]).unwrap();
-            let gone: Vec<u64> = (0..50).map(|_| rng.random_range(0..rows_total)).filter(|k| k % every != 0).collect();
-            emb.delete(&gone).unwrap();
-            store.checkpoint(b).unwrap();
-            if publisher.notify().is_err() {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the publisher never gave up: {:?}", publisher.status());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let b = train_through_the_outage(&store, &publisher, &known, rows_total, every, 11);
         resyncing.store(true, Ordering::Relaxed);
         let resync_started = Instant::now();
         broker.restart().unwrap();
@@ -203,26 +218,11 @@ fn a_resync_with_replicas_killed_during_it_never_misses_a_key() {
             lookups
         });
         broker.kill();
-        let mut rng = rand::rngs::StdRng::seed_from_u64(12);
-        let mut b = 1;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            b += 1;
-            let keys: Vec<u64> =
-                (0..500).map(|_| rng.random_range(0..rows_total)).chain(known.iter().copied()).collect();
-            emb.push(&keys, &vec![b as f32; keys.len() * DIM]).unwrap();
-            let gone: Vec<u64> = (0..50).map(|_| rng.random_range(0..rows_total)).filter(|k| k % every != 0).collect();
-            emb.delete(&gone).unwrap();
-            store.checkpoint(b).unwrap();
-            if publisher.notify().is_err() {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the publisher never gave up: {:?}", publisher.status());
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let b = train_through_the_outage(&store, &publisher, &known, rows_total, every, 12);
         broker.restart().unwrap();
         // Kills in turn while the replicas apply the snapshot (each kill sends the killed
         // one back to its last commit, so the resync goes on past the kills).
+        let mut rng = rand::rngs::StdRng::seed_from_u64(13);
         for k in 0..kills {
             std::thread::sleep(Duration::from_millis(rng.random_range(100..400)));
             let r = &mut replicas[k % 2];
