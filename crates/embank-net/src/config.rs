@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use embank_core::{Error, IoChoice, Result, StoreOptions, TableOptions};
+use embank_core::{Error, ErrorKind, IoChoice, Result, StoreOptions, TableOptions};
 use serde::Deserialize;
 
 use crate::server::ServerOptions;
@@ -337,10 +337,22 @@ impl ServeConfig {
 /// [[shards]]
 /// replicas = ["10.0.0.3:7070", "10.0.0.4:7070"]
 /// ```
-#[derive(Debug, Deserialize, serde::Serialize)]
+///
+/// It is also the **shard map** a running client reloads (see
+/// [`crate::client::MapSource`]): `version = N` numbers it (a client switches only to a
+/// higher version), `reload_seconds` says how often clients look for a new one, and a
+/// shard may name a DNS name that resolves to its replicas (`service =
+/// "embank-0.embank.ns.svc:7070"`, a headless Service) instead of listing them.
+#[derive(Clone, Debug, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClientConfig {
     pub shards: Vec<ShardEntry>,
+    /// The shard map's version: clients switch to a map only of a higher version.
+    #[serde(default)]
+    pub version: Option<u64>,
+    /// How often a client connected to this file looks for a new version (default 2 s).
+    #[serde(default)]
+    pub reload_seconds: Option<f64>,
     #[serde(default)]
     pub token: Option<String>,
     #[serde(default)]
@@ -366,11 +378,37 @@ pub struct ClientConfig {
 }
 
 /// One shard of a [`ClientConfig`].
-#[derive(Debug, Deserialize, serde::Serialize)]
+#[derive(Clone, Debug, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ShardEntry {
     /// Its replicas' addresses, the primary (which takes writes) first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<String>,
+    /// Or a DNS name and port resolving to its replicas (every address a replica, in
+    /// sorted order; resolved again at every reload and when every replica fails). For
+    /// read-only replica groups: the first address takes writes, which of them that is
+    /// may change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+}
+
+impl ShardEntry {
+    /// Its replicas' addresses: `replicas`, or what `service` resolves to now.
+    pub fn resolve(&self) -> Result<Vec<String>> {
+        let Some(service) = &self.service else { return Ok(self.replicas.clone()) };
+        use std::net::ToSocketAddrs;
+        let mut addrs: Vec<String> = service
+            .to_socket_addrs()
+            .map_err(|e| Error::new(ErrorKind::Unavailable, format!("service {service:?} does not resolve: {e}")))?
+            .map(|a| a.to_string())
+            .collect();
+        addrs.sort();
+        addrs.dedup();
+        if addrs.is_empty() {
+            return Err(Error::new(ErrorKind::Unavailable, format!("service {service:?} resolves to no address")));
+        }
+        Ok(addrs)
+    }
 }
 
 impl ClientConfig {
@@ -379,15 +417,27 @@ impl ClientConfig {
     pub fn from_file(path: &Path) -> Result<ClientConfig> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::io(format!("cannot read client config {}", path.display()), e))?;
+        Self::from_text(&text, &path.display().to_string(), path.parent().unwrap_or(Path::new(".")))
+    }
+
+    /// A client config from its text (`what` names it in errors; relative paths are
+    /// made relative to `base`).
+    pub fn from_text(text: &str, what: &str, base: &Path) -> Result<ClientConfig> {
         let mut c: ClientConfig =
-            toml::from_str(&text).map_err(|e| Error::config(format!("client config {}: {e}", path.display())))?;
-        if c.shards.is_empty() || c.shards.iter().any(|s| s.replicas.is_empty()) {
+            toml::from_str(text).map_err(|e| Error::config(format!("client config {what}: {e}")))?;
+        let bad = |s: &ShardEntry| s.replicas.is_empty() == s.service.is_none();
+        if c.shards.is_empty() || c.shards.iter().any(bad) {
             return Err(Error::config(format!(
-                "client config {}: give [[shards]] with at least one address in `replicas` each",
-                path.display()
+                "client config {what}: give [[shards]], each with at least one address in `replicas` or a `service` (not both)"
             )));
         }
-        let base = path.parent().unwrap_or(Path::new("."));
+        if let Some(s) = c.reload_seconds {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(Error::config(format!(
+                    "client config {what}: reload_seconds must be a positive number, got {s}"
+                )));
+            }
+        }
         for p in
             [&mut c.tls_ca_file, &mut c.tls_cert_file, &mut c.tls_key_file, &mut c.token_file].into_iter().flatten()
         {
@@ -397,10 +447,7 @@ impl ClientConfig {
         }
         if let Some(t) = c.token_file.take() {
             if c.token.is_some() {
-                return Err(Error::config(format!(
-                    "client config {}: set `token` or `token_file`, not both",
-                    path.display()
-                )));
+                return Err(Error::config(format!("client config {what}: set `token` or `token_file`, not both")));
             }
             let token = std::fs::read_to_string(&t)
                 .map_err(|e| Error::io(format!("cannot read token_file {}", t.display()), e))?;

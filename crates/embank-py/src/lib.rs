@@ -139,8 +139,7 @@ impl Store {
     fn connect(py: Python<'_>, addrs: Vec<Vec<String>>, options_json: &str) -> PyResult<Store> {
         let config: net::ClientSettings =
             serde_json::from_str(options_json).map_err(|e| to_py_err(core::Error::config(format!("connect: {e}"))))?;
-        let options = config.options().map_err(to_py_err)?;
-        let client = detached(py, || net::Client::connect_groups(&addrs, options))?;
+        let client = detached(py, || config.connect(&addrs))?;
         Ok(Store { inner: Arc::new(client), embedded: None })
     }
 
@@ -661,8 +660,11 @@ impl Publisher {
 /// A client config file (`embank.connect("cluster.toml")`) as JSON, paths resolved.
 #[pyfunction]
 fn client_config_json(path: PathBuf) -> PyResult<String> {
-    let c = net::config::ClientConfig::from_file(&path).map_err(to_py_err)?;
-    Ok(serde_json::to_string(&c).expect("config serializes"))
+    let map = net::MapSource::File(path).load().map_err(to_py_err)?;
+    let mut c = serde_json::to_value(&map.config).expect("config serializes");
+    // The shards as they resolve now (a `service` names its replicas by DNS).
+    c["shards"] = map.groups.iter().map(|g| serde_json::json!({ "replicas": g })).collect();
+    Ok(c.to_string())
 }
 
 #[pymodule]
