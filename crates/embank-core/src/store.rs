@@ -510,6 +510,29 @@ impl Store {
         Ok(())
     }
 
+    /// One page of table `name` as it was at retained checkpoint `batch_id`, by cursor
+    /// (start at [`ExportCursor::START`]; `None`: done): what a client pages through over
+    /// several requests while the store goes on changing (see `Table::export_page_at`; a
+    /// key may come twice, with the same row). Fails with `NotFound` once the checkpoint
+    /// is dropped (start again at a newer one).
+    pub fn export_checkpoint_page(
+        &self,
+        name: &str,
+        batch_id: u64,
+        cursor: crate::ExportCursor,
+        chunk_keys: usize,
+        keys: &mut Vec<u64>,
+        rows: &mut Vec<f32>,
+    ) -> Result<Option<crate::ExportCursor>> {
+        let (table, seq) = {
+            let guard = self.inner.read();
+            let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+            (self.table(name)?, self.checkpoint_seq(inner, batch_id)?)
+        };
+        let _pin = self.pin_checkpoint(seq)?;
+        table.export_page_at(seq, cursor, chunk_keys, keys, rows)
+    }
+
     /// Looks `keys` of table `name` up as they were at retained checkpoint `batch_id`,
     /// while training goes on: rows of keys present then (`found[i]`), the missing-row
     /// default for the others. The checkpoint is pinned while it is read. Costs a pass

@@ -47,6 +47,7 @@ impl Client {
         match op {
             Op::Lookup
             | Op::LookupAt
+            | Op::ExportAt
             | Op::Len
             | Op::TableStats
             | Op::StoreStats
@@ -198,12 +199,18 @@ impl Client {
                     }
                 };
                 let body = check_reply(shard, r, &h, &rh, body);
-                // A replica that no longer holds the checkpoint of an exact read: another
-                // of the group may (the error names what each holds if none does).
-                if reqs[i].op == Op::LookupAt && shard.replicas.len() > 1 {
+                // A replica that takes no reads yet (it is copying a sibling's checkpoint)
+                // or no longer holds the checkpoint of an exact read: another of the group
+                // may answer (the error names what each holds if none does).
+                if self.spreads(shard, reqs[i].op) && shard.replicas.len() > 1 {
                     if let Err(e) = &body {
-                        if e.kind() == ErrorKind::NotFound {
+                        let exact = matches!(reqs[i].op, Op::LookupAt | Op::ExportAt);
+                        if e.kind() == ErrorKind::Unavailable || (exact && e.kind() == ErrorKind::NotFound) {
                             pooled.push((shard, r, conn));
+                            if !exact {
+                                *shard.replicas[r].down_until.lock() =
+                                    Some(Instant::now() + self.inner.opts.replica_retry_after);
+                            }
                             tried[i].push((r, body.unwrap_err()));
                             in_flight.push_back(self.dispatch(reqs, i, &mut tried[i])?);
                             continue;

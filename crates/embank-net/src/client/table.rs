@@ -357,23 +357,48 @@ impl RemoteTable {
     }
 
     /// Streams every `(key, row)`, shard after shard, in chunks of at most `chunk_keys`.
-    pub fn export(&self, chunk_keys: usize, mut f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
+    pub fn export(&self, chunk_keys: usize, f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
+        self.export_pages(None, chunk_keys, f)
+    }
+
+    /// Streams every `(key, row)` as it was at the publisher's checkpoint `batch_id`
+    /// (each shard from a replica holding it), in chunks of at most `chunk_keys`; a key
+    /// may come twice, with the same row. Fails with `NotFound` if a shard's replicas drop
+    /// the checkpoint before their pages are read (start again at a newer one).
+    pub fn export_at(
+        &self,
+        batch_id: u64,
+        chunk_keys: usize,
+        f: impl FnMut(&[u64], &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        self.export_pages(Some(batch_id), chunk_keys, f)
+    }
+
+    fn export_pages(
+        &self,
+        at: Option<u64>,
+        chunk_keys: usize,
+        mut f: impl FnMut(&[u64], &[f32]) -> Result<()>,
+    ) -> Result<()> {
         let d = self.dim;
         let topo = self.client.topology();
         for shard in &topo.shards {
             let mut cursor = ExportCursor::START;
             loop {
-                let mut body = Vec::with_capacity(24);
+                let mut body = Vec::with_capacity(32);
+                if let Some(b) = at {
+                    body.extend_from_slice(&b.to_le_bytes());
+                }
                 body.extend_from_slice(&cursor.generation.to_le_bytes());
                 body.extend_from_slice(&cursor.bucket.to_le_bytes());
                 body.extend_from_slice(&(chunk_keys as u64).to_le_bytes());
                 let req = Req {
                     shard: Arc::clone(shard),
-                    op: Op::Export,
+                    op: if at.is_some() { Op::ExportAt } else { Op::Export },
                     table: Some(Arc::clone(&self.id)),
                     count: 0,
                     body,
-                    min_checkpoint: None,
+                    min_checkpoint: at,
                 };
                 let mut page = None;
                 self.client.run(std::slice::from_ref(&req), |_, _, h, b| {
