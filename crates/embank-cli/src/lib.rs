@@ -10,6 +10,7 @@ pub mod bench;
 pub mod brokers;
 pub mod cert;
 pub mod demo;
+pub mod map;
 pub mod npy;
 pub mod plan;
 pub mod publish;
@@ -76,6 +77,10 @@ enum Command {
     /// cache and a GPU cache over sizes, bytes per tier, a placement per table, and what a
     /// DRAM or GPU budget buys.
     Plan(plan::PlanArgs),
+    /// The shard map clients reload (a cluster file): show what its replicas serve, or
+    /// switch it once new replicas (added, or a resharded set) have caught up.
+    #[command(subcommand)]
+    Map(map::MapCommand),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -111,6 +116,7 @@ where
         Command::Publish(args) => publish::run(args),
         Command::BenchStream(args) => stream_bench::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Map(cmd) => map::run(cmd),
     };
     match result {
         Ok(()) => 0,

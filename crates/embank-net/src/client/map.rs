@@ -308,3 +308,92 @@ fn http_get(url: &str, timeout: Duration) -> Result<String> {
     }
     Ok(body.to_string())
 }
+
+/// Which checkpoints the replicas of `groups` serve: the newest any serves and the
+/// oldest the slowest serves (`None` while a replica serves none or a shard has no
+/// replica answering).
+pub fn served_range(client: &Client) -> (Option<u64>, Option<u64>) {
+    let all = client.served_all();
+    let mut newest: Option<u64> = None;
+    let mut oldest: Option<u64> = Some(u64::MAX);
+    for shard in &all {
+        let answering: Vec<Option<u64>> =
+            shard.iter().filter(|v| v.get("error").is_none()).map(|v| v["batch_id"].as_u64()).collect();
+        if answering.is_empty() {
+            oldest = None;
+        }
+        for b in answering {
+            newest = newest.max(b);
+            oldest = match (oldest, b) {
+                (Some(o), Some(b)) => Some(o.min(b)),
+                _ => None,
+            };
+        }
+    }
+    (newest, oldest)
+}
+
+/// Switches the shard map in the file `map` to the one in the file `next` (new replicas, or
+/// a new shard count fed by a second partitioning of the stream), once every replica of
+/// `next` serves a checkpoint at least as new as the newest any replica of the current map
+/// serves: a client that switches between two calls never reads an older checkpoint than
+/// before. Writes `next`'s text, with `version` one above the current, over `map`
+/// atomically (a temporary file renamed). `progress` hears what it waits for. Returns the
+/// new version.
+pub fn switch_when_serving(
+    map: &std::path::Path,
+    next: &std::path::Path,
+    timeout: Duration,
+    mut progress: impl FnMut(&str),
+) -> Result<u64> {
+    let current = MapSource::File(map.to_path_buf()).load()?;
+    let wanted = MapSource::File(next.to_path_buf()).load()?;
+    let old = Client::connect_groups(&current.groups, current.settings().options()?)?;
+    let new = Client::connect_groups(&wanted.groups, wanted.settings().options()?)?;
+    let deadline = Instant::now() + timeout;
+    let mut said = String::new();
+    loop {
+        let (old_newest, _) = served_range(&old);
+        let (_, new_oldest) = served_range(&new);
+        let ready = match (old_newest, new_oldest) {
+            (None, Some(_)) => true,
+            (Some(o), Some(n)) => n >= o,
+            _ => false,
+        };
+        if ready {
+            break;
+        }
+        let line = format!(
+            "waiting: the current map's replicas serve up to checkpoint {}, the new map's slowest {}",
+            old_newest.map_or("none".into(), |b| b.to_string()),
+            new_oldest.map_or("none".into(), |b| b.to_string())
+        );
+        if line != said {
+            progress(&line);
+            said = line;
+        }
+        if Instant::now() > deadline {
+            return Err(Error::new(
+                ErrorKind::Timeout,
+                format!("{} did not catch up within {:.0} s ({said})", next.display(), timeout.as_secs_f64()),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let version = current.version + 1;
+    let text = std::fs::read_to_string(next).map_err(|e| Error::io(format!("cannot read {}", next.display()), e))?;
+    let body: String = text
+        .lines()
+        .skip_while(|l| l.trim().is_empty())
+        .filter(|l| !l.trim_start().starts_with("version"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let tmp = map.with_extension("toml.tmp");
+    std::fs::write(&tmp, format!("version = {version}\n{body}"))
+        .map_err(|e| Error::io(format!("cannot write {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, map).map_err(|e| Error::io(format!("cannot replace {}", map.display()), e))?;
+    progress(&format!("{} is version {version}: {:?}", map.display(), wanted.groups));
+    old.close();
+    new.close();
+    Ok(version)
+}

@@ -31,7 +31,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::proto::{Header, Op};
 use crate::tls::ClientTls;
 
-pub use map::{MapSource, ShardMap};
+pub use map::{served_range, switch_when_serving, MapSource, ShardMap};
 use pool::{Endpoint, Shard};
 use route::join_errors;
 pub use table::{merge_stats, RemoteTable};
