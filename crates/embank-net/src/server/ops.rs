@@ -62,6 +62,13 @@ impl Conn<'_> {
                 ))));
             }
         }
+        let reads_tables = !matches!(op, Op::Hello | Op::Served | Op::StoreStats | Op::ListTables | Op::Checkpoints);
+        if reads_tables && self.ctx.view.get().is_some_and(|v| v.is_bootstrapping()) {
+            return Err(Failure::from(Refusal::engine(Error::new(
+                ErrorKind::Unavailable,
+                "this replica is copying a sibling's checkpoint and takes no reads yet",
+            ))));
+        }
         match op {
             Op::Hello => {
                 let info = serde_json::json!({
@@ -205,12 +212,6 @@ impl Conn<'_> {
     fn read_op(&mut self, op: Op, h: &Header, table: &Table, body: &[u64]) -> Handled {
         let (n, dim) = (h.count as usize, table.dim());
         let (prefix, body) = body.split_at(op.prefix_words().min(body.len()));
-        if self.ctx.view.get().is_some_and(|v| v.is_bootstrapping()) {
-            return Err(Failure::from(Refusal::engine(Error::new(
-                ErrorKind::Unavailable,
-                "this replica is copying a sibling's checkpoint and takes no reads yet",
-            ))));
-        }
         match op {
             Op::Pull | Op::Lookup => {
                 let keys = &body[..n];
