@@ -348,3 +348,84 @@ fn two_shards_resharded_to_three_while_clients_read_and_the_trainer_publishes() 
         sigkill(&mut s.child);
     }
 }
+
+/// Serves `text` over HTTP on a free port (every GET gets the current text).
+fn http_map(text: Arc<Mutex<String>>) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for mut s in listener.incoming().flatten() {
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf);
+            let body = text.lock().clone();
+            let _ = write!(s, "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+        }
+    });
+    format!("http://{addr}/cluster.toml")
+}
+
+/// A writable `embank serve` with table `t` (dim 4), naming `map`'s version in its hellos.
+fn plain_server(dir: &Path, name: &str, map: &Path) -> common::Serve {
+    let config = dir.join(format!("{name}.toml"));
+    std::fs::write(
+        &config,
+        format!(
+            "store = {:?}\nlisten = \"127.0.0.1:0\"\nshard_map = {:?}\n[[tables]]\nname = \"t\"\ndim = 4\n",
+            dir.join(name).display().to_string(),
+            map.display().to_string()
+        ),
+    )
+    .unwrap();
+    common::serve(&config, &[], common::Stderr::Hidden)
+}
+
+/// The shard map from a URL, a shard given by a DNS name, versions: an older map or a
+/// changed map under the same version is refused (the one in use stays), a newer one is
+/// switched to; a server whose hello names a newer version makes the client look at once
+/// (its own polling being hours apart).
+#[test]
+fn the_shard_map_reloads_from_a_url_by_version_and_on_a_servers_hint() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cluster.toml");
+    let (mut s1, mut s2) = (plain_server(dir.path(), "s1", &file), plain_server(dir.path(), "s2", &file));
+    let port1 = s1.addr.rsplit(':').next().unwrap().to_string();
+    let text = Arc::new(Mutex::new(format!("version = 1\nreload_seconds = 3600\n[[shards]]\nservice = \"localhost:{port1}\"\n")));
+    let url = http_map(Arc::clone(&text));
+    let client = Client::connect_map(&MapSource::parse(&url)).unwrap();
+    assert_eq!(client.map_version(), 1);
+    assert!(client.groups()[0].contains(&s1.addr), "{:?}", client.groups());
+    let t = client.table("t").unwrap();
+    t.push(&[1], &[1.0; 4]).unwrap();
+    *text.lock() = format!("version = 0\n[[shards]]\nreplicas = [{:?}]\n", s2.addr);
+    assert!(client.reload_map().unwrap_err().to_string().contains("older"));
+    *text.lock() = format!("version = 1\n[[shards]]\nreplicas = [{:?}]\n", s2.addr);
+    assert!(client.reload_map().unwrap_err().to_string().contains("higher version"));
+    assert_eq!((client.map_version(), client.groups()[0].contains(&s1.addr)), (1, true));
+    *text.lock() = format!("version = 2\n[[shards]]\nreplicas = [{:?}]\n", s2.addr);
+    assert!(client.reload_map().unwrap());
+    assert_eq!(client.groups(), vec![vec![s2.addr.clone()]]);
+    // The table opened before the switch goes on, on the new shard.
+    let (mut out, mut found) = (vec![0f32; 4], vec![false]);
+    t.lookup(&[1], &mut out, &mut found).unwrap();
+    assert!(!found[0], "key 1 was written to s1, not s2");
+
+    // A server's hint: the file both read says version 3 (a third shard map) while the
+    // client, polling hourly, still uses version 2 of it.
+    std::fs::write(&file, format!("version = 2\nreload_seconds = 3600\n[[shards]]\nreplicas = [{:?}]\n", s1.addr)).unwrap();
+    let mut opts = embank_net::ClientSettings { map: Some(file.display().to_string()), version: Some(2), reload_seconds: Some(3600.0), ..Default::default() };
+    opts.keys_per_request_max = Some(10);
+    let hinted = opts.connect(&[vec![s1.addr.clone()]]).unwrap();
+    std::fs::write(&file, format!("version = 3\nreload_seconds = 3600\n[[shards]]\nreplicas = [{:?}]\n[[shards]]\nreplicas = [{:?}]\n", s1.addr, s2.addr)).unwrap();
+    // Requests beyond the pooled connection open new ones; their hellos name version 3.
+    let keys: Vec<u64> = (0..100).collect();
+    hinted.table("t").unwrap().lookup(&keys, &mut vec![0f32; 400], &mut vec![false; 100]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while hinted.map_version() < 3 {
+        assert!(Instant::now() < deadline, "the hint was not followed: version {}", hinted.map_version());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(hinted.shard_count(), 2);
+    sigkill(&mut s1.child);
+    sigkill(&mut s2.child);
+}

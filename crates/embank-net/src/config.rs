@@ -37,6 +37,11 @@ pub struct ServeConfig {
     /// How long a shutdown waits for requests in flight. Default 30 s.
     #[serde(default = "default_drain")]
     pub drain_seconds: f64,
+    /// The shard map clients reload (a cluster file; relative to this file): the server
+    /// names its version in every hello, so a client still on an older one looks for the
+    /// new one at once. None: not named.
+    #[serde(default)]
+    pub shard_map: Option<PathBuf>,
     #[serde(default)]
     pub store_options: StoreSection,
     #[serde(default)]
@@ -181,6 +186,11 @@ impl ServeConfig {
         if c.store.is_relative() {
             c.store = base.join(&c.store);
         }
+        if let Some(m) = &mut c.shard_map {
+            if m.is_relative() {
+                *m = base.join(&*m);
+            }
+        }
         if let Some(tls) = &mut c.tls {
             for p in
                 [Some(&mut tls.cert_file), Some(&mut tls.key_file), tls.client_ca_file.as_mut()].into_iter().flatten()
@@ -254,6 +264,7 @@ impl ServeConfig {
             frame_timeout: seconds("limits.frame_timeout_seconds", l.frame_timeout_seconds)?,
             zero_copy: l.zero_copy,
             zero_copy_row_bytes_min: l.zero_copy_row_bytes_min,
+            shard_map: self.shard_map.clone(),
             read_only: self.updates.as_ref().map(|u| {
                 format!(
                     "this server is a replica of {} (partition {}): write to the training store",

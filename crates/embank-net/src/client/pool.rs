@@ -225,6 +225,10 @@ impl Client {
         let body = check_reply(shard, r, &h, &rh, body).map_err(|e| (e, false))?;
         if let Ok(info) = serde_json::from_slice::<serde_json::Value>(&body) {
             ep.read_only.store(info["read_only"].as_bool() == Some(true), Ordering::Relaxed);
+            // A server that knows a newer shard map: look for it now.
+            if info["map_version"].as_u64().is_some_and(|v| v > self.topology().version) {
+                self.hint_map();
+            }
         }
         Ok(s)
     }

@@ -78,6 +78,7 @@ impl Conn<'_> {
                     "keys_per_request_max": self.ctx.opts.keys_per_request_max,
                     "frame_bytes_max": self.ctx.opts.frame_bytes_max,
                     "read_only": self.ctx.opts.read_only.is_some(),
+                    "map_version": self.ctx.opts.shard_map.as_deref().and_then(super::map_version),
                 });
                 self.answer(h, 0, info.to_string().as_bytes())
             }
