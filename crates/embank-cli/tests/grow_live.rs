@@ -24,7 +24,14 @@ use rand::SeedableRng;
 
 /// A replica's config: partition `partition` of `topic`, keeping `keep` checkpoints,
 /// copying a sibling's checkpoint first when `bootstrap` names some.
-fn replica_config(dir: &Path, name: &str, broker: &LocalBroker, topic: &str, partition: u32, bootstrap: &[String]) -> PathBuf {
+fn replica_config(
+    dir: &Path,
+    name: &str,
+    broker: &LocalBroker,
+    topic: &str,
+    partition: u32,
+    bootstrap: &[String],
+) -> PathBuf {
     let config = dir.join(format!("{name}.toml"));
     let siblings: Vec<String> = bootstrap.iter().map(|a| format!("{a:?}")).collect();
     std::fs::write(
@@ -84,7 +91,8 @@ fn a_replica_added_and_another_removed_while_a_client_reads_fails_no_read() {
     let dir = tempfile::tempdir().unwrap();
     let broker = LocalBroker::start(BrokerKind::Redis, &dir.path().join("broker")).unwrap();
     let store = trainer(&dir.path().join("trainer"));
-    let publisher = Publisher::start(Arc::clone(&store), PublishOptions::new(stream(BrokerKind::Redis, &broker, "grow"))).unwrap();
+    let publisher =
+        Publisher::start(Arc::clone(&store), PublishOptions::new(stream(BrokerKind::Redis, &broker, "grow"))).unwrap();
     // Rows the reader does not read, so that copying a checkpoint takes a while.
     let bulk: Vec<u64> = (1 << 32..(1 << 32) + 300_000).collect();
     store.table("emb").unwrap().push(&bulk, &vec![0.5; bulk.len() * DIM]).unwrap();
@@ -103,7 +111,8 @@ fn a_replica_added_and_another_removed_while_a_client_reads_fails_no_read() {
     wait_served(&client, 3);
     // The stream's history is gone: a replica starting now can only copy a sibling.
     let port = broker.brokers().rsplit(':').next().unwrap().trim_end_matches('/').to_string();
-    let trimmed = std::process::Command::new("redis-cli").args(["-p", &port, "XTRIM", "grow.0", "MAXLEN", "0"]).output().unwrap();
+    let trimmed =
+        std::process::Command::new("redis-cli").args(["-p", &port, "XTRIM", "grow.0", "MAXLEN", "0"]).output().unwrap();
     assert!(trimmed.status.success(), "{trimmed:?}");
 
     // Keys present now (the trainer creates rows only for the keys it pulls, about a
@@ -148,7 +157,8 @@ fn a_replica_added_and_another_removed_while_a_client_reads_fails_no_read() {
         // Add: c copies a's or b's served checkpoint, then follows the stream. It is in
         // the map at once: until it has copied, it refuses reads and the client reads a
         // or b instead.
-        let started = spawn_replica(&replica_config(dir.path(), "c", &broker, "grow", 0, &[a.addr.clone(), b.addr.clone()]));
+        let started =
+            spawn_replica(&replica_config(dir.path(), "c", &broker, "grow", 0, &[a.addr.clone(), b.addr.clone()]));
         let health = common::http_get(&started.admin, "/healthz");
         let next = dir.path().join("next.toml");
         write_map(&next, &[vec![a.addr.clone(), b.addr.clone(), started.addr.clone()]]);
@@ -162,7 +172,10 @@ fn a_replica_added_and_another_removed_while_a_client_reads_fails_no_read() {
             assert!(Instant::now() < deadline, "{:?}", client.served_all());
             std::thread::sleep(Duration::from_millis(10));
         }
-        eprintln!("the new replica copied a sibling's checkpoint within {:.2} s of joining the map", copying.elapsed().as_secs_f64());
+        eprintln!(
+            "the new replica copied a sibling's checkpoint within {:.2} s of joining the map",
+            copying.elapsed().as_secs_f64()
+        );
         std::thread::sleep(Duration::from_millis(1000));
         // Remove b: the map without it first, then the process (drained).
         write_map(&next, &[vec![a.addr.clone(), started.addr.clone()]]);
@@ -178,7 +191,13 @@ fn a_replica_added_and_another_removed_while_a_client_reads_fails_no_read() {
     let mut c = c.unwrap();
     let counts = client.replica_counts();
     eprintln!("reads: {reads}, failed: {}; answered per replica: {counts:?}", failures.len());
-    assert!(failures.is_empty(), "{} of {} reads failed: {:?}", failures.len(), reads + failures.len() as u64, &failures[..failures.len().min(5)]);
+    assert!(
+        failures.is_empty(),
+        "{} of {} reads failed: {:?}",
+        failures.len(),
+        reads + failures.len() as u64,
+        &failures[..failures.len().min(5)]
+    );
     assert!(reads > 50, "only {reads} reads");
     let answered = |addr: &str| counts[0].iter().find(|v| v["address"] == addr).unwrap()["answered"].as_u64().unwrap();
     let (on_a, on_c) = (answered(&a.addr), answered(&c.addr));
@@ -230,8 +249,9 @@ fn two_shards_resharded_to_three_while_clients_read_and_the_trainer_publishes() 
         checkpoint(b);
         first.flush(Duration::from_secs(60)).unwrap();
     }
-    let mut old: Vec<common::Serve> =
-        (0..2).map(|p| spawn_replica(&replica_config(dir.path(), &format!("old{p}"), &broker, "two", p, &[]))).collect();
+    let mut old: Vec<common::Serve> = (0..2)
+        .map(|p| spawn_replica(&replica_config(dir.path(), &format!("old{p}"), &broker, "two", p, &[])))
+        .collect();
     let map = dir.path().join("cluster.toml");
     write_map(&map, &old.iter().map(|s| vec![s.addr.clone()]).collect::<Vec<_>>());
     let clients: Vec<Client> = (0..2).map(|_| Client::connect_map(&MapSource::File(map.clone())).unwrap()).collect();
@@ -271,14 +291,26 @@ fn two_shards_resharded_to_three_while_clients_read_and_the_trainer_publishes() 
                                     let mut got = Rows::new();
                                     for (j, &k) in keys.iter().enumerate() {
                                         if found[j] {
-                                            got.insert(k, rows[j * DIM..(j + 1) * DIM].iter().map(|x| x.to_bits()).collect());
+                                            got.insert(
+                                                k,
+                                                rows[j * DIM..(j + 1) * DIM].iter().map(|x| x.to_bits()).collect(),
+                                            );
                                         }
                                     }
-                                    same(&got, want, &format!("reader {r}: {name} at checkpoint {n}, map version {version}"));
+                                    same(
+                                        &got,
+                                        want,
+                                        &format!("reader {r}: {name} at checkpoint {n}, map version {version}"),
+                                    );
                                     *per_version.entry(version).or_default() += 1;
-                                    if switching.load(Ordering::Relaxed) { during.push(micros) } else if version == 0 { before.push(micros) }
+                                    if switching.load(Ordering::Relaxed) {
+                                        during.push(micros)
+                                    } else if version == 0 {
+                                        before.push(micros)
+                                    }
                                 }
-                                Err(e) => failures.push(format!("reader {r}: {name} at checkpoint {n}, map version {version}: {e}")),
+                                Err(e) => failures
+                                    .push(format!("reader {r}: {name} at checkpoint {n}, map version {version}: {e}")),
                             }
                         }
                     }
@@ -304,7 +336,9 @@ fn two_shards_resharded_to_three_while_clients_read_and_the_trainer_publishes() 
         opts.partitions = 3;
         *second.lock() = Some(Publisher::start(Arc::clone(&store), opts).unwrap());
         second.lock().as_ref().unwrap().notify().unwrap();
-        new = (0..3).map(|p| spawn_replica(&replica_config(dir.path(), &format!("new{p}"), &broker, "three", p, &[]))).collect();
+        new = (0..3)
+            .map(|p| spawn_replica(&replica_config(dir.path(), &format!("new{p}"), &broker, "three", p, &[])))
+            .collect();
         let next = dir.path().join("next.toml");
         write_map(&next, &new.iter().map(|s| vec![s.addr.clone()]).collect::<Vec<_>>());
         switch_when_serving(&map, &next, Duration::from_secs(120), |l| eprintln!("{l}")).unwrap();
@@ -316,7 +350,10 @@ fn two_shards_resharded_to_three_while_clients_read_and_the_trainer_publishes() 
             sigterm(&mut s.child);
         }
         first.close();
-        eprintln!("resharded 2 -> 3 in {:.2} s (second publisher started to old shards retired)", t0.elapsed().as_secs_f64());
+        eprintln!(
+            "resharded 2 -> 3 in {:.2} s (second publisher started to old shards retired)",
+            t0.elapsed().as_secs_f64()
+        );
         switching.store(false, Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(1500));
         stop.store(true, Ordering::Relaxed);
@@ -327,7 +364,10 @@ fn two_shards_resharded_to_three_while_clients_read_and_the_trainer_publishes() 
     for (r, (per_version, failures, b, d)) in results.into_iter().enumerate() {
         eprintln!("reader {r}: exact answers per map version {per_version:?}, {} failed", failures.len());
         assert!(failures.is_empty(), "{:?}", &failures[..failures.len().min(5)]);
-        assert!(per_version.get(&0).copied().unwrap_or(0) > 5 && per_version.get(&1).copied().unwrap_or(0) > 5, "{per_version:?}");
+        assert!(
+            per_version.get(&0).copied().unwrap_or(0) > 5 && per_version.get(&1).copied().unwrap_or(0) > 5,
+            "{per_version:?}"
+        );
         before.extend(b);
         during.extend(d);
     }
@@ -390,7 +430,9 @@ fn the_shard_map_reloads_from_a_url_by_version_and_on_a_servers_hint() {
     let file = dir.path().join("cluster.toml");
     let (mut s1, mut s2) = (plain_server(dir.path(), "s1", &file), plain_server(dir.path(), "s2", &file));
     let port1 = s1.addr.rsplit(':').next().unwrap().to_string();
-    let text = Arc::new(Mutex::new(format!("version = 1\nreload_seconds = 3600\n[[shards]]\nservice = \"localhost:{port1}\"\n")));
+    let text = Arc::new(Mutex::new(format!(
+        "version = 1\nreload_seconds = 3600\n[[shards]]\nservice = \"localhost:{port1}\"\n"
+    )));
     let url = http_map(Arc::clone(&text));
     let client = Client::connect_map(&MapSource::parse(&url)).unwrap();
     assert_eq!(client.map_version(), 1);
@@ -412,14 +454,27 @@ fn the_shard_map_reloads_from_a_url_by_version_and_on_a_servers_hint() {
 
     // A server's hint: the file both read says version 3 (a third shard map) while the
     // client, polling hourly, still uses version 2 of it.
-    std::fs::write(&file, format!("version = 2\nreload_seconds = 3600\n[[shards]]\nreplicas = [{:?}]\n", s1.addr)).unwrap();
-    let mut opts = embank_net::ClientSettings { map: Some(file.display().to_string()), version: Some(2), reload_seconds: Some(3600.0), ..Default::default() };
+    std::fs::write(&file, format!("version = 2\nreload_seconds = 3600\n[[shards]]\nreplicas = [{:?}]\n", s1.addr))
+        .unwrap();
+    let mut opts = embank_net::ClientSettings {
+        map: Some(file.display().to_string()),
+        version: Some(2),
+        reload_seconds: Some(3600.0),
+        ..Default::default()
+    };
     opts.keys_per_request_max = Some(10);
     let hinted = opts.connect(&[vec![s1.addr.clone()]]).unwrap();
-    std::fs::write(&file, format!("version = 3\nreload_seconds = 3600\n[[shards]]\nreplicas = [{:?}]\n[[shards]]\nreplicas = [{:?}]\n", s1.addr, s2.addr)).unwrap();
+    std::fs::write(
+        &file,
+        format!(
+            "version = 3\nreload_seconds = 3600\n[[shards]]\nreplicas = [{:?}]\n[[shards]]\nreplicas = [{:?}]\n",
+            s1.addr, s2.addr
+        ),
+    )
+    .unwrap();
     // Requests beyond the pooled connection open new ones; their hellos name version 3.
     let keys: Vec<u64> = (0..100).collect();
-    hinted.table("t").unwrap().lookup(&keys, &mut vec![0f32; 400], &mut vec![false; 100]).unwrap();
+    hinted.table("t").unwrap().lookup(&keys, &mut [0f32; 400], &mut [false; 100]).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while hinted.map_version() < 3 {
         assert!(Instant::now() < deadline, "the hint was not followed: version {}", hinted.map_version());

@@ -420,7 +420,8 @@ fn paged_export_at_a_checkpoint_equals_its_export_while_training_runs_between_pa
         same(&got, want, &format!("{name} paged at checkpoint 20 ({twice} keys twice, {restarts} restarts)"));
     }
     assert!(b > 40, "too few batches between pages: {b}");
-    let err = store.export_checkpoint_page("emb", 19, embank_core::ExportCursor::START, 16, &mut Vec::new(), &mut Vec::new());
+    let err =
+        store.export_checkpoint_page("emb", 19, embank_core::ExportCursor::START, 16, &mut Vec::new(), &mut Vec::new());
     assert_eq!(err.unwrap_err().kind(), ErrorKind::NotFound);
 }
 

@@ -373,8 +373,7 @@ impl Table {
             }));
         }
         self.shared.checkpoints.changed_since(seq, &mut journals, &mut first);
-        let mut rest: Vec<(u64, u64)> =
-            first.into_iter().filter(|&(k, old)| old != 0 && k >= cursor.bucket).collect();
+        let mut rest: Vec<(u64, u64)> = first.into_iter().filter(|&(k, old)| old != 0 && k >= cursor.bucket).collect();
         rest.sort_unstable();
         rest.truncate(chunk_keys);
         let st = self.state()?;

@@ -226,7 +226,8 @@ impl Client {
     /// Loads the map again now; `Ok(true)` if it switched to a new one.
     pub fn reload_map(&self) -> Result<bool> {
         let source = self.inner.map.lock().as_ref().map(|w| w.source.clone());
-        let source = source.ok_or_else(|| Error::invalid("reload_map: this client was not connected to a shard map"))?;
+        let source =
+            source.ok_or_else(|| Error::invalid("reload_map: this client was not connected to a shard map"))?;
         self.reload_from(&source)
     }
 
@@ -266,7 +267,12 @@ impl Client {
         let topo = self.topology_of(map.version, &map.groups);
         self.check_reachable(&topo)?;
         if current.shards.len() != topo.shards.len() {
-            tracing::info!(from = current.shards.len(), to = topo.shards.len(), version = map.version, "shard map: the shard count changes");
+            tracing::info!(
+                from = current.shards.len(),
+                to = topo.shards.len(),
+                version = map.version,
+                "shard map: the shard count changes"
+            );
         }
         tracing::info!(version = map.version, groups = ?map.groups, "shard map switched");
         *self.inner.topo.write() = Arc::new(topo);

@@ -28,7 +28,7 @@ use embank_core::catalog::TableMeta;
 use embank_core::{Error, ErrorKind, Result, TableOptions};
 use parking_lot::{Mutex, RwLock};
 
-use crate::proto::{Header, Op};
+use crate::proto::Op;
 use crate::tls::ClientTls;
 
 pub use map::{served_range, switch_when_serving, MapSource, ShardMap};
@@ -331,7 +331,7 @@ impl Client {
         self.table_from(name, replies)
     }
 
-    fn table_from(&self, name: &str, replies: Vec<(Arc<Shard>, usize, Header, Vec<u8>)>) -> Result<RemoteTable> {
+    fn table_from(&self, name: &str, replies: Vec<route::Answer>) -> Result<RemoteTable> {
         let mut meta: Option<TableMeta> = None;
         for (shard, r, h, body) in replies {
             let m: TableMeta = serde_json::from_slice(&body)

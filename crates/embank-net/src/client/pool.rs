@@ -2,9 +2,9 @@
 //! a failure) and the checkpoint each last said it serves; opening a connection (TLS,
 //! the hello and its token) and reading a reply frame.
 
+use std::collections::HashMap;
 use std::io::{self, IoSlice, Read};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

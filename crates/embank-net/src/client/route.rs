@@ -265,22 +265,12 @@ impl Client {
     }
 
     /// One request to every shard (store-level operations).
-    pub(super) fn broadcast(
-        &self,
-        op: Op,
-        body: &[u8],
-        table: Option<&Arc<str>>,
-    ) -> Result<Vec<(Header, Vec<u8>)>> {
+    pub(super) fn broadcast(&self, op: Op, body: &[u8], table: Option<&Arc<str>>) -> Result<Vec<(Header, Vec<u8>)>> {
         Ok(self.broadcast_from(op, body, table)?.into_iter().map(|(_, _, h, b)| (h, b)).collect())
     }
 
     /// [`broadcast`](Self::broadcast) with the shard and the replica that answered, in shard order.
-    pub(super) fn broadcast_from(
-        &self,
-        op: Op,
-        body: &[u8],
-        table: Option<&Arc<str>>,
-    ) -> Result<Vec<(Arc<Shard>, usize, Header, Vec<u8>)>> {
+    pub(super) fn broadcast_from(&self, op: Op, body: &[u8], table: Option<&Arc<str>>) -> Result<Vec<Answer>> {
         let topo = self.topology();
         let reqs: Vec<Req> = topo
             .shards
@@ -309,6 +299,9 @@ impl Client {
             .collect())
     }
 }
+
+/// One shard's answer to a broadcast: the shard, the replica that answered, its reply.
+pub(super) type Answer = (Arc<Shard>, usize, Header, Vec<u8>);
 
 /// Whether a failed attempt may be tried on another replica: the replica was unreachable
 /// or timed out (an error reply is the answer).

@@ -389,7 +389,11 @@ impl Conn<'_> {
                 if h.body_len as usize != 24 + 8 * at {
                     return Err(Failure::from(Refusal::frame(
                         status::BAD_FRAME,
-                        format!("{} takes {}a 24-byte cursor", op.name(), if at == 1 { "a checkpoint and " } else { "" }),
+                        format!(
+                            "{} takes {}a 24-byte cursor",
+                            op.name(),
+                            if at == 1 { "a checkpoint and " } else { "" }
+                        ),
                     )));
                 }
                 let cursor = ExportCursor { generation: body[at], bucket: body[at + 1] };

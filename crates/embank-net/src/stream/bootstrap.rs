@@ -92,7 +92,9 @@ fn copy_from(
                 )))
             }
             // As the stream creates the tables it brings.
-            Err(e) if e.kind() == ErrorKind::NotFound => store.create_table(name, TableOptions::new(remote.dim() as u32))?,
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                store.create_table(name, TableOptions::new(remote.dim() as u32))?
+            }
             Err(e) => return Err(e),
         };
         // Rows of an earlier attempt that did not finish: not part of this checkpoint.
