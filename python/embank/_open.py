@@ -97,7 +97,7 @@ def _from_config(path: str) -> tuple[list[list[str]], dict[str, Any]]:
     c: dict[str, Any] = json.loads(_native.client_config_json(path))
     groups = [[str(a) for a in s["replicas"]] for s in c.pop("shards")]
     c.pop("token_file", None)
-    c["map"] = path  # the shard map: the client reloads it while it runs
+    c["map"] = os.path.abspath(path)  # the shard map: the client reloads it while it runs
     return groups, {k: v for k, v in c.items() if v is not None}
 
 
