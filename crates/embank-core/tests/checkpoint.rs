@@ -24,8 +24,10 @@ const KEYS: u64 = 400;
 const CKPT_EVERY: u64 = 3;
 
 fn options() -> StoreOptions {
-    // A row cache of a few KiB: the block table's rows are evicted and written back constantly.
-    StoreOptions { cache_bytes: 8 << 10, ..Default::default() }
+    // A row cache of a few KiB: the block table's rows are evicted and written back
+    // constantly. Huge pages on: the SIGKILL test runs with them (the model and store
+    // tests with MADV_RANDOM, the default).
+    StoreOptions { cache_bytes: 8 << 10, huge_pages: true, ..Default::default() }
 }
 
 fn create(store: &Store) {

@@ -70,6 +70,8 @@ pub struct StoreSection {
     pub io_engine: String,
     pub io_depth: u32,
     pub mmap_random_access: bool,
+    /// Map the index and rows with transparent huge pages (read-mostly stores: replicas).
+    pub huge_pages: bool,
     pub verify: bool,
     /// Checkpoints kept (at least 1). On a replica: how many of the publisher's
     /// checkpoints stay readable exactly (`lookup(checkpoint=N)`), each holding the rows
@@ -87,6 +89,7 @@ impl Default for StoreSection {
             io_engine: "auto".into(),
             io_depth: d.io_depth,
             mmap_random_access: d.mmap_random_access,
+            huge_pages: d.huge_pages,
             verify: d.verify,
             keep_checkpoints: d.keep_checkpoints,
             hot_placement: None,
@@ -302,6 +305,7 @@ impl ServeConfig {
             io_engine: IoChoice::parse(&s.io_engine).map_err(|e| e.context("store_options.io_engine"))?,
             io_depth: s.io_depth,
             mmap_random_access: s.mmap_random_access,
+            huge_pages: s.huge_pages,
             verify: s.verify,
             keep_checkpoints: s.keep_checkpoints,
             hot_placement: s.hot_placement.clone(),
