@@ -175,7 +175,9 @@ def test_connect_to_the_admin_port_fails_at_once_naming_what_answered(
         p.wait(timeout=60)
 
 
-def test_a_cluster_file_is_the_shard_map_switched_to_while_connected(tmp_path: Path, cluster: list[str]) -> None:
+def test_a_cluster_file_is_the_shard_map_switched_to_while_connected(
+    tmp_path: Path, cluster: list[str]
+) -> None:
     """Connected through a cluster file, a store follows it: a higher ``version`` (here a
     second shard) is switched to between calls, tables opened before it included; an
     older one is ignored."""
@@ -192,7 +194,9 @@ def test_a_cluster_file_is_the_shard_map_switched_to_while_connected(tmp_path: P
             f.write_text(f'version = 0\n[[shards]]\nreplicas = ["{b}"]\n')
             time.sleep(0.5)
             assert s.path == f"tcp://{a}"
-            f.write_text(f'version = 2\nreload_seconds = 0.05\n[[shards]]\nreplicas = ["{a}"]\n[[shards]]\nreplicas = ["{b}"]\n')
+            f.write_text(
+                f'version = 2\nreload_seconds = 0.05\n[[shards]]\nreplicas = ["{a}"]\n[[shards]]\nreplicas = ["{b}"]\n'
+            )
             deadline = time.monotonic() + 10
             while s.path != f"tcp://{a},{b}":
                 assert time.monotonic() < deadline, s.path

@@ -307,7 +307,7 @@ mod tests {
         }
         assert!(cache.dirty_bytes() > cache.dirty_target());
         let io = crate::io::engine(crate::io::IoChoice::Pread, 4).unwrap();
-        let rt = Runtime::new(vec![cache], None, None, io, false);
+        let rt = Runtime::new(vec![cache], None, None, io, crate::medium::MapAdvice::Default);
         let recorder =
             Arc::new(Recorder { events: Mutex::new(Vec::new()), first_warm: std::sync::atomic::AtomicBool::new(true) });
         let table: Arc<dyn Maintained> = recorder.clone();
