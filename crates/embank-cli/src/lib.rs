@@ -14,6 +14,7 @@ pub mod npy;
 pub mod plan;
 pub mod publish;
 pub mod recovery;
+pub mod reshard;
 pub mod serve;
 pub mod soak;
 pub mod stream_bench;
@@ -76,6 +77,9 @@ enum Command {
     /// cache and a GPU cache over sizes, bytes per tier, a placement per table, and what a
     /// DRAM or GPU budget buys.
     Plan(plan::PlanArgs),
+    /// Turn a checkpoint of N closed shard stores into M stores (offline): every table,
+    /// rows with their optimizer state, routed as clients route; training resumes from it.
+    Reshard(reshard::ReshardArgs),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -111,6 +115,7 @@ where
         Command::Publish(args) => publish::run(args),
         Command::BenchStream(args) => stream_bench::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Reshard(args) => reshard::run(args),
     };
     match result {
         Ok(()) => 0,
