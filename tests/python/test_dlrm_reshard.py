@@ -37,7 +37,8 @@ def run(work: Path, *extra: str, env: dict[str, str] | None = None) -> dict[str,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, **(env or {})},
+        # The example's local shards serve plain TCP on loopback: no TLS.
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("EMBANK_TLS_")}, **(env or {})},
     )
     if env and "EMBANK_DLRM_KILL" in env:
         assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]

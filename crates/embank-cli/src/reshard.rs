@@ -86,21 +86,46 @@ pub fn run(args: ReshardArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// Most mmap-medium tables open in one process: each one's rows file reserves
+/// `embank_core::medium::mmap::RESERVE_BYTES` (1 TiB) of the 128 TiB of user address space.
+pub const OPEN_TABLES_MAX: usize = 120;
+const _: () = assert!(OPEN_TABLES_MAX as u64 * embank_core::medium::mmap::RESERVE_BYTES < 128 << 40);
+
+/// What a reshard needs to know of a source, read with the store open, then closed.
+struct Survey {
+    checkpoints: Vec<CheckpointInfo>,
+    /// Table name -> (catalog entry, capacity, rows now, bytes of a stored record).
+    tables: BTreeMap<String, (TableMeta, u64, u64, u64)>,
+}
+
+/// A table as the targets create it.
+struct Planned {
+    options: TableOptions,
+    rows_now: u64,
+    record_bytes: u64,
+}
+
 /// Checks the arguments, then reshards; on a failure after the targets were created,
-/// empties them again.
+/// empties them again. Sources are opened one at a time (first to survey them, then to
+/// stream them), so the targets and one source are open at once.
 pub fn reshard(args: &ReshardArgs) -> Result<ReshardReport, String> {
     let t0 = Instant::now();
     check_targets(&args.from, &args.to)?;
-    let sources = open_sources(&args.from)?;
-    let (batch_id, meta) = pick_checkpoint(&args.from, &sources, args.checkpoint)?;
+    let surveys: Vec<Survey> = args.from.iter().map(|p| survey(p)).collect::<Result<_, _>>()?;
+    let (batch_id, meta) = pick_checkpoint(&args.from, &surveys, args.checkpoint)?;
     let shards = u32::try_from(args.to.len()).map_err(|_| "too many targets".to_owned())?;
-    let tables = table_options(&args.from, &sources, shards)?;
-    let created: Vec<bool> = args.to.iter().map(|p| !p.exists()).collect();
-    let result = write_targets(args, &sources, batch_id, &meta, &tables);
-    for s in &sources {
-        let _ = s.close();
+    let tables = table_options(&args.from, &surveys, shards)?;
+    let mapped = tables.values().filter(|t| t.options.medium.is_mapped()).count();
+    let open_tables = mapped * (args.to.len() + 1);
+    if open_tables > OPEN_TABLES_MAX {
+        return Err(format!(
+            "{mapped} mmap-medium tables on {} targets and a source would map {open_tables} tables at once, over the \
+             {OPEN_TABLES_MAX} a process can (each reserves 1 TiB of address space): reshard to fewer targets per run",
+            args.to.len()
+        ));
     }
-    match result {
+    let created: Vec<bool> = args.to.iter().map(|p| !p.exists()).collect();
+    match write_targets(args, batch_id, &meta, &tables) {
         Ok((rows, bytes_read, bytes_written)) => Ok(ReshardReport {
             batch_id,
             tables: tables.len(),
@@ -143,27 +168,35 @@ fn check_targets(from: &[PathBuf], to: &[PathBuf]) -> Result<(), String> {
     Ok(())
 }
 
-fn open_sources(from: &[PathBuf]) -> Result<Vec<Store>, String> {
-    let options = StoreOptions { create: false, cache_bytes: 0, ..Default::default() };
-    from.iter()
-        .map(|p| {
-            Store::open(p, options.clone()).map_err(|e| {
-                format!("source {}: {e} (reshard is offline: stop every server and trainer using it)", p.display())
-            })
-        })
-        .collect()
+fn open_source(p: &Path) -> Result<Store, String> {
+    Store::open(p, StoreOptions { create: false, cache_bytes: 0, ..Default::default() }).map_err(|e| {
+        format!("source {}: {e} (reshard is offline: stop every server and trainer using it)", p.display())
+    })
+}
+
+fn survey(p: &Path) -> Result<Survey, String> {
+    let store = open_source(p)?;
+    let at = |e: embank_core::Error| format!("source {}: {e}", p.display());
+    let mut tables = BTreeMap::new();
+    for name in store.tables().map_err(at)? {
+        let t = store.table(&name).map_err(at)?;
+        let stats = t.stats().map_err(at)?;
+        tables.insert(name, (t.meta(), stats.capacity, stats.rows, stats.record_bytes));
+    }
+    let checkpoints = store.checkpoints().map_err(at)?;
+    store.close().map_err(at)?;
+    Ok(Survey { checkpoints, tables })
 }
 
 /// The checkpoint to reshard and its metadata, the same on every source.
-fn pick_checkpoint(from: &[PathBuf], sources: &[Store], asked: Option<u64>) -> Result<(u64, Vec<u8>), String> {
-    let kept: Vec<Vec<CheckpointInfo>> =
-        sources.iter().map(|s| s.checkpoints().map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+fn pick_checkpoint(from: &[PathBuf], surveys: &[Survey], asked: Option<u64>) -> Result<(u64, Vec<u8>), String> {
+    let kept: Vec<&Vec<CheckpointInfo>> = surveys.iter().map(|s| &s.checkpoints).collect();
     let retained_by_all = |b: u64| kept.iter().all(|k| k.iter().any(|c| c.batch_id == b));
     let batch = match asked {
-        Some(b) => b,
-        None => kept[0].iter().rev().map(|c| c.batch_id).find(|&b| retained_by_all(b)).unwrap_or(u64::MAX),
+        Some(b) => Some(b).filter(|&b| retained_by_all(b)),
+        None => kept[0].iter().rev().map(|c| c.batch_id).find(|&b| retained_by_all(b)),
     };
-    if batch == u64::MAX || !retained_by_all(batch) {
+    let Some(batch) = batch else {
         let listing: Vec<String> = from
             .iter()
             .zip(&kept)
@@ -174,7 +207,7 @@ fn pick_checkpoint(from: &[PathBuf], sources: &[Store], asked: Option<u64>) -> R
             None => "no checkpoint is retained by every source".to_owned(),
         };
         return Err(format!("{what}: {}", listing.join("; ")));
-    }
+    };
     let metas: Vec<&[u8]> =
         kept.iter().map(|k| k.iter().find(|c| c.batch_id == batch).map_or(&[][..], |c| &c.meta[..])).collect();
     if let Some(i) = metas.iter().position(|m| *m != metas[0]) {
@@ -193,15 +226,10 @@ fn pick_checkpoint(from: &[PathBuf], sources: &[Store], asked: Option<u64>) -> R
 /// Each table's options for the targets: the same on every source (the catalog's entry
 /// but its id, index generation and growth count), the capacity for one of `shards`
 /// targets' share.
-fn table_options(
-    from: &[PathBuf],
-    sources: &[Store],
-    shards: u32,
-) -> Result<BTreeMap<String, TableOptions>, String> {
-    let mut out = BTreeMap::new();
-    let names = sources[0].tables().map_err(|e| e.to_string())?;
-    for (p, s) in from.iter().zip(sources).skip(1) {
-        let theirs = s.tables().map_err(|e| e.to_string())?;
+fn table_options(from: &[PathBuf], surveys: &[Survey], shards: u32) -> Result<BTreeMap<String, Planned>, String> {
+    let names: Vec<&String> = surveys[0].tables.keys().collect();
+    for (p, s) in from.iter().zip(surveys).skip(1) {
+        let theirs: Vec<&String> = s.tables.keys().collect();
         if theirs != names {
             return Err(format!(
                 "the sources hold different tables: {} has {names:?}, {} has {theirs:?}",
@@ -210,31 +238,28 @@ fn table_options(
             ));
         }
     }
+    let mut out = BTreeMap::new();
     for name in names {
-        let mut metas = Vec::new();
-        let (mut capacity, mut rows) = (0u64, 0u64);
-        for s in sources {
-            let t = s.table(&name).map_err(|e| e.to_string())?;
-            let stats = t.stats().map_err(|e| e.to_string())?;
-            capacity = capacity.max(stats.capacity);
-            rows += stats.rows;
-            metas.push(t.meta());
-        }
-        for (i, m) in metas.iter().enumerate().skip(1) {
-            if let Some(field) = differing_field(&metas[0], m) {
+        let (first, ..) = &surveys[0].tables[name];
+        let (mut capacity, mut rows_now) = (0u64, 0u64);
+        for (p, s) in from.iter().zip(surveys) {
+            let (m, cap, rows, _) = &s.tables[name];
+            if let Some(field) = differing_field(first, m) {
                 return Err(format!(
                     "table {name:?}: its {field} differs between {} ({}) and {} ({})",
                     from[0].display(),
-                    field_value(&metas[0], &field),
-                    from[i].display(),
+                    field_value(first, &field),
+                    p.display(),
                     field_value(m, &field)
                 ));
             }
+            capacity = capacity.max(*cap);
+            rows_now += rows;
         }
-        let m = &metas[0];
         // A target's share of the rows (those now: at the checkpoint there may be fewer),
         // with room to spare, and never less than a source's capacity.
-        let share = rows.div_ceil(u64::from(shards.max(1)));
+        let share = rows_now.div_ceil(u64::from(shards.max(1)));
+        let m = first;
         let options = TableOptions {
             dim: m.dim,
             dtype: m.dtype,
@@ -251,7 +276,7 @@ fn table_options(
             lease_seconds: m.lease_seconds,
             lifecycle: m.lifecycle.clone(),
         };
-        out.insert(name, options);
+        out.insert(name.clone(), Planned { options, rows_now, record_bytes: surveys[0].tables[name].3 });
     }
     Ok(out)
 }
@@ -277,14 +302,14 @@ fn field_value(m: &TableMeta, field: &str) -> String {
     comparable(m).get(field).map_or_else(String::new, |v| v.to_string())
 }
 
-/// Creates the targets, streams every table, checkpoints and closes them; returns rows,
-/// bytes read and bytes written.
+/// Creates the targets and their tables, streams every source's tables into them (one
+/// source open at a time), checkpoints and closes them; returns rows, bytes read and
+/// bytes written.
 fn write_targets(
     args: &ReshardArgs,
-    sources: &[Store],
     batch_id: u64,
     meta: &[u8],
-    tables: &BTreeMap<String, TableOptions>,
+    tables: &BTreeMap<String, Planned>,
 ) -> Result<(u64, u64, u64), String> {
     let shards = u32::try_from(args.to.len()).map_err(|_| "too many targets".to_owned())?;
     let targets: Vec<Store> = args
@@ -295,58 +320,64 @@ fn write_targets(
                 .map_err(|e| format!("target {}: {e}", p.display()))
         })
         .collect::<Result<_, _>>()?;
-    let mut total_rows = 0u64;
-    for s in sources {
-        for name in tables.keys() {
-            total_rows += s.table(name).and_then(|t| t.len()).map_err(|e| e.to_string())?;
-        }
-    }
-    let bar = if args.quiet { ProgressBar::hidden() } else { progress(total_rows, "reshard") };
-    let (mut rows, mut bytes_read) = (0u64, 0u64);
-    let chunk_keys = args.chunk_keys as usize;
-    for (name, options) in tables {
-        let outs: Vec<_> = targets
+    let mut outs = BTreeMap::new();
+    for (name, planned) in tables {
+        let made: Vec<_> = targets
             .iter()
-            .map(|t| t.create_table(name, options.clone()))
+            .map(|t| t.create_table(name, planned.options.clone()))
             .collect::<Result<_, _>>()
             .map_err(|e| format!("creating table {name:?}: {e}"))?;
-        let record_bytes = sources[0].table(name).map_err(|e| e.to_string())?.stats().map_err(|e| e.to_string())?;
-        let record_bytes = record_bytes.record_bytes;
-        let w = options.dim as usize + outs[0].state_len();
-        let mut table_rows = 0u64;
-        let (mut keys_of, mut records_of): (Vec<Vec<u64>>, Vec<Vec<f32>>) =
-            (vec![Vec::new(); outs.len()], vec![Vec::new(); outs.len()]);
-        for (p, s) in args.from.iter().zip(sources) {
-            s.export_checkpoint_with_state(name, batch_id, chunk_keys, |keys, records| {
-                for (i, &key) in keys.iter().enumerate() {
-                    let to = shard_of(key, shards) as usize;
-                    keys_of[to].push(key);
-                    records_of[to].extend_from_slice(&records[i * w..(i + 1) * w]);
-                }
-                for (t, (k, r)) in outs.iter().zip(keys_of.iter_mut().zip(records_of.iter_mut())) {
-                    if !k.is_empty() {
-                        t.push_with_state(k, r)?;
-                        k.clear();
-                        r.clear();
+        outs.insert(name.as_str(), made);
+    }
+    let bar = match args.quiet {
+        true => ProgressBar::hidden(),
+        false => progress(tables.values().map(|t| t.rows_now).sum(), "reshard"),
+    };
+    let chunk_keys = args.chunk_keys as usize;
+    let mut rows_of: BTreeMap<&str, u64> = BTreeMap::new();
+    let (mut keys_to, mut records_to): (Vec<Vec<u64>>, Vec<Vec<f32>>) =
+        (vec![Vec::new(); targets.len()], vec![Vec::new(); targets.len()]);
+    for p in &args.from {
+        let source = open_source(p)?;
+        for (name, made) in &outs {
+            let w = made[0].dim() + made[0].state_len();
+            let rows = rows_of.entry(name).or_default();
+            source
+                .export_checkpoint_with_state(name, batch_id, chunk_keys, |keys, records| {
+                    for (i, &key) in keys.iter().enumerate() {
+                        let to = shard_of(key, shards) as usize;
+                        keys_to[to].push(key);
+                        records_to[to].extend_from_slice(&records[i * w..(i + 1) * w]);
                     }
-                }
-                table_rows += keys.len() as u64;
-                bar.inc(keys.len() as u64);
-                Ok(())
-            })
-            .map_err(|e| format!("table {name:?} from {}: {e}", p.display()))?;
+                    for (t, (k, r)) in made.iter().zip(keys_to.iter_mut().zip(records_to.iter_mut())) {
+                        if !k.is_empty() {
+                            t.push_with_state(k, r)?;
+                            k.clear();
+                            r.clear();
+                        }
+                    }
+                    *rows += keys.len() as u64;
+                    bar.inc(keys.len() as u64);
+                    Ok(())
+                })
+                .map_err(|e| format!("table {name:?} from {}: {e}", p.display()))?;
         }
-        let written: u64 = outs.iter().map(|t| t.len()).sum::<embank_core::Result<u64>>().map_err(|e| e.to_string())?;
-        if written != table_rows {
-            return Err(format!(
-                "table {name:?}: {table_rows} rows read but the targets hold {written}: a key is on two sources \
-                 (they are not shards of one cluster), or the table's rows_max evicted rows on a target"
-            ));
-        }
-        rows += table_rows;
-        bytes_read += table_rows * record_bytes;
+        source.close().map_err(|e| format!("source {}: {e}", p.display()))?;
     }
     bar.finish_and_clear();
+    let (mut rows, mut bytes_read) = (0u64, 0u64);
+    for (name, made) in &outs {
+        let read = rows_of.get(name).copied().unwrap_or(0);
+        let written: u64 = made.iter().map(|t| t.len()).sum::<embank_core::Result<u64>>().map_err(|e| e.to_string())?;
+        if written != read {
+            return Err(format!(
+                "table {name:?}: {read} rows read but the targets hold {written}: a key is on two sources (they \
+                 are not shards of one cluster), or the table's rows_max evicted rows on a target"
+            ));
+        }
+        rows += read;
+        bytes_read += read * tables[*name].record_bytes;
+    }
     for (p, t) in args.to.iter().zip(&targets) {
         t.checkpoint_with_meta(batch_id, meta).map_err(|e| format!("checkpoint of target {}: {e}", p.display()))?;
     }
