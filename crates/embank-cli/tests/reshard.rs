@@ -154,7 +154,11 @@ fn assert_same_records(a: &BTreeMap<(String, u64), (usize, Vec<f32>)>, b: &BTree
     assert_eq!(a.len(), b.len());
     for ((key, (_, ra)), (key_b, (_, rb))) in a.iter().zip(b) {
         assert_eq!(key, key_b);
-        assert_eq!(ra.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), rb.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "{key:?}");
+        assert_eq!(
+            ra.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            rb.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{key:?}"
+        );
     }
 }
 
@@ -208,7 +212,10 @@ fn two_shards_resharded_to_three_at_a_checkpoint_train_on_exactly() {
         assert_eq!(c.iter().map(|c| (c.batch_id, c.meta.as_slice())).collect::<Vec<_>>(), vec![(BATCH, META)]);
         for (name, ..) in tables() {
             let (a, b) = (t.table(name).unwrap().meta(), restored[0].table(name).unwrap().meta());
-            assert_eq!((a.dim, a.dtype, a.init, a.seed, a.optimizer, a.medium), (b.dim, b.dtype, b.init, b.seed, b.optimizer, b.medium));
+            assert_eq!(
+                (a.dim, a.dtype, a.init, a.seed, a.optimizer, a.medium),
+                (b.dim, b.dtype, b.init, b.seed, b.optimizer, b.medium)
+            );
         }
     }
     assert!(matches!(targets[0].table("adam").unwrap().optimizer(), Optimizer::Adam { lr, .. } if lr == 0.02));
@@ -249,7 +256,11 @@ fn bad_inputs_are_refused_with_what_is_wrong_and_nothing_written() {
     // A checkpoint some source does not retain: what each one retains.
     let e = refused(&src, &dst, &["--checkpoint", &(BATCH + 10).to_string()]);
     assert!(e.contains(&format!("checkpoint {} is not retained by every source", BATCH + 10)), "{e}");
-    assert!(e.contains(&format!("src0 retains [{BATCH}, {}]", BATCH + 10)) && e.contains(&format!("src1 retains [{BATCH}]")), "{e}");
+    assert!(
+        e.contains(&format!("src0 retains [{BATCH}, {}]", BATCH + 10))
+            && e.contains(&format!("src1 retains [{BATCH}]")),
+        "{e}"
+    );
     assert!(gone(&dst));
 
     // A target that is not empty: named, and left as it was.

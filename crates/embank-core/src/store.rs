@@ -528,9 +528,11 @@ impl Store {
     ) -> Result<()> {
         let guard = self.inner.read();
         let inner = guard.as_ref().ok_or_else(|| self.closed())?;
-        let table = inner.tables.get(name).cloned().ok_or_else(|| {
-            Error::new(ErrorKind::NotFound, format!("no table {name:?} in this store"))
-        })?;
+        let table = inner
+            .tables
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no table {name:?} in this store")))?;
         let seq = self.checkpoint_seq(inner, batch_id)?;
         let _gate = inner.runtime.gate.lock.write();
         table.export_at(seq, chunk_keys, AtExport { with_state: true, writers_held: true }, f)
