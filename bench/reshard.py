@@ -22,9 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 import embank
+import numpy as np
 
 CHUNK = 1 << 18
 

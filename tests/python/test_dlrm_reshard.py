@@ -12,18 +12,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pytest
-
 import embank
+import numpy as np
+import numpy.typing as npt
+import pytest
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "dlrm" / "train.py"
-sys.path.insert(0, str(TRAIN.parent))
-import shards  # noqa: E402  (the example's local shards: WORK/shards/<i>/store)
 
 ARGS = ["--synthetic", "6000", "--synthetic-scale", "20000", "--batch-size", "256", "--epochs", "2",
         "--threads", "1", "--quiet", "--checkpoint-every", "10"]  # fmt: skip
@@ -48,9 +46,9 @@ def run(work: Path, *extra: str, env: dict[str, str] | None = None) -> dict[str,
     return result
 
 
-def rows(stores: list[Path]) -> dict[str, dict[int, np.ndarray]]:
+def rows(stores: list[Path]) -> dict[str, dict[int, npt.NDArray[np.float32]]]:
     """Every row of every table on a set of shard stores, with its optimizer state."""
-    out: dict[str, dict[int, np.ndarray]] = {}
+    out: dict[str, dict[int, npt.NDArray[np.float32]]] = {}
     for path in stores:
         with embank.open(path) as store:
             for name in store.tables():
@@ -72,12 +70,17 @@ def test_trained_on_two_shards_resharded_to_three_resumes_like_an_uninterrupted_
     # Killed 5 batches past the checkpoint of batch 40: the shards kept those pushes, which
     # the reshard must leave out (it reads the checkpoint through the undo journals).
     run(work, "--local-shards", "2", env={"EMBANK_DLRM_KILL": "0:45"})
+    sys.path.insert(0, str(TRAIN.parent))
+    try:
+        import shards  # type: ignore[import-not-found]  # the example's local shards: WORK/shards/<i>/store
+    finally:
+        sys.path.pop(0)
     shards.stop(work)  # the shards outlive a killed trainer: stop them (offline from here)
     os.rename(work / "shards", work / "shards-2")
+    old = [str(work / "shards-2" / str(i) / "store") for i in range(2)]
+    new = [str(work / "shards" / str(i) / "store") for i in range(3)]
     r = subprocess.run(
-        [sys.executable, "-m", "embank", "reshard", "--quiet",
-         "--from", *(str(work / "shards-2" / str(i) / "store") for i in range(2)),
-         "--to", *(str(work / "shards" / str(i) / "store") for i in range(3))],  # fmt: skip
+        [sys.executable, "-m", "embank", "reshard", "--quiet", "--from", *old, "--to", *new],
         capture_output=True,
         text=True,
         timeout=120,
@@ -98,5 +101,5 @@ def test_trained_on_two_shards_resharded_to_three_resumes_like_an_uninterrupted_
     assert a.keys() == b.keys() and len(a) == 26
     for name in a:
         assert a[name].keys() == b[name].keys(), name
-        for k, r in a[name].items():
-            assert np.array_equal(r, b[name][k]), (name, k)
+        for k, row in a[name].items():
+            assert np.array_equal(row, b[name][k]), (name, k)
