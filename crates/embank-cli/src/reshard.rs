@@ -31,8 +31,8 @@ pub const CHUNK_KEYS_MAX: u64 = 1 << 22;
     clients and publishers route by: list the targets in the order clients will list the new shards (the \
     i-th --to is shard i). The sources may be listed in any order.\n\n\
     WHAT MOVES: every table, created on each target with the same options (dim, dtype, initializer and seed, \
-    optimizer with its learning rate as last set, medium, placement, growth, staleness bound, lifecycle), \
-    then every row with its optimizer state; then each target takes a checkpoint with the same batch id and \
+    optimizer with its learning rate as last set, medium, placement, growth, staleness bound, lifecycle; \
+    the capacity: the sources' total over M, or more for the rows), then every row with its optimizer state; then each target takes a checkpoint with the same batch id and \
     metadata, so `store.restore(batch)` and a trainer's resume find it. What is not kept, as on any reopen: \
     the lifecycle's in-memory activity (each row counts as touched once at the reopen) and admission \
     candidates; older checkpoints (a target retains only this one).\n\n\
@@ -224,8 +224,8 @@ fn pick_checkpoint(from: &[PathBuf], surveys: &[Survey], asked: Option<u64>) -> 
 }
 
 /// Each table's options for the targets: the same on every source (the catalog's entry
-/// but its id, index generation and growth count), the capacity for one of `shards`
-/// targets' share.
+/// but its id, index generation and growth count), the capacity one of `shards`
+/// targets' share of the sources'.
 fn table_options(from: &[PathBuf], surveys: &[Survey], shards: u32) -> Result<BTreeMap<String, Planned>, String> {
     let names: Vec<&String> = surveys[0].tables.keys().collect();
     for (p, s) in from.iter().zip(surveys).skip(1) {
@@ -241,7 +241,7 @@ fn table_options(from: &[PathBuf], surveys: &[Survey], shards: u32) -> Result<BT
     let mut out = BTreeMap::new();
     for name in names {
         let (first, ..) = &surveys[0].tables[name];
-        let (mut capacity, mut rows_now) = (0u64, 0u64);
+        let (mut capacity, mut rows_now) = (0u64, 0u64); // summed over the sources
         for (p, s) in from.iter().zip(surveys) {
             let (m, cap, rows, _) = &s.tables[name];
             if let Some(field) = differing_field(first, m) {
@@ -253,19 +253,19 @@ fn table_options(from: &[PathBuf], surveys: &[Survey], shards: u32) -> Result<BT
                     field_value(m, &field)
                 ));
             }
-            capacity = capacity.max(*cap);
+            capacity += cap;
             rows_now += rows;
         }
-        // A target's share of the rows (those now: at the checkpoint there may be fewer),
-        // with room to spare, and never less than a source's capacity.
-        let share = rows_now.div_ceil(u64::from(shards.max(1)));
+        // A target's share of the cluster's capacity, or of its rows (those now: at the
+        // checkpoint there may be fewer) with room to spare if that is more.
+        let share = |n: u64| n.div_ceil(u64::from(shards.max(1)));
         let m = first;
         let options = TableOptions {
             dim: m.dim,
             dtype: m.dtype,
             init: m.init,
             seed: m.seed,
-            capacity: capacity.max(share + share / 4),
+            capacity: share(capacity).max(share(rows_now) + share(rows_now) / 4),
             growth: m.growth,
             load_factor_max: m.load_factor_max,
             missing: m.missing,
