@@ -21,9 +21,10 @@ pub const CHUNK_KEYS_MAX: u64 = 1 << 22;
 #[command(after_help = "Turns a checkpoint of N shard stores into M stores, for a cluster that changes its shard \
     count (TorchRec's answer to this is to reshard yourself; this is the offline way, for training clusters).\n\n\
     OFFLINE: every store must be closed (stop `embank serve` and the trainers first); a store open elsewhere is \
-    refused by its lock. The sources are only read: nothing in them changes.\n\n\
+    refused by its lock. The sources are only read: their rows, checkpoints and tables do not change.\n\n\
     CHECKPOINT: by default the newest checkpoint that every source retains; --checkpoint BATCH_ID names one \
-    (it must be retained by every source: `embank inspect` or store.checkpoints() lists them). The rows are \
+    (it must be retained by every source: store.checkpoints() lists them, and a refusal names what each \
+    source retains). The rows are \
     taken as they were at that checkpoint, also when training went on after it (the undo journals give the \
     older records). The checkpoint's metadata (a trainer's position) must be the same on every source; it is \
     kept.\n\n\
@@ -312,11 +313,13 @@ fn write_targets(
     tables: &BTreeMap<String, Planned>,
 ) -> Result<(u64, u64, u64), String> {
     let shards = u32::try_from(args.to.len()).map_err(|_| "too many targets".to_owned())?;
+    // Records are written in order into fresh files: large page-cache folios (no
+    // MADV_RANDOM) take fewer page faults (10 M rows 2 -> 3: 17-21 s against 22-34 s).
     let targets: Vec<Store> = args
         .to
         .iter()
         .map(|p| {
-            Store::open(p, StoreOptions { cache_bytes: 0, ..Default::default() })
+            Store::open(p, StoreOptions { cache_bytes: 0, mmap_random_access: false, ..Default::default() })
                 .map_err(|e| format!("target {}: {e}", p.display()))
         })
         .collect::<Result<_, _>>()?;
