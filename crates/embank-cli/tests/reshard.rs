@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use embank_core::{Initializer, MediumKind, Optimizer, Store, StoreOptions, TableOptions};
+use embank_core::{Initializer, MediumKind, Optimizer, Placement, Store, StoreOptions, TableOptions};
 use embank_net::proto::shard_of;
 
 /// Keys of the tables: every one on the source its shard hash names.
@@ -23,7 +23,8 @@ fn open(dir: &Path) -> Store {
     Store::open(dir, StoreOptions::default()).unwrap()
 }
 
-/// (table, dim, optimizer, medium): Adagrad on the mapped medium, Adam on the block one.
+/// (table, dim, optimizer, medium): Adagrad on the mapped medium, Adam on the block one
+/// (behind the row cache: a placement the targets must be able to create).
 fn tables() -> Vec<(&'static str, u32, Optimizer, MediumKind)> {
     vec![
         ("ada", 8, Optimizer::Adagrad { lr: 0.05, eps: 1e-8, initial_accumulator_value: 0.1 }, MediumKind::Mmap),
@@ -71,7 +72,9 @@ fn two_trained_shards(root: &Path) -> Vec<PathBuf> {
     let stores: Vec<Store> = dirs.iter().map(|d| open(d)).collect();
     for store in &stores {
         for (name, dim, optimizer, medium) in tables() {
+            let placement = if medium == MediumKind::Block { Placement::Cache } else { Placement::Auto };
             let options = TableOptions {
+                placement,
                 init: Initializer::Uniform { low: -0.1, high: 0.1 },
                 seed: 7,
                 capacity: 4096,
@@ -114,9 +117,12 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// Records by (table, key): the shard each was found on, the row then optimizer state.
+type Records = BTreeMap<(String, u64), (usize, Vec<f32>)>;
+
 /// Every record (row, then optimizer state) of every table of a set of stores, by
 /// (table, key), with the shard each was found on.
-fn records(stores: &[Store]) -> BTreeMap<(String, u64), (usize, Vec<f32>)> {
+fn records(stores: &[Store]) -> Records {
     let mut out = BTreeMap::new();
     for (s, store) in stores.iter().enumerate() {
         for name in store.tables().unwrap() {
@@ -142,7 +148,7 @@ fn records(stores: &[Store]) -> BTreeMap<(String, u64), (usize, Vec<f32>)> {
 }
 
 /// What a store holds: its checkpoints (batch id, metadata) and every record.
-fn fingerprint(dir: &Path) -> (Vec<(u64, Vec<u8>)>, BTreeMap<(String, u64), (usize, Vec<f32>)>) {
+fn fingerprint(dir: &Path) -> (Vec<(u64, Vec<u8>)>, Records) {
     let store = open(dir);
     let kept = store.checkpoints().unwrap().into_iter().map(|c| (c.batch_id, c.meta)).collect();
     let recs = records(std::slice::from_ref(&store));
@@ -150,7 +156,7 @@ fn fingerprint(dir: &Path) -> (Vec<(u64, Vec<u8>)>, BTreeMap<(String, u64), (usi
     (kept, recs)
 }
 
-fn assert_same_records(a: &BTreeMap<(String, u64), (usize, Vec<f32>)>, b: &BTreeMap<(String, u64), (usize, Vec<f32>)>) {
+fn assert_same_records(a: &Records, b: &Records) {
     assert_eq!(a.len(), b.len());
     for ((key, (_, ra)), (key_b, (_, rb))) in a.iter().zip(b) {
         assert_eq!(key, key_b);
@@ -213,8 +219,8 @@ fn two_shards_resharded_to_three_at_a_checkpoint_train_on_exactly() {
         for (name, ..) in tables() {
             let (a, b) = (t.table(name).unwrap().meta(), restored[0].table(name).unwrap().meta());
             assert_eq!(
-                (a.dim, a.dtype, a.init, a.seed, a.optimizer, a.medium),
-                (b.dim, b.dtype, b.init, b.seed, b.optimizer, b.medium)
+                (a.dim, a.dtype, a.init, a.seed, a.optimizer, a.medium, a.placement),
+                (b.dim, b.dtype, b.init, b.seed, b.optimizer, b.medium, b.placement)
             );
         }
     }
