@@ -173,3 +173,33 @@ def test_connect_to_the_admin_port_fails_at_once_naming_what_answered(
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=60)
+
+
+def test_a_cluster_file_is_the_shard_map_switched_to_while_connected(tmp_path: Path, cluster: list[str]) -> None:
+    """Connected through a cluster file, a store follows it: a higher ``version`` (here a
+    second shard) is switched to between calls, tables opened before it included; an
+    older one is ignored."""
+    a, b = cluster
+    with embank.connect(cluster) as both:
+        both.create_table("mapped", dim=4)
+    f = tmp_path / "cluster.toml"
+    f.write_text(f'version = 1\nreload_seconds = 0.05\n[[shards]]\nreplicas = ["{a}"]\n')
+    keys = np.arange(200, dtype=np.uint64)
+    try:
+        with embank.connect(f) as s:
+            t = s.table("mapped")
+            t.push(keys, np.ones((200, 4), dtype=np.float32))  # every key on a
+            f.write_text(f'version = 0\n[[shards]]\nreplicas = ["{b}"]\n')
+            time.sleep(0.5)
+            assert s.path == f"tcp://{a}"
+            f.write_text(f'version = 2\nreload_seconds = 0.05\n[[shards]]\nreplicas = ["{a}"]\n[[shards]]\nreplicas = ["{b}"]\n')
+            deadline = time.monotonic() + 10
+            while s.path != f"tcp://{a},{b}":
+                assert time.monotonic() < deadline, s.path
+                time.sleep(0.02)
+            _, found = t.lookup(keys)
+            # Keys the new map routes to b were written to a: not found there.
+            assert 50 < int(found.sum()) < 150, int(found.sum())
+    finally:
+        with embank.connect(cluster) as both:
+            both.drop_table("mapped")

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod brokers;
 pub mod cert;
 pub mod demo;
+pub mod map;
 pub mod npy;
 pub mod plan;
 pub mod publish;
@@ -80,6 +81,10 @@ enum Command {
     /// Turn a checkpoint of N closed shard stores into M stores (offline): every table,
     /// rows with their optimizer state, routed as clients route; training resumes from it.
     Reshard(reshard::ReshardArgs),
+    /// The shard map clients reload (a cluster file): show what its replicas serve, or
+    /// switch it once new replicas (added, or a resharded set) have caught up.
+    #[command(subcommand)]
+    Map(map::MapCommand),
 }
 
 /// Runs the command line; returns the process exit code.
@@ -116,6 +121,7 @@ where
         Command::BenchStream(args) => stream_bench::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Reshard(args) => reshard::run(args),
+        Command::Map(cmd) => map::run(cmd),
     };
     match result {
         Ok(()) => 0,

@@ -112,7 +112,9 @@ fn serve(config: ServeConfig) -> Result<(), Error> {
     let server = Server::bind(&config.listen, Arc::clone(&store), config.server_options_loaded()?)?;
     let mut replica = match &config.updates {
         Some(u) => {
-            let r = Replica::start(Arc::clone(&store), u.clone())?;
+            let mut u = u.clone();
+            u.bootstrap_token = config.token.clone();
+            let r = Replica::start(Arc::clone(&store), u)?;
             let _ = server.metrics().replica.set(r.status_fn());
             server.set_view(r.view());
             Some(r)

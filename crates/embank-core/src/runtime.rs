@@ -66,8 +66,8 @@ pub(crate) struct Runtime {
     /// Automatic hot placement (absent: off).
     pub hot: Option<crate::hot::HotOptions>,
     pub io: Arc<dyn IoEngine>,
-    /// Map mmap-medium files with `MADV_RANDOM`.
-    pub mmap_random: bool,
+    /// How mapped files are paged.
+    pub mmap_advice: crate::medium::MapAdvice,
     tables: Mutex<Vec<WeakTable>>,
     jobs: Mutex<Option<SyncSender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -83,7 +83,7 @@ impl Runtime {
         pooled: Option<Arc<PooledCache>>,
         hot: Option<crate::hot::HotOptions>,
         io: Arc<dyn IoEngine>,
-        mmap_random: bool,
+        mmap_advice: crate::medium::MapAdvice,
     ) -> Arc<Runtime> {
         let (tx, rx) = sync_channel(LOOKAHEAD_QUEUE);
         // The pooled-bag cache drops the bags of changed rows.
@@ -93,7 +93,7 @@ impl Runtime {
             pooled,
             hot,
             io,
-            mmap_random,
+            mmap_advice,
             tables: Mutex::new(Vec::new()),
             jobs: Mutex::new(Some(tx)),
             thread: Mutex::new(None),

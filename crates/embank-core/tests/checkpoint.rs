@@ -24,8 +24,10 @@ const KEYS: u64 = 400;
 const CKPT_EVERY: u64 = 3;
 
 fn options() -> StoreOptions {
-    // A row cache of a few KiB: the block table's rows are evicted and written back constantly.
-    StoreOptions { cache_bytes: 8 << 10, ..Default::default() }
+    // A row cache of a few KiB: the block table's rows are evicted and written back
+    // constantly. Huge pages on: the SIGKILL test runs with them (the model and store
+    // tests with MADV_RANDOM, the default).
+    StoreOptions { cache_bytes: 8 << 10, huge_pages: true, ..Default::default() }
 }
 
 fn create(store: &Store) {
@@ -371,6 +373,58 @@ fn export_at_a_checkpoint_while_training_goes_on() {
         }
     }
     assert_eq!(store.export_changes("emb", 19).unwrap_err().kind(), ErrorKind::NotFound);
+}
+
+/// A paged export at a checkpoint (what a new replica reads from a sibling, page by page
+/// over the network, no state kept between pages) equals the checkpoint's export while
+/// training batches run between the pages: keys changed, created and deleted since come
+/// out as they were; a key given twice has the same row both times.
+#[test]
+fn paged_export_at_a_checkpoint_equals_its_export_while_training_runs_between_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), options()).unwrap();
+    create(&store);
+    for b in 1..=20 {
+        batch(&store, b);
+    }
+    store.checkpoint(20).unwrap();
+    let at20 = snapshot(&store);
+    let mut b = 21;
+    for (name, want) in [("emb", &at20.0), ("blk", &at20.1)] {
+        let (mut got, mut twice, mut restarts) = (BTreeMap::new(), 0, 0);
+        let (mut cursor, mut keys, mut rows) = (embank_core::ExportCursor::START, Vec::new(), Vec::new());
+        loop {
+            match store.export_checkpoint_page(name, 20, cursor, 16, &mut keys, &mut rows) {
+                Ok(next) => {
+                    for (i, &k) in keys.iter().enumerate() {
+                        let row: Vec<u32> = rows[i * DIM..(i + 1) * DIM].iter().map(|x| x.to_bits()).collect();
+                        if let Some(before) = got.insert(k, row.clone()) {
+                            assert_eq!(before, row, "{name}: key {k} given twice with two rows");
+                            twice += 1;
+                        }
+                    }
+                    batch(&store, b);
+                    b += 1;
+                    match next {
+                        Some(c) => cursor = c,
+                        None => break,
+                    }
+                }
+                // The index grew between two pages: start again.
+                Err(e) if e.kind() == ErrorKind::Unsupported => {
+                    restarts += 1;
+                    assert!(restarts < 10, "{name}: {e}");
+                    (got, cursor) = (BTreeMap::new(), embank_core::ExportCursor::START);
+                }
+                Err(e) => panic!("{name}: {e}"),
+            }
+        }
+        same(&got, want, &format!("{name} paged at checkpoint 20 ({twice} keys twice, {restarts} restarts)"));
+    }
+    assert!(b > 40, "too few batches between pages: {b}");
+    let err =
+        store.export_checkpoint_page("emb", 19, embank_core::ExportCursor::START, 16, &mut Vec::new(), &mut Vec::new());
+    assert_eq!(err.unwrap_err().kind(), ErrorKind::NotFound);
 }
 
 /// `lookup_checkpoint` answers as `export_checkpoint` does, key by key, at every retained

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use embank_core::{Error, IoChoice, Result, StoreOptions, TableOptions};
+use embank_core::{Error, ErrorKind, IoChoice, Result, StoreOptions, TableOptions};
 use serde::Deserialize;
 
 use crate::server::ServerOptions;
@@ -37,6 +37,11 @@ pub struct ServeConfig {
     /// How long a shutdown waits for requests in flight. Default 30 s.
     #[serde(default = "default_drain")]
     pub drain_seconds: f64,
+    /// The shard map clients reload (a cluster file; relative to this file): the server
+    /// names its version in every hello, so a client still on an older one looks for the
+    /// new one at once. None: not named.
+    #[serde(default)]
+    pub shard_map: Option<PathBuf>,
     #[serde(default)]
     pub store_options: StoreSection,
     #[serde(default)]
@@ -65,6 +70,8 @@ pub struct StoreSection {
     pub io_engine: String,
     pub io_depth: u32,
     pub mmap_random_access: bool,
+    /// Map the index and rows with transparent huge pages (read-mostly stores: replicas).
+    pub huge_pages: bool,
     pub verify: bool,
     /// Checkpoints kept (at least 1). On a replica: how many of the publisher's
     /// checkpoints stay readable exactly (`lookup(checkpoint=N)`), each holding the rows
@@ -82,6 +89,7 @@ impl Default for StoreSection {
             io_engine: "auto".into(),
             io_depth: d.io_depth,
             mmap_random_access: d.mmap_random_access,
+            huge_pages: d.huge_pages,
             verify: d.verify,
             keep_checkpoints: d.keep_checkpoints,
             hot_placement: None,
@@ -181,6 +189,11 @@ impl ServeConfig {
         if c.store.is_relative() {
             c.store = base.join(&c.store);
         }
+        if let Some(m) = &mut c.shard_map {
+            if m.is_relative() {
+                *m = base.join(&*m);
+            }
+        }
         if let Some(tls) = &mut c.tls {
             for p in
                 [Some(&mut tls.cert_file), Some(&mut tls.key_file), tls.client_ca_file.as_mut()].into_iter().flatten()
@@ -254,6 +267,7 @@ impl ServeConfig {
             frame_timeout: seconds("limits.frame_timeout_seconds", l.frame_timeout_seconds)?,
             zero_copy: l.zero_copy,
             zero_copy_row_bytes_min: l.zero_copy_row_bytes_min,
+            shard_map: self.shard_map.clone(),
             read_only: self.updates.as_ref().map(|u| {
                 format!(
                     "this server is a replica of {} (partition {}): write to the training store",
@@ -291,6 +305,7 @@ impl ServeConfig {
             io_engine: IoChoice::parse(&s.io_engine).map_err(|e| e.context("store_options.io_engine"))?,
             io_depth: s.io_depth,
             mmap_random_access: s.mmap_random_access,
+            huge_pages: s.huge_pages,
             verify: s.verify,
             keep_checkpoints: s.keep_checkpoints,
             hot_placement: s.hot_placement.clone(),
@@ -337,10 +352,22 @@ impl ServeConfig {
 /// [[shards]]
 /// replicas = ["10.0.0.3:7070", "10.0.0.4:7070"]
 /// ```
-#[derive(Debug, Deserialize, serde::Serialize)]
+///
+/// It is also the **shard map** a running client reloads (see
+/// [`crate::client::MapSource`]): `version = N` numbers it (a client switches only to a
+/// higher version), `reload_seconds` says how often clients look for a new one, and a
+/// shard may name a DNS name that resolves to its replicas (`service =
+/// "embank-0.embank.ns.svc:7070"`, a headless Service) instead of listing them.
+#[derive(Clone, Debug, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClientConfig {
     pub shards: Vec<ShardEntry>,
+    /// The shard map's version: clients switch to a map only of a higher version.
+    #[serde(default)]
+    pub version: Option<u64>,
+    /// How often a client connected to this file looks for a new version (default 2 s).
+    #[serde(default)]
+    pub reload_seconds: Option<f64>,
     #[serde(default)]
     pub token: Option<String>,
     #[serde(default)]
@@ -366,11 +393,37 @@ pub struct ClientConfig {
 }
 
 /// One shard of a [`ClientConfig`].
-#[derive(Debug, Deserialize, serde::Serialize)]
+#[derive(Clone, Debug, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ShardEntry {
     /// Its replicas' addresses, the primary (which takes writes) first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<String>,
+    /// Or a DNS name and port resolving to its replicas (every address a replica, in
+    /// sorted order; resolved again at every reload and when every replica fails). For
+    /// read-only replica groups: the first address takes writes, which of them that is
+    /// may change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+}
+
+impl ShardEntry {
+    /// Its replicas' addresses: `replicas`, or what `service` resolves to now.
+    pub fn resolve(&self) -> Result<Vec<String>> {
+        let Some(service) = &self.service else { return Ok(self.replicas.clone()) };
+        use std::net::ToSocketAddrs;
+        let mut addrs: Vec<String> = service
+            .to_socket_addrs()
+            .map_err(|e| Error::new(ErrorKind::Unavailable, format!("service {service:?} does not resolve: {e}")))?
+            .map(|a| a.to_string())
+            .collect();
+        addrs.sort();
+        addrs.dedup();
+        if addrs.is_empty() {
+            return Err(Error::new(ErrorKind::Unavailable, format!("service {service:?} resolves to no address")));
+        }
+        Ok(addrs)
+    }
 }
 
 impl ClientConfig {
@@ -379,15 +432,27 @@ impl ClientConfig {
     pub fn from_file(path: &Path) -> Result<ClientConfig> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::io(format!("cannot read client config {}", path.display()), e))?;
+        Self::from_text(&text, &path.display().to_string(), path.parent().unwrap_or(Path::new(".")))
+    }
+
+    /// A client config from its text (`what` names it in errors; relative paths are
+    /// made relative to `base`).
+    pub fn from_text(text: &str, what: &str, base: &Path) -> Result<ClientConfig> {
         let mut c: ClientConfig =
-            toml::from_str(&text).map_err(|e| Error::config(format!("client config {}: {e}", path.display())))?;
-        if c.shards.is_empty() || c.shards.iter().any(|s| s.replicas.is_empty()) {
+            toml::from_str(text).map_err(|e| Error::config(format!("client config {what}: {e}")))?;
+        let bad = |s: &ShardEntry| s.replicas.is_empty() == s.service.is_none();
+        if c.shards.is_empty() || c.shards.iter().any(bad) {
             return Err(Error::config(format!(
-                "client config {}: give [[shards]] with at least one address in `replicas` each",
-                path.display()
+                "client config {what}: give [[shards]], each with at least one address in `replicas` or a `service` (not both)"
             )));
         }
-        let base = path.parent().unwrap_or(Path::new("."));
+        if let Some(s) = c.reload_seconds {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(Error::config(format!(
+                    "client config {what}: reload_seconds must be a positive number, got {s}"
+                )));
+            }
+        }
         for p in
             [&mut c.tls_ca_file, &mut c.tls_cert_file, &mut c.tls_key_file, &mut c.token_file].into_iter().flatten()
         {
@@ -397,10 +462,7 @@ impl ClientConfig {
         }
         if let Some(t) = c.token_file.take() {
             if c.token.is_some() {
-                return Err(Error::config(format!(
-                    "client config {}: set `token` or `token_file`, not both",
-                    path.display()
-                )));
+                return Err(Error::config(format!("client config {what}: set `token` or `token_file`, not both")));
             }
             let token = std::fs::read_to_string(&t)
                 .map_err(|e| Error::io(format!("cannot read token_file {}", t.display()), e))?;

@@ -23,6 +23,6 @@ pub mod server;
 pub mod stream;
 pub mod tls;
 
-pub use client::{Client, ClientOptions, ClientSettings, RemoteTable};
+pub use client::{Client, ClientOptions, ClientSettings, MapSource, RemoteTable, ShardMap};
 pub use server::{Server, ServerOptions};
 pub use tls::{ClientTls, ClientTlsFiles, ServerTls, ServerTlsFiles};

@@ -358,6 +358,17 @@ fn answer(mut stream: TcpStream, store: &Store, metrics: &Metrics) -> std::io::R
         ("GET", "/healthz") => {
             if store.is_closed() {
                 ("503 Service Unavailable", "text/plain", "store closed\n".to_string())
+            } else if let Some(r) = metrics.replica.get().map(|f| f()).filter(|r| r.state == "bootstrapping") {
+                // Not ready: it takes no reads until it holds a sibling's checkpoint.
+                let json = serde_json::to_string(&r).expect("status serializes");
+                (
+                    "503 Service Unavailable",
+                    "text/plain",
+                    format!(
+                        "replica bootstrapping: {json}
+"
+                    ),
+                )
             } else if let Some(f) = metrics.replica.get() {
                 // A replica serves what it has whatever the stream does: 200, with the
                 // ingest state for whoever looks.

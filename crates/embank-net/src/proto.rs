@@ -88,6 +88,12 @@ pub enum Op {
     /// exactly. Refused with `Unavailable` when this server no longer (or does not yet)
     /// hold it: `Served`'s `readable` lists those it holds.
     LookupAt = 34,
+    /// Body: the checkpoint (the publisher's batch id), then a 24-byte cursor as `Export`'s
+    /// (start: `u64::MAX, 0`, and the most keys). Reply as `Export`: a page of the table
+    /// as it was at that retained checkpoint, exactly (a key may come twice, with the
+    /// same row); `NotFound` once it is no longer held. How a new replica copies a
+    /// sibling's served checkpoint before it follows the stream.
+    ExportAt = 35,
 }
 
 impl Op {
@@ -120,6 +126,7 @@ impl Op {
             32 => EvictExpired,
             33 => Served,
             34 => LookupAt,
+            35 => ExportAt,
             _ => return None,
         })
     }
@@ -154,10 +161,11 @@ impl Op {
             EvictExpired => "evict_expired",
             Served => "served",
             LookupAt => "lookup_at",
+            ExportAt => "export_at",
         }
     }
 
-    pub const ALL: [Op; 26] = [
+    pub const ALL: [Op; 27] = [
         Op::Hello,
         Op::ListTables,
         Op::OpenTable,
@@ -184,6 +192,7 @@ impl Op {
         Op::EvictExpired,
         Op::Served,
         Op::LookupAt,
+        Op::ExportAt,
     ];
 
     /// Whether the op changes rows, tables or checkpoints (refused by a read-only replica).

@@ -85,6 +85,7 @@ struct OpenOptions {
     io_engine: Option<String>,
     io_depth: Option<u32>,
     mmap_random_access: Option<bool>,
+    huge_pages: Option<bool>,
     keep_checkpoints: Option<usize>,
     background_repair: Option<bool>,
     pooled_cache_bytes: Option<u64>,
@@ -112,6 +113,7 @@ impl Store {
             },
             io_depth: o.io_depth.unwrap_or(d.io_depth),
             mmap_random_access: o.mmap_random_access.unwrap_or(d.mmap_random_access),
+            huge_pages: o.huge_pages.unwrap_or(d.huge_pages),
             keep_checkpoints: o.keep_checkpoints.unwrap_or(d.keep_checkpoints),
             background_repair: o.background_repair.unwrap_or(d.background_repair),
             pooled_cache_bytes: o.pooled_cache_bytes.unwrap_or(d.pooled_cache_bytes),
@@ -139,8 +141,7 @@ impl Store {
     fn connect(py: Python<'_>, addrs: Vec<Vec<String>>, options_json: &str) -> PyResult<Store> {
         let config: net::ClientSettings =
             serde_json::from_str(options_json).map_err(|e| to_py_err(core::Error::config(format!("connect: {e}"))))?;
-        let options = config.options().map_err(to_py_err)?;
-        let client = detached(py, || net::Client::connect_groups(&addrs, options))?;
+        let client = detached(py, || config.connect(&addrs))?;
         Ok(Store { inner: Arc::new(client), embedded: None })
     }
 
@@ -661,8 +662,11 @@ impl Publisher {
 /// A client config file (`embank.connect("cluster.toml")`) as JSON, paths resolved.
 #[pyfunction]
 fn client_config_json(path: PathBuf) -> PyResult<String> {
-    let c = net::config::ClientConfig::from_file(&path).map_err(to_py_err)?;
-    Ok(serde_json::to_string(&c).expect("config serializes"))
+    let map = net::MapSource::File(path).load().map_err(to_py_err)?;
+    let mut c = serde_json::to_value(&map.config).expect("config serializes");
+    // The shards as they resolve now (a `service` names its replicas by DNS).
+    c["shards"] = map.groups.iter().map(|g| serde_json::json!({ "replicas": g })).collect();
+    Ok(c.to_string())
 }
 
 #[pymodule]

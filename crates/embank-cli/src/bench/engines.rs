@@ -77,7 +77,7 @@ impl Embank {
         dim: u32,
         dtype: embank_core::DType,
         cache_bytes: u64,
-        mmap_random_access: bool,
+        (mmap_random_access, huge_pages): (bool, bool),
     ) -> Result<Self, String> {
         let (medium, io) = match name {
             "embank-mmap" | "embank-mmap-hot" => (MediumKind::Mmap, IoChoice::Auto),
@@ -85,7 +85,8 @@ impl Embank {
             "embank-block-pread" => (MediumKind::Block, IoChoice::Pread),
             other => return Err(format!("not an embank engine: {other}")),
         };
-        let options = StoreOptions { cache_bytes, io_engine: io, mmap_random_access, ..StoreOptions::default() };
+        let options =
+            StoreOptions { cache_bytes, io_engine: io, mmap_random_access, huge_pages, ..StoreOptions::default() };
         let store = Store::open(dir.join(name), options).map_err(|e| e.to_string())?;
         let mut o = TableOptions::new(dim);
         o.capacity = keys;

@@ -164,6 +164,10 @@ pub struct BenchArgs {
     /// measures the read-optimised setting of a read-only, resident table.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub mmap_random_access: bool,
+    /// embank's `huge_pages` store option: the index and mmap rows on transparent huge
+    /// pages (MADV_HUGEPAGE instead of MADV_RANDOM), for read-mostly stores.
+    #[arg(long)]
+    pub huge_pages: bool,
     /// Skip measuring the physical limits: the copy bandwidth, the index-free gather (it
     /// allocates a flat array of all rows: skip it in a memory-limited run), the device's
     /// I/O rates and the checkpoint pattern.
@@ -471,7 +475,7 @@ fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usi
                 args.dim,
                 args.dtype,
                 dram_bytes,
-                args.mmap_random_access,
+                (args.mmap_random_access, args.huge_pages),
             )?;
             if name == &"embank-mmap-hot" {
                 let zipf = args.zipf.unwrap_or(args.workload.default_zipf());

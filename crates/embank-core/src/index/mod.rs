@@ -156,9 +156,11 @@ impl Index {
         self.seed
     }
 
-    /// Turns off read-around for the mapping (see `MmapMedium::advise_random`).
-    pub fn advise_random(&self) {
-        let _ = self.map.advise(memmap2::Advice::Random);
+    /// Advises the kernel how to page the index (see `MmapMedium::advise`).
+    pub fn advise(&self, advice: crate::medium::MapAdvice) {
+        if let Some(a) = advice.advice() {
+            let _ = self.map.advise(a);
+        }
     }
 
     pub fn file_bytes(&self) -> u64 {

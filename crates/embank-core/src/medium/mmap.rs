@@ -110,13 +110,16 @@ impl MmapMedium {
         self.alloc.stride()
     }
 
-    /// Turns off read-around (`MADV_RANDOM`): a page fault then reads one page instead of
-    /// a window of neighbours, and the page cache keeps this file in small folios, so a
-    /// row write dirties one 4 KiB page rather than a large folio. Costs about 25 % of
-    /// read throughput when everything is resident (see `StoreOptions::mmap_random_access`).
-    pub fn advise_random(&self) {
-        if let Err(e) = self.map.advise(memmap2::Advice::Random) {
-            tracing::debug!(error = %e, "madvise(MADV_RANDOM) refused for the rows mapping");
+    /// Advises the kernel how to page the rows. `Random` turns off read-around: a page
+    /// fault then reads one page instead of a window of neighbours, and the page cache
+    /// keeps this file in small folios, so a row write dirties one 4 KiB page rather than
+    /// a large folio (costs about 25 % of read throughput when everything is resident).
+    /// `Huge` asks for 2 MiB mappings (see `StoreOptions::huge_pages`).
+    pub fn advise(&self, advice: super::MapAdvice) {
+        if let Some(a) = advice.advice() {
+            if let Err(e) = self.map.advise(a) {
+                tracing::debug!(error = %e, ?a, "madvise refused for the rows mapping");
+            }
         }
     }
 

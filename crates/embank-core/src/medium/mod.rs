@@ -48,6 +48,30 @@ pub struct MediumInfo {
     pub io: Option<IoStats>,
 }
 
+/// How a store's mapped files are paged (`StoreOptions::mmap_random_access`,
+/// `StoreOptions::huge_pages`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapAdvice {
+    /// The kernel's default (read-around, large folios where the file system takes them).
+    Default,
+    /// `MADV_RANDOM`: one page per fault, small folios (a row write dirties 4 KiB).
+    Random,
+    /// `MADV_HUGEPAGE`: 2 MiB mappings where the kernel and file system allow (fewer TLB
+    /// misses on random reads; a row write dirties a whole huge folio).
+    Huge,
+}
+
+impl MapAdvice {
+    /// The `madvise` advice, None for the default.
+    pub(crate) fn advice(self) -> Option<memmap2::Advice> {
+        match self {
+            MapAdvice::Default => None,
+            MapAdvice::Random => Some(memmap2::Advice::Random),
+            MapAdvice::Huge => Some(memmap2::Advice::HugePage),
+        }
+    }
+}
+
 /// A persistent medium of row records. Every call carries a batch; records
 /// are copy-on-write (written only between allocation and publication).
 pub trait Medium: Send + Sync {
@@ -71,8 +95,8 @@ pub trait Medium: Send + Sync {
     fn as_mapped(&self) -> Option<Mapped<'_>> {
         None
     }
-    /// `MADV_RANDOM` where the medium is mapped.
-    fn advise_random(&self) {}
+    /// How the kernel should page the mapping, where the medium is mapped.
+    fn advise(&self, _advice: MapAdvice) {}
     fn info(&self) -> MediumInfo;
 }
 
@@ -102,8 +126,8 @@ impl Medium for MmapMedium {
     fn as_mapped(&self) -> Option<Mapped<'_>> {
         Some(self.mapped())
     }
-    fn advise_random(&self) {
-        MmapMedium::advise_random(self)
+    fn advise(&self, advice: MapAdvice) {
+        MmapMedium::advise(self, advice)
     }
     fn info(&self) -> MediumInfo {
         MediumInfo { bytes_mapped: self.alloc().file_bytes(), ..Default::default() }
@@ -214,8 +238,8 @@ impl Medium for AnyMedium {
     fn as_mapped(&self) -> Option<Mapped<'_>> {
         delegate!(self, m => Medium::as_mapped(m))
     }
-    fn advise_random(&self) {
-        delegate!(self, m => Medium::advise_random(m))
+    fn advise(&self, advice: MapAdvice) {
+        delegate!(self, m => Medium::advise(m, advice))
     }
     fn info(&self) -> MediumInfo {
         delegate!(self, m => Medium::info(m))

@@ -32,6 +32,9 @@ pub struct ExportCursor {
 impl ExportCursor {
     /// The start of a table.
     pub const START: ExportCursor = ExportCursor { generation: u64::MAX, bucket: 0 };
+    /// A paged export at a checkpoint ([`Table::export_page_at`]) past the index: the keys
+    /// changed since the checkpoint, from key `bucket` on.
+    const CHANGED: u64 = u64::MAX - 1;
 }
 
 impl Table {
@@ -347,5 +350,69 @@ impl Table {
         let mut keys: Vec<u64> = first.into_keys().collect();
         keys.sort_unstable();
         Ok(keys)
+    }
+}
+
+impl Table {
+    /// One page of the table as it was at retained checkpoint `seq`, by cursor, for a
+    /// client paging through it over several requests (a new replica copying a sibling's
+    /// served checkpoint): no state is kept between pages. Pages first walk the index and
+    /// give each key not changed since the checkpoint (its record then is its record now),
+    /// then give the keys changed since, in key order, from their undo entries (those
+    /// present at the checkpoint). A key that changes after its bucket was given comes
+    /// again among the changed ones, with the same row. Fails with `Unsupported` if the
+    /// index is rebuilt meanwhile (start again); the caller keeps the checkpoint retained.
+    pub(crate) fn export_page_at(
+        &self,
+        seq: u64,
+        cursor: ExportCursor,
+        chunk_keys: usize,
+        keys: &mut Vec<u64>,
+        rows: &mut Vec<f32>,
+    ) -> Result<Option<ExportCursor>> {
+        let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
+        keys.clear();
+        rows.clear();
+        let (mut journals, mut first) = (BTreeMap::new(), HashMap::new());
+        if cursor.generation != ExportCursor::CHANGED {
+            let st = self.state()?;
+            let st = &*st;
+            let generation = if cursor == ExportCursor::START { st.generation } else { cursor.generation };
+            if generation != st.generation {
+                return Err(self.grew_during_export());
+            }
+            let _pin = crossbeam_epoch::pin();
+            let mut pairs = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
+            let mut bucket = cursor.bucket;
+            while bucket < st.index.bucket_count() && pairs.len() + SLOTS_PER_BUCKET <= chunk_keys {
+                st.index.for_each(bucket, bucket + 1, |key, ptr| pairs.push((key, ptr)));
+                bucket += 1;
+            }
+            // The journals after the index (as in `export_at`): a key the page saw changed
+            // has its entry by now.
+            self.shared.checkpoints.changed_since(seq, &mut journals, &mut first);
+            let items: Vec<(u64, u64)> = pairs.into_iter().filter(|(k, _)| !first.contains_key(k)).collect();
+            self.read_records(st, &items, rows, false)?;
+            keys.extend(items.iter().map(|&(k, _)| k));
+            return Ok(Some(if bucket < st.index.bucket_count() {
+                ExportCursor { generation, bucket }
+            } else {
+                ExportCursor { generation: ExportCursor::CHANGED, bucket: 0 }
+            }));
+        }
+        self.shared.checkpoints.changed_since(seq, &mut journals, &mut first);
+        let mut rest: Vec<(u64, u64)> = first.into_iter().filter(|&(k, old)| old != 0 && k >= cursor.bucket).collect();
+        rest.sort_unstable();
+        rest.truncate(chunk_keys);
+        let st = self.state()?;
+        let _pin = crossbeam_epoch::pin();
+        self.read_records(&st, &rest, rows, false)?;
+        keys.extend(rest.iter().map(|&(k, _)| k));
+        Ok(match rest.last() {
+            Some(&(last, _)) if rest.len() == chunk_keys && last < u64::MAX => {
+                Some(ExportCursor { generation: ExportCursor::CHANGED, bucket: last + 1 })
+            }
+            _ => None,
+        })
     }
 }

@@ -140,9 +140,7 @@ impl Table {
             }
         })?;
         let old_path = st.index.path().to_owned();
-        if self.shared.runtime.mmap_random {
-            index.advise_random();
-        }
+        index.advise(self.shared.runtime.mmap_advice);
         st.index = index;
         st.generation = generation;
         let _ = std::fs::remove_file(&old_path);

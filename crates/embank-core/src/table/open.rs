@@ -46,12 +46,10 @@ fn resolve_placement(meta: &TableMeta, runtime: &Runtime, creating: bool) -> Res
     })
 }
 
-/// `MADV_RANDOM` on a table's mappings when the store asks for it.
+/// The store's paging advice on a table's mappings.
 fn advise(runtime: &Runtime, st: &State) {
-    if runtime.mmap_random {
-        st.index.advise_random();
-        st.medium.advise_random();
-    }
+    st.index.advise(runtime.mmap_advice);
+    st.medium.advise(runtime.mmap_advice);
 }
 
 /// Index files of other generations are left-overs of an interrupted rebuild.

@@ -15,23 +15,25 @@
 //! The parts: `pool` (the shards' replicas, their connections and health), `route`
 //! (which replica takes a request, sending, failing over), `table` (the remote table).
 
+mod map;
 mod pool;
 mod route;
 mod table;
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use embank_core::catalog::TableMeta;
 use embank_core::{Error, ErrorKind, Result, TableOptions};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
-use crate::proto::{Header, Op};
+use crate::proto::Op;
 use crate::tls::ClientTls;
 
+pub use map::{served_range, switch_when_serving, MapSource, ShardMap};
 use pool::{Endpoint, Shard};
-use route::{join_errors, TableIds, UNKNOWN_ID};
+use route::join_errors;
 pub use table::{merge_stats, RemoteTable};
 
 /// How a client talks to its shards.
@@ -75,9 +77,26 @@ pub struct ClientSettings {
     pub tls_key_file: Option<std::path::PathBuf>,
     pub tls_server_name: Option<String>,
     pub min_checkpoint: Option<u64>,
+    /// The shard map's version these shards are (a cluster file's `version`).
+    pub version: Option<u64>,
+    /// How often to look for a new shard map (with `map`). Default 2 s.
+    pub reload_seconds: Option<f64>,
+    /// Where the shard map is reloaded from (a cluster file's path or an `http://` URL);
+    /// none: the shards stay as given.
+    pub map: Option<String>,
 }
 
 impl ClientSettings {
+    /// Connects to `groups` with these options; with `map`, keeps reloading it.
+    pub fn connect(&self, groups: &[Vec<String>]) -> Result<Client> {
+        let client = Client::connect_groups(groups, self.options()?)?;
+        client.set_version(self.version.unwrap_or(0));
+        if let Some(m) = &self.map {
+            client.watch_map(MapSource::parse(m), self.reload_seconds);
+        }
+        Ok(client)
+    }
+
     /// The options, checked (TLS files loaded): errors name the key.
     pub fn options(&self) -> Result<ClientOptions> {
         let d = ClientOptions::default();
@@ -134,11 +153,21 @@ impl Default for ClientOptions {
     }
 }
 
+/// The shards a call routes by: one version of the shard map. A call takes the current
+/// one when it begins and sends every request by it; a new version replaces it whole.
+struct Topology {
+    version: u64,
+    shards: Vec<Arc<Shard>>,
+}
+
 struct Inner {
-    shards: Vec<Shard>,
+    topo: RwLock<Arc<Topology>>,
     opts: ClientOptions,
     next_id: AtomicU64,
     closed: AtomicBool,
+    /// Where the shard map is reloaded from (a client connected to a map), and the
+    /// thread that watches it.
+    map: Mutex<Option<map::Watch>>,
 }
 
 /// A connection to a set of shards; cheap to clone, usable from many threads.
@@ -170,34 +199,63 @@ impl Client {
         if opts.keys_per_request_max == 0 || opts.in_flight_per_shard == 0 {
             return Err(Error::config("keys_per_request_max and in_flight_per_shard must be at least 1"));
         }
+        let client = Client {
+            inner: Arc::new(Inner {
+                topo: RwLock::new(Arc::new(Topology { version: 0, shards: Vec::new() })),
+                opts,
+                next_id: AtomicU64::new(1),
+                closed: AtomicBool::new(false),
+                map: Mutex::new(None),
+            }),
+        };
+        let topo = client.topology_of(0, groups);
+        client.check_reachable(&topo)?;
+        *client.inner.topo.write() = Arc::new(topo);
+        Ok(client)
+    }
+
+    /// Shards of `groups`, keeping the current map's endpoint of every address that stays
+    /// (its pooled connections, health and table ids).
+    fn topology_of<S: AsRef<str>>(&self, version: u64, groups: &[Vec<S>]) -> Topology {
+        let current = self.topology();
+        let known: std::collections::HashMap<&str, &Arc<Endpoint>> =
+            current.shards.iter().flat_map(|s| s.replicas.iter().map(|e| (e.addr.as_str(), e))).collect();
         let shards = groups
             .iter()
             .enumerate()
-            .map(|(index, g)| Shard {
-                index,
-                replicas: g
-                    .iter()
-                    .map(|a| Endpoint {
-                        addr: a.as_ref().trim().trim_start_matches("tcp://").to_string(),
-                        pool: Mutex::new(Vec::new()),
-                        down_until: Mutex::new(None),
-                        served: Mutex::new(None),
-                        read_only: AtomicBool::new(false),
-                    })
-                    .collect(),
-                next: AtomicUsize::new(index),
+            .map(|(index, g)| {
+                Arc::new(Shard {
+                    index,
+                    replicas: g
+                        .iter()
+                        .map(|a| {
+                            let fresh = Endpoint::new(a.as_ref());
+                            match known.get(fresh.addr.as_str()) {
+                                Some(e) => Arc::clone(e),
+                                None => Arc::new(fresh),
+                            }
+                        })
+                        .collect(),
+                    next: AtomicUsize::new(index),
+                })
             })
             .collect();
-        let client = Client {
-            inner: Arc::new(Inner { shards, opts, next_id: AtomicU64::new(1), closed: AtomicBool::new(false) }),
-        };
-        for shard in &client.inner.shards {
+        Topology { version, shards }
+    }
+
+    /// Connects to every replica of `topo` not yet connected: at least one of each shard
+    /// must answer (one that does not is marked down and skipped until it does).
+    fn check_reachable(&self, topo: &Topology) -> Result<()> {
+        for shard in &topo.shards {
             let mut errors = Vec::new();
             for r in 0..shard.replicas.len() {
-                match client.open_conn(shard, r) {
+                if !shard.replicas[r].pool.lock().is_empty() {
+                    continue;
+                }
+                match self.open_conn(shard, r) {
                     Ok(conn) => shard.replicas[r].pool.lock().push(conn),
                     Err(e) if shard.replicas.len() > 1 && e.kind() == ErrorKind::Unavailable => {
-                        client.mark_down(shard, r);
+                        self.mark_down(shard, r);
                         errors.push(e);
                     }
                     Err(e) => return Err(e),
@@ -210,21 +268,46 @@ impl Client {
                 ));
             }
         }
-        Ok(client)
+        Ok(())
+    }
+
+    /// The shard map calls route by now.
+    fn topology(&self) -> Arc<Topology> {
+        Arc::clone(&self.inner.topo.read())
     }
 
     pub fn shard_count(&self) -> usize {
-        self.inner.shards.len()
+        self.topology().shards.len()
+    }
+
+    /// The version of the shard map in use (0: addresses given directly).
+    pub fn map_version(&self) -> u64 {
+        self.topology().version
     }
 
     /// The shards' primary addresses, in routing order.
     pub fn addrs(&self) -> Vec<String> {
-        self.inner.shards.iter().map(|s| s.replicas[0].addr.clone()).collect()
+        self.topology().shards.iter().map(|s| s.replicas[0].addr.clone()).collect()
     }
 
     /// Every shard's replica addresses, in routing order.
     pub fn groups(&self) -> Vec<Vec<String>> {
-        self.inner.shards.iter().map(|s| s.replicas.iter().map(|r| r.addr.clone()).collect()).collect()
+        self.topology().shards.iter().map(|s| s.replicas.iter().map(|r| r.addr.clone()).collect()).collect()
+    }
+
+    /// Requests each replica of the current map answered since this client connected
+    /// (`[shard][replica]`: `{"address", "answered"}`): the share of reads a replica takes.
+    pub fn replica_counts(&self) -> Vec<Vec<serde_json::Value>> {
+        self.topology()
+            .shards
+            .iter()
+            .map(|s| {
+                s.replicas
+                    .iter()
+                    .map(|e| serde_json::json!({"address": e.addr, "answered": e.answered.load(Ordering::Relaxed)}))
+                    .collect()
+            })
+            .collect()
     }
 
     pub fn options(&self) -> &ClientOptions {
@@ -248,19 +331,9 @@ impl Client {
         self.table_from(name, replies)
     }
 
-    fn table_from(&self, name: &str, replies: Vec<(usize, Header, Vec<u8>)>) -> Result<RemoteTable> {
-        let ids = TableIds {
-            name: name.to_string(),
-            ids: self
-                .inner
-                .shards
-                .iter()
-                .map(|s| s.replicas.iter().map(|_| AtomicU32::new(UNKNOWN_ID)).collect())
-                .collect(),
-        };
+    fn table_from(&self, name: &str, replies: Vec<route::Answer>) -> Result<RemoteTable> {
         let mut meta: Option<TableMeta> = None;
-        for (s, (r, h, body)) in replies.into_iter().enumerate() {
-            let shard = &self.inner.shards[s];
+        for (shard, r, h, body) in replies {
             let m: TableMeta = serde_json::from_slice(&body)
                 .map_err(|e| Error::corrupt(format!("{}: bad table description: {e}", shard.replica_name(r))))?;
             if let Some(first) = &meta {
@@ -273,17 +346,11 @@ impl Client {
                     )));
                 }
             }
-            ids.ids[s][r].store(h.table_id, Ordering::Relaxed);
+            shard.replicas[r].tables.lock().insert(name.to_string(), h.table_id);
             meta.get_or_insert(m);
         }
         let meta = meta.expect("at least one shard");
-        Ok(RemoteTable {
-            client: self.clone(),
-            name: name.to_string(),
-            dim: meta.dim as usize,
-            ids: Arc::new(ids),
-            meta,
-        })
+        Ok(RemoteTable { client: self.clone(), name: name.to_string(), dim: meta.dim as usize, id: name.into(), meta })
     }
 
     /// Names of the tables on the servers (their union), sorted.
@@ -310,10 +377,10 @@ impl Client {
     /// (tables matched by name), and each shard's own under `"shards"`.
     pub fn stats(&self) -> Result<serde_json::Value> {
         let mut shards = Vec::new();
-        for (s, (r, _, body)) in self.broadcast_from(Op::StoreStats, &[], None)?.into_iter().enumerate() {
+        for (s, r, _, body) in self.broadcast_from(Op::StoreStats, &[], None)? {
             let mut v: serde_json::Value =
                 serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad stats: {e}")))?;
-            v["shard"] = serde_json::json!(self.inner.shards[s].replicas[r].addr);
+            v["shard"] = serde_json::json!(s.replicas[r].addr);
             shards.push(v);
         }
         let mut total = merge_stats(&shards);
@@ -341,12 +408,11 @@ impl Client {
     pub fn served(&self) -> Result<Vec<serde_json::Value>> {
         self.broadcast_from(Op::Served, &[], None)?
             .into_iter()
-            .enumerate()
-            .map(|(s, (r, _, body))| {
+            .map(|(s, r, _, body)| {
                 let mut v: serde_json::Value =
                     serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad served reply: {e}")))?;
-                *self.inner.shards[s].replicas[r].served.lock() = v["batch_id"].as_u64();
-                v["address"] = serde_json::json!(self.inner.shards[s].replicas[r].addr);
+                *s.replicas[r].served.lock() = v["batch_id"].as_u64();
+                v["address"] = serde_json::json!(s.replicas[r].addr);
                 Ok(v)
             })
             .collect()
@@ -356,7 +422,7 @@ impl Client {
     /// "replica", "state", "readable", "address"}` or `{"error": ...}` for one that does
     /// not answer.
     pub fn served_all(&self) -> Vec<Vec<serde_json::Value>> {
-        self.inner
+        self.topology()
             .shards
             .iter()
             .map(|shard| {
@@ -399,7 +465,10 @@ impl Client {
     /// Closes every pooled connection; later calls fail with `Closed`. The servers keep running.
     pub fn close(&self) {
         self.inner.closed.store(true, Ordering::Relaxed);
-        for s in &self.inner.shards {
+        if let Some(w) = self.inner.map.lock().take() {
+            w.stop();
+        }
+        for s in &self.topology().shards {
             for r in &s.replicas {
                 r.pool.lock().clear();
             }
@@ -454,7 +523,7 @@ impl embank_core::StoreApi for Client {
             return Ok(());
         }
         // Read-only replica groups (fed by an update stream) take no writes to flush.
-        let read_only = self.inner.shards.iter().all(|s| s.replicas[0].read_only.load(Ordering::Relaxed));
+        let read_only = self.topology().shards.iter().all(|s| s.replicas[0].read_only.load(Ordering::Relaxed));
         let flushed = if read_only { Ok(()) } else { Client::flush(self) };
         Client::close(self);
         flushed

@@ -2,9 +2,11 @@
 //! a failure) and the checkpoint each last said it serves; opening a connection (TLS,
 //! the hello and its token) and reading a reply frame.
 
+use std::collections::HashMap;
 use std::io::{self, IoSlice, Read};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use embank_core::{Error, ErrorKind, Result};
@@ -25,12 +27,32 @@ pub(super) struct Endpoint {
     pub(super) served: Mutex<Option<u64>>,
     /// A read-only replica (its HELLO says so): pulls may go to any replica of the group.
     pub(super) read_only: AtomicBool,
+    /// Tables' ids on this server, by name (learnt on first use; forgotten when it fails).
+    pub(super) tables: Mutex<HashMap<String, u32>>,
+    /// Requests it answered (reads and writes), for the share of reads each replica takes.
+    pub(super) answered: AtomicU64,
+}
+
+impl Endpoint {
+    pub(super) fn new(addr: &str) -> Endpoint {
+        Endpoint {
+            addr: addr.trim().trim_start_matches("tcp://").to_string(),
+            pool: Mutex::new(Vec::new()),
+            down_until: Mutex::new(None),
+            served: Mutex::new(None),
+            read_only: AtomicBool::new(false),
+            tables: Mutex::new(HashMap::new()),
+            answered: AtomicU64::new(0),
+        }
+    }
 }
 
 /// A key range: a group of replicas, the first of which takes the writes.
 pub(super) struct Shard {
     pub(super) index: usize,
-    pub(super) replicas: Vec<Endpoint>,
+    /// Shared with the next shard map's shard that keeps the address (its connections,
+    /// health and table ids go on).
+    pub(super) replicas: Vec<Arc<Endpoint>>,
     /// Round-robin start of reads.
     pub(super) next: AtomicUsize,
 }
@@ -79,6 +101,9 @@ impl Client {
     pub(super) fn mark_down(&self, shard: &Shard, r: usize) {
         *shard.replicas[r].down_until.lock() = Some(Instant::now() + self.inner.opts.replica_retry_after);
         shard.replicas[r].pool.lock().clear();
+        shard.replicas[r].tables.lock().clear();
+        // A replica that fails may have been retired: look for a new shard map.
+        self.hint_map();
     }
 
     /// A new authenticated connection. A server closes connections that have not said
@@ -200,6 +225,10 @@ impl Client {
         let body = check_reply(shard, r, &h, &rh, body).map_err(|e| (e, false))?;
         if let Ok(info) = serde_json::from_slice::<serde_json::Value>(&body) {
             ep.read_only.store(info["read_only"].as_bool() == Some(true), Ordering::Relaxed);
+            // A server that knows a newer shard map: look for it now.
+            if info["map_version"].as_u64().is_some_and(|v| v > self.topology().version) {
+                self.hint_map();
+            }
         }
         Ok(s)
     }

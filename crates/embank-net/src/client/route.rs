@@ -3,7 +3,7 @@
 //! sending, reading the replies in turn, and failing a read over to another replica.
 
 use std::io::IoSlice;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,15 +17,6 @@ use crate::proto::{Header, Op};
 use crate::server::write_all_vectored;
 use crate::tls::Stream;
 
-/// A table's id on every replica of every shard (ids are each server's own), learnt
-/// as replicas are first used.
-pub(super) struct TableIds {
-    pub(super) name: String,
-    pub(super) ids: Vec<Vec<AtomicU32>>,
-}
-
-pub(super) const UNKNOWN_ID: u32 = u32::MAX;
-
 /// A request sent and waiting for its reply.
 pub(super) struct Sent {
     pub(super) conn: Stream,
@@ -38,9 +29,12 @@ pub(super) struct Sent {
 
 /// One request of a call.
 pub(super) struct Req {
-    pub(super) shard: usize,
+    /// Its shard, of the shard map the call took when it began (every request of a call
+    /// goes by the same map).
+    pub(super) shard: Arc<Shard>,
     pub(super) op: Op,
-    pub(super) table: Option<Arc<TableIds>>,
+    /// The table's name (its id on each server is learnt on first use).
+    pub(super) table: Option<Arc<str>>,
     pub(super) count: u32,
     pub(super) body: Vec<u8>,
     /// Reads only: replicas serving at least this checkpoint.
@@ -53,6 +47,7 @@ impl Client {
         match op {
             Op::Lookup
             | Op::LookupAt
+            | Op::ExportAt
             | Op::Len
             | Op::TableStats
             | Op::StoreStats
@@ -67,7 +62,7 @@ impl Client {
     /// The replicas request `req` may try, in order: for a read, the healthy ones serving
     /// `min_checkpoint`, round-robin, then those marked down; else the primary.
     pub(super) fn candidates(&self, req: &Req) -> Result<Vec<usize>> {
-        let shard = &self.inner.shards[req.shard];
+        let shard = &req.shard;
         let n = shard.replicas.len();
         // Writes, and reads of a single server with no checkpoint to check: no choice.
         if !self.spreads(shard, req.op) || (n == 1 && req.min_checkpoint.is_none()) {
@@ -134,7 +129,7 @@ impl Client {
 
     /// Sends request `i` to the first of its candidate replicas not in `tried` that takes it.
     pub(super) fn dispatch(&self, reqs: &[Req], i: usize, tried: &mut Vec<(usize, Error)>) -> Result<Sent> {
-        let shard = &self.inner.shards[reqs[i].shard];
+        let shard = &reqs[i].shard;
         for r in self.candidates(&reqs[i])? {
             if tried.iter().any(|(t, _)| *t == r) {
                 continue;
@@ -172,14 +167,14 @@ impl Client {
         reqs: &[Req],
         mut on_reply: impl FnMut(usize, usize, &Header, Vec<u8>) -> Result<()>,
     ) -> Result<()> {
-        let shards = &self.inner.shards;
-        let mut queues: Vec<VecDeque<usize>> = vec![VecDeque::new(); shards.len()];
+        let shards = reqs.iter().map(|r| r.shard.index + 1).max().unwrap_or(0);
+        let mut queues: Vec<VecDeque<usize>> = vec![VecDeque::new(); shards];
         for (i, r) in reqs.iter().enumerate() {
-            queues[r.shard].push_back(i);
+            queues[r.shard.index].push_back(i);
         }
         let mut tried: Vec<Vec<(usize, Error)>> = (0..reqs.len()).map(|_| Vec::new()).collect();
         let mut in_flight: VecDeque<Sent> = VecDeque::new();
-        let mut pooled: Vec<(usize, usize, Stream)> = Vec::new();
+        let mut pooled: Vec<(&Shard, usize, Stream)> = Vec::new();
         let result = (|| {
             for q in queues.iter_mut() {
                 for _ in 0..q.len().min(self.inner.opts.in_flight_per_shard) {
@@ -188,7 +183,7 @@ impl Client {
                 }
             }
             while let Some(Sent { mut conn, req: i, header: h, replica: r }) = in_flight.pop_front() {
-                let shard = &shards[reqs[i].shard];
+                let shard = &*reqs[i].shard;
                 let (rh, body) = match read_reply(&mut conn) {
                     Ok(x) => x,
                     Err(e) => {
@@ -204,12 +199,18 @@ impl Client {
                     }
                 };
                 let body = check_reply(shard, r, &h, &rh, body);
-                // A replica that no longer holds the checkpoint of an exact read: another
-                // of the group may (the error names what each holds if none does).
-                if reqs[i].op == Op::LookupAt && shard.replicas.len() > 1 {
+                // A replica that takes no reads yet (it is copying a sibling's checkpoint)
+                // or no longer holds the checkpoint of an exact read: another of the group
+                // may answer (the error names what each holds if none does).
+                if self.spreads(shard, reqs[i].op) && shard.replicas.len() > 1 {
                     if let Err(e) = &body {
-                        if e.kind() == ErrorKind::NotFound {
-                            pooled.push((reqs[i].shard, r, conn));
+                        let exact = matches!(reqs[i].op, Op::LookupAt | Op::ExportAt);
+                        if e.kind() == ErrorKind::Unavailable || (exact && e.kind() == ErrorKind::NotFound) {
+                            pooled.push((shard, r, conn));
+                            if !exact {
+                                *shard.replicas[r].down_until.lock() =
+                                    Some(Instant::now() + self.inner.opts.replica_retry_after);
+                            }
                             tried[i].push((r, body.unwrap_err()));
                             in_flight.push_back(self.dispatch(reqs, i, &mut tried[i])?);
                             continue;
@@ -217,25 +218,26 @@ impl Client {
                     }
                 }
                 // An error reply leaves the connection in step: keep it.
-                match queues[reqs[i].shard].pop_front() {
+                match queues[shard.index].pop_front() {
                     Some(next) if body.is_ok() => {
-                        pooled.push((reqs[i].shard, r, conn));
+                        pooled.push((shard, r, conn));
                         in_flight.push_back(self.dispatch(reqs, next, &mut tried[next])?);
                     }
-                    _ => pooled.push((reqs[i].shard, r, conn)),
+                    _ => pooled.push((shard, r, conn)),
                 }
+                shard.replicas[r].answered.fetch_add(1, Ordering::Relaxed);
                 on_reply(i, r, &rh, body?)?;
             }
             Ok(())
         })();
         for (s, r, conn) in pooled {
-            shards[s].replicas[r].pool.lock().push(conn);
+            s.replicas[r].pool.lock().push(conn);
         }
         result
     }
 
     pub(super) fn send(&self, mut conn: Stream, req: &Req, r: usize) -> Result<(Stream, Header)> {
-        let shard = &self.inner.shards[req.shard];
+        let shard = &req.shard;
         let table_id = match &req.table {
             None => 0,
             Some(t) => self.table_id(&mut conn, shard, r, t)?,
@@ -248,50 +250,58 @@ impl Client {
     }
 
     /// The table's id on replica `r`, opened there by name on `conn` the first time.
-    pub(super) fn table_id(&self, conn: &mut Stream, shard: &Shard, r: usize, t: &TableIds) -> Result<u32> {
-        let slot = &t.ids[shard.index][r];
-        let id = slot.load(Ordering::Relaxed);
-        if id != UNKNOWN_ID {
+    pub(super) fn table_id(&self, conn: &mut Stream, shard: &Shard, r: usize, name: &str) -> Result<u32> {
+        if let Some(&id) = shard.replicas[r].tables.lock().get(name) {
             return Ok(id);
         }
         let rid = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let h = Header::request(Op::OpenTable, rid, 0, 0, t.name.len() as u32);
-        write_all_vectored(conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(t.name.as_bytes())])
+        let h = Header::request(Op::OpenTable, rid, 0, 0, name.len() as u32);
+        write_all_vectored(conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(name.as_bytes())])
             .map_err(|e| shard.unavailable(r, "refused open_table", &e))?;
         let (rh, body) = read_reply(conn).map_err(|e| shard.unavailable(r, "failed during open_table", &e))?;
         check_reply(shard, r, &h, &rh, body)?;
-        slot.store(rh.table_id, Ordering::Relaxed);
+        shard.replicas[r].tables.lock().insert(name.to_string(), rh.table_id);
         Ok(rh.table_id)
     }
 
     /// One request to every shard (store-level operations).
-    pub(super) fn broadcast(
-        &self,
-        op: Op,
-        body: &[u8],
-        table: Option<&Arc<TableIds>>,
-    ) -> Result<Vec<(Header, Vec<u8>)>> {
-        Ok(self.broadcast_from(op, body, table)?.into_iter().map(|(_, h, b)| (h, b)).collect())
+    pub(super) fn broadcast(&self, op: Op, body: &[u8], table: Option<&Arc<str>>) -> Result<Vec<(Header, Vec<u8>)>> {
+        Ok(self.broadcast_from(op, body, table)?.into_iter().map(|(_, _, h, b)| (h, b)).collect())
     }
 
-    /// [`broadcast`](Self::broadcast) with the replica that answered each shard.
-    pub(super) fn broadcast_from(
-        &self,
-        op: Op,
-        body: &[u8],
-        table: Option<&Arc<TableIds>>,
-    ) -> Result<Vec<(usize, Header, Vec<u8>)>> {
-        let reqs: Vec<Req> = (0..self.shard_count())
-            .map(|s| Req { shard: s, op, table: table.cloned(), count: 0, body: body.to_vec(), min_checkpoint: None })
+    /// [`broadcast`](Self::broadcast) with the shard and the replica that answered, in shard order.
+    pub(super) fn broadcast_from(&self, op: Op, body: &[u8], table: Option<&Arc<str>>) -> Result<Vec<Answer>> {
+        let topo = self.topology();
+        let reqs: Vec<Req> = topo
+            .shards
+            .iter()
+            .map(|s| Req {
+                shard: Arc::clone(s),
+                op,
+                table: table.cloned(),
+                count: 0,
+                body: body.to_vec(),
+                min_checkpoint: None,
+            })
             .collect();
         let mut out: Vec<Option<(usize, Header, Vec<u8>)>> = vec![None; reqs.len()];
         self.run(&reqs, |i, r, h, b| {
             out[i] = Some((r, *h, b));
             Ok(())
         })?;
-        Ok(out.into_iter().map(|o| o.expect("every shard replied")).collect())
+        Ok(out
+            .into_iter()
+            .zip(&topo.shards)
+            .map(|(o, s)| {
+                let (r, h, b) = o.expect("every shard replied");
+                (Arc::clone(s), r, h, b)
+            })
+            .collect())
     }
 }
+
+/// One shard's answer to a broadcast: the shard, the replica that answered, its reply.
+pub(super) type Answer = (Arc<Shard>, usize, Header, Vec<u8>);
 
 /// Whether a failed attempt may be tried on another replica: the replica was unreachable
 /// or timed out (an error reply is the answer).

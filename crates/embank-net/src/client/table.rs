@@ -8,7 +8,7 @@ use std::time::Duration;
 use embank_core::catalog::TableMeta;
 use embank_core::{Error, ExportCursor, Result};
 
-use super::route::{Req, TableIds};
+use super::route::Req;
 use super::Client;
 use crate::proto::{self, as_bytes, mask_bytes, Op};
 
@@ -18,8 +18,8 @@ pub struct RemoteTable {
     pub(super) client: Client,
     pub(super) name: String,
     pub(super) dim: usize,
-    /// The table's id on each replica of each shard.
-    pub(super) ids: Arc<TableIds>,
+    /// The name requests carry (each server's id for it is learnt on first use).
+    pub(super) id: Arc<str>,
     pub(super) meta: TableMeta,
 }
 
@@ -72,7 +72,8 @@ impl RemoteTable {
 
     /// [`plan`](Self::plan) with `prefix` words before each request's keys.
     pub(super) fn plan_with(&self, op: Op, prefix: &[u64], keys: &[u64], rows: Option<&[f32]>) -> Plan {
-        let n = self.client.shard_count();
+        let topo = self.client.topology();
+        let n = topo.shards.len();
         let mut by_shard: Vec<Vec<usize>> = vec![Vec::new(); n];
         if n == 1 {
             by_shard[0] = (0..keys.len()).collect();
@@ -100,9 +101,9 @@ impl RemoteTable {
                     }
                 }
                 plan.reqs.push(Req {
-                    shard,
+                    shard: Arc::clone(&topo.shards[shard]),
                     op,
-                    table: Some(Arc::clone(&self.ids)),
+                    table: Some(Arc::clone(&self.id)),
                     count: chunk.len() as u32,
                     body,
                     min_checkpoint: self.client.inner.opts.min_checkpoint,
@@ -290,7 +291,7 @@ impl RemoteTable {
 
     /// Gives back every hold of `worker` on every shard; returns how many.
     pub fn release(&self, worker: u64) -> Result<u64> {
-        let replies = self.client.broadcast(Op::Release, &worker.to_le_bytes(), Some(&self.ids))?;
+        let replies = self.client.broadcast(Op::Release, &worker.to_le_bytes(), Some(&self.id))?;
         replies.iter().map(|(_, b)| u64_reply(b)).sum()
     }
 
@@ -320,7 +321,7 @@ impl RemoteTable {
 
     /// Live rows over every shard.
     pub fn len(&self) -> Result<u64> {
-        let replies = self.client.broadcast(Op::Len, &[], Some(&self.ids))?;
+        let replies = self.client.broadcast(Op::Len, &[], Some(&self.id))?;
         replies.iter().map(|(_, b)| u64_reply(b)).sum()
     }
 
@@ -330,24 +331,24 @@ impl RemoteTable {
 
     /// Evicts rows past their TTL on every shard; returns how many.
     pub fn evict_expired(&self) -> Result<u64> {
-        let replies = self.client.broadcast(Op::EvictExpired, &[], Some(&self.ids))?;
+        let replies = self.client.broadcast(Op::EvictExpired, &[], Some(&self.id))?;
         replies.iter().map(|(_, b)| u64_reply(b)).sum()
     }
 
     /// Changes the optimizer's learning rate on every shard.
     pub fn set_lr(&self, lr: f32) -> Result<()> {
-        self.client.broadcast(Op::SetLr, &lr.to_le_bytes(), Some(&self.ids)).map(|_| ())
+        self.client.broadcast(Op::SetLr, &lr.to_le_bytes(), Some(&self.id)).map(|_| ())
     }
 
     /// The table's statistics with the embedded table's fields, summed over the
     /// shards, and each shard's own under `"shards"`.
     pub fn stats(&self) -> Result<serde_json::Value> {
-        let replies = self.client.broadcast_from(Op::TableStats, &[], Some(&self.ids))?;
+        let replies = self.client.broadcast_from(Op::TableStats, &[], Some(&self.id))?;
         let mut shards = Vec::new();
-        for (s, (r, _, body)) in replies.into_iter().enumerate() {
+        for (s, r, _, body) in replies {
             let mut v: serde_json::Value =
                 serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad stats: {e}")))?;
-            v["shard"] = serde_json::json!(self.client.inner.shards[s].replicas[r].addr);
+            v["shard"] = serde_json::json!(s.replicas[r].addr);
             shards.push(v);
         }
         let mut total = merge_stats(&shards);
@@ -356,22 +357,48 @@ impl RemoteTable {
     }
 
     /// Streams every `(key, row)`, shard after shard, in chunks of at most `chunk_keys`.
-    pub fn export(&self, chunk_keys: usize, mut f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
+    pub fn export(&self, chunk_keys: usize, f: impl FnMut(&[u64], &[f32]) -> Result<()>) -> Result<()> {
+        self.export_pages(None, chunk_keys, f)
+    }
+
+    /// Streams every `(key, row)` as it was at the publisher's checkpoint `batch_id`
+    /// (each shard from a replica holding it), in chunks of at most `chunk_keys`; a key
+    /// may come twice, with the same row. Fails with `NotFound` if a shard's replicas drop
+    /// the checkpoint before their pages are read (start again at a newer one).
+    pub fn export_at(
+        &self,
+        batch_id: u64,
+        chunk_keys: usize,
+        f: impl FnMut(&[u64], &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        self.export_pages(Some(batch_id), chunk_keys, f)
+    }
+
+    fn export_pages(
+        &self,
+        at: Option<u64>,
+        chunk_keys: usize,
+        mut f: impl FnMut(&[u64], &[f32]) -> Result<()>,
+    ) -> Result<()> {
         let d = self.dim;
-        for shard in 0..self.client.shard_count() {
+        let topo = self.client.topology();
+        for shard in &topo.shards {
             let mut cursor = ExportCursor::START;
             loop {
-                let mut body = Vec::with_capacity(24);
+                let mut body = Vec::with_capacity(32);
+                if let Some(b) = at {
+                    body.extend_from_slice(&b.to_le_bytes());
+                }
                 body.extend_from_slice(&cursor.generation.to_le_bytes());
                 body.extend_from_slice(&cursor.bucket.to_le_bytes());
                 body.extend_from_slice(&(chunk_keys as u64).to_le_bytes());
                 let req = Req {
-                    shard,
-                    op: Op::Export,
-                    table: Some(Arc::clone(&self.ids)),
+                    shard: Arc::clone(shard),
+                    op: if at.is_some() { Op::ExportAt } else { Op::Export },
+                    table: Some(Arc::clone(&self.id)),
                     count: 0,
                     body,
-                    min_checkpoint: None,
+                    min_checkpoint: at,
                 };
                 let mut page = None;
                 self.client.run(std::slice::from_ref(&req), |_, _, h, b| {

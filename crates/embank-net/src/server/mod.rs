@@ -78,6 +78,16 @@ pub struct ServerOptions {
     /// with this reason, and `pull` answers missing rows with the table's missing-row
     /// default without creating them (as `lookup` does). None: a writable server.
     pub read_only: Option<String>,
+    /// The shard map clients reload: its `version` goes out in every hello (a client on an
+    /// older version looks for the new one at once). None: no version named.
+    pub shard_map: Option<std::path::PathBuf>,
+}
+
+/// The `version` of the shard map file at `path` (0 without one; None if unreadable).
+pub(crate) fn map_version(path: &std::path::Path) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: toml::Table = toml::from_str(&text).ok()?;
+    Some(v.get("version").and_then(|v| v.as_integer()).map_or(0, |v| v.max(0) as u64))
 }
 
 impl Default for ServerOptions {
@@ -97,6 +107,7 @@ impl Default for ServerOptions {
             zero_copy: true,
             zero_copy_row_bytes_min: 1024,
             read_only: None,
+            shard_map: None,
         }
     }
 }

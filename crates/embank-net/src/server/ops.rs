@@ -6,7 +6,7 @@ use std::io::IoSlice;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use embank_core::{Error, ExportCursor, Table, TableOptions};
+use embank_core::{Error, ErrorKind, ExportCursor, Table, TableOptions};
 use serde::Deserialize;
 
 use super::conn::{Conn, Failure, Handled, Refusal};
@@ -62,6 +62,13 @@ impl Conn<'_> {
                 ))));
             }
         }
+        let reads_tables = !matches!(op, Op::Hello | Op::Served | Op::StoreStats | Op::ListTables | Op::Checkpoints);
+        if reads_tables && self.ctx.view.get().is_some_and(|v| v.is_bootstrapping()) {
+            return Err(Failure::from(Refusal::engine(Error::new(
+                ErrorKind::Unavailable,
+                "this replica is copying a sibling's checkpoint and takes no reads yet",
+            ))));
+        }
         match op {
             Op::Hello => {
                 let info = serde_json::json!({
@@ -71,6 +78,7 @@ impl Conn<'_> {
                     "keys_per_request_max": self.ctx.opts.keys_per_request_max,
                     "frame_bytes_max": self.ctx.opts.frame_bytes_max,
                     "read_only": self.ctx.opts.read_only.is_some(),
+                    "map_version": self.ctx.opts.shard_map.as_deref().and_then(super::map_version),
                 });
                 self.answer(h, 0, info.to_string().as_bytes())
             }
@@ -136,7 +144,13 @@ impl Conn<'_> {
                     Some(f) => {
                         let r = f();
                         let readable = crate::stream::view::readable(&self.ctx.store);
-                        serde_json::json!({"batch_id": r.checkpoint_batch_id, "seq": r.checkpoint_seq, "replica": true, "state": r.state, "readable": readable})
+                        // The served checkpoint's stream position: where a new replica that
+                        // copies it goes on from.
+                        let meta = r
+                            .checkpoint_batch_id
+                            .and_then(|b| crate::stream::view::own_checkpoint(&self.ctx.store, b).ok())
+                            .map(|(_, m)| m);
+                        serde_json::json!({"batch_id": r.checkpoint_batch_id, "seq": r.checkpoint_seq, "replica": true, "state": r.state, "readable": readable, "meta": meta})
                     }
                     None => {
                         let list = self.ctx.store.checkpoints()?;
@@ -370,18 +384,45 @@ impl Conn<'_> {
                 table.set_lr(lr)?;
                 self.answer(h, 0, &[])
             }
-            Op::Export => {
-                if h.body_len != 24 {
+            Op::Export | Op::ExportAt => {
+                let at = usize::from(op == Op::ExportAt);
+                if h.body_len as usize != 24 + 8 * at {
                     return Err(Failure::from(Refusal::frame(
                         status::BAD_FRAME,
-                        "export takes a 24-byte cursor".into(),
+                        format!(
+                            "{} takes {}a 24-byte cursor",
+                            op.name(),
+                            if at == 1 { "a checkpoint and " } else { "" }
+                        ),
                     )));
                 }
-                let cursor = ExportCursor { generation: body[0], bucket: body[1] };
-                let max = (body[2] as usize).clamp(1, self.ctx.opts.keys_per_request_max as usize);
+                let cursor = ExportCursor { generation: body[at], bucket: body[at + 1] };
+                let max = (body[at + 2] as usize).clamp(1, self.ctx.opts.keys_per_request_max as usize);
                 let mut keys = Vec::new();
                 let mut rows = std::mem::take(&mut self.rows);
-                let next = table.export_page(cursor, max, &mut keys, &mut rows)?;
+                let page = if at == 1 {
+                    // A replica's own checkpoints count on their own: find the one taken at
+                    // the publisher's checkpoint asked for.
+                    let store = &self.ctx.store;
+                    let own = match self.ctx.view.get() {
+                        Some(_) => crate::stream::view::own_checkpoint(store, body[0]).map(|(b, _)| b),
+                        None => Ok(body[0]),
+                    };
+                    own.and_then(|b| store.export_checkpoint_page(table.name(), b, cursor, max, &mut keys, &mut rows))
+                        .map_err(|e| match e.kind() {
+                            ErrorKind::NotFound => crate::stream::view::not_held(store, body[0]),
+                            _ => e,
+                        })
+                } else {
+                    table.export_page(cursor, max, &mut keys, &mut rows)
+                };
+                let next = match page {
+                    Ok(n) => n,
+                    Err(e) => {
+                        self.rows = rows;
+                        return Err(e.into());
+                    }
+                };
                 let (g, b, done) = match next {
                     Some(c) => (c.generation, c.bucket, 0u64),
                     None => (u64::MAX, 0, 1),

@@ -9,6 +9,7 @@
 //! [`crate::proto::shard_of`], so serving shard `i` (a group of replicas) consumes
 //! partition `i` alone. Every partition gets every checkpoint's commit marker.
 
+pub mod bootstrap;
 pub mod kafka;
 pub mod message;
 pub mod publisher;

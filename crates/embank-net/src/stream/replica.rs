@@ -43,11 +43,20 @@ pub struct ReplicaOptions {
     /// (default) or `latest`.
     #[serde(default)]
     pub start: Start,
+    /// The group's other replicas (`host:port` of their `embank serve`): a replica whose
+    /// store holds no checkpoint of the stream first copies the checkpoint one of them
+    /// serves, then follows the stream from its position (see `stream::bootstrap`), and
+    /// takes no reads until then. Empty (default): it starts from `start`.
+    #[serde(default)]
+    pub bootstrap: Vec<String>,
+    /// The token the siblings require (the server's own `token`; set by `embank serve`).
+    #[serde(skip)]
+    pub bootstrap_token: Option<String>,
 }
 
 impl ReplicaOptions {
     pub fn new(stream: StreamConfig) -> ReplicaOptions {
-        ReplicaOptions { stream, partition: 0, start: Start::Earliest }
+        ReplicaOptions { stream, partition: 0, start: Start::Earliest, bootstrap: Vec::new(), bootstrap_token: None }
     }
 }
 
@@ -157,6 +166,11 @@ impl Replica {
         if let Some(m) = &last {
             view.set_served(m.batch_id);
         }
+        let bootstrap = last.is_none() && !opts.bootstrap.is_empty();
+        if bootstrap {
+            view.set_bootstrapping(true);
+            status.state = "bootstrapping".into();
+        }
         let shared = Arc::new(Shared {
             store,
             view: Arc::new(view),
@@ -167,7 +181,12 @@ impl Replica {
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("embank-replica".into())
-            .spawn(move || run(&s, last))
+            .spawn(move || {
+                let last = if bootstrap { bootstrap_then(&s) } else { last };
+                if !s.stop.load(Ordering::Relaxed) {
+                    run(&s, last)
+                }
+            })
             .map_err(|e| Error::io("cannot start the replica thread", e))?;
         Ok(Replica { shared, thread: Some(thread) })
     }
@@ -208,6 +227,51 @@ struct Applied {
     meta: Option<ReplicaMeta>,
     /// The replica's own checkpoint batch ids count up from its last.
     next_batch: u64,
+}
+
+/// Copies a sibling's served checkpoint (trying again with backoff until one gives it,
+/// or the replica stops); the checkpoint it then serves.
+fn bootstrap_then(s: &Shared) -> Option<ReplicaMeta> {
+    let own_batch = s.store.checkpoints().ok().and_then(|c| c.last().map(|c| c.batch_id + 1)).unwrap_or(1);
+    let mut backoff = Duration::from_millis(100);
+    while !s.stop.load(Ordering::Relaxed) {
+        let copied = super::bootstrap::copy_from_siblings(
+            &s.store,
+            &s.opts.bootstrap,
+            s.opts.bootstrap_token.as_deref(),
+            &s.opts.stream.describe(),
+            s.opts.partition,
+            own_batch,
+        );
+        match copied {
+            Ok(c) => {
+                tracing::info!(from = %c.from, batch_id = c.meta.batch_id, rows = c.rows, tables = c.tables, seconds = c.seconds, "copied a sibling's checkpoint; following the stream from its position");
+                s.view.set_served(c.meta.batch_id);
+                s.view.set_bootstrapping(false);
+                let mut st = s.status.lock();
+                st.state = "ingesting".into();
+                st.last_error = None;
+                st.checkpoint_batch_id = Some(c.meta.batch_id);
+                st.checkpoint_seq = Some(c.meta.seq);
+                st.checkpoint_unix_seconds = Some(c.meta.unix_micros as f64 * 1e-6);
+                st.rows += c.rows;
+                return Some(c.meta);
+            }
+            Err(e) => {
+                let mut st = s.status.lock();
+                if st.last_error.as_deref() != Some(&e.to_string()) {
+                    tracing::warn!(error = %e, "cannot copy a sibling's checkpoint yet; trying again");
+                }
+                st.last_error = Some(e.to_string());
+            }
+        }
+        let until = Instant::now() + backoff;
+        while Instant::now() < until && !s.stop.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+    None
 }
 
 fn run(s: &Shared, last: Option<ReplicaMeta>) {

@@ -44,6 +44,8 @@ pub struct ServedView {
     pub given_up_total: AtomicU64,
     /// The publisher's batch id of the served checkpoint; [`NONE`] before the first.
     served: AtomicU64,
+    /// Set while a new replica copies a sibling's checkpoint: it takes no reads yet.
+    bootstrapping: AtomicBool,
 }
 
 /// [`ServedView::served`] before the first checkpoint.
@@ -59,7 +61,18 @@ impl ServedView {
             given_up: AtomicBool::new(false),
             given_up_total: AtomicU64::new(0),
             served: AtomicU64::new(NONE),
+            bootstrapping: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the replica is still copying a sibling's checkpoint (reads are refused
+    /// with `Unavailable`, so clients read its siblings).
+    pub fn is_bootstrapping(&self) -> bool {
+        self.bootstrapping.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_bootstrapping(&self, on: bool) {
+        self.bootstrapping.store(on, Ordering::Release);
     }
 
     /// The publisher's batch id of the checkpoint reads see, None before the first.
@@ -222,6 +235,17 @@ impl ServedView {
     }
 }
 
+/// The replica store's own checkpoint (its batch id) taken at the commit of the
+/// publisher's checkpoint `batch_id`, with its metadata; `not_held` when it is not retained.
+pub(crate) fn own_checkpoint(store: &Store, batch_id: u64) -> Result<(u64, ReplicaMeta)> {
+    store
+        .checkpoints()?
+        .into_iter()
+        .rev()
+        .find_map(|c| ReplicaMeta::parse(&c.meta).filter(|m| m.batch_id == batch_id).map(|m| (c.batch_id, m)))
+        .ok_or_else(|| not_held(store, batch_id))
+}
+
 /// The publisher's checkpoints a replica's store can be read at exactly (oldest first):
 /// those of its retained checkpoints (`keep_checkpoints` of them).
 pub fn readable(store: &Store) -> Vec<u64> {
@@ -233,7 +257,7 @@ pub fn readable(store: &Store) -> Vec<u64> {
     v
 }
 
-fn not_held(store: &Store, batch_id: u64) -> Error {
+pub(crate) fn not_held(store: &Store, batch_id: u64) -> Error {
     let held = readable(store);
     Error::new(
         ErrorKind::Unavailable,
