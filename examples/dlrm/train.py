@@ -18,6 +18,12 @@ batch, keep the dense part under ``DistributedDataParallel`` and give each row o
 per step for the whole batch, so the run reproduces one process. Checkpoints are
 coordinated; a rank restarted by ``torchrun --max-restarts`` resumes every rank and shard.
 
+Another shard count: the local shards keep their stores in ``WORK/shards/<i>/store``.
+With them stopped (a finished run stops them), move ``WORK/shards`` aside, run
+``embank reshard --from OLD/0/store OLD/1/store --to WORK/shards/0/store ...
+WORK/shards/2/store``, then ``--resume --local-shards 3``: training goes on from the
+checkpoint exactly as it would have on 2 shards (tests/python/test_dlrm_reshard.py).
+
 Comparisons (``torch.nn.EmbeddingBag``, TorchRec, per-table modules, serving compact
 rows) are in ``bench/dlrm_compare.py``.
 """

@@ -292,7 +292,8 @@ class Table:
         float32, laid out as :meth:`lookup_with_state` returns them); :meth:`push` starts
         the state afresh instead. A non-finite value, or a state the optimizer cannot
         reach (a negative accumulator), is refused with nothing written. Embedded stores
-        only; not on tables with a lifecycle."""
+        only; on a table with a lifecycle, rows are admitted at once and room is made
+        under ``rows_max`` first, as :meth:`push` does."""
         k = _keys(keys)
         width = self.dim + self.state_len
         if not isinstance(records, np.ndarray) or records.dtype != np.float32:

@@ -15,6 +15,7 @@ pub mod npy;
 pub mod plan;
 pub mod publish;
 pub mod recovery;
+pub mod reshard;
 pub mod serve;
 pub mod soak;
 pub mod stream_bench;
@@ -77,6 +78,9 @@ enum Command {
     /// cache and a GPU cache over sizes, bytes per tier, a placement per table, and what a
     /// DRAM or GPU budget buys.
     Plan(plan::PlanArgs),
+    /// Turn a checkpoint of N closed shard stores into M stores (offline): every table,
+    /// rows with their optimizer state, routed as clients route; training resumes from it.
+    Reshard(reshard::ReshardArgs),
     /// The shard map clients reload (a cluster file): show what its replicas serve, or
     /// switch it once new replicas (added, or a resharded set) have caught up.
     #[command(subcommand)]
@@ -116,6 +120,7 @@ where
         Command::Publish(args) => publish::run(args),
         Command::BenchStream(args) => stream_bench::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Reshard(args) => reshard::run(args),
         Command::Map(cmd) => map::run(cmd),
     };
     match result {

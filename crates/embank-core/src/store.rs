@@ -22,7 +22,7 @@ use crate::checkpoint::{CheckpointFile, CHECKPOINT_META_BYTES_MAX};
 use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::io::{FaultPlan, FaultyEngine, IoChoice, IoStats};
 use crate::runtime::Runtime;
-use crate::table::{validate_name, RepairMode, Table, TableOptions, TableStats};
+use crate::table::{validate_name, AtExport, RepairMode, Table, TableOptions, TableStats};
 use crate::tier::{CacheStats, RowCache, Tier};
 
 pub use crate::checkpoint::CheckpointInfo;
@@ -515,7 +515,7 @@ impl Store {
             let inner = guard.as_ref().ok_or_else(|| self.closed())?;
             (self.table(name)?, self.checkpoint_seq(inner, batch_id)?)
         };
-        table.export_at(seq, chunk_keys, f)?;
+        table.export_at(seq, chunk_keys, AtExport::default(), f)?;
         let guard = self.inner.read();
         let inner = guard.as_ref().ok_or_else(|| self.closed())?;
         self.checkpoint_seq(inner, batch_id)
@@ -544,6 +544,26 @@ impl Store {
         };
         let _pin = self.pin_checkpoint(seq)?;
         table.export_page_at(seq, cursor, chunk_keys, keys, rows)
+    }
+
+    /// Streams every record of table `name` at retained checkpoint `batch_id`, in chunks of
+    /// at most `chunk_keys` keys: `f(keys, records)`, each row then its optimizer state (as
+    /// [`Table::push_with_state`] takes them). What `embank reshard` moves. Never holds the
+    /// table: memory is one chunk and the keys changed since the checkpoint. Writers of this
+    /// store wait until it returns (the checkpoint gate is held: no key changes, no
+    /// checkpoint is taken or dropped), so it is for a store at rest; `f` must not write here.
+    pub fn export_checkpoint_with_state(
+        &self,
+        name: &str,
+        batch_id: u64,
+        chunk_keys: usize,
+        f: impl FnMut(&[u64], &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        let (table, seq) = (self.table(name)?, self.checkpoint_seq(inner, batch_id)?);
+        let _gate = inner.runtime.gate.lock.write();
+        table.export_at(seq, chunk_keys, AtExport { with_state: true, writers_held: true }, f)
     }
 
     /// Looks `keys` of table `name` up as they were at retained checkpoint `batch_id`,
@@ -614,7 +634,7 @@ impl Store {
         }
         match from {
             Some(from) => table.changes_between(from, to, chunk_keys, &mut f)?,
-            None => table.export_at(to, chunk_keys, |keys, rows| f(keys, rows, &[]))?,
+            None => table.export_at(to, chunk_keys, AtExport::default(), |keys, rows| f(keys, rows, &[]))?,
         }
         for seq in from.into_iter().chain([to]) {
             retained(seq)

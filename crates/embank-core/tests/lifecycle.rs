@@ -409,3 +409,26 @@ fn bad_lifecycle_options_name_the_option() {
     assert!(e.to_string().contains("ttl_steps"), "{e}");
     assert!(store.tables().unwrap().is_empty());
 }
+
+/// `push_with_state` on a table with a lifecycle is a push (what `embank reshard` writes):
+/// the records are stored at once whatever `admit_after` says, room is made under
+/// `rows_max` first (the least recently touched row goes), and the keys count as touched.
+#[test]
+fn push_with_state_on_a_lifecycle_table_is_a_push() {
+    let o = LifecycleOptions { admit_after: 3, rows_max: Some(4), ..Default::default() };
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    let mut opts = options(&o, MediumKind::Mmap);
+    opts.optimizer = Optimizer::Adagrad { lr: LR, eps: 1e-8, initial_accumulator_value: 0.0 };
+    let t = store.create_table("t", opts).unwrap();
+    let w = DIM + t.state_len();
+    let records: Vec<f32> = (0..3 * w).map(|i| i as f32).collect();
+    t.push_with_state(&[1, 2, 3], &records).unwrap();
+    let (mut out, mut found) = (vec![0f32; 3 * w], vec![false; 3]);
+    t.lookup_with_state(&[1, 2, 3], &mut out, &mut found).unwrap();
+    assert_eq!((out, found), (records.clone(), vec![true; 3]));
+    t.pull(&[1], &mut [0f32; DIM]).unwrap(); // 2 is now the least recently touched
+    t.push_with_state(&[7, 8], &records[..2 * w]).unwrap();
+    assert_eq!(export(&t).keys().copied().collect::<Vec<_>>(), [1, 3, 7, 8]);
+    assert_eq!(t.stats().unwrap().lifecycle.unwrap().evicted_capacity, 1);
+}

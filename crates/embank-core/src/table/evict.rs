@@ -51,9 +51,15 @@ impl Table {
         Ok(())
     }
 
-    /// [`push`](Self::push) of a table with admission or eviction: always creates rows,
-    /// making room for the new ones first.
-    pub(super) fn push_lifecycle(&self, life: &Lifecycle, keys: &[u64], rows: &[f32]) -> Result<()> {
+    /// [`push`](Self::push) (and [`push_with_state`](Self::push_with_state)) of a table with
+    /// admission or eviction: always creates rows, making room for the new ones first, then
+    /// `write`s them.
+    pub(super) fn push_lifecycle(
+        &self,
+        life: &Lifecycle,
+        keys: &[u64],
+        write: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         let _gate = self.shared.runtime.gate.batch();
         life.written(keys);
         if life.opts.rows_max.is_some() {
@@ -65,7 +71,7 @@ impl Table {
                 self.make_room_for(life, &new, keys)?;
             }
         }
-        self.push_unchecked(keys, rows)?;
+        write()?;
         life.touch(keys.iter().copied());
         Ok(())
     }

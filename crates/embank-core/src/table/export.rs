@@ -9,6 +9,19 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::index::SLOTS_PER_BUCKET;
 use crate::medium::{Medium, ReadItem};
 
+/// What an export as of a checkpoint ([`Table::export_at`]) hands out, and what it may
+/// assume.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct AtExport {
+    /// Whole records (each row, then its optimizer state) instead of rows.
+    pub with_state: bool,
+    /// The caller keeps every writer of the store out until the export returns (it holds
+    /// the checkpoint gate exclusively): no key changes meanwhile, so the export reads the
+    /// journals once and remembers only keys changed since the checkpoint, not every key
+    /// it emitted.
+    pub writers_held: bool,
+}
+
 /// Where an export continues: the index generation it started on and a bucket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExportCursor {
@@ -121,14 +134,15 @@ impl Table {
             st.index.for_each(bucket, bucket + 1, |key, ptr| items.push((key, ptr)));
             bucket += 1;
         }
-        self.read_records(st, &items, rows)?;
+        self.read_records(st, &items, rows, false)?;
         keys.extend(items.iter().map(|&(k, _)| k));
         Ok((bucket < st.index.bucket_count()).then_some(ExportCursor { generation, bucket }))
     }
 
-    /// Reads the records at `items` (key, record) into rows of the user's dim, checking
-    /// that each record holds its key and its checksum.
-    fn read_records(&self, st: &State, items: &[(u64, u64)], rows: &mut Vec<f32>) -> Result<()> {
+    /// Reads the records at `items` (key, record) into rows of the user's dim (with
+    /// `with_state`, whole records: each row, then its optimizer state), checking that each
+    /// record holds its key and its checksum.
+    fn read_records(&self, st: &State, items: &[(u64, u64)], rows: &mut Vec<f32>, with_state: bool) -> Result<()> {
         let w = self.shared.config.layout.elems();
         let mut records = vec![0f32; items.len() * w];
         match st.medium.as_mapped() {
@@ -150,7 +164,7 @@ impl Table {
             }
         }
         rows.clear();
-        if self.shared.config.layout.has_state() {
+        if self.shared.config.layout.has_state() && !with_state {
             rows.resize(items.len() * self.dim(), 0.0);
             self.copy_rows(&records, rows);
         } else {
@@ -187,7 +201,7 @@ impl Table {
         }
         let items: Vec<(u64, u64)> = keys.iter().zip(&ptrs).filter(|&(_, &p)| p != 0).map(|(&k, &p)| (k, p)).collect();
         let mut rows = Vec::new();
-        self.read_records(st, &items, &mut rows)?;
+        self.read_records(st, &items, &mut rows, false)?;
         let mut missing = Vec::new();
         let mut next = 0;
         for (i, &ptr) in ptrs.iter().enumerate() {
@@ -207,21 +221,30 @@ impl Table {
     /// while the table keeps changing: the current index gives each key's record unless
     /// the key changed since the checkpoint, in which case its undo entry gives the record
     /// it had (kept from reuse while the checkpoint is retained). Keys deleted since come
-    /// from their entries. Memory: the keys changed since the checkpoint and the keys
-    /// emitted.
+    /// from their entries. With `how.with_state`, `f` gets whole records (row, then
+    /// optimizer state). Memory: the keys changed since the checkpoint, one page, and,
+    /// unless `how.writers_held`, every key emitted (a key changed during the export may
+    /// move to a bucket the walk has yet to pass: only a record of what went out keeps it
+    /// from going out twice). With writers held no key moves, so only changed keys can be
+    /// met twice (in the walk and in the pass over the deleted ones).
     pub(crate) fn export_at(
         &self,
         seq: u64,
         chunk_keys: usize,
+        how: AtExport,
         mut f: impl FnMut(&[u64], &[f32]) -> Result<()>,
     ) -> Result<()> {
         let chunk_keys = chunk_keys.max(SLOTS_PER_BUCKET);
         let mut first = HashMap::new();
         let mut journals = BTreeMap::new();
+        // Keys that went out: every one, or (writers held) those changed since `seq`.
         let mut emitted = HashSet::new();
         let mut bucket = 0u64;
         let generation = self.state()?.generation;
         let mut rows = Vec::new();
+        if how.writers_held {
+            self.shared.checkpoints.changed_since(seq, &mut journals, &mut first);
+        }
         loop {
             let mut pairs = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
             let (keys, done) = {
@@ -237,15 +260,20 @@ impl Table {
                 }
                 // Read the journals after the index: an index change is journaled before it
                 // happens, so every changed key the page saw has its entry by now.
-                self.shared.checkpoints.changed_since(seq, &mut journals, &mut first);
+                if !how.writers_held {
+                    self.shared.checkpoints.changed_since(seq, &mut journals, &mut first);
+                }
                 let mut items = Vec::with_capacity(pairs.len());
                 for (key, ptr) in pairs {
-                    let ptr = first.get(&key).copied().unwrap_or(ptr);
-                    if ptr != 0 && emitted.insert(key) {
+                    let (ptr, remember) = match first.get(&key) {
+                        Some(&old) => (old, true),
+                        None => (ptr, !how.writers_held),
+                    };
+                    if ptr != 0 && (!remember || emitted.insert(key)) {
                         items.push((key, ptr));
                     }
                 }
-                self.read_records(st, &items, &mut rows)?;
+                self.read_records(st, &items, &mut rows, how.with_state)?;
                 (items.into_iter().map(|(k, _)| k).collect::<Vec<u64>>(), bucket >= st.index.bucket_count())
             };
             if !keys.is_empty() {
@@ -261,7 +289,7 @@ impl Table {
         for chunk in rest.chunks(chunk_keys) {
             let st = self.state()?;
             let _pin = crossbeam_epoch::pin();
-            self.read_records(&st, chunk, &mut rows)?;
+            self.read_records(&st, chunk, &mut rows, how.with_state)?;
             let keys: Vec<u64> = chunk.iter().map(|&(k, _)| k).collect();
             drop(st);
             f(&keys, &rows)?;
@@ -306,7 +334,7 @@ impl Table {
             }
             {
                 let st = self.state()?;
-                self.read_records(&st, &items, &mut rows)?;
+                self.read_records(&st, &items, &mut rows, false)?;
             }
             let keys: Vec<u64> = items.iter().map(|&(k, _)| k).collect();
             f(&keys, &rows, &deleted)?;
@@ -364,7 +392,7 @@ impl Table {
             // has its entry by now.
             self.shared.checkpoints.changed_since(seq, &mut journals, &mut first);
             let items: Vec<(u64, u64)> = pairs.into_iter().filter(|(k, _)| !first.contains_key(k)).collect();
-            self.read_records(st, &items, rows)?;
+            self.read_records(st, &items, rows, false)?;
             keys.extend(items.iter().map(|&(k, _)| k));
             return Ok(Some(if bucket < st.index.bucket_count() {
                 ExportCursor { generation, bucket }
@@ -378,7 +406,7 @@ impl Table {
         rest.truncate(chunk_keys);
         let st = self.state()?;
         let _pin = crossbeam_epoch::pin();
-        self.read_records(&st, &rest, rows)?;
+        self.read_records(&st, &rest, rows, false)?;
         keys.extend(rest.iter().map(|&(k, _)| k));
         Ok(match rest.last() {
             Some(&(last, _)) if rest.len() == chunk_keys && last < u64::MAX => {

@@ -57,6 +57,7 @@ mod tiered;
 mod write;
 
 pub use crate::pooled::check_bags;
+pub(crate) use export::AtExport;
 pub use export::ExportCursor;
 pub use grow::PlaceReport;
 pub(crate) use options::RepairMode;
@@ -299,7 +300,7 @@ impl Table {
             )));
         }
         match &self.shared.lifecycle {
-            Some(life) => self.push_lifecycle(life, keys, rows),
+            Some(life) => self.push_lifecycle(life, keys, || self.push_unchecked(keys, rows)),
             None => self.push_unchecked(keys, rows),
         }
     }

@@ -4,7 +4,7 @@
 
 use super::Table;
 use crate::catalog::MissingDefault;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::optim::Optimizer;
 
 impl Table {
@@ -48,7 +48,9 @@ impl Table {
     }
 
     /// Writes rows with their optimizer state (insert or replace; with duplicate keys
-    /// the last wins): `records` holds `keys.len() * (dim + state_len)` elements. Refused
+    /// the last wins): `records` holds `keys.len() * (dim + state_len)` elements. On a
+    /// table with a lifecycle, as [`push`](Self::push): rows are admitted at once and room
+    /// is made under `rows_max` (evicting victims) first. Refused
     /// with nothing written when a value is not finite or a state is one the optimizer
     /// cannot reach (a negative accumulator, a fractional Adam step count).
     pub fn push_with_state(&self, keys: &[u64], records: &[f32]) -> Result<()> {
@@ -64,15 +66,6 @@ impl Table {
                 keys.len() * w,
                 records.len()
             )));
-        }
-        if self.shared.lifecycle.is_some() {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "push_with_state: table {:?} has a lifecycle (admission, TTL or rows_max)",
-                    self.shared.config.name
-                ),
-            ));
         }
         if let Some(i) = crate::optim::first_non_finite(records) {
             return Err(Error::invalid(format!(
@@ -90,7 +83,11 @@ impl Table {
                 )));
             }
         }
-        self.push_records(keys, records)
+        match &self.shared.lifecycle {
+            // As a push: admitted at once, room made under `rows_max`, touched.
+            Some(life) => self.push_lifecycle(life, keys, || self.push_records(keys, records)),
+            None => self.push_records(keys, records),
+        }
     }
 }
 
