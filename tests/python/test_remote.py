@@ -194,9 +194,8 @@ def test_a_cluster_file_is_the_shard_map_switched_to_while_connected(
             f.write_text(f'version = 0\n[[shards]]\nreplicas = ["{b}"]\n')
             time.sleep(0.5)
             assert s.path == f"tcp://{a}"
-            f.write_text(
-                f'version = 2\nreload_seconds = 0.05\n[[shards]]\nreplicas = ["{a}"]\n[[shards]]\nreplicas = ["{b}"]\n'
-            )
+            shards = f'[[shards]]\nreplicas = ["{a}"]\n[[shards]]\nreplicas = ["{b}"]\n'
+            f.write_text("version = 2\nreload_seconds = 0.05\n" + shards)
             deadline = time.monotonic() + 10
             while s.path != f"tcp://{a},{b}":
                 assert time.monotonic() < deadline, s.path
