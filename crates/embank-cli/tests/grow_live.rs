@@ -396,8 +396,15 @@ fn http_map(text: Arc<Mutex<String>>) -> String {
     let addr = listener.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
         for mut s in listener.incoming().flatten() {
-            let mut buf = [0u8; 1024];
-            let _ = s.read(&mut buf);
+            // The whole request first: closing with some of it unread would reset the
+            // connection before the reply is read.
+            let (mut req, mut buf) = (Vec::new(), [0u8; 1024]);
+            while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => req.extend_from_slice(&buf[..n]),
+                }
+            }
             let body = text.lock().clone();
             let _ = write!(s, "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
         }
