@@ -87,6 +87,8 @@ fuzz: fuzz-tools
 	  mkdir -p fuzz/corpus/$$t; \
 	  cargo +nightly fuzz run $$t fuzz/corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 2>&1 \
 	    | tee fuzz/last-$$t.log | grep -E "stat::number_of_executed_units|Done|ERROR|panicked" ; \
+	  if grep -qE "ERROR: libFuzzer|panicked at" fuzz/last-$$t.log; then \
+	    echo "fuzz-smoke: $$t failed (fuzz/last-$$t.log; the input is under fuzz/artifacts/$$t)" >&2; exit 1; fi; \
 	done
 
 # The short run `make test` does: each target for a few seconds from its committed
@@ -98,6 +100,8 @@ fuzz-smoke: fuzz-tools
 	  mkdir -p "$$scratch/$$t"; \
 	  cargo +nightly fuzz run $$t "$$scratch/$$t" fuzz/corpus/$$t -- -max_total_time=8 -print_final_stats=1 2>&1 \
 	    | tee fuzz/last-$$t.log | grep -E "stat::number_of_executed_units|Done|ERROR|panicked" ; \
+	  if grep -qE "ERROR: libFuzzer|panicked at" fuzz/last-$$t.log; then \
+	    echo "fuzz-smoke: $$t failed (fuzz/last-$$t.log; the input is under fuzz/artifacts/$$t)" >&2; exit 1; fi; \
 	done
 
 # The bench with every baseline engine; pass arguments with ARGS="--workload ycsb-b ...".
