@@ -284,7 +284,9 @@ pub(super) fn read_hello_reply(conn: &mut Stream) -> std::result::Result<(Header
             Err(e) if n == 0 => return Err(HelloReply::Io(e)),
             Err(_) => break,
         }
-        if n >= 4 && hdr[..4] != proto::MAGIC.to_le_bytes() {
+        // Not an embank frame: read on to the end of its first line (or the header's
+        // length, or the peer's end), so the message names what answered whole.
+        if n >= 4 && hdr[..4] != proto::MAGIC.to_le_bytes() && hdr[..n].contains(&b'\n') {
             break;
         }
     }
