@@ -388,10 +388,11 @@ fn answer(mut stream: TcpStream, store: &Store, metrics: &Metrics) -> std::io::R
         ),
         _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),
     };
-    write!(
-        stream,
+    // One write: `write!` on the socket would send each piece of the format apart.
+    let reply = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
-    )?;
+    );
+    stream.write_all(reply.as_bytes())?;
     stream.flush()
 }
