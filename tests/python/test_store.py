@@ -423,3 +423,19 @@ def test_abandoned_export_does_not_block_close(store_path: Path) -> None:
     with pytest.raises(embank.StoreClosedError):
         for _ in it:
             pass
+
+
+@pytest.mark.parametrize("huge_pages,random_access", [(True, True), (False, False)])
+def test_paging_options_keep_rows_across_a_reopen(
+    tmp_path: Path, huge_pages: bool, random_access: bool
+) -> None:
+    """``huge_pages`` (MADV_HUGEPAGE) and ``mmap_random_access=False`` change only how the
+    kernel pages the mapped files: rows written, grown and reopened read back the same."""
+    keys = np.arange(5000, dtype=np.uint64)
+    rows = np.random.default_rng(1).standard_normal((5000, 8)).astype(np.float32)
+    with embank.open(tmp_path / "s", huge_pages=huge_pages, mmap_random_access=random_access) as s:
+        t = s.create_table("t", dim=8, capacity=64)  # grows: the new index is advised too
+        t.push(keys, rows)
+        np.testing.assert_array_equal(t.pull(keys), rows)
+    with embank.open(tmp_path / "s", huge_pages=huge_pages, mmap_random_access=random_access) as s:
+        np.testing.assert_array_equal(s.table("t").pull(keys), rows)
