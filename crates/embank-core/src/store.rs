@@ -500,6 +500,13 @@ impl Store {
         inner.ckpts.lock().seq_of(batch_id)
     }
 
+    /// Table `name` and the seq of its retained checkpoint `batch_id`.
+    fn table_at(&self, name: &str, batch_id: u64) -> Result<(Table, u64)> {
+        let guard = self.inner.read();
+        let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        Ok((self.table(name)?, self.checkpoint_seq(inner, batch_id)?))
+    }
+
     /// Streams every `(key, row)` of table `name` as it was at checkpoint `batch_id`,
     /// while training goes on: a consistent snapshot (what an inference fleet loads).
     /// Fails if the checkpoint is dropped before the export ends.
@@ -510,11 +517,7 @@ impl Store {
         chunk_keys: usize,
         f: impl FnMut(&[u64], &[f32]) -> Result<()>,
     ) -> Result<()> {
-        let (table, seq) = {
-            let guard = self.inner.read();
-            let inner = guard.as_ref().ok_or_else(|| self.closed())?;
-            (self.table(name)?, self.checkpoint_seq(inner, batch_id)?)
-        };
+        let (table, seq) = self.table_at(name, batch_id)?;
         table.export_at(seq, chunk_keys, AtExport::default(), f)?;
         let guard = self.inner.read();
         let inner = guard.as_ref().ok_or_else(|| self.closed())?;
@@ -537,11 +540,7 @@ impl Store {
         keys: &mut Vec<u64>,
         rows: &mut Vec<f32>,
     ) -> Result<Option<crate::ExportCursor>> {
-        let (table, seq) = {
-            let guard = self.inner.read();
-            let inner = guard.as_ref().ok_or_else(|| self.closed())?;
-            (self.table(name)?, self.checkpoint_seq(inner, batch_id)?)
-        };
+        let (table, seq) = self.table_at(name, batch_id)?;
         let _pin = self.pin_checkpoint(seq)?;
         table.export_page_at(seq, cursor, chunk_keys, keys, rows)
     }
@@ -578,11 +577,7 @@ impl Store {
         out: &mut [f32],
         found: &mut [bool],
     ) -> Result<()> {
-        let (table, seq) = {
-            let guard = self.inner.read();
-            let inner = guard.as_ref().ok_or_else(|| self.closed())?;
-            (self.table(name)?, self.checkpoint_seq(inner, batch_id)?)
-        };
+        let (table, seq) = self.table_at(name, batch_id)?;
         let _pin = self.pin_checkpoint(seq)?;
         table.lookup_at(seq, keys, out, found)
     }
@@ -646,11 +641,7 @@ impl Store {
     /// The incremental export since checkpoint `batch_id`: the current rows of the keys
     /// of table `name` written since, and the keys deleted since (absent now).
     pub fn export_changes(&self, name: &str, batch_id: u64) -> Result<(Vec<u64>, Vec<f32>, Vec<u64>)> {
-        let (table, seq) = {
-            let guard = self.inner.read();
-            let inner = guard.as_ref().ok_or_else(|| self.closed())?;
-            (self.table(name)?, self.checkpoint_seq(inner, batch_id)?)
-        };
+        let (table, seq) = self.table_at(name, batch_id)?;
         let keys = table.changed_keys(seq)?;
         let mut rows = vec![0f32; keys.len() * table.dim()];
         let mut found = vec![false; keys.len()];

@@ -37,6 +37,16 @@ impl ExportCursor {
     const CHANGED: u64 = u64::MAX - 1;
 }
 
+/// Appends the `(key, record)` pairs of whole index buckets from `bucket` on while
+/// another bucket's worth still fits in `chunk_keys`; returns the next bucket.
+fn page_of_buckets(st: &State, mut bucket: u64, chunk_keys: usize, pairs: &mut Vec<(u64, u64)>) -> u64 {
+    while bucket < st.index.bucket_count() && pairs.len() + SLOTS_PER_BUCKET <= chunk_keys {
+        st.index.for_each(bucket, bucket + 1, |key, ptr| pairs.push((key, ptr)));
+        bucket += 1;
+    }
+    bucket
+}
+
 impl Table {
     fn grew_during_export(&self) -> Error {
         Error::new(
@@ -130,10 +140,7 @@ impl Table {
         }
         let _pin = crossbeam_epoch::pin();
         let mut items = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
-        while bucket < st.index.bucket_count() && items.len() + SLOTS_PER_BUCKET <= chunk_keys {
-            st.index.for_each(bucket, bucket + 1, |key, ptr| items.push((key, ptr)));
-            bucket += 1;
-        }
+        bucket = page_of_buckets(st, bucket, chunk_keys, &mut items);
         self.read_records(st, &items, rows, false)?;
         keys.extend(items.iter().map(|&(k, _)| k));
         Ok((bucket < st.index.bucket_count()).then_some(ExportCursor { generation, bucket }))
@@ -254,10 +261,7 @@ impl Table {
                     return Err(self.grew_during_export());
                 }
                 let _pin = crossbeam_epoch::pin();
-                while bucket < st.index.bucket_count() && pairs.len() + SLOTS_PER_BUCKET <= chunk_keys {
-                    st.index.for_each(bucket, bucket + 1, |key, ptr| pairs.push((key, ptr)));
-                    bucket += 1;
-                }
+                bucket = page_of_buckets(st, bucket, chunk_keys, &mut pairs);
                 // Read the journals after the index: an index change is journaled before it
                 // happens, so every changed key the page saw has its entry by now.
                 if !how.writers_held {
@@ -383,11 +387,7 @@ impl Table {
             }
             let _pin = crossbeam_epoch::pin();
             let mut pairs = Vec::with_capacity(chunk_keys + SLOTS_PER_BUCKET);
-            let mut bucket = cursor.bucket;
-            while bucket < st.index.bucket_count() && pairs.len() + SLOTS_PER_BUCKET <= chunk_keys {
-                st.index.for_each(bucket, bucket + 1, |key, ptr| pairs.push((key, ptr)));
-                bucket += 1;
-            }
+            let bucket = page_of_buckets(st, cursor.bucket, chunk_keys, &mut pairs);
             // The journals after the index (as in `export_at`): a key the page saw changed
             // has its entry by now.
             self.shared.checkpoints.changed_since(seq, &mut journals, &mut first);
