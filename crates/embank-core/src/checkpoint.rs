@@ -400,12 +400,18 @@ impl TableCheckpoints {
     /// Starts the interval of checkpoint `seq` (the gate is held exclusively): a new,
     /// empty undo journal — the spare prepared after the last checkpoint, renamed — and
     /// returns the one it replaces.
+    ///
+    /// The spare's lock is held until it is renamed: the housekeeping job, which may run
+    /// meanwhile, renames a dropped journal onto the spare's name only while it finds no
+    /// spare, and must not do so between the take and the rename (it would replace the
+    /// file being adopted, and the adopted journal would write to an unlinked file).
     pub fn start_interval(&self, seq: u64) -> Result<Option<Arc<Journal>>> {
-        let spare = self.spare.lock().take();
-        let j = match spare {
+        let mut spare = self.spare.lock();
+        let j = match spare.take() {
             Some(sp) => sp.adopt(&self.dir, seq)?,
             None => Journal::create(&self.dir, seq)?,
         };
+        drop(spare);
         Ok(self.journal.write().replace(Arc::new(j)))
     }
 
