@@ -177,3 +177,38 @@ pub fn device(
         file_bytes: total,
     })
 }
+
+/// Payload bandwidth of one loopback TCP stream in GB/s: a thread writes 256 KiB
+/// buffers to a socket on 127.0.0.1 for `seconds`, another reads them (the kernel copies
+/// every byte in and out, as it does for a networked engine's replies); best of 3. The
+/// most a networked engine's replies can carry between two processes of this machine.
+pub fn loopback_tcp(seconds: f64) -> std::io::Result<f64> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let writer = std::thread::spawn(move || -> std::io::Result<()> {
+            let mut s = std::net::TcpStream::connect(addr)?;
+            let buf = vec![7u8; 256 << 10];
+            let end = Instant::now() + Duration::from_secs_f64(seconds / 3.0);
+            while Instant::now() < end {
+                s.write_all(&buf)?;
+            }
+            Ok(())
+        });
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; 256 << 10];
+        let (t, mut bytes) = (Instant::now(), 0u64);
+        loop {
+            match s.read(&mut buf)? {
+                0 => break,
+                n => bytes += n as u64,
+            }
+        }
+        let secs = t.elapsed().as_secs_f64();
+        writer.join().expect("loopback writer thread")?;
+        best = best.max(bytes as f64 / secs / 1e9);
+    }
+    Ok(best)
+}

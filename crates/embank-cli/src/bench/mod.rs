@@ -267,6 +267,9 @@ pub struct Report {
     pub copy_gb_per_second: f64,
     pub copy_bound_keys_per_second: f64,
     pub gather_keys_per_second: f64,
+    /// Payload bandwidth of one loopback TCP stream, GB/s (measured when a networked
+    /// engine runs: `embank-tcp`, `redis`).
+    pub loopback_gb_per_second: Option<f64>,
     /// The device's random read and mixed read/write rates at the block medium's record
     /// size (measured when a block-medium engine runs).
     pub device: Option<limits::DeviceLimits>,
@@ -589,6 +592,19 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         Some(d)
     };
 
+    // What one loopback TCP stream carries: the transport's limit for networked engines.
+    let loopback = if args.skip_limits || !args.engines.iter().any(|e| e == "embank-tcp" || e == "redis") {
+        None
+    } else {
+        let gbs = limits::loopback_tcp(args.duration.min(3.0)).map_err(|e| format!("loopback TCP stream: {e}"))?;
+        println!(
+            "limits: one loopback TCP stream carries {gbs:.2} GB/s: {:.2} M rows/s of {} B (f32 on the wire)",
+            gbs * 1e9 / (dim * 4) as f64 / 1e6,
+            dim * 4
+        );
+        Some(gbs)
+    };
+
     // What keeping a checkpoint's old rows costs on this access pattern, whoever keeps them.
     let checkpoint_pattern = if args.skip_limits || args.workload != Workload::Train || args.checkpoint_every == 0 {
         None
@@ -692,6 +708,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         copy_gb_per_second: copy,
         copy_bound_keys_per_second: copy_bound,
         gather_keys_per_second: gather,
+        loopback_gb_per_second: loopback,
         device,
         checkpoint_pattern,
         engines: results,

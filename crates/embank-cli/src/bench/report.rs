@@ -60,6 +60,20 @@ pub(super) fn print_table(r: &Report) {
     if !home.is_empty() {
         println!("lookups answered from their home index bucket: {}", home.join(", "));
     }
+    if let Some(gbs) = r.loopback_gb_per_second {
+        // Networked engines' reply payload (rows travel as f32 whatever they are stored
+        // as) against one loopback TCP stream.
+        let row = r.dim as f64 * 4.0;
+        let net: Vec<String> = r
+            .engines
+            .iter()
+            .filter(|e| e.skipped.is_none() && (e.engine == "embank-tcp" || e.engine == "redis"))
+            .map(|e| format!("{} {}", e.engine, share(e.keys_per_second * row / (gbs * 1e9))))
+            .collect();
+        if !net.is_empty() {
+            println!("reply payload of a loopback TCP stream's {gbs:.2} GB/s: {}", net.join(", "));
+        }
+    }
     if let Some(p) = &r.checkpoint_pattern {
         println!(
             "checkpoint floor: keeping the old rows runs this pattern at {:.2}x of its speed without checkpoints \
