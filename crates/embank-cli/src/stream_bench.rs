@@ -52,6 +52,10 @@ pub struct StreamBenchArgs {
     /// Seconds of each read run.
     #[arg(long, default_value_t = 5.0)]
     pub seconds: f64,
+    /// The replica's `ingest_share` in the reads-during-ingest run: the most of one core
+    /// its applier takes while reads arrive (1.0: it never gives way to them).
+    #[arg(long, default_value_t = 0.5)]
+    pub ingest_share: f64,
     /// Training batches between checkpoints in the training-cost run.
     #[arg(long, default_value_t = 100)]
     pub checkpoint_every: u64,
@@ -164,33 +168,38 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     publisher.flush(Duration::from_secs(600)).map_err(e)?;
     let last_seq = trainer.checkpoints().map_err(e)?.last().unwrap().seq;
     let table = replica_store.table("emb").map_err(e)?;
-    let mut keys = KeyStream::new(a.rows, 0.99, 7)?;
-    let read_for =
-        |secs: f64, keys: &mut KeyStream, until_seq: Option<(&Replica, u64)>| -> Result<(f64, f64), String> {
-            let (mut out, mut found) = (vec![0f32; BATCH * dim], vec![false; BATCH]);
-            let until = Instant::now() + Duration::from_secs_f64(secs);
-            let started = Instant::now();
-            let mut n = 0u64;
-            while Instant::now() < until {
-                if let Some((r, seq)) = until_seq {
-                    if r.status().checkpoint_seq.is_some_and(|s| s >= seq) {
-                        break;
-                    }
+    // The read batches drawn beforehand (the Zipf draw is not what is measured), replayed.
+    let batches = KeyStream::new(a.rows, 0.99, 7)?.batches(4096, BATCH);
+    let mut keys = batches.chunks(BATCH).cycle();
+    let read_for = |secs: f64,
+                    keys: &mut dyn Iterator<Item = &[u64]>,
+                    until_seq: Option<(&Replica, u64)>|
+     -> Result<(f64, f64), String> {
+        let (mut out, mut found) = (vec![0f32; BATCH * dim], vec![false; BATCH]);
+        let until = Instant::now() + Duration::from_secs_f64(secs);
+        let started = Instant::now();
+        let mut n = 0u64;
+        while Instant::now() < until {
+            if let Some((r, seq)) = until_seq {
+                if r.status().checkpoint_seq.is_some_and(|s| s >= seq) {
+                    break;
                 }
-                let batch = keys.batches(1, BATCH);
-                // A running replica's reads go through its served view, as `embank serve`'s do.
-                match until_seq {
-                    Some((r, _)) => r.view().lookup(&table, &batch, &mut out, &mut found),
-                    None => table.lookup(&batch, &mut out, &mut found),
-                }
-                .map_err(|e| e.to_string())?;
-                n += BATCH as u64;
             }
-            let secs = started.elapsed().as_secs_f64();
-            Ok((n as f64 / secs, secs))
-        };
+            let batch = keys.next().expect("cycles");
+            // A running replica's reads go through its served view, as `embank serve`'s do.
+            match until_seq {
+                Some((r, _)) => r.view().lookup(&table, batch, &mut out, &mut found),
+                None => table.lookup(batch, &mut out, &mut found),
+            }
+            .map_err(|e| e.to_string())?;
+            n += BATCH as u64;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        Ok((n as f64 / secs, secs))
+    };
     let (idle, _) = read_for(a.seconds, &mut keys, None)?;
-    let mut replica = Replica::start(Arc::clone(&replica_store), ReplicaOptions::new(stream("ingest"))).map_err(e)?;
+    let reading = ReplicaOptions { ingest_share: a.ingest_share, ..ReplicaOptions::new(stream("ingest")) };
+    let mut replica = Replica::start(Arc::clone(&replica_store), reading).map_err(e)?;
     let ingest_rows = replica.status().rows;
     let (busy, busy_secs) = read_for(a.seconds, &mut keys, Some((&replica, last_seq)))?;
     let busy_ingest = (replica.status().rows - ingest_rows) as f64 / busy_secs;

@@ -235,7 +235,7 @@ impl ServeConfig {
         c.server_options()?;
         c.store_options()?;
         if let Some(u) = &c.updates {
-            u.stream.validate()?;
+            u.validate()?;
         }
         c.table_options()?;
         Ok(c)
@@ -544,7 +544,16 @@ mod tests {
             .collect();
         let c = ServeConfig::parse(&format!("store = 'x'\n{block}")).unwrap();
         let u = c.updates.as_ref().unwrap();
-        assert_eq!((u.partition, u.stream.topic.as_str()), (0, "embank-updates"));
+        assert_eq!((u.partition, u.stream.topic.as_str(), u.ingest_share), (0, "embank-updates", 0.5));
+        for bad in ["0", "1.5"] {
+            let e =
+                err(&format!("store = 'x'\n[updates]\ntransport = 'kafka'\nbrokers = 'x:9092'\ningest_share = {bad}"));
+            assert!(e.contains("ingest_share must be in (0, 1]"), "{e}");
+        }
+        let whole =
+            ServeConfig::parse("store = 'x'\n[updates]\ntransport = 'kafka'\nbrokers = 'x:9092'\ningest_share = 1")
+                .unwrap();
+        assert_eq!(whole.updates.unwrap().ingest_share, 1.0);
         assert!(c.server_options().unwrap().read_only.unwrap().contains("replica of kafka://10.0.0.5:9092"));
         assert!(err("store = 'x'\n[updates]\ntransport = 'carrier-pigeon'\nbrokers = 'x'").contains("carrier-pigeon"));
         assert!(err("store = 'x'\n[updates]\ntransport = 'redis'\nbrokers = ''").contains("brokers"));

@@ -52,11 +52,70 @@ pub struct ReplicaOptions {
     /// The token the siblings require (the server's own `token`; set by `embank serve`).
     #[serde(skip)]
     pub bootstrap_token: Option<String>,
+    /// The most of one core the applier takes while the replica serves reads, in (0, 1]
+    /// (default 0.5): it applies a message's rows in chunks of [`INGEST_CHUNK_ROWS`], and
+    /// after a chunk during which reads arrived it rests in proportion to the chunk's
+    /// time. Reads then keep most of the machine while a backlog is applied; with no
+    /// reads it applies at full speed. 1.0: never rest.
+    #[serde(default = "default_ingest_share")]
+    pub ingest_share: f64,
+}
+
+/// Rows of a message applied between two looks at the reads (see
+/// [`ReplicaOptions::ingest_share`]); also the most a read waits behind in the overlay.
+pub const INGEST_CHUNK_ROWS: usize = 1024;
+
+fn default_ingest_share() -> f64 {
+    0.5
 }
 
 impl ReplicaOptions {
     pub fn new(stream: StreamConfig) -> ReplicaOptions {
-        ReplicaOptions { stream, partition: 0, start: Start::Earliest, bootstrap: Vec::new(), bootstrap_token: None }
+        ReplicaOptions {
+            stream,
+            partition: 0,
+            start: Start::Earliest,
+            bootstrap: Vec::new(),
+            bootstrap_token: None,
+            ingest_share: default_ingest_share(),
+        }
+    }
+}
+
+impl ReplicaOptions {
+    /// The stream's settings and `ingest_share`.
+    pub fn validate(&self) -> Result<()> {
+        self.stream.validate()?;
+        if !(self.ingest_share > 0.0 && self.ingest_share <= 1.0) {
+            return Err(Error::config(format!(
+                "updates.ingest_share must be in (0, 1] (the most of one core ingest takes while reads are \
+                 served), not {}",
+                self.ingest_share
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The applier's pace while reads arrive (see [`ReplicaOptions::ingest_share`]).
+struct Pacer {
+    share: f64,
+    reads_seen: u64,
+}
+
+impl Pacer {
+    /// After `work` spent applying: rests `work * (1 / share - 1)` if reads arrived
+    /// meanwhile (at most 100 ms at a time, so a stop is noticed).
+    fn after(&mut self, view: &ServedView, work: Duration) {
+        let reads = view.reads();
+        let busy = reads != self.reads_seen;
+        self.reads_seen = reads;
+        if busy && self.share < 1.0 {
+            let rest = work.mul_f64(1.0 / self.share - 1.0).min(Duration::from_millis(100));
+            std::thread::sleep(rest);
+            // Reads during the rest are what it gave way to, not a reason to rest again.
+            self.reads_seen = view.reads();
+        }
     }
 }
 
@@ -140,7 +199,7 @@ impl Replica {
     /// Starts applying the stream to `store` from the position of its newest checkpoint
     /// of this stream (or `start`). Does not wait for the broker.
     pub fn start(store: Arc<Store>, opts: ReplicaOptions) -> Result<Replica> {
-        opts.stream.validate()?;
+        opts.validate()?;
         let last = store.checkpoints()?.iter().rev().find_map(|c| ReplicaMeta::parse(&c.meta));
         let mut status = ReplicaStatus {
             stream: opts.stream.describe(),
@@ -457,6 +516,7 @@ fn apply_all(
     // Tables under a full snapshot, by name. Rebuilt from the reset after a retry: the
     // stream is read again from the last commit.
     let mut resyncs: HashMap<String, Resync> = HashMap::new();
+    let mut pacer = Pacer { share: s.opts.ingest_share, reads_seen: s.view.reads() };
     while !s.stop.load(Ordering::Relaxed) {
         let (position, m) = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(r) => r?,
@@ -474,7 +534,7 @@ fn apply_all(
             s.status.lock().repeats += 1;
             continue;
         }
-        apply(s, &m, &mut resyncs)?;
+        apply(s, &m, &mut resyncs, &mut pacer)?;
         let mut st = s.status.lock();
         st.messages += 1;
         match m.kind {
@@ -523,7 +583,7 @@ fn apply_all(
     Ok(())
 }
 
-fn apply(s: &Shared, m: &message::Message, resyncs: &mut HashMap<String, Resync>) -> Result<()> {
+fn apply(s: &Shared, m: &message::Message, resyncs: &mut HashMap<String, Resync>, pacer: &mut Pacer) -> Result<()> {
     let table = |create: bool| -> Result<Option<embank_core::Table>> {
         match s.store.table(&m.table) {
             Ok(t) => {
@@ -551,8 +611,16 @@ fn apply(s: &Shared, m: &message::Message, resyncs: &mut HashMap<String, Resync>
                 r.mark(&m.keys);
             }
             let t = table(true)?.expect("created");
-            s.view.keep(&t, &m.keys)?;
-            t.push(&m.keys, &m.rows)
+            // In chunks: a read waits behind one chunk's overlay update at most, and the
+            // pacer looks at the reads between chunks.
+            let d = t.dim();
+            for (keys, rows) in m.keys.chunks(INGEST_CHUNK_ROWS).zip(m.rows.chunks(INGEST_CHUNK_ROWS * d)) {
+                let started = Instant::now();
+                s.view.keep(&t, keys)?;
+                t.push(keys, rows)?;
+                pacer.after(&s.view, started.elapsed());
+            }
+            Ok(())
         }
         Kind::Deletes => match table(false)? {
             Some(t) => {
@@ -608,7 +676,7 @@ mod tests {
         messages
             .iter()
             .map(|m| {
-                apply(s, m, &mut resyncs).unwrap();
+                apply(s, m, &mut resyncs, &mut Pacer { share: 1.0, reads_seen: 0 }).unwrap();
                 if m.kind == Kind::Commit {
                     sweep(s, &mut resyncs, m.checkpoint.seq).unwrap();
                 }
@@ -684,5 +752,67 @@ mod tests {
             ],
         );
         assert_eq!(after[3], (0..30).chain(200..201).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_message_larger_than_a_chunk_is_applied_whole_and_reads_see_the_served_rows_until_its_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = shared(dir.path());
+        let n = (INGEST_CHUNK_ROWS * 2 + 7) as u64;
+        serving(&s, 0..n);
+        s.view.commit(1);
+        let t = s.store.table("emb").unwrap();
+        let keys: Vec<u64> = (0..n).collect();
+        let (mut out, mut found) = (vec![0f32; keys.len() * DIM], vec![false; keys.len()]);
+        // Checkpoint 2 rewrites every key, three chunks of one message, with reads between.
+        let mut resyncs = HashMap::new();
+        let mut pacer = Pacer { share: 0.5, reads_seen: s.view.reads() };
+        apply(&s, &message(Kind::Rows, 2, 0..n), &mut resyncs, &mut pacer).unwrap();
+        s.view.lookup(&t, &keys, &mut out, &mut found).unwrap();
+        assert!(out.iter().all(|&x| x == 1.0) && found.iter().all(|&f| f), "reads see checkpoint 1 until the commit");
+        s.view.commit(2);
+        s.view.lookup(&t, &keys, &mut out, &mut found).unwrap();
+        assert!(out.iter().all(|&x| x == 2.0), "every chunk was applied");
+    }
+
+    #[test]
+    fn the_applier_rests_only_after_reads_and_in_proportion_to_its_share() {
+        let view = ServedView::new(STAGED_BYTES_MAX_DEFAULT);
+        let dir = tempfile::tempdir().unwrap();
+        let s = shared(dir.path());
+        serving(&s, 0..10);
+        let t = s.store.table("emb").unwrap();
+        let work = Duration::from_millis(20);
+        let mut pacer = Pacer { share: 0.25, reads_seen: view.reads() };
+        // No read since the last look: no rest.
+        let started = Instant::now();
+        pacer.after(&view, work);
+        assert!(started.elapsed() < Duration::from_millis(50), "rested {:?} with no reads", started.elapsed());
+        // A read arrived: it rests work * (1 / 0.25 - 1) = 60 ms.
+        let (mut out, mut found) = (vec![0f32; DIM], vec![false; 1]);
+        view.lookup(&t, &[3], &mut out, &mut found).unwrap();
+        let started = Instant::now();
+        pacer.after(&view, work);
+        let rested = started.elapsed();
+        assert!(rested >= Duration::from_millis(60), "rested {rested:?} after a read");
+        // Share 1.0 never rests.
+        view.lookup(&t, &[3], &mut out, &mut found).unwrap();
+        let mut full = Pacer { share: 1.0, reads_seen: 0 };
+        let started = Instant::now();
+        full.after(&view, work);
+        assert!(started.elapsed() < Duration::from_millis(50));
+    }
+
+    #[test]
+    fn an_ingest_share_outside_zero_to_one_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(dir.path(), StoreOptions::default()).unwrap());
+        for bad in [0.0, -0.5, 1.5, f64::NAN] {
+            let mut opts = ReplicaOptions::new(StreamConfig::new(TransportKind::Redis, "redis://127.0.0.1:1"));
+            opts.ingest_share = bad;
+            let e = Replica::start(Arc::clone(&store), opts).err().expect("refused");
+            assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+            assert!(e.to_string().contains("ingest_share"), "{e}");
+        }
     }
 }

@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use embank_core::hash::IdMap;
 use embank_core::{Error, ErrorKind, Result, Store, Table};
 
 use super::replica::ReplicaMeta;
@@ -28,7 +29,9 @@ pub const STAGED_BYTES_MAX_DEFAULT: u64 = 256 << 20;
 
 /// One table's kept rows: key → what a lookup answered for it at the served checkpoint
 /// (the row, the missing-row default when absent, and whether it was found).
-type Kept = HashMap<u64, (Box<[f32]>, bool)>;
+/// Hashed with the store's id hasher: a read probes it once per key while a checkpoint
+/// is applied (SipHash made that probe cost as much as the lookup itself).
+type Kept = IdMap<(Box<[f32]>, bool)>;
 
 /// A replica's served view (see the module docs). Shared by the applier and the server.
 pub struct ServedView {
@@ -46,6 +49,8 @@ pub struct ServedView {
     served: AtomicU64,
     /// Set while a new replica copies a sibling's checkpoint: it takes no reads yet.
     bootstrapping: AtomicBool,
+    /// Reads through the view so far: the applier paces itself while it moves.
+    reads: AtomicU64,
 }
 
 /// [`ServedView::served`] before the first checkpoint.
@@ -62,7 +67,14 @@ impl ServedView {
             given_up_total: AtomicU64::new(0),
             served: AtomicU64::new(NONE),
             bootstrapping: AtomicBool::new(false),
+            reads: AtomicU64::new(0),
         }
+    }
+
+    /// Reads through the view so far (the applier yields to them, see
+    /// `ReplicaOptions::ingest_share`).
+    pub fn reads(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
     }
 
     /// Whether the replica is still copying a sibling's checkpoint (reads are refused
@@ -114,6 +126,7 @@ impl ServedView {
         found: &mut [bool],
     ) -> Result<bool> {
         let d = table.dim();
+        self.reads.fetch_add(1, Ordering::Relaxed);
         loop {
             let before = self.generation.load(Ordering::Acquire);
             if before & 1 == 1 {
@@ -126,7 +139,7 @@ impl ServedView {
             table.lookup(keys, out, found)?;
             {
                 let overlay = self.overlay.read();
-                if let Some(kept) = overlay.get(table.name()) {
+                if let Some(kept) = overlay.get(table.name()).filter(|k| !k.is_empty()) {
                     for (i, k) in keys.iter().enumerate() {
                         if let Some((row, was_found)) = kept.get(k) {
                             out[i * d..(i + 1) * d].copy_from_slice(row);
