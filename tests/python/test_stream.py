@@ -239,6 +239,18 @@ def test_publisher_raises_when_the_broker_stays_down(tmp_path: Path, redis: Redi
             assert pub.status()["full_snapshots"] == 2
 
 
+def test_a_flush_before_the_first_checkpoint_returns_at_once(tmp_path: Path, redis: Redis) -> None:
+    with embank.open(tmp_path / "trainer") as trainer:
+        trainer.create_table("emb", dim=DIM, optimizer=embank.optim.SGD(lr=0.1))
+        with trainer.publisher("redis", redis.url, topic="none-yet", timeout=1) as pub:
+            started = time.monotonic()
+            pub.flush(timeout=20)  # waited out the whole timeout, then raised
+            assert time.monotonic() - started < 10
+            train(trainer, range(1, 2), np.random.default_rng(5))
+            pub.flush(timeout=30)
+            assert pub.status()["published_batch_id"] == 1
+
+
 def test_the_old_name_of_a_bound_still_works_and_warns(tmp_path: Path, redis: Redis) -> None:
     with embank.open(tmp_path / "trainer") as trainer:
         with pytest.warns(DeprecationWarning, match="max_pending= is deprecated: use checkpoints"):

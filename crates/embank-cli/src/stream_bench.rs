@@ -171,37 +171,40 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     // The read batches drawn beforehand (the Zipf draw is not what is measured), replayed.
     let batches = KeyStream::new(a.rows, 0.99, 7)?.batches(4096, BATCH);
     let mut keys = batches.chunks(BATCH).cycle();
+    // Keys/s, seconds, and the share of a core the reading thread had.
     let read_for = |secs: f64,
                     keys: &mut dyn Iterator<Item = &[u64]>,
                     until_seq: Option<(&Replica, u64)>|
-     -> Result<(f64, f64), String> {
+     -> Result<(f64, f64, f64), String> {
         let (mut out, mut found) = (vec![0f32; BATCH * dim], vec![false; BATCH]);
+        let view = until_seq.map(|(r, _)| r.view());
         let until = Instant::now() + Duration::from_secs_f64(secs);
-        let started = Instant::now();
+        let (started, cpu0) = (Instant::now(), own_cpu_seconds());
         let mut n = 0u64;
         while Instant::now() < until {
-            if let Some((r, seq)) = until_seq {
+            // The replica's status (a lock and a copy) every 16 batches, not every batch.
+            if let Some((r, seq)) = until_seq.filter(|_| n % (16 * BATCH as u64) == 0) {
                 if r.status().checkpoint_seq.is_some_and(|s| s >= seq) {
                     break;
                 }
             }
             let batch = keys.next().expect("cycles");
             // A running replica's reads go through its served view, as `embank serve`'s do.
-            match until_seq {
-                Some((r, _)) => r.view().lookup(&table, batch, &mut out, &mut found),
+            match &view {
+                Some(v) => v.lookup(&table, batch, &mut out, &mut found),
                 None => table.lookup(batch, &mut out, &mut found),
             }
             .map_err(|e| e.to_string())?;
             n += BATCH as u64;
         }
         let secs = started.elapsed().as_secs_f64();
-        Ok((n as f64 / secs, secs))
+        Ok((n as f64 / secs, secs, (own_cpu_seconds() - cpu0) / secs))
     };
-    let (idle, _) = read_for(a.seconds, &mut keys, None)?;
+    let (idle, _, idle_cpu) = read_for(a.seconds, &mut keys, None)?;
     let reading = ReplicaOptions { ingest_share: a.ingest_share, ..ReplicaOptions::new(stream("ingest")) };
     let mut replica = Replica::start(Arc::clone(&replica_store), reading).map_err(e)?;
     let ingest_rows = replica.status().rows;
-    let (busy, busy_secs) = read_for(a.seconds, &mut keys, Some((&replica, last_seq)))?;
+    let (busy, busy_secs, busy_cpu) = read_for(a.seconds, &mut keys, Some((&replica, last_seq)))?;
     let busy_ingest = (replica.status().rows - ingest_rows) as f64 / busy_secs;
     wait_seq(&replica, last_seq, Duration::from_secs(600))?;
     let mut fresh: Vec<u64> = Vec::new();
@@ -221,6 +224,8 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     drop(publisher);
     report.insert("reads_idle_keys_per_second".into(), idle.into());
     report.insert("reads_during_ingest_keys_per_second".into(), busy.into());
+    report.insert("reader_cpu_share_idle".into(), idle_cpu.into());
+    report.insert("reader_cpu_share_during_ingest".into(), busy_cpu.into());
     report.insert("ingest_rows_per_second_while_reading".into(), busy_ingest.into());
     report.insert("freshness_p50_seconds".into(), p50.into());
     report.insert("freshness_p99_seconds".into(), p99.into());
@@ -260,13 +265,19 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
         "  push into a new table     {:>12.0} rows/s   (the same pushes without a stream: the ceiling)",
         push_rate
     );
-    println!("  ycsb-c reads, idle        {:>12.0} keys/s", idle);
     println!(
-        "  ycsb-c reads, ingesting   {:>12.0} keys/s   ({:.2}x idle, over {:.1} s of ingest at {:.0} rows/s)",
+        "  ycsb-c reads, idle        {:>12.0} keys/s   (the reader had {:.0} % of a core)",
+        idle,
+        idle_cpu * 100.0
+    );
+    println!(
+        "  ycsb-c reads, ingesting   {:>12.0} keys/s   ({:.2}x idle, over {:.1} s of ingest at {:.0} rows/s; the reader \
+         had {:.0} % of a core)",
         busy,
         busy / idle,
         busy_secs,
-        busy_ingest
+        busy_ingest,
+        busy_cpu * 100.0
     );
     println!(
         "  freshness                 p50 {:.3} s, p99 {:.3} s   ({} checkpoints of {} rows)",
@@ -377,4 +388,12 @@ fn thread_cpu_seconds(name: &str) -> Option<f64> {
         return Some((utime + stime) / ticks);
     }
     None
+}
+
+/// CPU seconds the calling thread has run.
+fn own_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to fill; CLOCK_THREAD_CPUTIME_ID needs nothing else.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }

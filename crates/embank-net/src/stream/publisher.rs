@@ -261,7 +261,11 @@ impl Publisher {
     /// with the last error if that takes longer than `timeout`, and at once (`Closed`)
     /// when the publisher is closed meanwhile.
     pub fn flush(&self, timeout: Duration) -> Result<()> {
-        let latest = self.shared.store.checkpoints()?.last().map(|c| c.seq).unwrap_or(0);
+        let Some(latest) = self.shared.store.checkpoints()?.last().map(|c| c.seq) else {
+            // No checkpoint yet: nothing to publish (a new publisher's pending snapshot
+            // waits for the first one).
+            return Ok(());
+        };
         let deadline = Instant::now() + timeout;
         let mut st = self.shared.state.lock();
         st.wanted = st.wanted.max(latest);
