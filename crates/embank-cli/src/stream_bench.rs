@@ -183,7 +183,7 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
         let mut n = 0u64;
         while Instant::now() < until {
             // The replica's status (a lock and a copy) every 16 batches, not every batch.
-            if let Some((r, seq)) = until_seq.filter(|_| n % (16 * BATCH as u64) == 0) {
+            if let Some((r, seq)) = until_seq.filter(|_| n.is_multiple_of(16 * BATCH as u64)) {
                 if r.status().checkpoint_seq.is_some_and(|s| s >= seq) {
                     break;
                 }
