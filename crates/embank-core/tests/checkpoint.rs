@@ -223,6 +223,18 @@ fn reopen(path: &std::path::Path, opts: &StoreOptions) -> Store {
 
 type Snapshot = (BTreeMap<u64, Vec<u32>>, BTreeMap<u64, Vec<u32>>);
 
+/// A store trained through batch 20 and checkpointed there, and its snapshot then.
+fn trained_to_20(dir: &std::path::Path) -> (Store, Snapshot) {
+    let store = Store::open(dir.join("s"), options()).unwrap();
+    create(&store);
+    for b in 1..=20 {
+        batch(&store, b);
+    }
+    store.checkpoint(20).unwrap();
+    let at20 = snapshot(&store);
+    (store, at20)
+}
+
 fn snapshot(store: &Store) -> Snapshot {
     (contents(&store.table("emb").unwrap()), contents(&store.table("blk").unwrap()))
 }
@@ -310,13 +322,7 @@ fn checkpoint_errors_and_retention() {
 #[test]
 fn export_at_a_checkpoint_while_training_goes_on() {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path().join("s"), options()).unwrap();
-    create(&store);
-    for b in 1..=20 {
-        batch(&store, b);
-    }
-    store.checkpoint(20).unwrap();
-    let at20 = snapshot(&store);
+    let (store, at20) = trained_to_20(dir.path());
     let stop = std::sync::atomic::AtomicBool::new(false);
     /// Stops the trainer however the exporting side ends (a failed assertion included).
     struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
@@ -382,13 +388,7 @@ fn export_at_a_checkpoint_while_training_goes_on() {
 #[test]
 fn paged_export_at_a_checkpoint_equals_its_export_while_training_runs_between_pages() {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path().join("s"), options()).unwrap();
-    create(&store);
-    for b in 1..=20 {
-        batch(&store, b);
-    }
-    store.checkpoint(20).unwrap();
-    let at20 = snapshot(&store);
+    let (store, at20) = trained_to_20(dir.path());
     let mut b = 21;
     for (name, want) in [("emb", &at20.0), ("blk", &at20.1)] {
         let (mut got, mut twice, mut restarts) = (BTreeMap::new(), 0, 0);

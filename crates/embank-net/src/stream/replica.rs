@@ -614,6 +614,14 @@ fn apply(s: &Shared, m: &message::Message, resyncs: &mut HashMap<String, Resync>
             // In chunks: a read waits behind one chunk's overlay update at most, and the
             // pacer looks at the reads between chunks.
             let d = t.dim();
+            if m.rows.len() != m.keys.len() * d {
+                return Err(Error::corrupt(format!(
+                    "a rows message of table {:?} holds {} floats for {} keys of dim {d}",
+                    m.table,
+                    m.rows.len(),
+                    m.keys.len()
+                )));
+            }
             for (keys, rows) in m.keys.chunks(INGEST_CHUNK_ROWS).zip(m.rows.chunks(INGEST_CHUNK_ROWS * d)) {
                 let started = Instant::now();
                 s.view.keep(&t, keys)?;
