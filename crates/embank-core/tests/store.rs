@@ -335,3 +335,70 @@ fn rows_read_ahead_survive_the_traffic_before_their_pull() {
     let hits = after.cache_hits - before.cache_hits;
     assert!(hits >= 790, "only {hits} of 800 rows read ahead were still cached");
 }
+
+/// Swaps the row pointers of two keys in a closed table's index file (slots are
+/// `(key, ptr)` pairs at byte 24 + 16 * slot of 256-byte buckets after a 4 KiB header).
+fn swap_row_pointers(index: &std::path::Path, a: u64, b: u64) {
+    let mut bytes = std::fs::read(index).unwrap();
+    let word = |bytes: &[u8], at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+    let slot_of = |bytes: &[u8], key: u64| {
+        (4096..bytes.len())
+            .step_by(256)
+            .flat_map(|bucket| (0..14).map(move |s| bucket + 24 + 16 * s))
+            .find(|&at| word(bytes, at) == key && word(bytes, at + 8) != 0)
+            .unwrap_or_else(|| panic!("key {key} not in the index"))
+    };
+    let (sa, sb) = (slot_of(&bytes, a), slot_of(&bytes, b));
+    let (pa, pb) = (word(&bytes, sa + 8), word(&bytes, sb + 8));
+    bytes[sa + 8..sa + 16].copy_from_slice(&pb.to_le_bytes());
+    bytes[sb + 8..sb + 16].copy_from_slice(&pa.to_le_bytes());
+    std::fs::write(index, bytes).unwrap();
+}
+
+#[test]
+fn an_index_pointing_a_key_at_another_keys_record_is_refused_by_every_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s");
+    let keys: Vec<u64> = (1000..1200).collect();
+    let rows: Vec<f32> = keys.iter().flat_map(|&k| [k as f32; 4]).collect();
+    {
+        let store = Store::open(&path, StoreOptions::default()).unwrap();
+        let t = store.create_table("t", opts(4)).unwrap();
+        t.push(&keys, &rows).unwrap();
+        drop(t);
+        store.close().unwrap();
+    }
+    let index = std::fs::read_dir(path.join("tables/0"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("index."))
+        .unwrap();
+    swap_row_pointers(&index, 1005, 1107);
+    let store = Store::open(&path, StoreOptions::default()).unwrap();
+    let t = store.table("t").unwrap();
+    // The bad key in the middle of a batch of good ones, for each read path.
+    let batch = [1001, 1002, 1005, 1003, 1004, 1006, 1007, 1008, 1009, 1010, 1011];
+    let mut out = vec![0f32; batch.len() * 4];
+    let mut found = vec![false; batch.len()];
+    let e = t.lookup(&batch, &mut out, &mut found).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "lookup: {e}");
+    assert!(e.to_string().contains("key 1005"), "lookup names the key: {e}");
+    let e = t.pull(&batch, &mut out).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "pull: {e}");
+    for create in [false, true] {
+        let e = t.with_rows(&batch, create, |_, _| ()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "with_rows (create {create}): {e}");
+        assert!(e.to_string().contains("key 1005"), "with_rows names the key: {e}");
+    }
+    // Nothing was written by the refused reads: the good keys read as before.
+    let good: Vec<u64> = keys.iter().copied().filter(|&k| k != 1005 && k != 1107).collect();
+    let mut out = vec![0f32; good.len() * 4];
+    let mut found = vec![false; good.len()];
+    t.lookup(&good, &mut out, &mut found).unwrap();
+    assert!(found.iter().all(|&f| f));
+    for (i, &k) in good.iter().enumerate() {
+        assert_eq!(out[i * 4..i * 4 + 4], [k as f32; 4], "key {k}");
+    }
+    assert_eq!(t.stats().unwrap().rows, keys.len() as u64);
+}

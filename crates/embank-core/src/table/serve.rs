@@ -43,19 +43,21 @@ impl Table {
                 index.prefetch(index.hash(keys[i + PREFETCH_KEYS_AHEAD]));
             }
             match index.get(key, index.hash(key)) {
-                Some(ptr) if medium.key_at(ptr) == key => {
+                Some(ptr) => {
                     // The kernel copies the rows out later: have them in cache by then.
                     medium.prefetch(ptr);
                     ptrs[i] = ptr
                 }
-                Some(_) => {
-                    return Err(Error::corrupt(format!(
-                        "table {:?}: the index points key {key} at a record of another key",
-                        self.shared.config.name
-                    )))
-                }
                 None => missing.push(i),
             }
+        }
+        // The records' keys are checked once every record has been asked for: checking
+        // each as it is found would wait for its line before the next key's probe.
+        if let Some(i) = (0..n).find(|&i| ptrs[i] != 0 && medium.key_at(ptrs[i]) != keys[i]) {
+            return Err(Error::corrupt(format!(
+                "table {:?}: the index points key {} at a record of another key",
+                self.shared.config.name, keys[i]
+            )));
         }
         let mut scratch = vec![0f32; missing.len() * d];
         if !missing.is_empty() {
