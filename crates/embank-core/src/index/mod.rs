@@ -277,7 +277,8 @@ impl Index {
         home_bucket(hash, self.bucket_mask)
     }
 
-    /// Hints the CPU to load the home bucket of a hash.
+    /// Hints the CPU to load the home bucket of a hash: all four lines, the checkpoint
+    /// marks (which a write's first-change check reads after its lookup) included.
     #[inline(always)]
     pub fn prefetch(&self, hash: u64) {
         let b = self.raw_bucket(home_bucket(hash, self.bucket_mask)) as *const Bucket as *const u8;
@@ -296,14 +297,6 @@ impl Index {
     #[inline]
     pub fn get(&self, key: u64, hash: u64) -> Option<u64> {
         self.find(key, hash).map(|f| f.ptr)
-    }
-
-    /// Hints the CPU to load the line of the home bucket's checkpoint marks (the last of
-    /// the bucket's four), which a write's first-change check reads after its lookup.
-    #[inline(always)]
-    pub fn prefetch_marks(&self, hash: u64) {
-        let b = self.raw_bucket(home_bucket(hash, self.bucket_mask));
-        crate::prefetch::prefetch_read(&b.marks as *const AtomicU64 as *const u8);
     }
 
     /// Whether the key at `(bucket, slot)` is marked journaled in the interval `tag`

@@ -29,6 +29,11 @@ impl Table {
         hashes.extend(keys.iter().map(|&k| index.hash(k)));
         let mut ptrs = vec![0u64; n];
         let mut missing = Vec::new();
+        // The first keys' buckets too: without them a batch began with a run of misses
+        // waited for one after another.
+        for &h in hashes.iter().take(PREFETCH_KEYS_AHEAD) {
+            index.prefetch(h);
+        }
         for i in 0..n {
             if i + PREFETCH_KEYS_AHEAD < n {
                 index.prefetch(hashes[i + PREFETCH_KEYS_AHEAD]);
@@ -83,6 +88,9 @@ impl Table {
         let hashes: Vec<u64> = miss.iter().map(|&i| index.hash(keys[i])).collect();
         let mut items = Vec::with_capacity(miss.len());
         let mut absent = Vec::new();
+        for &h in hashes.iter().take(PREFETCH_KEYS_AHEAD) {
+            index.prefetch(h);
+        }
         for (j, &i) in miss.iter().enumerate() {
             if j + PREFETCH_KEYS_AHEAD < miss.len() {
                 index.prefetch(hashes[j + PREFETCH_KEYS_AHEAD]);

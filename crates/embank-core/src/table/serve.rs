@@ -38,6 +38,9 @@ impl Table {
         let _pin = crossbeam_epoch::pin();
         let mut ptrs = vec![0u64; n];
         let mut missing = Vec::new();
+        for &key in keys.iter().take(PREFETCH_KEYS_AHEAD) {
+            index.prefetch(index.hash(key));
+        }
         for (i, &key) in keys.iter().enumerate() {
             if i + PREFETCH_KEYS_AHEAD < n {
                 index.prefetch(index.hash(keys[i + PREFETCH_KEYS_AHEAD]));

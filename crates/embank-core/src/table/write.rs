@@ -137,17 +137,13 @@ impl<'a> RecordWriter<'a> {
         }
     }
 
-    /// Hints the CPU to load what publishing `key` will read: its home bucket and, while a
-    /// checkpoint is retained, the bucket's marks line. Called a few keys ahead, so a
-    /// batch's index misses overlap instead of stalling one after the other.
+    /// Hints the CPU to load what publishing `key` will read: its home bucket, the
+    /// checkpoint marks line included. Called a few keys ahead, so a batch's index misses
+    /// overlap instead of stalling one after the other.
     #[inline]
     pub fn prefetch(&self, key: u64) {
         let index = &self.st.index;
-        let h = index.hash(key);
-        index.prefetch(h);
-        if self.interval != 0 {
-            index.prefetch_marks(h);
-        }
+        index.prefetch(index.hash(key));
     }
 
     /// Records allocated for this pass that will not be published (returned in `finish`).
