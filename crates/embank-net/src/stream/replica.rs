@@ -784,6 +784,69 @@ mod tests {
     }
 
     #[test]
+    fn reads_during_apply_never_mix_two_checkpoints() {
+        // Two threads: an applier rewriting every key in each checkpoint (128 messages of 16
+        // keys in a shuffled order), and a reader whose every batch (2000 keys: a long read) must come from one
+        // checkpoint (all rows equal) that only moves forward. The applier goes on until
+        // the reader has read 3000 batches.
+        let dir = tempfile::tempdir().unwrap();
+        let s = shared(dir.path());
+        let n = 2048u64;
+        serving(&s, 0..n);
+        s.view.commit(1);
+        let t = s.store.table("emb").unwrap();
+        let (stop, reads) = (AtomicBool::new(false), std::sync::atomic::AtomicU64::new(0));
+        std::thread::scope(|scope| {
+            let reader = scope.spawn(|| {
+                let (mut last, mut x) = (1.0f32, 0x9e37_79b9_7f4a_7c15u64);
+                let (mut out, mut found) = (vec![0f32; 2000 * DIM], vec![false; 2000]);
+                while !stop.load(Ordering::Acquire) {
+                    let keys: Vec<u64> = (0..2000)
+                        .map(|_| {
+                            x ^= x << 13;
+                            x ^= x >> 7;
+                            x ^= x << 17;
+                            x % n
+                        })
+                        .collect();
+                    s.view.lookup(&t, &keys, &mut out, &mut found).unwrap();
+                    let r = reads.fetch_add(1, Ordering::Relaxed);
+                    assert!(found.iter().all(|&f| f), "read {r}: a key was missing");
+                    let first = out[0];
+                    if let Some(i) = out.iter().position(|&v| v != first) {
+                        panic!(
+                            "read {r} mixes checkpoints: key {} has {} and key {} has {first}",
+                            keys[i / DIM],
+                            out[i],
+                            keys[0]
+                        );
+                    }
+                    assert!(first >= last, "read {r} went back from checkpoint {last} to {first}");
+                    last = first;
+                }
+            });
+            let mut resyncs = HashMap::new();
+            let mut pacer = Pacer { share: 1.0, reads_seen: 0 };
+            let mut seq = 2u64;
+            while reads.load(Ordering::Relaxed) < 3000 && seq < 5000 && !reader.is_finished() {
+                for i in 0..128u64 {
+                    let part = (i * 37) % 128;
+                    apply(&s, &message(Kind::Rows, seq, part * 16..(part + 1) * 16), &mut resyncs, &mut pacer).unwrap();
+                }
+                s.view.commit(seq);
+                seq += 1;
+            }
+            stop.store(true, Ordering::Release);
+            reader.join().unwrap();
+            assert!(
+                reads.load(Ordering::Relaxed) >= 3000,
+                "only {} reads in {seq} checkpoints",
+                reads.load(Ordering::Relaxed)
+            );
+        });
+    }
+
+    #[test]
     fn the_applier_rests_only_after_reads_and_in_proportion_to_its_share() {
         let view = ServedView::new(STAGED_BYTES_MAX_DEFAULT);
         let dir = tempfile::tempdir().unwrap();

@@ -3,9 +3,10 @@
 //!
 //! The applier writes a checkpoint's rows and deletes into the live tables as they
 //! arrive. Before it changes a key for the first time in that checkpoint it keeps the
-//! key's row as served (or its absence) in the *overlay*; a read through the view looks
-//! its keys up in the live table, then replaces every key the overlay holds with its
-//! kept row. At the commit marker the replica takes its checkpoint and empties the
+//! key's row as served (or its absence) in the *overlay*; a read through the view answers
+//! the keys the overlay holds with their kept rows and looks only the others up in the
+//! live table, holding the overlay's read lock throughout (so none of those can be
+//! kept and changed meanwhile). At the commit marker the replica takes its checkpoint and empties the
 //! overlay: every table switches to the new checkpoint at once. A read that overlaps that
 //! switch (the view's generation moved while it ran) is done again, so an answer is the
 //! old checkpoint or the new one, never a mix.
@@ -31,7 +32,10 @@ pub const STAGED_BYTES_MAX_DEFAULT: u64 = 256 << 20;
 /// (the row, the missing-row default when absent, and whether it was found).
 /// Hashed with the store's id hasher: a read probes it once per key while a checkpoint
 /// is applied (SipHash made that probe cost as much as the lookup itself).
-type Kept = IdMap<(Box<[f32]>, bool)>;
+type Kept = IdMap<KeptRow>;
+
+/// A kept row and whether the key was found.
+type KeptRow = (Box<[f32]>, bool);
 
 /// A replica's served view (see the module docs). Shared by the applier and the server.
 pub struct ServedView {
@@ -136,14 +140,38 @@ impl ServedView {
             if want.is_some_and(|b| self.served.load(Ordering::Acquire) != b || self.given_up.load(Ordering::Acquire)) {
                 return Ok(false);
             }
-            table.lookup(keys, out, found)?;
             {
+                // Kept keys are answered from the overlay and only the others are looked
+                // up: a key the checkpoint in progress rewrote is not read twice (its new
+                // record, then its kept row). The overlay's read lock is held through the
+                // table's lookup: the applier keeps a key (under the write lock) before it
+                // changes it, so a key not kept when the lock was taken is not changed
+                // until the lookup is done.
                 let overlay = self.overlay.read();
-                if let Some(kept) = overlay.get(table.name()).filter(|k| !k.is_empty()) {
-                    for (i, k) in keys.iter().enumerate() {
-                        if let Some((row, was_found)) = kept.get(k) {
-                            out[i * d..(i + 1) * d].copy_from_slice(row);
-                            found[i] = *was_found;
+                match overlay.get(table.name()).filter(|k| !k.is_empty()) {
+                    None => table.lookup(keys, out, found)?,
+                    Some(kept) => {
+                        let mut rest = Vec::new();
+                        for (i, k) in keys.iter().enumerate() {
+                            match kept.get(k) {
+                                Some((row, was_found)) => {
+                                    out[i * d..(i + 1) * d].copy_from_slice(row);
+                                    found[i] = *was_found;
+                                }
+                                None => rest.push(i),
+                            }
+                        }
+                        if rest.len() == keys.len() {
+                            table.lookup(keys, out, found)?;
+                        } else if !rest.is_empty() {
+                            let rest_keys: Vec<u64> = rest.iter().map(|&i| keys[i]).collect();
+                            let mut rows = vec![0f32; rest.len() * d];
+                            let mut rest_found = vec![false; rest.len()];
+                            table.lookup(&rest_keys, &mut rows, &mut rest_found)?;
+                            for (j, &i) in rest.iter().enumerate() {
+                                out[i * d..(i + 1) * d].copy_from_slice(&rows[j * d..(j + 1) * d]);
+                                found[i] = rest_found[j];
+                            }
                         }
                     }
                 }
@@ -189,11 +217,17 @@ impl ServedView {
             self.overlay.write().clear();
             return Ok(());
         }
+        // The kept rows are allocated before the write lock is taken: readers wait only
+        // for the map's inserts.
+        let entries: Vec<(u64, KeptRow)> =
+            fresh.iter().enumerate().map(|(i, &k)| (k, (rows[i * d..(i + 1) * d].into(), found[i]))).collect();
         let mut overlay = self.overlay.write();
         let kept = overlay.entry(table.name().to_owned()).or_default();
-        for (i, &k) in fresh.iter().enumerate() {
-            kept.entry(k).or_insert_with(|| (rows[i * d..(i + 1) * d].into(), found[i]));
+        kept.reserve(entries.len());
+        for (k, entry) in entries {
+            kept.entry(k).or_insert(entry);
         }
+        drop(overlay);
         Ok(())
     }
 
