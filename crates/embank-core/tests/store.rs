@@ -337,14 +337,17 @@ fn rows_read_ahead_survive_the_traffic_before_their_pull() {
 }
 
 /// Swaps the row pointers of two keys in a closed table's index file (slots are
-/// `(key, ptr)` pairs at byte 24 + 16 * slot of 256-byte buckets after a 4 KiB header).
+/// `(key, ptr)` pairs from byte 24 of each bucket: after its version, overflow counter
+/// and fingerprints).
 fn swap_row_pointers(index: &std::path::Path, a: u64, b: u64) {
+    use embank_core::format::INDEX_HEADER_BYTES;
+    use embank_core::index::{BUCKET_BYTES, SLOTS_PER_BUCKET};
     let mut bytes = std::fs::read(index).unwrap();
     let word = |bytes: &[u8], at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
     let slot_of = |bytes: &[u8], key: u64| {
-        (4096..bytes.len())
-            .step_by(256)
-            .flat_map(|bucket| (0..14).map(move |s| bucket + 24 + 16 * s))
+        (INDEX_HEADER_BYTES..bytes.len())
+            .step_by(BUCKET_BYTES)
+            .flat_map(|bucket| (0..SLOTS_PER_BUCKET).map(move |s| bucket + 24 + 16 * s))
             .find(|&at| word(bytes, at) == key && word(bytes, at + 8) != 0)
             .unwrap_or_else(|| panic!("key {key} not in the index"))
     };

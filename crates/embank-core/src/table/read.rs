@@ -15,6 +15,21 @@ use crate::medium::{Mapped, Medium, ReadItem};
 /// nothing more): fewer lines per key leave room for more keys in flight.
 pub(super) const PREFETCH_KEYS_AHEAD: usize = 16;
 
+/// Prefetches the home buckets a probe loop over `hashes` needs next, called at each `i`:
+/// at 0 the first [`PREFETCH_KEYS_AHEAD`] and the one that far ahead (without them a batch
+/// began with a run of misses waited for one after another), then the one that far ahead.
+#[inline(always)]
+pub(super) fn prefetch_buckets(index: &crate::index::Index, hashes: &[u64], i: usize) {
+    if i == 0 {
+        for &h in hashes.iter().take(PREFETCH_KEYS_AHEAD) {
+            index.prefetch(h);
+        }
+    }
+    if let Some(&h) = hashes.get(i + PREFETCH_KEYS_AHEAD) {
+        index.prefetch(h);
+    }
+}
+
 impl Table {
     /// The records of a table on the fast path (only tables on a mapped medium without tiers).
     #[inline(always)]
@@ -32,15 +47,8 @@ impl Table {
         hashes.extend(keys.iter().map(|&k| index.hash(k)));
         let mut ptrs = vec![0u64; n];
         let mut missing = Vec::new();
-        // The first keys' buckets too: without them a batch began with a run of misses
-        // waited for one after another.
-        for &h in hashes.iter().take(PREFETCH_KEYS_AHEAD) {
-            index.prefetch(h);
-        }
         for i in 0..n {
-            if i + PREFETCH_KEYS_AHEAD < n {
-                index.prefetch(hashes[i + PREFETCH_KEYS_AHEAD]);
-            }
+            prefetch_buckets(index, &hashes, i);
             match index.get(keys[i], hashes[i]) {
                 Some(ptr) => {
                     medium.prefetch(ptr);
@@ -91,13 +99,8 @@ impl Table {
         let hashes: Vec<u64> = miss.iter().map(|&i| index.hash(keys[i])).collect();
         let mut items = Vec::with_capacity(miss.len());
         let mut absent = Vec::new();
-        for &h in hashes.iter().take(PREFETCH_KEYS_AHEAD) {
-            index.prefetch(h);
-        }
         for (j, &i) in miss.iter().enumerate() {
-            if j + PREFETCH_KEYS_AHEAD < miss.len() {
-                index.prefetch(hashes[j + PREFETCH_KEYS_AHEAD]);
-            }
+            prefetch_buckets(index, &hashes, j);
             match index.get(keys[i], hashes[j]) {
                 Some(ptr) => items.push(ReadItem { key: keys[i], ptr, pos: i }),
                 None => absent.push(i),

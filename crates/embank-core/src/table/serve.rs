@@ -1,7 +1,7 @@
 //! Zero-copy reads for a server: rows handed out as slices of the mapped rows file,
 //! sent with vectored writes while the table's read lock and an epoch guard keep them.
 
-use super::read::PREFETCH_KEYS_AHEAD;
+use super::read::prefetch_buckets;
 use super::Table;
 use crate::error::{Error, Result};
 use crate::layout::f32_bytes;
@@ -38,14 +38,10 @@ impl Table {
         let _pin = crossbeam_epoch::pin();
         let mut ptrs = vec![0u64; n];
         let mut missing = Vec::new();
-        for &key in keys.iter().take(PREFETCH_KEYS_AHEAD) {
-            index.prefetch(index.hash(key));
-        }
+        let hashes: Vec<u64> = keys.iter().map(|&k| index.hash(k)).collect();
         for (i, &key) in keys.iter().enumerate() {
-            if i + PREFETCH_KEYS_AHEAD < n {
-                index.prefetch(index.hash(keys[i + PREFETCH_KEYS_AHEAD]));
-            }
-            match index.get(key, index.hash(key)) {
+            prefetch_buckets(index, &hashes, i);
+            match index.get(key, hashes[i]) {
                 Some(ptr) => {
                     // The kernel copies the rows out later: have them in cache by then.
                     medium.prefetch(ptr);
