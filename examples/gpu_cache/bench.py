@@ -26,6 +26,7 @@ go to ``W/gpu_cache.json`` (and ``W/hit_rate.png``, ``W/warmup.png``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -63,12 +64,16 @@ def rate(n: float, seconds: list[float]) -> dict[str, float]:
     return {"best": n / min(seconds), "median": n / float(np.median(seconds))}
 
 
+@functools.lru_cache(maxsize=4)
+def _zipf_cdf(rows: int, a: float) -> np.ndarray:
+    cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -a)
+    return cdf / cdf[-1]
+
+
 def zipf_ids(rng: np.random.Generator, n: int, rows: int, a: float) -> np.ndarray:
-    """Zipf-distributed ids over ``rows`` (rank r drawn with weight 1/r^a, ranks scattered)."""
-    ranks = np.arange(1, rows + 1, dtype=np.float64)
-    p = ranks**-a
-    p /= p.sum()
-    draw = rng.choice(rows, size=n, p=p)
+    """Zipf-distributed ids over ``rows`` (rank r drawn with weight 1/r^a, ranks scattered).
+    The CDF is computed once per (rows, a): at 10 M rows, once per batch took ~0.3 s."""
+    draw = np.minimum(np.searchsorted(_zipf_cdf(rows, a), rng.random(n)), rows - 1)
     return (draw * 2654435761) % rows  # hot ids spread over the key space
 
 
@@ -306,8 +311,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{f['device_write_gb_per_s']['best']:.1f} GB/s",
             file=sys.stderr,
         )
+    save = lambda: (args.out / "gpu_cache.json").write_text(json.dumps(result, indent=1))  # noqa: E731
+    save()  # each section is written as it ends: a run stopped early keeps what it measured
     t = load_table(store, args.rows, args.e2e_dim)
     result["hit_rate_by_size"] = hit_rate_by_size(t, args, device)
+    for name, curve in result["hit_rate_by_size"].items():
+        pts = ", ".join(f"{100 * c['fraction']:g} %: {c['hit_rate_last_half']:.3f}" for c in curve)
+        print(f"hit rate by cache size, {name}: {pts}", file=sys.stderr)
+    save()
     result["end_to_end"] = end_to_end(t, args, device)
     for name, res in result["end_to_end"].items():
         cpu = res["cpu_store"]
@@ -320,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{v['default_answers']} default answers",
                     file=sys.stderr,
                 )
-    (args.out / "gpu_cache.json").write_text(json.dumps(result, indent=1))
+    save()
     pngs = draw(result, args.out)
     store.close()
     print(f"wrote {args.out / 'gpu_cache.json'} {' '.join(map(str, pngs))}", file=sys.stderr)

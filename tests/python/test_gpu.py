@@ -38,7 +38,7 @@ def _table(store: embank.Store, n: int = 300) -> embank.Table:
 def _cached(cache: gpu.GpuCache) -> dict[int, Any]:
     k = cache.keys.reshape(-1)
     at = ((k != gpu.EMPTY) & (k != gpu.LOCKED)).nonzero().squeeze(1)
-    return {int(x): cache.values[i].float().numpy() for x, i in zip(k[at].tolist(), at.tolist())}
+    return {int(x): cache.values[i].float().cpu().numpy() for x, i in zip(k[at].tolist(), at.tolist())}
 
 
 def _run_model(cache: gpu.GpuCache, t: embank.Table, seed: int, steps: int) -> None:
@@ -54,7 +54,9 @@ def _run_model(cache: gpu.GpuCache, t: embank.Table, seed: int, steps: int) -> N
         if op < 6:  # a lookup: ids drawn Zipf-like, some the table lacks
             ids = (rng.zipf(1.3, 40) % 330) * 7
             scores = torch.as_tensor(rng.integers(0, 100, 40)) if cache.policy == "custom" else None
-            out = cache.lookup(torch.as_tensor(ids, dtype=torch.int64), scores).numpy()
+            if scores is not None:
+                scores = scores.to(cache.device)
+            out = cache.lookup(torch.as_tensor(ids, dtype=torch.int64, device=cache.device), scores).cpu().numpy()
             for i, k in enumerate(ids.tolist()):
                 want = truth.get(k, np.zeros(DIM, np.float32))
                 np.testing.assert_array_equal(out[i], want, err_msg=f"seed {seed} step {step} key {k}")
@@ -348,20 +350,45 @@ def test_triton_kernels_match_the_reference_in_the_interpreter(tmp_path: Path) -
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_kernels_match_the_reference(gpu_store: embank.Store) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])
+def test_on_cuda_the_kernels_match_the_reference(gpu_store: embank.Store, policy: str, dtype: str) -> None:
+    """The compiled Triton kernels (not the interpreter) against the PyTorch path, on the
+    device: the same answers and the same cache state after every batch."""
     t = _table(gpu_store)
     caches = [
-        gpu.GpuCache(t, rows_max=64, slots=8, device="cuda", insert="sync", kernels=k)
+        gpu.GpuCache(t, rows_max=64, slots=8, device="cuda", insert="sync", kernels=k, policy=policy,
+                     dtype=getattr(torch, dtype))
         for k in ("torch", "triton")
-    ]
+    ]  # fmt: skip
     rng = np.random.default_rng(3)
-    for _ in range(50):
+    for step in range(50):
         ids = torch.as_tensor((rng.zipf(1.2, 100) % 330) * 7, dtype=torch.int64, device="cuda")
-        a, b = (c.lookup(ids) for c in caches)
-        assert torch.equal(a, b)
-    assert torch.equal(caches[0].keys, caches[1].keys)
+        scores = torch.as_tensor(rng.integers(0, 100, 100), device="cuda") if policy == "custom" else None
+        a, b = (c.lookup(ids, scores) for c in caches)
+        assert torch.equal(a, b), f"step {step}: answers differ"
+        if step % 10 == 9:
+            ks = (rng.integers(0, 330, 4) * 7).astype(np.uint64)
+            t.push(ks, rng.standard_normal((4, DIM)).astype(np.float32))
+            for c in caches:
+                c.invalidate(ks)
+        for name in ("keys", "values", "versions"):
+            assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)), f"step {step}: {name} differ"
     for c in caches:
         c.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])
+def test_on_cuda_the_triton_kernels_against_a_model(gpu_store: embank.Store, policy: str) -> None:
+    """The model test of the PyTorch path (`test_reference_path_against_a_model`), run by
+    the compiled Triton kernels on the device."""
+    t = _table(gpu_store)
+    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cuda", insert="sync", kernels="triton", policy=policy)
+    _run_model(cache, t, seed=1, steps=300)
+    s = cache.stats()
+    assert s["hits"] > 0 and s["misses"] > 0 and s["evictions"] > 0 and s["refreshes"] > 0
+    cache.close()
 
 
 def test_the_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
