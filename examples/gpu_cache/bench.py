@@ -105,6 +105,11 @@ def hit_path(t: embank.Table, dim: int, args: argparse.Namespace, device: torch.
         k_times = timed(lambda i=ids: cache._find(i, i, touch=True, gather=True), device, args.repeats)
         l_times = timed(lambda i=ids: cache.lookup(i), device, args.repeats)
         g_times = timed(lambda r=rows_index: F.embedding(r, weight), device, args.repeats)
+        # Back to back, one wait at the end: what the device sustains when launches queue
+        # up (the timings above wait for each call, so small batches measure the launch).
+        k_run = timed(lambda i=ids: [cache._find(i, i, touch=True, gather=True) for _ in range(args.repeats)],
+                      device, 3)  # fmt: skip
+        g_run = timed(lambda r=rows_index: [F.embedding(r, weight) for _ in range(args.repeats)], device, 3)
         misses = cache.stats()["misses"] - before
         out["batches"].append(
             {
@@ -114,7 +119,10 @@ def hit_path(t: embank.Table, dim: int, args: argparse.Namespace, device: torch.
                 "lookup_keys_per_s": rate(batch, l_times),
                 "lookup_p99_ms": 1e3 * float(np.percentile(l_times, 99)),
                 "permuted_gather_keys_per_s": rate(batch, g_times),
+                "kernel_back_to_back_keys_per_s": rate(batch * args.repeats, k_run),
+                "gather_back_to_back_keys_per_s": rate(batch * args.repeats, g_run),
                 "kernel_vs_gather": min(g_times) / min(k_times),
+                "kernel_vs_gather_back_to_back": min(g_run) / min(k_run),
                 "lookup_vs_gather": min(g_times) / min(l_times),
             }
         )
@@ -138,14 +146,18 @@ def hit_path(t: embank.Table, dim: int, args: argparse.Namespace, device: torch.
     return out
 
 
+def trace(args: argparse.Namespace, a: float, seed: int) -> list[torch.Tensor]:
+    """``--trace-ids`` Zipf ids in batches of ``--trace-batch``: long enough for a cache of a
+    fifth of the rows to fill many times over (a short trace measures first-time misses)."""
+    rng = np.random.default_rng(seed)
+    ids = torch.as_tensor(zipf_ids(rng, args.trace_ids, args.rows, a), dtype=torch.int64)
+    return list(ids.split(args.trace_batch))
+
+
 def hit_rate_by_size(t: embank.Table, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for a in args.zipf:
-        rng = np.random.default_rng(3)
-        batches = [
-            torch.as_tensor(zipf_ids(rng, args.bags * args.bag_size, args.rows, a), dtype=torch.int64)
-            for _ in range(args.batches)
-        ]
+        batches = trace(args, a, 3)
         curve = []
         for frac in args.size_fractions:
             cache = GpuCache(
@@ -223,8 +235,51 @@ def end_to_end(t: embank.Table, args: argparse.Namespace, device: torch.device) 
                 "curve": curve,
             }
             cache.close()
+        # Steady state: a cache warmed by the long trace first (as a server's is), then the
+        # same batches, timed (insert="auto" at its default threshold).
+        cache = GpuCache(t, rows_max=rows_max, device=device, insert="sync", kernels=args.kernels)
+        for ids in trace(args, a, 11):
+            cache.lookup(ids.to(device))
+        cache.insert_mode = "auto"
+        bag = et.EmbeddingBag(cache, mode="sum").eval()
+        lat = []
+        before = cache.stats()
+        with torch.no_grad():
+            for ids in batches:
+                sync(device)
+                t0 = time.perf_counter()
+                bag(ids.to(device), offsets.to(device))
+                sync(device)
+                lat.append(time.perf_counter() - t0)
+        after = cache.stats()
+        h = after["hits"] - before["hits"]
+        res["gpu_cache_prewarmed"] = {
+            "hit_rate": h / max(1, h + after["misses"] - before["misses"]),
+            "p50_ms": 1e3 * np.percentile(lat, 50),
+            "p99_ms": 1e3 * np.percentile(lat, 99),
+        }
+        cache.close()
         out[f"zipf_{a}"] = res
     return out
+
+
+def profile_lookup(t: embank.Table, args: argparse.Namespace, device: torch.device) -> str:
+    """torch.profiler's table of 50 warm all-hit lookups of 512 ids: where a lookup's
+    time goes on the host and the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = GpuCache(t, rows_max=2 * 4096, device=device, insert="sync", kernels=args.kernels)
+    ids = torch.arange(512, dtype=torch.int64, device=device)
+    for _ in range(5):
+        cache.lookup(ids)
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(50):
+            cache.lookup(ids)
+        sync(device)
+    cache.close()
+    return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 def draw(result: dict[str, Any], out: Path) -> list[Path]:
@@ -278,13 +333,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-fraction", type=float, default=0.1, help="cache size for (d), of the rows")
     p.add_argument("--size-fractions", default="0.001,0.01,0.05,0.1,0.2", help="cache sizes for (c)")
     p.add_argument("--zipf", default="0.99,1.2")
-    p.add_argument("--batches", type=int, default=200)
+    p.add_argument("--batches", type=int, default=200, help="timed batches of (d)")
+    p.add_argument(
+        "--trace-ids",
+        type=int,
+        default=0,
+        help="ids of the trace for (c) and (d)'s warmed cache (default: twice --rows)",
+    )
+    p.add_argument("--trace-batch", type=int, default=65536, help="ids a lookup of that trace")
+    p.add_argument(
+        "--profile", action="store_true", help="write profile.txt: torch.profiler of a warm lookup"
+    )
     p.add_argument("--bags", type=int, default=50, help="bags per batch")
     p.add_argument("--bag-size", type=int, default=10, help="ids per bag (50 x 10 = 500 ids a batch)")
     args = p.parse_args(argv)
     args.zipf = [float(x) for x in args.zipf.split(",")]
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     args.size_fractions = [float(x) for x in args.size_fractions.split(",")]
+    args.trace_ids = args.trace_ids or 2 * args.rows
+    args.trace_batch = min(args.trace_batch, max(1, args.trace_ids // 16))  # a half to measure
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.out / "store", ignore_errors=True)
@@ -302,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{b['kernel_keys_per_s']['best'] / 1e9:.3f} G keys/s "
                 f"({b['kernel_vs_gather']:.2f}x the permuted gather), lookup "
                 f"{b['lookup_keys_per_s']['best'] / 1e9:.3f} G keys/s ({b['lookup_vs_gather']:.2f}x), "
-                f"all hit: {b['all_hit']}",
+                f"back to back: kernel {b['kernel_back_to_back_keys_per_s']['best'] / 1e9:.3f} G keys/s, "
+                f"gather {b['gather_back_to_back_keys_per_s']['best'] / 1e9:.3f}, all hit: {b['all_hit']}",
                 file=sys.stderr,
             )
         f = r["refresh"]
@@ -324,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         cpu = res["cpu_store"]
         print(f"{name}: CPU store p50 {cpu['p50_ms']:.2f} ms p99 {cpu['p99_ms']:.2f} ms", file=sys.stderr)
         for k, v in res.items():
-            if k.startswith("gpu_cache"):
+            if k == "gpu_cache_prewarmed":
+                print(f"  warmed by the trace: hits {v['hit_rate']:.3f}, p50 {v['p50_ms']:.2f} ms "
+                      f"p99 {v['p99_ms']:.2f} ms", file=sys.stderr)  # fmt: skip
+            elif k.startswith("gpu_cache"):
                 print(
                     f"  {k}: hits {v['hit_rate']:.3f} (last half {v['hit_rate_last_half']:.3f}), "
                     f"warm p50 {v['p50_ms_warm']:.2f} ms p99 {v['p99_ms_warm']:.2f} ms, "
@@ -332,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
     save()
+    if args.profile:
+        (args.out / "profile.txt").write_text(profile_lookup(t, args, device))
     pngs = draw(result, args.out)
     store.close()
     print(f"wrote {args.out / 'gpu_cache.json'} {' '.join(map(str, pngs))}", file=sys.stderr)

@@ -13,7 +13,7 @@
 #   bash examples/gpu_cache/on_a_gpu.sh OUT_DIR [WORK_DIR]
 #
 # OUT_DIR gets env.txt, pytest.txt, bench.txt, gpu_cache.json, hit_rate.png, warmup.png,
-# bench_torch.txt, gpu_cache_torch.json. WORK_DIR (default /tmp/embank-gpu) holds the
+# bench_torch.txt, gpu_cache_torch.json, profile.txt. WORK_DIR (default /tmp/embank-gpu) holds the
 # stores (about 3 GB).
 set -u
 out=${1:?usage: on_a_gpu.sh OUT_DIR [WORK_DIR]}
@@ -36,9 +36,9 @@ timeout "${TESTS_TIMEOUT:-120}" "$py" -m pytest -q -p no:cacheprovider -rs \
     tests/python/test_gpu.py tests/python/test_gpu_regressions.py 2>&1 | tee "$out/pytest.txt"
 
 step bench, Triton kernels
-timeout "${BENCH_TIMEOUT:-200}" "$py" examples/gpu_cache/bench.py --out "$work/triton" --kernels triton \
+timeout "${BENCH_TIMEOUT:-240}" "$py" examples/gpu_cache/bench.py --out "$work/triton" --kernels triton --profile \
     2>&1 | tee "$out/bench.txt"
-cp "$work"/triton/*.json "$work"/triton/*.png "$out/" 2>/dev/null
+cp "$work"/triton/*.json "$work"/triton/*.png "$work"/triton/*.txt "$out/" 2>/dev/null
 
 step bench hit path, PyTorch kernels
 timeout "${TORCH_TIMEOUT:-60}" "$py" examples/gpu_cache/bench.py --out "$work/torch" --kernels torch \

@@ -487,7 +487,9 @@ class GpuCache:
         ``scores`` (int64 in [0, 2^55), the shape of ``ids``): with ``policy="custom"``,
         the scores of the ids (a hit keeps the larger; a new key is refused when its
         score is below its full bucket's lowest; a new key given twice in one lookup is
-        inserted with one of its scores). One host sync (see the module's text)."""
+        inserted with the larger of its scores, whatever their order, so the Triton
+        kernels and the PyTorch path cache the same keys). One host sync (see the
+        module's text)."""
         self._queue.raise_error()
         flat = self._device_ids(ids)
         n = len(flat)
@@ -565,8 +567,12 @@ class GpuCache:
         if asynchronous:
             with self._ordered():
                 out.index_copy_(0, miss_at, self.default_row.expand(len(miss_at), self.dim))
-            uniq, first = np.unique(miss_ids, return_index=True)
-            self._queue.put(uniq, miss_scores[first] if miss_scores is not None else np.zeros_like(uniq))
+            uniq, inverse = np.unique(miss_ids, return_inverse=True)
+            best = np.zeros_like(uniq)
+            if miss_scores is not None:  # a key given twice: the larger of its scores
+                best[:] = -1
+                np.maximum.at(best, inverse.reshape(-1), miss_scores)
+            self._queue.put(uniq, best)
             with self._lock:
                 self._stats["default_answers"] += len(miss_ids)
             return
@@ -582,7 +588,13 @@ class GpuCache:
                 kept = idx[len(miss_ids) :]  # first occurrence (in the misses) of each key kept
                 u_of = idx[: len(miss_ids)][kept]  # its row among the unique keys
                 at = miss_at[kept]
-                done = self._upsert(flat[at], dev_rows[u_of], vers[at], given[at])
+                if self._policy == 2:  # a key given twice: the larger of its scores
+                    larger = torch.full((len(uniq),), -1, dtype=torch.int64, device=self.device)
+                    larger.scatter_reduce_(0, idx[: len(miss_ids)], given[miss_at], "amax")
+                    key_given = larger[u_of]
+                else:
+                    key_given = given[at]
+                done = self._upsert(flat[at], dev_rows[u_of], vers[at], key_given)
                 self._count_inserts(done, 1)
 
     def _async(self) -> bool:

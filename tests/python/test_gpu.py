@@ -56,7 +56,11 @@ def _run_model(cache: gpu.GpuCache, t: embank.Table, seed: int, steps: int) -> N
             scores = torch.as_tensor(rng.integers(0, 100, 40)) if cache.policy == "custom" else None
             if scores is not None:
                 scores = scores.to(cache.device)
-            out = cache.lookup(torch.as_tensor(ids, dtype=torch.int64, device=cache.device), scores).cpu().numpy()
+            out = (
+                cache.lookup(torch.as_tensor(ids, dtype=torch.int64, device=cache.device), scores)
+                .cpu()
+                .numpy()
+            )
             for i, k in enumerate(ids.tolist()):
                 want = truth.get(k, np.zeros(DIM, np.float32))
                 np.testing.assert_array_equal(out[i], want, err_msg=f"seed {seed} step {step} key {k}")
@@ -373,7 +377,9 @@ def test_on_cuda_the_kernels_match_the_reference(gpu_store: embank.Store, policy
             for c in caches:
                 c.invalidate(ks)
         for name in ("keys", "values", "versions"):
-            assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)), f"step {step}: {name} differ"
+            assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)), (
+                f"step {step}: {name} differ"
+            )
     for c in caches:
         c.close()
 
@@ -384,7 +390,9 @@ def test_on_cuda_the_triton_kernels_against_a_model(gpu_store: embank.Store, pol
     """The model test of the PyTorch path (`test_reference_path_against_a_model`), run by
     the compiled Triton kernels on the device."""
     t = _table(gpu_store)
-    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cuda", insert="sync", kernels="triton", policy=policy)
+    cache = gpu.GpuCache(
+        t, rows_max=64, slots=8, device="cuda", insert="sync", kernels="triton", policy=policy
+    )
     _run_model(cache, t, seed=1, steps=300)
     s = cache.stats()
     assert s["hits"] > 0 and s["misses"] > 0 and s["evictions"] > 0 and s["refreshes"] > 0

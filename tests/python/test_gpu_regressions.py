@@ -99,6 +99,30 @@ def test_lfu_counts_uses_and_refuses_a_key_scoring_below_its_bucket(gpu_store: e
     cache.close()
 
 
+@pytest.mark.parametrize("insert", ["sync", "async"])
+def test_a_key_given_twice_is_inserted_with_the_larger_of_its_scores(
+    gpu_store: embank.Store, insert: str
+) -> None:
+    """With custom scores, a new key given twice in one lookup took the score of whichever
+    occurrence came first among the misses: batch order on the PyTorch path, the order
+    the misses were compacted in on a GPU (no fixed order), so the compiled kernels
+    cached other keys than the PyTorch path (seen on an H100). It takes the larger."""
+    t = _table(gpu_store)
+    cache = gpu.GpuCache(
+        t, rows_max=4, slots=4, device="cpu", insert=insert, kernels="torch", policy="custom"
+    )
+    cache.lookup(torch.tensor([7, 14, 21, 28]), torch.tensor([20, 20, 20, 20]))  # the one bucket is full
+    cache.wait()
+    assert set(_cached(cache)) == {7, 14, 21, 28}
+    # 35's smaller score first, 42's larger first: both beat the bucket's lowest (20).
+    cache.lookup(torch.tensor([35, 35, 42, 42]), torch.tensor([5, 50, 50, 5]))
+    cache.wait()
+    held = set(_cached(cache))
+    assert {35, 42} <= held, f"a key given twice was scored by one occurrence; cached: {sorted(held)}"
+    assert len(held) == 4 and cache.stats()["insert_refused"] == 0
+    cache.close()
+
+
 def test_ids_across_the_whole_u64_range(gpu_store: embank.Store) -> None:
     """Item 9: ids >= 2^63 were refused (embank keys are u64)."""
     t = gpu_store.create_table("u64", dim=DIM)
