@@ -253,15 +253,20 @@ def end_to_end(t: embank.Table, args: argparse.Namespace, device: torch.device) 
                 lat.append(time.perf_counter() - t0)
         after = cache.stats()
         h = after["hits"] - before["hits"]
-        if args.profile:  # the same batches again, untimed, under cProfile: the host's share
+        if args.profile:  # fresh batches of the same law, untimed, under cProfile: the host's share
             import cProfile
             import io
             import pstats
 
+            rng = np.random.default_rng(13)
+            fresh = [
+                torch.as_tensor(zipf_ids(rng, args.bags * args.bag_size, args.rows, a), dtype=torch.int64)
+                for _ in range(args.batches)
+            ]
             prof = cProfile.Profile()
             with torch.no_grad():
                 prof.enable()
-                for ids in batches:
+                for ids in fresh:
                     bag(ids.to(device), offsets.to(device))
                 sync(device)
                 prof.disable()
@@ -421,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         text = profile_lookup(t, args, device)
         for name, res in result["end_to_end"].items():
-            text += f"\n\ncProfile of {args.batches} batches through the warmed cache, {name}:\n"
+            text += f"\n\ncProfile of {args.batches} fresh batches through the warmed cache, {name}:\n"
             text += res.pop("profile_prewarmed", "")
         (args.out / "profile.txt").write_text(text)
     save()
