@@ -96,8 +96,8 @@ def _find(
     GATHER: tl.constexpr,
     COMPACT: tl.constexpr,
 ):
-    """Rows (float32, zeros where absent) into ``out``, flat slots (-1 where absent)
-    into ``slot_out`` (not with ``COMPACT``) and the versions of the misses' buckets
+    """Rows (float32, zeros where absent) into ``out``, flat slots (``-1 - bucket``
+    where absent) into ``slot_out`` (not with ``COMPACT``) and the versions of the misses' buckets
     into ``version_out`` (0 for a hit). ``COMPACT``: the
     misses are appended (in no fixed order) to ``payload`` (``[count, ids...]``, the
     count zeroed by the caller) and their places in the batch to ``miss_at``."""
@@ -117,7 +117,7 @@ def _find(
     found = slot < S
     flat = tl.where(found, bucket * S + slot, -1)
     if not COMPACT:  # a lookup needs no slots: its misses are compacted below
-        tl.store(slot_out_ptr + i, flat, mask=valid)
+        tl.store(slot_out_ptr + i, tl.where(found, flat, -1 - bucket), mask=valid)  # absent: its bucket
     # Versions matter for misses only (their insert checks them): hits read none.
     tl.store(version_out_ptr + i, tl.load(versions_ptr + bucket, mask=valid & ~found, other=0), mask=valid)
     if COMPACT:
@@ -331,17 +331,22 @@ def find(
     n = len(ids)
     dev = ids.device
     out = torch.empty((n, dim if gather else 1), dtype=torch.float32, device=dev)
-    slots = torch.empty(n, dtype=torch.int64, device=dev)
-    vers = torch.empty(n, dtype=torch.int64, device=dev)
-    payload = torch.empty(1 + n if compact else 0, dtype=torch.int64, device=dev)
-    miss_at = torch.empty(n if compact else 0, dtype=torch.int64, device=dev)
+    # The int64 outputs in one allocation (each costs the host a few µs): a lookup
+    # (compact) needs versions, payload and places; other finds slots and versions.
     if compact:
+        buf = torch.empty(1 + 3 * n, dtype=torch.int64, device=dev)
+        vers, payload, miss_at = buf[:n], buf[n : 2 * n + 1], buf[2 * n + 1 :]
+        slots = buf[:0]
         payload[:1].zero_()
+    else:
+        buf = torch.empty(2 * n, dtype=torch.int64, device=dev)
+        slots, vers = buf[:n], buf[n:]
+        payload = miss_at = buf[:0]
     if n:
         block = keys_per_program(dim) if gather else 32
         with _on(dev):
             _find[_grid(n, block)](
-                ids, given, n, keys, digests, scores, versions, values, out, slots, vers,
+                ids, given, n, keys, digests, scores, versions, values, out, vers if compact else slots, vers,
                 payload if compact else slots, miss_at if compact else slots, n_buckets, clock, policy, dim,
                 S=s, BLOCK=block, DIM_BLOCK=dim_block(dim) if gather else 1, TOUCH=touch, GATHER=gather,
                 COMPACT=compact,

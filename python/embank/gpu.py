@@ -180,8 +180,11 @@ class GpuCache:
         self.scores = torch.full((self.n_buckets, s), -1, dtype=torch.int64, device=dev)
         self.values = torch.zeros((self.n_buckets * s, self.dim), dtype=dtype, device=dev)
         self.versions = torch.zeros(self.n_buckets, dtype=torch.int64, device=dev)
-        # Counted on the device (no sync): evictions, inserts sync, inserts async, refused, invalidated.
+        # Counted on the device (no sync): index 4 the rows invalidated; and each insert's
+        # outcomes (see `_write`) by kind (1 sync, 2 async), counted in one launch.
         self._counts = torch.zeros(5, dtype=torch.int64, device=dev)
+        self._outcomes = torch.zeros((3, 8), dtype=torch.int64, device=dev)
+        self._ones = torch.ones(0, dtype=torch.int64, device=dev)
         fill = default
         if fill is None:
             missing = table.options.get("missing")
@@ -229,7 +232,8 @@ class GpuCache:
             stream = torch.cuda.current_stream(self.device)
             if stream.stream_id not in self._streams:  # the cache's tensors are used there too
                 self._streams.add(stream.stream_id)
-                for t in (self.keys, self.digests, self.scores, self.values, self.versions, self._counts):
+                for t in (self.keys, self.digests, self.scores, self.values, self.versions, self._counts,
+                          self._outcomes):  # fmt: skip
                     t.record_stream(stream)
             if self._order is not None:
                 stream.wait_event(self._order)
@@ -289,9 +293,10 @@ class GpuCache:
     def _find(
         self, ids: torch.Tensor, given: torch.Tensor, *, touch: bool, gather: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows (float32; zeros where absent), flat slots (-1 where absent) and, for the
-        ids absent, their buckets' versions (0 for a hit: an insert checks misses only)
-        of ``ids`` (duplicates allowed; each hit touches its score)."""
+        """Rows (float32; zeros where absent), flat slots (``-1 - bucket`` where absent:
+        negative, and the bucket an insert needs) and, for the ids absent, their buckets'
+        versions (0 for a hit: an insert checks misses only) of ``ids`` (duplicates
+        allowed; each hit touches its score)."""
         if self.kernels == "triton":
             from . import _triton
 
@@ -304,7 +309,7 @@ class GpuCache:
         usable = (ids != EMPTY) & (ids != LOCKED)
         match = (self.digests[b] == d[:, None]) & (self.keys[b] == ids[:, None]) & usable[:, None]
         found = match.any(1)
-        flat = torch.where(found, b * self.slots + match.to(torch.int8).argmax(1), -1)
+        flat = torch.where(found, b * self.slots + match.to(torch.int8).argmax(1), -1 - b)
         at = flat.clamp(min=0)
         if touch:
             scores = self.scores.view(-1)
@@ -452,8 +457,7 @@ class GpuCache:
         as fresh as this one: the versions say so). The ``rank``-th new key of a bucket
         takes the rank-th lowest-score slot, so a batch's keys never take one slot twice."""
         _, present, _ = self._find(ids, given, touch=False, gather=False)
-        b, _ = self._bucket_digest(ids)
-        kb = torch.where(present >= 0, self.n_buckets, b)
+        kb = torch.where(present >= 0, self.n_buckets, -1 - present)  # an absent key's bucket
         sorted_b, order = torch.sort(kb, stable=True)
         first = torch.searchsorted(sorted_b, sorted_b)
         rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(ids), device=ids.device) - first)
@@ -464,10 +468,10 @@ class GpuCache:
     def _count_inserts(self, done: torch.Tensor, which: int) -> None:
         """Adds an insert's outcome to the device counters (no sync): evictions, keys
         inserted (counter ``which``: 1 sync, 2 async), keys refused."""
-        written = (done & 1).sum()
-        self._counts[0] += ((done & 4) != 0).sum()
-        self._counts[which] += written
-        self._counts[3] += len(done) - written
+        n = len(done)
+        if len(self._ones) < n:
+            self._ones = torch.ones(max(n, 2 * len(self._ones)), dtype=torch.int64, device=self.device)
+        self._outcomes.view(-1).index_add_(0, done + 8 * which, self._ones[:n])
 
     # ---- the public interface ----
 
@@ -747,7 +751,12 @@ class GpuCache:
         Waits for the device."""
         with self._ordered():
             counts = self._counts.tolist()
+            outcomes = self._outcomes.tolist()
             rows_cached = int(((self.keys != EMPTY) & (self.keys != LOCKED)).sum())
+        # An outcome is 0 (refused) or 1 | 2 (the row changed) | 4 (a key evicted).
+        counts[0] = sum(c for o in outcomes for v, c in enumerate(o) if v & 4)
+        counts[1], counts[2] = (sum(c for v, c in enumerate(outcomes[w]) if v & 1) for w in (1, 2))
+        counts[3] = outcomes[1][0] + outcomes[2][0]
         with self._lock:
             s: dict[str, Any] = dict(self._stats)
             (s["evictions"], s["sync_inserts"], s["async_inserts"], s["insert_refused"], s["invalidated"]) = (
