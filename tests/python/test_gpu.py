@@ -309,6 +309,16 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
             a, b = caches
             for name in ("keys", "digests", "scores", "values", "versions"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), (step, name, dtype, policy)
+        # find's slots: the same on both paths; an absent key's is -1 - its bucket (an
+        # insert takes the bucket from there), a present key's lies in its bucket.
+        probe = torch.arange(0, 700, dtype=torch.int64)
+        found = [c._find(probe, probe, touch=False, gather=False)[1] for c in caches]
+        assert torch.equal(found[0], found[1]), "find's slots"
+        home, _ = caches[0]._bucket_digest(probe)
+        absent = found[0] < 0
+        assert absent.any() and (~absent).any()
+        assert torch.equal(found[0][absent], -1 - home[absent]), "an absent key's bucket"
+        assert torch.equal(found[0][~absent] // caches[0].slots, home[~absent]), "a present key's bucket"
         sa, sb = (c.stats() for c in caches)
         for k in ("evictions", "hits", "sync_inserts", "insert_refused", "invalidated", "refresh_changed"):
             assert sa[k] == sb[k], (k, sa[k], sb[k], dtype, policy)
