@@ -56,6 +56,18 @@ The operations exist twice with the same results: in Triton (``kernels="triton"`
 default on CUDA; on the CPU under ``TRITON_INTERPRET=1``) and in plain PyTorch
 (``kernels="torch"``, the default elsewhere and the reference).
 
+**When it pays** (measured on an H100 with torch 2.11 and Triton 3.6; docs/BENCHMARKS.md,
+"The GPU cache"). The device's work is small (6.6 µs for an all-hit lookup of 512 ids);
+the host's is not: ~150 µs for that lookup (Triton's launcher, allocations, the one
+wait), ~1 ms more for a lookup that inserts (a dozen launches). So at serving batches of
+~500 ids a warmed cache answers about as fast as pulling every row from the CPU store
+when its inserts run in the background (``"auto"`` above its threshold, ``"async"``:
+the background inserter gathers a few lookups' misses, up to 5 ms or 4,096 keys, before
+it inserts), and 3-5x slower when they run inside the lookup (``"sync"``, or ``"auto"``
+below its threshold); at 16 k ids a batch and more, the lookup's fixed cost is spread
+thin (0.1-0.4 G keys/s). Keep a small, hot table resident in ``torch.nn.Embedding``
+instead: a gather of 512 ids costs ~12 µs.
+
 Use it in eval mode as the source of :class:`embank.torch.Embedding`/``EmbeddingBag``/
 ``EmbeddingBagCollection``: ``EmbeddingBag(GpuCache(table, ...))``. Writes made
 through the same process's :class:`~embank.Table` objects of the store (``push``,
