@@ -22,6 +22,9 @@ fn smoke_runs_or_explains_every_engine() {
         let engines = report["engines"].as_array().unwrap();
         assert_eq!(engines.len(), 7, "{workload}: every engine is reported");
         assert!(report["gather_keys_per_second"].as_f64().unwrap() > 0.0);
+        let (g50, g99) =
+            (report["gather_batch_us_p50"].as_f64().unwrap(), report["gather_batch_us_p99"].as_f64().unwrap());
+        assert!(g50 > 0.0 && g99 >= g50, "{workload}: the gather's batch latency {g50} / {g99}");
         // The device's I/O limits at the block record size, measured with the block engines.
         let device = &report["device"];
         assert!(device["random_reads_per_second"].as_f64().unwrap() > 0.0, "{workload}: {device}");
@@ -93,6 +96,36 @@ fn smoke_bags_and_compact_dtypes() {
         for e in r["engines"].as_array().unwrap() {
             assert!(e["keys_per_second"].as_f64().unwrap() > 0.0, "{dtype}: {e}");
             assert!(e["resident_bytes_per_row"].as_f64().is_some(), "{dtype}: {e}");
+        }
+    }
+}
+
+#[test]
+fn cpu_time_puts_the_thread_s_cpu_clock_beside_the_wall_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results.json");
+    for cpu_time in [true, false] {
+        let mut args = vec!["bench", "--smoke", "--engines", "embank-mmap", "--skip-limits", "--out"];
+        let path = out.to_str().unwrap();
+        args.push(path);
+        if cpu_time {
+            args.push("--cpu-time");
+        }
+        let run = Command::new(env!("CARGO_BIN_EXE_embank")).args(&args).output().unwrap();
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+        let e = &report["engines"][0];
+        if cpu_time {
+            let (c50, c99) = (e["cpu_us_p50"].as_f64().unwrap(), e["cpu_us_p99"].as_f64().unwrap());
+            assert!(c50 > 0.0 && c99 >= c50, "{e}");
+            // A batch's CPU time never exceeds its wall time by more than the clocks' grain.
+            assert!(c50 <= e["latency_us_p50"].as_f64().unwrap() * 1.5 + 5.0, "{e}");
+            let off = e["off_core_fraction"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&off), "{e}");
+            assert!(stdout.contains("on the thread's CPU clock"), "{stdout}");
+        } else {
+            assert!(e["cpu_us_p50"].is_null() && e["off_core_fraction"].is_null(), "{e}");
         }
     }
 }

@@ -23,7 +23,9 @@ pub fn copy_bandwidth() -> f64 {
 /// rows (key k at offset k * dim), software-prefetched 8 keys ahead, copying
 /// into a reply buffer, from one thread per key stream: the best any store can
 /// do on this access pattern.
-pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds: f64) -> f64 {
+/// The index-free gather: keys/s, and the p50 and p99 of one batch's time (µs): the
+/// latency the access pattern itself has on this machine, beside the engines'.
+pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds: f64) -> (f64, f64, f64) {
     let mut flat = vec![0f32; keys as usize * dim];
     for (i, x) in flat.iter_mut().enumerate() {
         *x = i as f32;
@@ -31,7 +33,7 @@ pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds
     let flat = &flat;
     let deadline = Instant::now() + Duration::from_secs_f64(seconds.max(0.1));
     let t0 = Instant::now();
-    let total: usize = std::thread::scope(|s| {
+    let per_thread: Vec<(usize, Vec<u64>)> = std::thread::scope(|s| {
         let handles: Vec<_> = batches
             .iter()
             .map(|stream| {
@@ -40,7 +42,9 @@ pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds
                     let n = stream.len() / batch;
                     let mut done = 0usize;
                     let mut i = 0;
+                    let mut lat = Vec::with_capacity(1 << 16);
                     while Instant::now() < deadline {
+                        let start = Instant::now();
                         let ks = &stream[(i % n) * batch..(i % n + 1) * batch];
                         for (j, &k) in ks.iter().enumerate() {
                             if let Some(&ahead) = ks.get(j + 8) {
@@ -50,16 +54,22 @@ pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds
                                 .copy_from_slice(&flat[k as usize * dim..(k as usize + 1) * dim]);
                         }
                         std::hint::black_box(&out);
+                        lat.push(start.elapsed().as_nanos() as u64);
                         done += batch;
                         i += 1;
                     }
-                    done
+                    (done, lat)
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
     });
-    total as f64 / t0.elapsed().as_secs_f64()
+    let secs = t0.elapsed().as_secs_f64();
+    let total: usize = per_thread.iter().map(|(d, _)| d).sum();
+    let mut lat: Vec<u64> = per_thread.into_iter().flat_map(|(_, l)| l).collect();
+    lat.sort_unstable();
+    let us = |p: f64| super::percentile(&lat, p) as f64 / 1e3;
+    (total as f64 / secs, us(50.0), us(99.0))
 }
 
 /// Hints the CPU to load the `len` bytes at `p`, line by line (for writing: `write`).

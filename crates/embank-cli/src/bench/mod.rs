@@ -168,6 +168,12 @@ pub struct BenchArgs {
     /// pages (MADV_HUGEPAGE instead of MADV_RANDOM), for read-mostly stores.
     #[arg(long)]
     pub huge_pages: bool,
+    /// Also time each batch on the reader thread's CPU clock (`CLOCK_THREAD_CPUTIME_ID`,
+    /// two more clock reads a batch): the report gives that time's p50/p99 beside the
+    /// wall clock's, so a tail the read path does not spend on the core (preemption,
+    /// interrupts, a VM's steal) shows as wall time above CPU time.
+    #[arg(long)]
+    pub cpu_time: bool,
     /// Skip measuring the physical limits: the copy bandwidth, the index-free gather (it
     /// allocates a flat array of all rows: skip it in a memory-limited run), the device's
     /// I/O rates and the checkpoint pattern.
@@ -244,6 +250,12 @@ pub struct EngineResult {
     pub placement_seconds: Option<f64>,
     /// Latency CDF: (microseconds, fraction of batches at or below).
     pub latency_cdf: Vec<(f64, f64)>,
+    /// `--cpu-time`: p50 and p99 of a batch's time on its thread's CPU clock (µs), and the
+    /// fraction of batches whose wall time exceeds their CPU time by more than their
+    /// p50 CPU time (they waited off the core).
+    pub cpu_us_p50: Option<f64>,
+    pub cpu_us_p99: Option<f64>,
+    pub off_core_fraction: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -267,6 +279,10 @@ pub struct Report {
     pub copy_gb_per_second: f64,
     pub copy_bound_keys_per_second: f64,
     pub gather_keys_per_second: f64,
+    /// p50 and p99 of one batch of the index-free gather (µs): the tail the access
+    /// pattern has on this machine (0 when limits were skipped).
+    pub gather_batch_us_p50: f64,
+    pub gather_batch_us_p99: f64,
     /// Payload bandwidth of one loopback TCP stream, GB/s (measured when a networked
     /// engine runs: `embank-tcp`, `redis`).
     pub loopback_gb_per_second: Option<f64>,
@@ -301,7 +317,18 @@ fn skipped(engine: &str, why: String) -> EngineResult {
         home_bucket_fraction: None,
         placement_seconds: None,
         latency_cdf: Vec::new(),
+        cpu_us_p50: None,
+        cpu_us_p99: None,
+        off_core_fraction: None,
     }
+}
+
+/// This thread's CPU time in nanoseconds.
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid clock id and a valid out pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Resident set of this process in bytes.
@@ -378,13 +405,17 @@ pub(crate) fn load_rows(keys: u64, dim: usize, push: RowSink<'_>) -> Result<(), 
     Ok(())
 }
 
+/// Per batch: wall-clock nanoseconds and, with `--cpu-time`, the thread's CPU nanoseconds
+/// (else empty), in the same order.
+type Latencies = (Vec<u64>, Vec<u64>);
+
 /// The measured phase: every thread replays its batches until the deadline or its share of `ops`.
 fn measure(
     engine: &dyn Engine,
     args: &BenchArgs,
     threads: usize,
     streams: &Streams,
-) -> Result<(f64, Vec<u64>), String> {
+) -> Result<(f64, Latencies), String> {
     let dim = args.dim as usize;
     let batch = args.batch;
     let deadline = Instant::now() + Duration::from_secs_f64(args.duration);
@@ -392,17 +423,18 @@ fn measure(
     let train = args.workload == Workload::Train;
     let bar = progress(args.ops.unwrap_or((args.duration * 10.0) as u64), "measure");
     let t0 = Instant::now();
-    let results: Vec<Result<Vec<u64>, String>> = std::thread::scope(|s| {
+    let results: Vec<Result<Latencies, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 let (keys, pushes, ops_left, bar) = (&streams.batches[t], &streams.pushes[t], &ops_left, &bar);
-                s.spawn(move || -> Result<Vec<u64>, String> {
+                s.spawn(move || -> Result<Latencies, String> {
                     let mut out = vec![0f32; batch * dim];
                     let mut rows = vec![0f32; batch * dim];
                     for (i, x) in rows.iter_mut().enumerate() {
                         *x = (i % 97) as f32 * 0.01;
                     }
                     let mut lat = Vec::with_capacity(1 << 16);
+                    let mut cpu = Vec::with_capacity(if args.cpu_time { 1 << 16 } else { 0 });
                     let mut i = 0usize;
                     loop {
                         if args.ops.is_some() {
@@ -416,6 +448,7 @@ fn measure(
                         }
                         let b = i % args.stream_batches;
                         let ks = &keys[b * batch..(b + 1) * batch];
+                        let cpu0 = if args.cpu_time { thread_cpu_ns() } else { 0 };
                         let start = Instant::now();
                         if train {
                             engine.pull(t, ks, &mut out)?;
@@ -432,6 +465,9 @@ fn measure(
                             engine.checkpoint()?;
                         }
                         lat.push(start.elapsed().as_nanos() as u64);
+                        if args.cpu_time {
+                            cpu.push(thread_cpu_ns().saturating_sub(cpu0));
+                        }
                         std::hint::black_box(&out);
                         i += 1;
                         if t == 0 && i.is_multiple_of(64) {
@@ -441,7 +477,7 @@ fn measure(
                             });
                         }
                     }
-                    Ok(lat)
+                    Ok((lat, cpu))
                 })
             })
             .collect();
@@ -449,12 +485,26 @@ fn measure(
     });
     let elapsed = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let mut lat = Vec::new();
+    let (mut lat, mut cpu) = (Vec::new(), Vec::new());
     for r in results {
-        lat.extend(r?);
+        let (l, c) = r?;
+        lat.extend(l);
+        cpu.extend(c);
     }
-    lat.sort_unstable();
-    Ok((elapsed, lat))
+    Ok((elapsed, (lat, cpu)))
+}
+
+/// `--cpu-time`'s figures of a measured phase: CPU p50, CPU p99 (µs), and the fraction
+/// of batches whose wall time exceeds their CPU time by more than the CPU p50.
+fn cpu_figures(lat: &[u64], cpu: &[u64]) -> Option<(f64, f64, f64)> {
+    if cpu.is_empty() || cpu.len() != lat.len() {
+        return None;
+    }
+    let mut sorted = cpu.to_vec();
+    sorted.sort_unstable();
+    let p50 = percentile(&sorted, 50.0);
+    let off = lat.iter().zip(cpu).filter(|(w, c)| w.saturating_sub(**c) > p50).count();
+    Some((p50 as f64 / 1e3, percentile(&sorted, 99.0) as f64 / 1e3, off as f64 / lat.len() as f64))
 }
 
 fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usize) -> Result<Box<dyn Engine>, String> {
@@ -559,19 +609,21 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
 
     // Physical limits first, while memory is empty.
     let row_bytes = (dim * 4) as f64;
-    let (copy, copy_bound, gather) = if args.skip_limits {
+    let (copy, copy_bound, gather, gather_p50, gather_p99) = if args.skip_limits {
         println!("limits: skipped (--skip-limits)");
-        (f64::NAN, f64::NAN, f64::NAN)
+        (f64::NAN, f64::NAN, f64::NAN, 0.0, 0.0)
     } else {
         let copy = limits::copy_bandwidth();
         let copy_bound = copy * 1e9 / (2.0 * row_bytes);
-        let gather = limits::gather(args.keys, dim, &streams.batches, args.batch, args.duration.min(3.0));
+        let (gather, g50, g99) = limits::gather(args.keys, dim, &streams.batches, args.batch, args.duration.min(3.0));
         println!(
-            "limits: memory copy {copy:.1} GB/s (read + write) bounds pulls at {:.1} M keys/s; index-free prefetched gather {:.1} M keys/s",
+            "limits: memory copy {copy:.1} GB/s (read + write) bounds pulls at {:.1} M keys/s; index-free prefetched gather {:.1} M keys/s \
+             (a batch: p50 {g50:.1} us, p99 {g99:.1} us, {:.2}x)",
             copy_bound / 1e6,
-            gather / 1e6
+            gather / 1e6,
+            g99 / g50.max(1e-9)
         );
-        (copy, copy_bound, gather)
+        (copy, copy_bound, gather, g50, g99)
     };
     // The device's random I/O rate at the block medium's record size, where a block
     // engine will run: what its misses can at best be served at.
@@ -631,16 +683,18 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
                 measure(engine.as_ref(), &warm, threads, &streams)?;
             }
             engine.start_measure();
-            let (secs, lat) = measure(engine.as_ref(), &args, threads, &streams)?;
+            let (secs, (mut lat, cpu)) = measure(engine.as_ref(), &args, threads, &streams)?;
+            let cpu = cpu_figures(&lat, &cpu);
+            lat.sort_unstable();
             // Resident after the measured phase, so caches filled by it count.
             let resident = rss_bytes().saturating_sub(rss0) + engine.external_resident_bytes().unwrap_or(0);
             let io = engine.io_ops().map(|(r, w)| (r as f64 / secs, w as f64 / secs));
-            Ok((load_s, resident, secs, lat, engine.hit_rate(), io, home, engine.placement_seconds()))
+            Ok((load_s, resident, secs, lat, cpu, engine.hit_rate(), io, home, engine.placement_seconds()))
         });
         drop(engine);
         // Free the disk before the next engine loads.
         let _ = std::fs::remove_dir_all(dir.join(name.as_str()));
-        let (load_s, resident, secs, lat, hit_rate, io, home, placement) = match outcome {
+        let (load_s, resident, secs, lat, cpu, hit_rate, io, home, placement) = match outcome {
             Ok(x) => x,
             Err(why) => {
                 println!("{name:<18} failed: {why}");
@@ -675,7 +729,21 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
             home_bucket_fraction: home,
             placement_seconds: placement,
             latency_cdf: cdf,
+            cpu_us_p50: cpu.map(|c| c.0),
+            cpu_us_p99: cpu.map(|c| c.1),
+            off_core_fraction: cpu.map(|c| c.2),
         });
+        if let Some((c50, c99, off)) = cpu {
+            println!(
+                "{name:<18} per batch: wall p50 {:.1} us, p99 {:.1} us ({:.2}x); on the thread's CPU clock p50 {c50:.1} us, \
+                 p99 {c99:.1} us ({:.2}x); {:.2} % of batches waited off the core longer than the CPU p50",
+                percentile(&lat, 50.0) as f64 / 1e3,
+                percentile(&lat, 99.0) as f64 / 1e3,
+                percentile(&lat, 99.0) as f64 / percentile(&lat, 50.0).max(1) as f64,
+                c99 / c50.max(1e-9),
+                100.0 * off
+            );
+        }
         match io {
             Some((r, w)) => println!(
                 "{name:<18} done: {:.2} M keys/s; device {:.1} k reads/s, {:.1} k writes/s",
@@ -708,6 +776,8 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         copy_gb_per_second: copy,
         copy_bound_keys_per_second: copy_bound,
         gather_keys_per_second: gather,
+        gather_batch_us_p50: gather_p50,
+        gather_batch_us_p99: gather_p99,
         loopback_gb_per_second: loopback,
         device,
         checkpoint_pattern,
