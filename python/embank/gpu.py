@@ -101,6 +101,8 @@ KEEP = -2  # a score meaning "leave it"
 SLOTS_DEFAULT = 128
 QUEUE_KEYS_MAX_DEFAULT = 1 << 20
 MISS_IDS_HINT_MIN = 1024  # miss ids a lookup copies to the host with the count, at least
+ONES_CHUNK = 1 << 16  # the outcome counter's ones: allocated once (a reallocation could be
+# freed while another stream still reads it)
 _POLICIES = {"lru": 0, "lfu": 1, "custom": 2}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -196,7 +198,7 @@ class GpuCache:
         # outcomes (see `_write`) by kind (1 sync, 2 async), counted in one launch.
         self._counts = torch.zeros(5, dtype=torch.int64, device=dev)
         self._outcomes = torch.zeros((3, 8), dtype=torch.int64, device=dev)
-        self._ones = torch.ones(0, dtype=torch.int64, device=dev)
+        self._ones = torch.ones(ONES_CHUNK, dtype=torch.int64, device=dev)  # never reallocated
         fill = default
         if fill is None:
             missing = table.options.get("missing")
@@ -245,7 +247,7 @@ class GpuCache:
             if stream.stream_id not in self._streams:  # the cache's tensors are used there too
                 self._streams.add(stream.stream_id)
                 for t in (self.keys, self.digests, self.scores, self.values, self.versions, self._counts,
-                          self._outcomes):  # fmt: skip
+                          self._outcomes, self._ones):  # fmt: skip
                     t.record_stream(stream)
             if self._order is not None:
                 stream.wait_event(self._order)
@@ -480,10 +482,10 @@ class GpuCache:
     def _count_inserts(self, done: torch.Tensor, which: int) -> None:
         """Adds an insert's outcome to the device counters (no sync): evictions, keys
         inserted (counter ``which``: 1 sync, 2 async), keys refused."""
-        n = len(done)
-        if len(self._ones) < n:
-            self._ones = torch.ones(max(n, 2 * len(self._ones)), dtype=torch.int64, device=self.device)
-        self._outcomes.view(-1).index_add_(0, done + 8 * which, self._ones[:n])
+        at = done + 8 * which
+        for i in range(0, len(at), ONES_CHUNK):  # one launch but for inserts of > 64 k keys
+            part = at[i : i + ONES_CHUNK]
+            self._outcomes.view(-1).index_add_(0, part, self._ones[: len(part)])
 
     # ---- the public interface ----
 

@@ -332,3 +332,17 @@ def test_the_background_inserter_gathers_a_few_lookups_misses(monkeypatch: pytes
     q.put(np.array([20], dtype=np.int64), np.array([0], dtype=np.int64))
     q.close()
     assert q.take(1.0) is not None and q.take(1.0) is None
+
+
+def test_an_insert_of_more_keys_than_a_counting_chunk_counts_them_all(gpu_store: embank.Store) -> None:
+    """Insert outcomes are counted in chunks of `ONES_CHUNK` keys (a buffer of ones
+    allocated once): an insert of more keys than that counts every one."""
+    n = gpu.ONES_CHUNK + 4000
+    t = gpu_store.create_table("many", dim=2)
+    t.push(np.arange(n, dtype=np.uint64), np.ones((n, 2), dtype=np.float32))
+    cache = gpu.GpuCache(t, rows_max=2 * n, device="cpu", insert="sync", kernels="torch")
+    cache.lookup(torch.arange(n))
+    s = cache.stats()
+    assert s["sync_inserts"] + s["insert_refused"] == n, s
+    assert s["sync_inserts"] == s["rows_cached"] > gpu.ONES_CHUNK, s
+    cache.close()
