@@ -47,17 +47,30 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def seconds(fn: Any, device: torch.device) -> float:
+    """Seconds of one call, the device's work included."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
 def timed(fn: Any, device: torch.device, repeats: int) -> list[float]:
     """Seconds of each of ``repeats`` calls, after one untimed call (compiles, caches)."""
     fn()
-    out = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        out.append(time.perf_counter() - t0)
-    return out
+    return [seconds(fn, device) for _ in range(repeats)]
+
+
+def bag_seconds(bag: Any, ids: torch.Tensor, offsets: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one batch through ``bag``, its ids and offsets moved to ``device`` included."""
+    return seconds(lambda: bag(ids.to(device), offsets.to(device)), device)
+
+
+def hits_between(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, int]:
+    """Hits and lookups (ids) between two of a cache's ``stats()``."""
+    h = after["hits"] - before["hits"]
+    return h, h + after["misses"] - before["misses"]
 
 
 def rate(n: float, seconds: list[float]) -> dict[str, float]:
@@ -167,9 +180,8 @@ def hit_rate_by_size(t: embank.Table, args: argparse.Namespace, device: torch.de
             for ids in batches:
                 before = cache.stats()
                 cache.lookup(ids.to(device))
-                after = cache.stats()
-                h = after["hits"] - before["hits"]
-                rates.append(h / max(1, h + after["misses"] - before["misses"]))
+                h, n = hits_between(before, cache.stats())
+                rates.append(h / max(1, n))
             curve.append({"fraction": frac, "hit_rate_last_half": float(np.mean(rates[len(rates) // 2 :]))})
             cache.close()
         out[f"zipf_{a}"] = curve
@@ -189,15 +201,9 @@ def end_to_end(t: embank.Table, args: argparse.Namespace, device: torch.device) 
         offsets = torch.arange(0, args.bags * args.bag_size, args.bag_size, dtype=torch.int64)
         res: dict[str, Any] = {}
         plain = et.EmbeddingBag(t, mode="sum").eval()
-        lat = []
         with torch.no_grad():
             plain(warm_up.to(device), offsets.to(device))
-            for ids in batches:
-                sync(device)
-                t0 = time.perf_counter()
-                plain(ids.to(device), offsets.to(device))
-                sync(device)
-                lat.append(time.perf_counter() - t0)
+            lat = [bag_seconds(plain, ids, offsets, device) for ids in batches]
         res["cpu_store"] = {"p50_ms": 1e3 * np.percentile(lat, 50), "p99_ms": 1e3 * np.percentile(lat, 99)}
         for threshold in (0.0, 0.5, 1.0):
             cache = GpuCache(
@@ -210,14 +216,8 @@ def end_to_end(t: embank.Table, args: argparse.Namespace, device: torch.device) 
                 bag(warm_up.to(device), offsets.to(device))
                 for ids in batches:
                     before = cache.stats()
-                    sync(device)
-                    t0 = time.perf_counter()
-                    bag(ids.to(device), offsets.to(device))
-                    sync(device)
-                    lat.append(time.perf_counter() - t0)
-                    after = cache.stats()
-                    h = after["hits"] - before["hits"]
-                    n = h + after["misses"] - before["misses"]
+                    lat.append(bag_seconds(bag, ids, offsets, device))
+                    h, n = hits_between(before, cache.stats())
                     curve.append(h / n if n else 0.0)
             cache.wait()
             st = cache.stats()
@@ -242,17 +242,10 @@ def end_to_end(t: embank.Table, args: argparse.Namespace, device: torch.device) 
             cache.lookup(ids.to(device))
         cache.insert_mode = "auto"
         bag = et.EmbeddingBag(cache, mode="sum").eval()
-        lat = []
         before = cache.stats()
         with torch.no_grad():
-            for ids in batches:
-                sync(device)
-                t0 = time.perf_counter()
-                bag(ids.to(device), offsets.to(device))
-                sync(device)
-                lat.append(time.perf_counter() - t0)
-        after = cache.stats()
-        h = after["hits"] - before["hits"]
+            lat = [bag_seconds(bag, ids, offsets, device) for ids in batches]
+        h, n = hits_between(before, cache.stats())
         if args.profile:  # fresh batches of the same law, untimed, under cProfile: the host's share
             import cProfile
             import io
@@ -275,7 +268,7 @@ def end_to_end(t: embank.Table, args: argparse.Namespace, device: torch.device) 
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
             res["profile_prewarmed"] = text.getvalue()
         res["gpu_cache_prewarmed"] = {
-            "hit_rate": h / max(1, h + after["misses"] - before["misses"]),
+            "hit_rate": h / max(1, n),
             "p50_ms": 1e3 * np.percentile(lat, 50),
             "p99_ms": 1e3 * np.percentile(lat, 99),
         }
