@@ -395,8 +395,5 @@ fn thread_cpu_seconds(name: &str) -> Option<f64> {
 
 /// CPU seconds the calling thread has run.
 fn own_cpu_seconds() -> f64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid timespec to fill; CLOCK_THREAD_CPUTIME_ID needs nothing else.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    crate::bench::thread_cpu_ns() as f64 * 1e-9
 }

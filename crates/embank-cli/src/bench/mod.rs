@@ -323,8 +323,8 @@ fn skipped(engine: &str, why: String) -> EngineResult {
     }
 }
 
-/// This thread's CPU time in nanoseconds.
-fn thread_cpu_ns() -> u64 {
+/// CPU time the calling thread has run, in nanoseconds.
+pub(crate) fn thread_cpu_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: a valid clock id and a valid out pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
