@@ -6,9 +6,10 @@
 //!   stream from its start into an empty store: rows/s until it serves the checkpoint.
 //!   The publisher's own rate is reported beside it.
 //! - **reads during ingest**: ycsb-c (batches of 500 Zipf keys, `lookup`) on the
-//!   replica for `--seconds`, idle and while it ingests a backlog of checkpoints of
+//!   replica for `--seconds` while it ingests a backlog of checkpoints of
 //!   `--checkpoint-rows` changed rows (published beforehand, so the trainer does not
-//!   share the cores): the ratio. The broker runs on this machine too.
+//!   share the cores), against the mean of an idle run before the ingest and one after
+//!   it: the ratio. The broker runs on this machine too.
 //! - **freshness**: `--checkpoints` checkpoints of `--checkpoint-rows` changed rows each;
 //!   the time from the trainer's `checkpoint()` call to the replica serving it, p50/p99.
 //! - **training cost**: a training loop (pull + push_grad of 500-key Zipf batches,
@@ -210,6 +211,12 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     let (busy, busy_secs, busy_cpu) = read_for(a.seconds, &mut keys, Some((&replica, last_seq)))?;
     let busy_ingest = (replica.status().rows - ingest_rows) as f64 / busy_secs;
     wait_seq(&replica, last_seq, Duration::from_secs(600))?;
+    // Idle again, through the caught-up replica's view: the machine's pace drifts by
+    // tens of percent over a minute here, so the busy run is set against the mean of an
+    // idle run on each side of it.
+    let (idle_after, _, idle_after_cpu) = read_for(a.seconds, &mut keys, Some((&replica, u64::MAX)))?;
+    let (idle_before, idle_before_cpu) = (idle, idle_cpu);
+    let (idle, idle_cpu) = ((idle_before + idle_after) / 2.0, (idle_before_cpu + idle_after_cpu) / 2.0);
     let mut fresh: Vec<u64> = Vec::new();
     eprintln!("freshness: {} checkpoints of {} rows ...", a.checkpoints, a.checkpoint_rows);
     // Freshness: checkpoint() on the trainer to the replica serving it, one at a time.
@@ -226,6 +233,8 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     replica.close();
     drop(publisher);
     report.insert("reads_idle_keys_per_second".into(), idle.into());
+    report.insert("reads_idle_before_keys_per_second".into(), idle_before.into());
+    report.insert("reads_idle_after_keys_per_second".into(), idle_after.into());
     report.insert("reads_during_ingest_keys_per_second".into(), busy.into());
     report.insert("reader_cpu_share_idle".into(), idle_cpu.into());
     report.insert("reader_cpu_share_during_ingest".into(), busy_cpu.into());
@@ -269,8 +278,11 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
         push_rate
     );
     println!(
-        "  ycsb-c reads, idle        {:>12.0} keys/s   (the reader had {:.0} % of a core)",
+        "  ycsb-c reads, idle        {:>12.0} keys/s   (mean of {:.0} before ingest and {:.0} after; the reader had \
+         {:.0} % of a core)",
         idle,
+        idle_before,
+        idle_after,
         idle_cpu * 100.0
     );
     println!(

@@ -185,24 +185,37 @@ impl ServedView {
             }
             {
                 // The whole batch is looked up in the live table straight into `out`, then
-                // the keys the overlay holds are answered with their kept rows over it: a
-                // kept key's new record is read and dropped, which costs less than
-                // splitting the batch (two more buffers and a scatter of every row). The
-                // overlay's read lock is held through the table's lookup: the applier
-                // keeps a key (under the write lock) before it changes it, so a key not
-                // kept when the lock was taken is not changed until the lookup is done.
+                // the keys the overlay holds are answered with their kept rows over it
+                // (cheaper than splitting the batch: two more buffers and a scatter of
+                // every row). The overlay's read lock is held through the table's lookup:
+                // the applier keeps a key (under the write lock) before it changes it, so
+                // a key not kept when the lock was taken is not changed until the lookup
+                // is done.
                 let overlay = self.overlay.read();
                 match overlay.get(table.name()).filter(|k| !k.at.is_empty()) {
                     None => table.lookup(keys, out, found)?,
                     Some(kept) => {
                         let mut hits: Vec<(usize, (u32, u32))> = Vec::with_capacity(keys.len() / 4);
+                        let mut not_kept = None;
                         for (i, &k) in keys.iter().enumerate() {
-                            if let Some(at) = kept.get(k) {
-                                hits.push((i, at));
+                            match kept.get(k) {
+                                Some(at) => hits.push((i, at)),
+                                None => not_kept = not_kept.or(Some(k)),
                             }
                         }
-                        if hits.len() < keys.len() {
-                            table.lookup(keys, out, found)?;
+                        match not_kept {
+                            None => {}
+                            Some(_) if hits.is_empty() => table.lookup(keys, out, found)?,
+                            // A kept key's place in the table's lookup goes to a key of
+                            // the batch that is not kept: its row is read again from the
+                            // L1 cache instead of the kept key's new record from memory.
+                            Some(stand_in) => {
+                                let mut looked_up = keys.to_vec();
+                                for &(i, _) in &hits {
+                                    looked_up[i] = stand_in;
+                                }
+                                table.lookup(&looked_up, out, found)?;
+                            }
                         }
                         for (i, (b, r)) in hits {
                             let (block, r) = (&kept.blocks[b as usize], r as usize);
