@@ -17,9 +17,10 @@
 //! live tables (a mix, as before the view) until the commit, and the status counts it.
 
 use std::collections::HashMap;
+use std::hash::Hasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use embank_core::hash::IdMap;
+use embank_core::hash::{IdHasher, IdMap};
 use embank_core::{Error, ErrorKind, Result, Store, Table};
 
 use super::replica::ReplicaMeta;
@@ -58,8 +59,11 @@ impl Default for Kept {
 }
 
 impl Kept {
+    /// The filter's word and bit of `key`: the top bits of the map's own id hash.
     fn bit(key: u64) -> (usize, u64) {
-        let h = (key ^ (key >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - FILTER_BITS);
+        let mut hasher = IdHasher::default();
+        hasher.write_u64(key);
+        let h = hasher.finish() >> (64 - FILTER_BITS);
         ((h >> 6) as usize, 1u64 << (h & 63))
     }
 
