@@ -47,7 +47,7 @@ pub mod medium;
 pub mod optim;
 pub mod plan;
 pub mod pooled;
-mod prefetch;
+pub mod prefetch;
 mod runtime;
 pub mod staleness;
 pub mod store;

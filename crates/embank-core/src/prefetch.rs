@@ -1,5 +1,7 @@
 //! Software prefetch hints; no-ops where the target has none.
 
+/// Hints the CPU to fetch the line at `ptr` into every cache level (`prefetcht0`), so a
+/// load of it a little later need not wait. Any address, mapped or not.
 #[inline(always)]
 pub fn prefetch_read(ptr: *const u8) {
     #[cfg(target_arch = "x86_64")]
