@@ -17,7 +17,7 @@
 //! bring are deleted. So a key present before and after a resync is readable throughout.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -180,7 +180,14 @@ struct Shared {
     opts: ReplicaOptions,
     status: Mutex<ReplicaStatus>,
     stop: AtomicBool,
+    /// Commits the applier may still take before it holds ([`NO_HOLD`]: no limit).
+    commits_left: AtomicU64,
+    /// Set while the applier holds: the stream's reader stops polling too.
+    held: AtomicBool,
 }
+
+/// [`Shared::commits_left`] when the replica is not to hold.
+const NO_HOLD: u64 = u64::MAX;
 
 /// Gives a replica's status now.
 pub type StatusFn = Arc<dyn Fn() -> ReplicaStatus + Send + Sync>;
@@ -236,6 +243,8 @@ impl Replica {
             opts,
             status: Mutex::new(status),
             stop: AtomicBool::new(false),
+            commits_left: AtomicU64::new(NO_HOLD),
+            held: AtomicBool::new(false),
         });
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -264,6 +273,17 @@ impl Replica {
     pub fn status_fn(&self) -> StatusFn {
         let s = Arc::clone(&self.shared);
         Arc::new(move || s.status.lock().clone())
+    }
+
+    /// Holds ingest at a checkpoint boundary once `commits` more checkpoints are applied
+    /// (`Some(0)`: at the next boundary, which is now if no checkpoint is half applied),
+    /// or lets it run on (`None`). A held replica serves its last commit with nothing
+    /// kept in its view, so a read costs what it costs on an idle replica, and its state
+    /// reads `held`; the stream waits in the broker. For an operator who freezes a replica
+    /// without stopping it (a canary, an investigation), and for `embank bench-stream`,
+    /// which alternates ingest and idle one checkpoint at a time.
+    pub fn hold_after(&self, commits: Option<u64>) {
+        self.shared.commits_left.store(commits.unwrap_or(NO_HOLD), Ordering::Release);
     }
 
     /// Stops the thread (a message being applied finishes first).
@@ -401,6 +421,11 @@ fn read(
 ) {
     let mut lag_at = Instant::now() - Duration::from_secs(10);
     while !s.stop.load(Ordering::Relaxed) && !done.load(Ordering::Relaxed) {
+        // A held replica reads nothing ahead either: the stream waits in the broker.
+        if s.held.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
         let batch = match source.poll(256, Duration::from_millis(100)) {
             Ok(b) => b,
             Err(e) => {
@@ -517,7 +542,13 @@ fn apply_all(
     // stream is read again from the last commit.
     let mut resyncs: HashMap<String, Resync> = HashMap::new();
     let mut pacer = Pacer { share: s.opts.ingest_share, reads_seen: s.view.reads() };
+    // Between two checkpoints (nothing of the next one applied yet): where a hold waits.
+    let mut at_boundary = true;
     while !s.stop.load(Ordering::Relaxed) {
+        if at_boundary && s.commits_left.load(Ordering::Acquire) == 0 {
+            hold(s);
+            continue;
+        }
         let (position, m) = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(r) => r?,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
@@ -535,6 +566,7 @@ fn apply_all(
             continue;
         }
         apply(s, &m, &mut resyncs, &mut pacer)?;
+        at_boundary = m.kind == Kind::Commit;
         let mut st = s.status.lock();
         st.messages += 1;
         match m.kind {
@@ -571,6 +603,11 @@ fn apply_all(
                 st.checkpoint_unix_seconds = Some(meta.unix_micros as f64 * 1e-6);
                 st.last_freshness_seconds = Some((now_seconds() - meta.unix_micros as f64 * 1e-6).max(0.0));
                 applied.meta = Some(meta);
+                drop(st);
+                let _ = s.commits_left.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| match n {
+                    NO_HOLD => None,
+                    n => Some(n.saturating_sub(1)),
+                });
             }
             Kind::Reset => drop(st),
         }
@@ -581,6 +618,17 @@ fn apply_all(
         }
     }
     Ok(())
+}
+
+/// Waits while the replica is held (see [`Replica::hold_after`]) or until it stops.
+fn hold(s: &Shared) {
+    s.held.store(true, Ordering::Relaxed);
+    s.status.lock().state = "held".into();
+    while s.commits_left.load(Ordering::Acquire) == 0 && !s.stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    s.status.lock().state = "ingesting".into();
+    s.held.store(false, Ordering::Relaxed);
 }
 
 fn apply(s: &Shared, m: &message::Message, resyncs: &mut HashMap<String, Resync>, pacer: &mut Pacer) -> Result<()> {
@@ -666,6 +714,8 @@ mod tests {
             opts,
             status: Mutex::new(ReplicaStatus::default()),
             stop: AtomicBool::new(false),
+            commits_left: AtomicU64::new(NO_HOLD),
+            held: AtomicBool::new(false),
         }
     }
 
@@ -709,6 +759,68 @@ mod tests {
 
     fn serving(s: &Shared, keys: std::ops::Range<u64>) {
         run(s, &[message(Kind::Rows, 1, keys), message(Kind::Commit, 1, 0..0)]);
+    }
+
+    #[test]
+    fn a_held_replica_stops_at_a_checkpoint_boundary_and_goes_on_when_let() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(shared(dir.path()));
+        // Held after one commit, set while nothing is applied yet.
+        s.commits_left.store(1, Ordering::Release);
+        let (tx, rx) = std::sync::mpsc::sync_channel(64);
+        for seq in 1..=3u64 {
+            let keys = (seq - 1) * 10..seq * 10;
+            tx.send(Ok((format!("{seq}-rows"), message(Kind::Rows, seq, keys)))).unwrap();
+            tx.send(Ok((format!("{seq}-commit"), message(Kind::Commit, seq, 0..0)))).unwrap();
+        }
+        let applier = {
+            let s = Arc::clone(&s);
+            std::thread::spawn(move || {
+                let mut applied = Applied { meta: None, next_batch: 1 };
+                apply_all(&s, &mut applied, &rx)
+            })
+        };
+        let wait_for = |what: &dyn Fn() -> bool| {
+            let until = Instant::now() + Duration::from_secs(10);
+            while !what() {
+                assert!(Instant::now() < until, "timed out");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        wait_for(&|| s.status.lock().state == "held");
+        std::thread::sleep(Duration::from_millis(100));
+        {
+            let st = s.status.lock();
+            assert_eq!((st.commits, st.checkpoint_seq), (1, Some(1)), "one checkpoint, then held");
+        }
+        // Nothing of checkpoint 2 was applied: held between checkpoints, nothing kept.
+        assert_eq!(present(&s), (0..10).collect::<Vec<_>>());
+        assert_eq!(s.view.staged_bytes(), 0);
+        // Let one more through, then all.
+        s.commits_left.store(1, Ordering::Release);
+        wait_for(&|| s.status.lock().commits == 2 && s.status.lock().state == "held");
+        assert_eq!(present(&s), (0..20).collect::<Vec<_>>());
+        s.commits_left.store(NO_HOLD, Ordering::Release);
+        wait_for(&|| s.status.lock().commits == 3);
+        assert_eq!(present(&s), (0..30).collect::<Vec<_>>());
+        // A hold asked for while a checkpoint is half applied waits for its commit.
+        tx.send(Ok(("4-rows".into(), message(Kind::Rows, 4, 30..40)))).unwrap();
+        wait_for(&|| s.status.lock().rows == 40);
+        s.commits_left.store(0, Ordering::Release);
+        // Past a receive timeout, so the applier looks at the hold before the commit comes.
+        std::thread::sleep(Duration::from_millis(250));
+        tx.send(Ok(("4-commit".into(), message(Kind::Commit, 4, 0..0)))).unwrap();
+        tx.send(Ok(("5-rows".into(), message(Kind::Rows, 5, 40..50)))).unwrap();
+        tx.send(Ok(("5-commit".into(), message(Kind::Commit, 5, 0..0)))).unwrap();
+        wait_for(&|| s.status.lock().state == "held");
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(s.status.lock().commits, 4);
+        assert_eq!(present(&s), (0..40).collect::<Vec<_>>());
+        s.commits_left.store(NO_HOLD, Ordering::Release);
+        wait_for(&|| s.status.lock().commits == 5);
+        drop(tx);
+        applier.join().unwrap().unwrap();
+        assert_eq!(present(&s), (0..50).collect::<Vec<_>>());
     }
 
     #[test]
