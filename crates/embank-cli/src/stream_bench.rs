@@ -238,6 +238,12 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
         windows += 1;
     }
     replica.hold_after(None);
+    if windows == 0 {
+        return Err(format!(
+            "the backlog of {backlog} checkpoints ran out before a read window (the first is not measured): \
+             raise --seconds or lower --checkpoint-rows"
+        ));
+    }
     let (busy, busy_secs, busy_cpu) = (on.0 / on.1, on.1, on.2 / on.1);
     let (idle, idle_cpu) = (off.0 / off.1, off.2 / off.1);
     let busy_ingest = ingest_rows as f64 / busy_secs;
