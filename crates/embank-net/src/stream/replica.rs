@@ -52,11 +52,12 @@ pub struct ReplicaOptions {
     /// The token the siblings require (the server's own `token`; set by `embank serve`).
     #[serde(skip)]
     pub bootstrap_token: Option<String>,
-    /// The most of one core the applier takes while the replica serves reads, in (0, 1]
+    /// The most of one core the applier takes while reads keep a core busy, in (0, 1]
     /// (default 0.5): it applies a message's rows in chunks of [`INGEST_CHUNK_ROWS`], and
-    /// after a chunk during which reads arrived it rests in proportion to the chunk's
-    /// time. Reads then keep most of the machine while a backlog is applied; with no
-    /// reads it applies at full speed. 1.0: never rest.
+    /// after each rests in proportion to the chunk's time and to the share of a core the
+    /// reads took meanwhile. Saturating reads then keep most of the machine while a
+    /// backlog is applied; light reads slow it a little; with no reads it applies at full
+    /// speed. 1.0: never rest. Reads first: 0.1 (docs/BENCHMARKS.md).
     #[serde(default = "default_ingest_share")]
     pub ingest_share: f64,
 }
@@ -100,22 +101,32 @@ impl ReplicaOptions {
 /// The applier's pace while reads arrive (see [`ReplicaOptions::ingest_share`]).
 struct Pacer {
     share: f64,
-    reads_seen: u64,
+    /// [`ServedView::read_nanos`] and the time at the last look.
+    read_nanos_seen: u64,
+    since: Instant,
 }
 
 impl Pacer {
-    /// After `work` spent applying: rests `work * (1 / share - 1)` if reads arrived
-    /// meanwhile (at most 100 ms at a time, so a stop is noticed).
+    fn new(share: f64, view: &ServedView) -> Pacer {
+        Pacer { share, read_nanos_seen: view.read_nanos(), since: Instant::now() }
+    }
+
+    /// After `work` spent applying: rests `work * (1 / share - 1) * load`, where `load` is
+    /// the share of one core the view's reads took since the last look (1 when they kept
+    /// a core or more busy), at most 100 ms at a time (so a stop is noticed). Saturating
+    /// readers leave the applier `share` of a core; light reads slow it only a little.
     fn after(&mut self, view: &ServedView, work: Duration) {
-        let reads = view.reads();
-        let busy = reads != self.reads_seen;
-        self.reads_seen = reads;
-        if busy && self.share < 1.0 {
-            let rest = work.mul_f64(1.0 / self.share - 1.0).min(Duration::from_millis(100));
+        let read = view.read_nanos();
+        let window = self.since.elapsed().as_nanos().max(1) as f64;
+        let load = (read.saturating_sub(self.read_nanos_seen) as f64 / window).min(1.0);
+        if load > 0.0 && self.share < 1.0 {
+            let rest = work.mul_f64((1.0 / self.share - 1.0) * load).min(Duration::from_millis(100));
             std::thread::sleep(rest);
-            // Reads during the rest are what it gave way to, not a reason to rest again.
-            self.reads_seen = view.reads();
         }
+        // The next look measures the reads from here: those during the rest are what it
+        // gave way to, not a reason to rest again.
+        self.read_nanos_seen = view.read_nanos();
+        self.since = Instant::now();
     }
 }
 
@@ -541,7 +552,7 @@ fn apply_all(
     // Tables under a full snapshot, by name. Rebuilt from the reset after a retry: the
     // stream is read again from the last commit.
     let mut resyncs: HashMap<String, Resync> = HashMap::new();
-    let mut pacer = Pacer { share: s.opts.ingest_share, reads_seen: s.view.reads() };
+    let mut pacer = Pacer::new(s.opts.ingest_share, &s.view);
     // Between two checkpoints (nothing of the next one applied yet): where a hold waits.
     let mut at_boundary = true;
     while !s.stop.load(Ordering::Relaxed) {
@@ -734,7 +745,7 @@ mod tests {
         messages
             .iter()
             .map(|m| {
-                apply(s, m, &mut resyncs, &mut Pacer { share: 1.0, reads_seen: 0 }).unwrap();
+                apply(s, m, &mut resyncs, &mut Pacer::new(1.0, &s.view)).unwrap();
                 if m.kind == Kind::Commit {
                     sweep(s, &mut resyncs, m.checkpoint.seq).unwrap();
                 }
@@ -886,7 +897,7 @@ mod tests {
         let (mut out, mut found) = (vec![0f32; keys.len() * DIM], vec![false; keys.len()]);
         // Checkpoint 2 rewrites every key, three chunks of one message, with reads between.
         let mut resyncs = HashMap::new();
-        let mut pacer = Pacer { share: 0.5, reads_seen: s.view.reads() };
+        let mut pacer = Pacer::new(0.5, &s.view);
         apply(&s, &message(Kind::Rows, 2, 0..n), &mut resyncs, &mut pacer).unwrap();
         s.view.lookup(&t, &keys, &mut out, &mut found).unwrap();
         assert!(out.iter().all(|&x| x == 1.0) && found.iter().all(|&f| f), "reads see checkpoint 1 until the commit");
@@ -938,7 +949,7 @@ mod tests {
                 }
             });
             let mut resyncs = HashMap::new();
-            let mut pacer = Pacer { share: 1.0, reads_seen: 0 };
+            let mut pacer = Pacer::new(1.0, &s.view);
             let mut seq = 2u64;
             while reads.load(Ordering::Relaxed) < 3000 && seq < 5000 && !reader.is_finished() {
                 for i in 0..128u64 {
@@ -959,28 +970,33 @@ mod tests {
     }
 
     #[test]
-    fn the_applier_rests_only_after_reads_and_in_proportion_to_its_share() {
+    fn the_applier_rests_only_after_reads_and_in_proportion_to_its_share_and_their_load() {
         let view = ServedView::new(STAGED_BYTES_MAX_DEFAULT);
-        let dir = tempfile::tempdir().unwrap();
-        let s = shared(dir.path());
-        serving(&s, 0..10);
-        let t = s.store.table("emb").unwrap();
         let work = Duration::from_millis(20);
-        let mut pacer = Pacer { share: 0.25, reads_seen: view.reads() };
+        let mut pacer = Pacer::new(0.25, &view);
         // No read since the last look: no rest.
+        std::thread::sleep(work);
         let started = Instant::now();
         pacer.after(&view, work);
         assert!(started.elapsed() < Duration::from_millis(50), "rested {:?} with no reads", started.elapsed());
-        // A read arrived: it rests work * (1 / 0.25 - 1) = 60 ms.
-        let (mut out, mut found) = (vec![0f32; DIM], vec![false; 1]);
-        view.lookup(&t, &[3], &mut out, &mut found).unwrap();
+        // Readers kept a core busy throughout: it rests work * (1 / 0.25 - 1) = 60 ms.
+        std::thread::sleep(work);
+        view.count_read_time(work * 2);
         let started = Instant::now();
         pacer.after(&view, work);
         let rested = started.elapsed();
-        assert!(rested >= Duration::from_millis(60), "rested {rested:?} after a read");
+        assert!(rested >= Duration::from_millis(60), "rested {rested:?} after saturating reads");
+        // Light reads (a tenth of the window at most): a tenth of that rest at most.
+        std::thread::sleep(work);
+        view.count_read_time(work / 10);
+        let started = Instant::now();
+        pacer.after(&view, work);
+        let rested = started.elapsed();
+        assert!(rested < Duration::from_millis(40), "rested {rested:?} after light reads");
         // Share 1.0 never rests.
-        view.lookup(&t, &[3], &mut out, &mut found).unwrap();
-        let mut full = Pacer { share: 1.0, reads_seen: 0 };
+        let mut full = Pacer::new(1.0, &view);
+        std::thread::sleep(work);
+        view.count_read_time(work * 2);
         let started = Instant::now();
         full.after(&view, work);
         assert!(started.elapsed() < Duration::from_millis(50));

@@ -221,8 +221,11 @@ pub struct ServedView {
     served: AtomicU64,
     /// Set while a new replica copies a sibling's checkpoint: it takes no reads yet.
     bootstrapping: AtomicBool,
-    /// Reads through the view so far: the applier paces itself while it moves.
+    /// Reads through the view so far.
     reads: AtomicU64,
+    /// Nanoseconds spent in reads through the view so far (summed over threads): the
+    /// applier paces itself by the share of a core they took.
+    read_nanos: AtomicU64,
 }
 
 /// [`ServedView::served`] before the first checkpoint.
@@ -240,6 +243,7 @@ impl ServedView {
             served: AtomicU64::new(NONE),
             bootstrapping: AtomicBool::new(false),
             reads: AtomicU64::new(0),
+            read_nanos: AtomicU64::new(0),
         }
     }
 
@@ -247,6 +251,18 @@ impl ServedView {
     /// `ReplicaOptions::ingest_share`).
     pub fn reads(&self) -> u64 {
         self.reads.load(Ordering::Relaxed)
+    }
+
+    /// Nanoseconds spent in reads through the view so far, summed over the threads that
+    /// read.
+    pub fn read_nanos(&self) -> u64 {
+        self.read_nanos.load(Ordering::Relaxed)
+    }
+
+    /// Counts `d` as time spent reading (tests of the applier's pace).
+    #[cfg(test)]
+    pub(crate) fn count_read_time(&self, d: std::time::Duration) {
+        self.read_nanos.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Whether the replica is still copying a sibling's checkpoint (reads are refused
@@ -297,8 +313,22 @@ impl ServedView {
         out: &mut [f32],
         found: &mut [bool],
     ) -> Result<bool> {
-        let d = table.dim();
         self.reads.fetch_add(1, Ordering::Relaxed);
+        let started = std::time::Instant::now();
+        let r = self.lookup_served_timed(table, want, keys, out, found);
+        self.read_nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    fn lookup_served_timed(
+        &self,
+        table: &Table,
+        want: Option<u64>,
+        keys: &[u64],
+        out: &mut [f32],
+        found: &mut [bool],
+    ) -> Result<bool> {
+        let d = table.dim();
         loop {
             let before = self.generation.load(Ordering::Acquire);
             if before & 1 == 1 {
