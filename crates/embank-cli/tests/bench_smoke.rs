@@ -93,6 +93,8 @@ fn smoke_bags_and_compact_dtypes() {
         assert!(run.status.success(), "{dtype}: {}", String::from_utf8_lossy(&run.stderr));
         let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
         assert_eq!(r["dtype"], dtype);
+        // The compact type's own limit, measured beside the f32 rows' gather.
+        assert!(r["gather_stored_keys_per_second"].as_f64().unwrap() > 0.0, "{dtype}: {r}");
         for e in r["engines"].as_array().unwrap() {
             assert!(e["keys_per_second"].as_f64().unwrap() > 0.0, "{dtype}: {e}");
             assert!(e["resident_bytes_per_row"].as_f64().is_some(), "{dtype}: {e}");

@@ -283,6 +283,9 @@ pub struct Report {
     /// pattern has on this machine (0 when limits were skipped).
     pub gather_batch_us_p50: f64,
     pub gather_batch_us_p99: f64,
+    /// With `--dtype f16|int8`: the index-free gather of rows of the type's stored size
+    /// (`limits::gather_stored`), keys/s.
+    pub gather_stored_keys_per_second: Option<f64>,
     /// Payload bandwidth of one loopback TCP stream, GB/s (measured when a networked
     /// engine runs: `embank-tcp`, `redis`).
     pub loopback_gb_per_second: Option<f64>,
@@ -625,6 +628,20 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         );
         (copy, copy_bound, gather, g50, g99)
     };
+    // A compact type's own limit: the same gather over rows of its stored size.
+    let gather_stored = if args.skip_limits || args.dtype == embank_core::DType::F32 {
+        None
+    } else {
+        let bytes = args.dtype.row_bytes(dim);
+        let g = limits::gather_stored(args.keys, bytes, &streams.batches, args.batch, args.duration.min(3.0));
+        println!(
+            "limits: index-free gather of the stored {} rows ({bytes} B each, not decoded) {:.1} M keys/s: {:.2}x the f32 rows' gather",
+            args.dtype,
+            g / 1e6,
+            g / gather
+        );
+        Some(g)
+    };
     // The device's random I/O rate at the block medium's record size, where a block
     // engine will run: what its misses can at best be served at.
     let device = if args.skip_limits || !args.engines.iter().any(|e| e.starts_with("embank-block")) {
@@ -778,6 +795,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         gather_keys_per_second: gather,
         gather_batch_us_p50: gather_p50,
         gather_batch_us_p99: gather_p99,
+        gather_stored_keys_per_second: gather_stored,
         loopback_gb_per_second: loopback,
         device,
         checkpoint_pattern,
