@@ -26,10 +26,29 @@ pub fn copy_bandwidth() -> f64 {
 /// The index-free gather: keys/s, and the p50 and p99 of one batch's time (µs): the
 /// latency the access pattern itself has on this machine, beside the engines'.
 pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds: f64) -> (f64, f64, f64) {
-    let mut flat = vec![0f32; keys as usize * dim];
-    for (i, x) in flat.iter_mut().enumerate() {
-        *x = i as f32;
-    }
+    gather_rows(keys, dim * 4, 8, batches, batch, seconds)
+}
+
+/// Keys/s of the same index-free gather over rows of `row_bytes` bytes (the stored size
+/// of a compact element type: f16 `dim * 2`, int8 `dim + 8`), copied as they are (no
+/// decode), prefetched 16 keys ahead: what fewer bytes per row can buy on this access
+/// pattern, whoever stores them. Set against [`gather`] of the f32 rows, it bounds the
+/// speed-up a compact type can give.
+pub fn gather_stored(keys: u64, row_bytes: usize, batches: &[Vec<u64>], batch: usize, seconds: f64) -> f64 {
+    gather_rows(keys, row_bytes, 16, batches, batch, seconds).0
+}
+
+/// The gather of rows of `row_bytes`, prefetched `ahead` keys ahead: keys/s and a batch's
+/// p50 and p99 (µs).
+fn gather_rows(
+    keys: u64,
+    row_bytes: usize,
+    ahead: usize,
+    batches: &[Vec<u64>],
+    batch: usize,
+    seconds: f64,
+) -> (f64, f64, f64) {
+    let flat: Vec<u8> = (0..keys as usize * row_bytes).map(|i| i as u8).collect();
     let flat = &flat;
     let deadline = Instant::now() + Duration::from_secs_f64(seconds.max(0.1));
     let t0 = Instant::now();
@@ -38,7 +57,7 @@ pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds
             .iter()
             .map(|stream| {
                 s.spawn(move || {
-                    let mut out = vec![0f32; batch * dim];
+                    let mut out = vec![0u8; batch * row_bytes];
                     let n = stream.len() / batch;
                     let mut done = 0usize;
                     let mut i = 0;
@@ -47,11 +66,11 @@ pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds
                         let start = Instant::now();
                         let ks = &stream[(i % n) * batch..(i % n + 1) * batch];
                         for (j, &k) in ks.iter().enumerate() {
-                            if let Some(&ahead) = ks.get(j + 8) {
-                                prefetch_lines(flat[ahead as usize * dim..].as_ptr() as *const u8, dim * 4, false);
+                            if let Some(&next) = ks.get(j + ahead) {
+                                prefetch_lines(flat[next as usize * row_bytes..].as_ptr(), row_bytes, false);
                             }
-                            out[j * dim..(j + 1) * dim]
-                                .copy_from_slice(&flat[k as usize * dim..(k as usize + 1) * dim]);
+                            out[j * row_bytes..(j + 1) * row_bytes]
+                                .copy_from_slice(&flat[k as usize * row_bytes..(k as usize + 1) * row_bytes]);
                         }
                         std::hint::black_box(&out);
                         lat.push(start.elapsed().as_nanos() as u64);
@@ -70,46 +89,6 @@ pub fn gather(keys: u64, dim: usize, batches: &[Vec<u64>], batch: usize, seconds
     lat.sort_unstable();
     let us = |p: f64| super::percentile(&lat, p) as f64 / 1e3;
     (total as f64 / secs, us(50.0), us(99.0))
-}
-
-/// Keys/s of the same index-free gather over rows of `row_bytes` bytes (the stored size
-/// of a compact element type: f16 `dim * 2`, int8 `dim + 8`), copied as they are (no
-/// decode), prefetched 16 keys ahead: what fewer bytes per row can buy on this access
-/// pattern, whoever stores them. Set against [`gather`] of the f32 rows, it bounds the
-/// speed-up a compact type can give.
-pub fn gather_stored(keys: u64, row_bytes: usize, batches: &[Vec<u64>], batch: usize, seconds: f64) -> f64 {
-    let flat: Vec<u8> = (0..keys as usize * row_bytes).map(|i| i as u8).collect();
-    let flat = &flat;
-    let deadline = Instant::now() + Duration::from_secs_f64(seconds.max(0.1));
-    let t0 = Instant::now();
-    let done: usize = std::thread::scope(|s| {
-        let handles: Vec<_> = batches
-            .iter()
-            .map(|stream| {
-                s.spawn(move || {
-                    let mut out = vec![0u8; batch * row_bytes];
-                    let n = stream.len() / batch;
-                    let (mut done, mut i) = (0usize, 0usize);
-                    while Instant::now() < deadline {
-                        let ks = &stream[(i % n) * batch..(i % n + 1) * batch];
-                        for (j, &k) in ks.iter().enumerate() {
-                            if let Some(&ahead) = ks.get(j + 16) {
-                                prefetch_lines(flat[ahead as usize * row_bytes..].as_ptr(), row_bytes, false);
-                            }
-                            out[j * row_bytes..(j + 1) * row_bytes]
-                                .copy_from_slice(&flat[k as usize * row_bytes..(k as usize + 1) * row_bytes]);
-                        }
-                        std::hint::black_box(&out);
-                        done += batch;
-                        i += 1;
-                    }
-                    done
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_default()).sum()
-    });
-    done as f64 / t0.elapsed().as_secs_f64()
 }
 
 /// Hints the CPU to load the `len` bytes at `p`, line by line (for writing: `write`).

@@ -221,11 +221,21 @@ pub struct ServedView {
     served: AtomicU64,
     /// Set while a new replica copies a sibling's checkpoint: it takes no reads yet.
     bootstrapping: AtomicBool,
-    /// Reads through the view so far.
-    reads: AtomicU64,
     /// Nanoseconds spent in reads through the view so far (summed over threads): the
     /// applier paces itself by the share of a core they took.
     read_nanos: AtomicU64,
+}
+
+/// Adds the time since `started` to `nanos` when dropped: a read's time, however it ends.
+struct ReadTimer<'a> {
+    nanos: &'a AtomicU64,
+    started: std::time::Instant,
+}
+
+impl Drop for ReadTimer<'_> {
+    fn drop(&mut self) {
+        self.nanos.fetch_add(self.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
 }
 
 /// [`ServedView::served`] before the first checkpoint.
@@ -242,15 +252,8 @@ impl ServedView {
             given_up_total: AtomicU64::new(0),
             served: AtomicU64::new(NONE),
             bootstrapping: AtomicBool::new(false),
-            reads: AtomicU64::new(0),
             read_nanos: AtomicU64::new(0),
         }
-    }
-
-    /// Reads through the view so far (the applier yields to them, see
-    /// `ReplicaOptions::ingest_share`).
-    pub fn reads(&self) -> u64 {
-        self.reads.load(Ordering::Relaxed)
     }
 
     /// Nanoseconds spent in reads through the view so far, summed over the threads that
@@ -313,21 +316,8 @@ impl ServedView {
         out: &mut [f32],
         found: &mut [bool],
     ) -> Result<bool> {
-        self.reads.fetch_add(1, Ordering::Relaxed);
-        let started = std::time::Instant::now();
-        let r = self.lookup_served_timed(table, want, keys, out, found);
-        self.read_nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        r
-    }
-
-    fn lookup_served_timed(
-        &self,
-        table: &Table,
-        want: Option<u64>,
-        keys: &[u64],
-        out: &mut [f32],
-        found: &mut [bool],
-    ) -> Result<bool> {
+        // Counted however the read ends (the applier paces itself by it).
+        let _timed = ReadTimer { nanos: &self.read_nanos, started: std::time::Instant::now() };
         let d = table.dim();
         loop {
             let before = self.generation.load(Ordering::Acquire);
