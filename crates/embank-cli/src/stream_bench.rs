@@ -71,6 +71,16 @@ pub struct StreamBenchArgs {
     /// Bound of one message in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     pub message_bytes: usize,
+    /// Put the replica's store in a new directory under this one (a tmpfs such as
+    /// /dev/shm, say) instead of beside the trainer's store and the broker. On a disk file
+    /// system the kernel's write-back cleans every page the applier wrote through the
+    /// mapping, each clean a TLB shootdown on the cores that read (docs/BENCHMARKS.md).
+    #[arg(long)]
+    pub replica_dir: Option<std::path::PathBuf>,
+    /// Open the replica's store with the `huge_pages` option (the index and rows on 2 MiB
+    /// pages where the file system allows).
+    #[arg(long)]
+    pub huge_pages: bool,
     /// Print the numbers as JSON after the table.
     #[arg(long)]
     pub json: bool,
@@ -140,8 +150,15 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     publisher.flush(Duration::from_secs(600)).map_err(e)?;
     let publish_s = started.elapsed().as_secs_f64();
     let bytes = publisher.status().bytes;
+    let replica_dir = match &a.replica_dir {
+        Some(d) => {
+            Some(tempfile::Builder::new().prefix("embank-bench-replica").tempdir_in(d).map_err(|e| e.to_string())?)
+        }
+        None => None,
+    };
+    let replica_path = replica_dir.as_ref().map_or_else(|| dir.path().join("replica"), |d| d.path().join("replica"));
     let replica_store = Arc::new(
-        Store::open(dir.path().join("replica"), StoreOptions { keep_checkpoints: 1, ..Default::default() })
+        Store::open(replica_path, StoreOptions { keep_checkpoints: 1, huge_pages: a.huge_pages, ..Default::default() })
             .map_err(e)?,
     );
     let mut ro = TableOptions::new(a.dim);
@@ -177,10 +194,12 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     // The read batches drawn beforehand (the Zipf draw is not what is measured), replayed.
     let batches = KeyStream::new(a.rows, 0.99, 7)?.batches(4096, BATCH);
     let mut keys = batches.chunks(BATCH).cycle();
-    // Keys/s, seconds, and the share of a core the reading thread had.
+    // Keys/s, seconds, and the share of a core the reading thread had; each batch's
+    // nanoseconds are added to `times`.
     let read_for = |secs: f64,
                     keys: &mut dyn Iterator<Item = &[u64]>,
-                    until_seq: Option<(&Replica, u64)>|
+                    until_seq: Option<(&Replica, u64)>,
+                    times: &mut Vec<u64>|
      -> Result<(f64, f64, f64), String> {
         let (mut out, mut found) = (vec![0f32; BATCH * dim], vec![false; BATCH]);
         let view = until_seq.map(|(r, _)| r.view());
@@ -195,18 +214,20 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
                 }
             }
             let batch = keys.next().expect("cycles");
+            let t0 = Instant::now();
             // A running replica's reads go through its served view, as `embank serve`'s do.
             match &view {
                 Some(v) => v.lookup(&table, batch, &mut out, &mut found),
                 None => table.lookup(batch, &mut out, &mut found),
             }
             .map_err(|e| e.to_string())?;
+            times.push(t0.elapsed().as_nanos() as u64);
             n += BATCH as u64;
         }
         let secs = started.elapsed().as_secs_f64();
         Ok((n as f64 / secs, secs, (own_cpu_seconds() - cpu0) / secs))
     };
-    let (idle_before, _, _) = read_for(a.seconds, &mut keys, None)?;
+    let (idle_before, _, _) = read_for(a.seconds, &mut keys, None, &mut Vec::new())?;
     let reading = ReplicaOptions { ingest_share: a.ingest_share, ..ReplicaOptions::new(stream("ingest")) };
     let mut replica = Replica::start(Arc::clone(&replica_store), reading).map_err(e)?;
     // Ingest and idle alternate one checkpoint at a time: the replica applies the next
@@ -221,6 +242,7 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     let (mut on, mut off) = ((0f64, 0f64, 0f64), (0f64, 0f64, 0f64)); // keys, seconds, CPU seconds
     let mut windows = 0u32;
     let mut ingest_rows = 0u64;
+    let (mut on_times, mut off_times) = (Vec::new(), Vec::new());
     loop {
         let st = replica.status();
         let served = st.checkpoint_seq.unwrap_or(0);
@@ -229,11 +251,11 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
         }
         let rows0 = st.rows;
         replica.hold_after(Some(1));
-        let (rate, secs, cpu) = read_for(120.0, &mut keys, Some((&replica, served + 1)))?;
+        let (rate, secs, cpu) = read_for(120.0, &mut keys, Some((&replica, served + 1)), &mut on_times)?;
         ingest_rows += replica.status().rows - rows0;
         on = (on.0 + rate * secs, on.1 + secs, on.2 + cpu * secs);
         // Held at that commit (the reader saw it within 16 batches of the replica).
-        let (rate, secs, cpu) = read_for(secs, &mut keys, Some((&replica, u64::MAX)))?;
+        let (rate, secs, cpu) = read_for(secs, &mut keys, Some((&replica, u64::MAX)), &mut off_times)?;
         off = (off.0 + rate * secs, off.1 + secs, off.2 + cpu * secs);
         windows += 1;
     }
@@ -247,6 +269,7 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     let (busy, busy_secs, busy_cpu) = (on.0 / on.1, on.1, on.2 / on.1);
     let (idle, idle_cpu) = (off.0 / off.1, off.2 / off.1);
     let busy_ingest = ingest_rows as f64 / busy_secs;
+    let (on_lat, off_lat) = (BatchTimes::of(on_times), BatchTimes::of(off_times));
     wait_seq(&replica, last_seq, Duration::from_secs(600))?;
     let mut fresh: Vec<u64> = Vec::new();
     eprintln!("freshness: {} checkpoints of {} rows ...", a.checkpoints, a.checkpoint_rows);
@@ -270,6 +293,11 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     report.insert("reader_cpu_share_idle".into(), idle_cpu.into());
     report.insert("reader_cpu_share_during_ingest".into(), busy_cpu.into());
     report.insert("ingest_rows_per_second_while_reading".into(), busy_ingest.into());
+    for (name, t) in [("idle", &off_lat), ("during_ingest", &on_lat)] {
+        report.insert(format!("reads_{name}_batch_p50_us"), t.p50_us.into());
+        report.insert(format!("reads_{name}_batch_p99_us"), t.p99_us.into());
+        report.insert(format!("reads_{name}_time_in_batches_over_1ms"), t.over_1ms.into());
+    }
     report.insert("freshness_p50_seconds".into(), p50.into());
     report.insert("freshness_p99_seconds".into(), p99.into());
 
@@ -323,6 +351,16 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
         busy_secs,
         busy_ingest,
         busy_cpu * 100.0
+    );
+    println!(
+        "  a read batch of {BATCH}          p50 {:.1} / {:.1} us, p99 {:.1} / {:.1} us idle / ingesting   ({:.1} / {:.1} % of \
+         the reading time in batches over 1 ms)",
+        off_lat.p50_us,
+        on_lat.p50_us,
+        off_lat.p99_us,
+        on_lat.p99_us,
+        off_lat.over_1ms * 100.0,
+        on_lat.over_1ms * 100.0
     );
     println!(
         "  freshness                 p50 {:.3} s, p99 {:.3} s   ({} checkpoints of {} rows)",
@@ -438,4 +476,26 @@ fn thread_cpu_seconds(name: &str) -> Option<f64> {
 /// CPU seconds the calling thread has run.
 fn own_cpu_seconds() -> f64 {
     crate::bench::thread_cpu_ns() as f64 * 1e-9
+}
+
+/// A read window's batch times, summed up.
+struct BatchTimes {
+    p50_us: f64,
+    p99_us: f64,
+    /// The share of the reading time spent in batches that took over 1 ms (a reader that
+    /// waited or lost its core, not one slowed down evenly).
+    over_1ms: f64,
+}
+
+impl BatchTimes {
+    fn of(mut nanos: Vec<u64>) -> BatchTimes {
+        nanos.sort_unstable();
+        let total: u64 = nanos.iter().sum();
+        let over: u64 = nanos.iter().filter(|&&n| n > 1_000_000).sum();
+        BatchTimes {
+            p50_us: percentile(&nanos, 50.0) as f64 / 1e3,
+            p99_us: percentile(&nanos, 99.0) as f64 / 1e3,
+            over_1ms: if total == 0 { 0.0 } else { over as f64 / total as f64 },
+        }
+    }
 }

@@ -148,19 +148,32 @@ impl KeptIndex {
         }
     }
 
-    /// Room for `more` keys without passing half full.
-    fn reserve(&mut self, more: usize) {
-        let want = ((self.len + more) * 2).next_power_of_two().max(1024);
+    /// Slots that hold `len` keys at most half full.
+    fn slots_for(len: usize) -> usize {
+        (len * 2).next_power_of_two().max(1024)
+    }
+
+    /// A copy of this index with room for `more` keys without passing half full, or
+    /// `None` when it has that room already. Built apart from the index it copies, so the
+    /// applier builds it under the overlay's read lock and readers never wait for a rehash.
+    fn grown(&self, more: usize) -> Option<KeptIndex> {
+        let want = Self::slots_for(self.len + more);
         if want <= self.slots.len() {
-            return;
+            return None;
         }
-        let old = std::mem::replace(
-            &mut self.slots,
-            vec![KeptSlot { key: 0, block: EMPTY_SLOT, row: 0 }; want].into_boxed_slice(),
-        );
-        self.len = 0;
-        for s in old.iter().filter(|s| s.block != EMPTY_SLOT) {
-            self.insert_if_absent(s.key, hash(s.key), (s.block, s.row));
+        let mut grown =
+            KeptIndex { slots: vec![KeptSlot { key: 0, block: EMPTY_SLOT, row: 0 }; want].into_boxed_slice(), len: 0 };
+        for s in self.slots.iter().filter(|s| s.block != EMPTY_SLOT) {
+            grown.insert_if_absent(s.key, hash(s.key), (s.block, s.row));
+        }
+        Some(grown)
+    }
+
+    /// Room for `more` keys without passing half full (a rehash in place: tests).
+    #[cfg(test)]
+    fn reserve(&mut self, more: usize) {
+        if let Some(grown) = self.grown(more) {
+            *self = grown;
         }
     }
 
@@ -211,6 +224,10 @@ pub struct ServedView {
     generation: AtomicU64,
     /// By table name.
     overlay: RwLock<HashMap<String, Kept>>,
+    /// Held by [`keep`](Self::keep) and [`commit`](Self::commit), the overlay's only
+    /// writers: a `keep` that reads the overlay, builds outside the write lock, then
+    /// writes, sees no other change in between.
+    keeping: parking_lot::Mutex<()>,
     bytes: AtomicU64,
     bytes_max: u64,
     /// Set when this checkpoint's overlay passed its bound (reads see the live tables).
@@ -246,6 +263,7 @@ impl ServedView {
         ServedView {
             generation: AtomicU64::new(0),
             overlay: RwLock::new(HashMap::new()),
+            keeping: parking_lot::Mutex::new(()),
             bytes: AtomicU64::new(0),
             bytes_max,
             given_up: AtomicBool::new(false),
@@ -319,10 +337,18 @@ impl ServedView {
         // Counted however the read ends (the applier paces itself by it).
         let _timed = ReadTimer { nanos: &self.read_nanos, started: std::time::Instant::now() };
         let d = table.dim();
+        let mut spins = 0u32;
         loop {
             let before = self.generation.load(Ordering::Acquire);
             if before & 1 == 1 {
-                std::thread::yield_now();
+                // A swap is a few instructions under the write lock: spin, and yield only
+                // if the committing thread lost its core in the middle of one.
+                spins += 1;
+                if spins < 1024 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
                 continue;
             }
             if want.is_some_and(|b| self.served.load(Ordering::Acquire) != b || self.given_up.load(Ordering::Acquire)) {
@@ -395,6 +421,7 @@ impl ServedView {
     /// Called by the applier before it writes or deletes `keys` of `table`: keeps the
     /// served row of each key not kept yet in this checkpoint.
     pub fn keep(&self, table: &Table, keys: &[u64]) -> Result<()> {
+        let _keeping = self.keeping.lock();
         if self.given_up.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -424,17 +451,33 @@ impl ServedView {
             );
             self.given_up.store(true, Ordering::Relaxed);
             self.given_up_total.fetch_add(1, Ordering::Relaxed);
-            self.overlay.write().clear();
+            let kept = std::mem::take(&mut *self.overlay.write());
+            drop(kept); // freed after the lock
             return Ok(());
         }
-        // The block is built before the write lock is taken: readers wait only for the
-        // map's inserts.
+        // The block, a grown index (the rehash of up to every key kept so far) and a new
+        // table's entry are built before the write lock is taken: readers wait only for
+        // the new keys' inserts. `keeping` is held: what was read under the read lock is
+        // still the overlay under the write lock.
         let block = KeptBlock { rows: rows.into(), found: found.into() };
+        let (grown, fresh_entry) = {
+            let overlay = self.overlay.read();
+            match overlay.get(table.name()) {
+                Some(kept) => (kept.at.grown(fresh.len()), None),
+                None => (
+                    None,
+                    Some(Kept { at: KeptIndex::default().grown(fresh.len()).expect("grows"), ..Kept::default() }),
+                ),
+            }
+        };
         let mut overlay = self.overlay.write();
-        let kept = overlay.entry(table.name().to_owned()).or_default();
+        let kept = match fresh_entry {
+            Some(entry) => overlay.entry(table.name().to_owned()).or_insert(entry),
+            None => overlay.get_mut(table.name()).expect("the overlay changes only under `keeping`"),
+        };
+        let old = grown.map(|g| std::mem::replace(&mut kept.at, g));
         let b = u32::try_from(kept.blocks.len()).expect("fewer than 2^32 blocks in one checkpoint");
         kept.blocks.push(block);
-        kept.at.reserve(fresh.len());
         for (r, &k) in fresh.iter().enumerate() {
             let h = hash(k);
             kept.at.insert_if_absent(k, h, (b, r as u32));
@@ -442,18 +485,25 @@ impl ServedView {
             kept.filter[word] |= bit;
         }
         drop(overlay);
+        drop(old); // freed after the lock
         Ok(())
     }
 
     /// Called by the applier once the replica's checkpoint of a commit is taken (the
     /// publisher's `batch_id`): reads switch to it, every table at once.
     pub fn commit(&self, batch_id: u64) {
+        let _keeping = self.keeping.lock();
+        // The write lock first (it waits for the reads in flight), then the generation
+        // odd for the swap alone: a read that starts meanwhile waits a few instructions
+        // for the lock, not a yield of its core to whatever else is runnable there.
+        let mut overlay = self.overlay.write();
         self.generation.fetch_add(1, Ordering::AcqRel);
         self.served.store(batch_id, Ordering::Release);
-        let kept = std::mem::take(&mut *self.overlay.write());
+        let kept = std::mem::take(&mut *overlay);
         self.bytes.store(0, Ordering::Relaxed);
         self.given_up.store(false, Ordering::Relaxed);
         self.generation.fetch_add(1, Ordering::AcqRel);
+        drop(overlay);
         drop(kept); // freed after the switch: readers wait only for the swap
     }
 
