@@ -71,12 +71,12 @@ pub struct StreamBenchArgs {
     /// Bound of one message in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     pub message_bytes: usize,
-    /// Put the replica's store in a new directory under this one (a tmpfs such as
-    /// /dev/shm, say) instead of beside the trainer's store and the broker. On a disk file
-    /// system the kernel's write-back cleans every page the applier wrote through the
-    /// mapping, each clean a TLB shootdown on the cores that read (docs/BENCHMARKS.md).
+    /// Where the run's stores and local broker go (a new directory under this one; default:
+    /// the system's temporary directory). On a disk file system the kernel's write-back
+    /// cleans every page this process wrote through a mapping, each clean a TLB shootdown
+    /// on the cores that read; a tmpfs (/dev/shm) has no write-back (docs/BENCHMARKS.md).
     #[arg(long)]
-    pub replica_dir: Option<std::path::PathBuf>,
+    pub dir: Option<std::path::PathBuf>,
     /// Open the replica's store with the `huge_pages` option (the index and rows on 2 MiB
     /// pages where the file system allows).
     #[arg(long)]
@@ -95,7 +95,13 @@ fn median(v: &mut [f64]) -> f64 {
 
 pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     let e = |e: embank_core::Error| e.to_string();
-    let dir = tempfile::Builder::new().prefix("embank-bench-stream").tempdir().map_err(|e| e.to_string())?;
+    let mut dir = tempfile::Builder::new();
+    dir.prefix("embank-bench-stream");
+    let dir = match &a.dir {
+        Some(d) => dir.tempdir_in(d),
+        None => dir.tempdir(),
+    }
+    .map_err(|e| format!("cannot make the run's directory: {e}"))?;
     let kind = if a.transport == "kafka" { BrokerKind::Kafka } else { BrokerKind::Redis };
     let _broker;
     let brokers = match &a.brokers {
@@ -150,16 +156,12 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     publisher.flush(Duration::from_secs(600)).map_err(e)?;
     let publish_s = started.elapsed().as_secs_f64();
     let bytes = publisher.status().bytes;
-    let replica_dir = match &a.replica_dir {
-        Some(d) => {
-            Some(tempfile::Builder::new().prefix("embank-bench-replica").tempdir_in(d).map_err(|e| e.to_string())?)
-        }
-        None => None,
-    };
-    let replica_path = replica_dir.as_ref().map_or_else(|| dir.path().join("replica"), |d| d.path().join("replica"));
     let replica_store = Arc::new(
-        Store::open(replica_path, StoreOptions { keep_checkpoints: 1, huge_pages: a.huge_pages, ..Default::default() })
-            .map_err(e)?,
+        Store::open(
+            dir.path().join("replica"),
+            StoreOptions { keep_checkpoints: 1, huge_pages: a.huge_pages, ..Default::default() },
+        )
+        .map_err(e)?,
     );
     let mut ro = TableOptions::new(a.dim);
     ro.capacity = a.rows + a.rows / 4;

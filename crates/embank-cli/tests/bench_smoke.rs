@@ -133,16 +133,16 @@ fn cpu_time_puts_the_thread_s_cpu_clock_beside_the_wall_clock() {
 }
 
 /// `embank bench-stream` at a small size through a local Redis (the Kafka jars are not
-/// needed), its replica's store in a directory of its own: every number it reports is
-/// there and sane, the read batches' times included.
+/// needed), in a directory given by `--dir`: every number it reports is there and sane,
+/// the read batches' times included.
 #[test]
 fn bench_stream_smoke_reports_reads_during_ingest_with_their_batch_times() {
-    let replica_dir = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
     let run = Command::new(env!("CARGO_BIN_EXE_embank"))
         .args(["bench-stream", "--transport", "redis", "--rows", "20000", "--checkpoint-rows", "2000"])
         .args(["--seconds", "0.5", "--checkpoints", "2", "--train-batches", "20", "--repeats", "1"])
-        .args(["--checkpoint-every", "10", "--ingest-share", "0.1", "--json", "--replica-dir"])
-        .arg(replica_dir.path())
+        .args(["--checkpoint-every", "10", "--ingest-share", "0.1", "--json", "--dir"])
+        .arg(work.path())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&run.stdout);
@@ -160,14 +160,15 @@ fn bench_stream_smoke_reports_reads_during_ingest_with_their_batch_times() {
         assert!(p50 > 0.0 && p99 >= p50 && (0.0..=1.0).contains(&over), "{window}: {p50} {p99} {over}");
     }
     assert!(stdout.contains("a read batch of 500"), "{stdout}");
-    // Nothing is left under --replica-dir; and a --replica-dir that does not exist fails
-    // the run (so the store was made there).
-    assert_eq!(std::fs::read_dir(replica_dir.path()).unwrap().count(), 0, "the replica's directory is left");
-    let missing = replica_dir.path().join("missing");
+    // Nothing is left under --dir; and a --dir that does not exist fails the run, with
+    // the reason.
+    assert_eq!(std::fs::read_dir(work.path()).unwrap().count(), 0, "the run's directory is left");
+    let missing = work.path().join("missing");
     let run = Command::new(env!("CARGO_BIN_EXE_embank"))
-        .args(["bench-stream", "--transport", "redis", "--rows", "2000", "--checkpoint-rows", "200", "--replica-dir"])
+        .args(["bench-stream", "--transport", "redis", "--rows", "2000", "--checkpoint-rows", "200", "--dir"])
         .arg(&missing)
         .output()
         .unwrap();
-    assert!(!run.status.success(), "a missing --replica-dir was not used");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success() && stderr.contains("cannot make the run's directory"), "{stderr}");
 }
