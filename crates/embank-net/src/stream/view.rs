@@ -702,4 +702,45 @@ mod tests {
             check(batch, false);
         }
     }
+
+    #[test]
+    fn an_exact_read_that_a_commit_overtakes_answers_nothing_rather_than_the_new_rows() {
+        // A writer applies checkpoint b (every key's row = b) and commits it, 20 k times;
+        // two readers ask for the checkpoint they last saw served, exactly. A read whose
+        // served check passed just before a commit then reads the new rows: the view must
+        // see the switch (its generation) and answer "not that checkpoint".
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), StoreOptions::default()).unwrap();
+        let t = store.create_table("emb", TableOptions::new(DIM as u32)).unwrap();
+        let keys: Vec<u64> = (0..64).collect();
+        let tagged = |b: u64| vec![b as f32; keys.len() * DIM];
+        t.push(&keys, &tagged(1)).unwrap();
+        let view = ServedView::new(STAGED_BYTES_MAX_DEFAULT);
+        view.commit(1);
+        let last = 20_000u64;
+        std::thread::scope(|scope| {
+            for _ in 0..2 {
+                scope.spawn(|| {
+                    let (mut out, mut found) = (vec![0f32; keys.len() * DIM], vec![false; keys.len()]);
+                    let mut exact = 0u64;
+                    loop {
+                        let b = view.served().unwrap();
+                        if view.lookup_exact(&t, b, &keys, &mut out, &mut found).unwrap() {
+                            exact += 1;
+                            assert!(out.iter().all(|&x| x == b as f32), "asked for {b}, read {:?}", &out[..DIM]);
+                        }
+                        if b == last {
+                            assert!(exact > 0);
+                            return;
+                        }
+                    }
+                });
+            }
+            for b in 2..=last {
+                view.keep(&t, &keys).unwrap();
+                t.push(&keys, &tagged(b)).unwrap();
+                view.commit(b);
+            }
+        });
+    }
 }
