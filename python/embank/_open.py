@@ -24,6 +24,7 @@ def open(
     io_depth: int = 128,
     mmap_random_access: bool = True,
     huge_pages: bool = False,
+    row_writes: str = "mapped",
     keep_checkpoints: int = 2,
     background_repair: bool = True,
     pooled_cache_bytes: int = 0,
@@ -53,6 +54,11 @@ def open(
             (``MADV_HUGEPAGE``, where the kernel and file system allow): fewer TLB misses
             on random reads; a row write dirties a whole 2 MiB page, so for read-mostly
             stores such as serving replicas. Default off.
+        row_writes: how rows reach an mmap table's file: ``"mapped"`` (the default:
+            copied into the mapping, cheapest for writers) or ``"file"`` (``pwrite``): the
+            kernel's write-back of the rows then sends no TLB shootdown to the cores that
+            read, at about 2.5 us more per scattered row written. For a store that serves
+            reads while it ingests updates (``embank serve`` picks it for replicas).
         keep_checkpoints: how many :meth:`Store.checkpoint` s are kept for :meth:`Store.restore`.
         background_repair: after a killed process, repair in the background (the
             default); ``False`` repairs everything before ``open`` returns.
@@ -89,6 +95,7 @@ def open(
         "io_depth": int(io_depth),
         "mmap_random_access": bool(mmap_random_access),
         "huge_pages": bool(huge_pages),
+        "row_writes": row_writes,
         "keep_checkpoints": int(keep_checkpoints),
         "background_repair": bool(background_repair),
         "pooled_cache_bytes": int(pooled_cache_bytes),

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use embank_core::{Optimizer, Store, StoreOptions, TableOptions};
+use embank_core::{Optimizer, RowWrites, Store, StoreOptions, TableOptions};
 use embank_net::stream::{PublishOptions, Publisher, Replica, ReplicaOptions, StreamConfig, TransportKind};
 
 use crate::brokers::{BrokerKind, LocalBroker};
@@ -81,6 +81,11 @@ pub struct StreamBenchArgs {
     /// pages where the file system allows).
     #[arg(long)]
     pub huge_pages: bool,
+    /// How the replica's store writes rows: "file" (pwrite; what `embank serve` picks for a
+    /// replica) or "mapped" (copied into the mapping; its pages are then mapped writable
+    /// and the kernel's write-back interrupts the reader with TLB shootdowns).
+    #[arg(long, default_value = "file", value_parser = ["file", "mapped"])]
+    pub row_writes: String,
     /// Print the numbers as JSON after the table.
     #[arg(long)]
     pub json: bool,
@@ -159,7 +164,12 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     let replica_store = Arc::new(
         Store::open(
             dir.path().join("replica"),
-            StoreOptions { keep_checkpoints: 1, huge_pages: a.huge_pages, ..Default::default() },
+            StoreOptions {
+                keep_checkpoints: 1,
+                huge_pages: a.huge_pages,
+                row_writes: RowWrites::parse(&a.row_writes).map_err(e)?,
+                ..Default::default()
+            },
         )
         .map_err(e)?,
     );
@@ -326,7 +336,12 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     report.insert("train_batches_per_second_publishing".into(), with_med.into());
     report.insert("publisher_cpu_per_training_second".into(), cpu_med.into());
 
-    println!("embank bench-stream: {} at {brokers}, dim {dim}", a.transport);
+    report.insert("replica_row_writes".into(), a.row_writes.clone().into());
+    println!(
+        "embank bench-stream: {} at {brokers}, dim {dim}, the replica's rows written {}",
+        a.transport,
+        if a.row_writes == "file" { "through the file (pwrite)" } else { "through the mapping" }
+    );
     println!(
         "  ingest into a replica     {:>12.0} rows/s   ({} rows, {:.1} MB on the stream; publisher {:.0} rows/s)",
         ingest,

@@ -64,7 +64,7 @@ pub use init::Initializer;
 pub use io::IoChoice;
 pub use layout::RecordLayout;
 pub use lifecycle::{EvictPolicy, LifecycleOptions};
-pub use medium::MediumKind;
+pub use medium::{MediumKind, RowWrites};
 pub use optim::Optimizer;
 pub use pooled::{PooledStats, Pooling};
 pub use store::{CheckpointPin, Store, StoreOptions, StoreStats};

@@ -68,6 +68,8 @@ pub(crate) struct Runtime {
     pub io: Arc<dyn IoEngine>,
     /// How mapped files are paged.
     pub mmap_advice: crate::medium::MapAdvice,
+    /// How mmap-medium records are written.
+    pub row_writes: crate::medium::RowWrites,
     tables: Mutex<Vec<WeakTable>>,
     jobs: Mutex<Option<SyncSender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -84,6 +86,7 @@ impl Runtime {
         hot: Option<crate::hot::HotOptions>,
         io: Arc<dyn IoEngine>,
         mmap_advice: crate::medium::MapAdvice,
+        row_writes: crate::medium::RowWrites,
     ) -> Arc<Runtime> {
         let (tx, rx) = sync_channel(LOOKAHEAD_QUEUE);
         // The pooled-bag cache drops the bags of changed rows.
@@ -94,6 +97,7 @@ impl Runtime {
             hot,
             io,
             mmap_advice,
+            row_writes,
             tables: Mutex::new(Vec::new()),
             jobs: Mutex::new(Some(tx)),
             thread: Mutex::new(None),
@@ -307,7 +311,7 @@ mod tests {
         }
         assert!(cache.dirty_bytes() > cache.dirty_target());
         let io = crate::io::engine(crate::io::IoChoice::Pread, 4).unwrap();
-        let rt = Runtime::new(vec![cache], None, None, io, crate::medium::MapAdvice::Default);
+        let rt = Runtime::new(vec![cache], None, None, io, crate::medium::MapAdvice::Default, Default::default());
         let recorder =
             Arc::new(Recorder { events: Mutex::new(Vec::new()), first_warm: std::sync::atomic::AtomicBool::new(true) });
         let table: Arc<dyn Maintained> = recorder.clone();

@@ -86,6 +86,7 @@ struct OpenOptions {
     io_depth: Option<u32>,
     mmap_random_access: Option<bool>,
     huge_pages: Option<bool>,
+    row_writes: Option<String>,
     keep_checkpoints: Option<usize>,
     background_repair: Option<bool>,
     pooled_cache_bytes: Option<u64>,
@@ -114,6 +115,10 @@ impl Store {
             io_depth: o.io_depth.unwrap_or(d.io_depth),
             mmap_random_access: o.mmap_random_access.unwrap_or(d.mmap_random_access),
             huge_pages: o.huge_pages.unwrap_or(d.huge_pages),
+            row_writes: match &o.row_writes {
+                Some(w) => core::RowWrites::parse(w).map_err(to_py_err)?,
+                None => d.row_writes,
+            },
             keep_checkpoints: o.keep_checkpoints.unwrap_or(d.keep_checkpoints),
             background_repair: o.background_repair.unwrap_or(d.background_repair),
             pooled_cache_bytes: o.pooled_cache_bytes.unwrap_or(d.pooled_cache_bytes),

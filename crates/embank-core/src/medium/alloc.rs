@@ -94,6 +94,11 @@ impl RecordAlloc {
         Ok(alloc)
     }
 
+    /// The rows file.
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -14,7 +14,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -34,6 +34,8 @@ pub struct MmapMedium {
     alloc: RecordAlloc,
     map: MmapRaw,
     codec: RecordCodec,
+    /// [`RowWrites::File`]: records go to the file by `pwrite`, not through the mapping.
+    by_file: AtomicBool,
 }
 
 // SAFETY: the mapping is shared memory; records are written only by the
@@ -43,6 +45,8 @@ unsafe impl Sync for MmapMedium {}
 
 /// How many records ahead [`MmapMedium::write`] prefetches the one it will write.
 const WRITE_PREFETCH_AHEAD: usize = 8;
+
+const PAGE: u64 = 4096;
 
 impl MmapMedium {
     pub fn create(path: &Path, layout: RecordLayout) -> Result<MmapMedium> {
@@ -98,7 +102,7 @@ impl MmapMedium {
             let next = map.as_ptr().add(format::ROWS_NEXT_RECORD_OFFSET) as *const AtomicU64;
             RecordAlloc::new(path, file, header.stride as u64, RESERVE_BYTES, next)?
         };
-        Ok(MmapMedium { alloc, map, codec: RecordCodec::new(layout) })
+        Ok(MmapMedium { alloc, map, codec: RecordCodec::new(layout), by_file: AtomicBool::new(false) })
     }
 
     #[inline(always)]
@@ -121,6 +125,11 @@ impl MmapMedium {
                 tracing::debug!(error = %e, ?a, "madvise refused for the rows mapping");
             }
         }
+    }
+
+    /// How [`write`](Self::write) writes records (see [`RowWrites`]).
+    pub fn set_row_writes(&self, writes: super::RowWrites) {
+        self.by_file.store(writes == super::RowWrites::File, Ordering::Relaxed);
     }
 
     /// Allocation, free list and reclamation of records.
@@ -207,6 +216,9 @@ impl MmapMedium {
 
     /// Writes unpublished records `(key, ptr, record)`.
     pub fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
+        if self.by_file.load(Ordering::Relaxed) {
+            return self.write_through_file(items);
+        }
         let bytes = self.codec.record_bytes();
         self.codec.encode_each(items.iter().enumerate().map(|(i, &(key, ptr, record))| {
             // Fresh records are often cold (a free one long unused): ask for the lines of
@@ -218,6 +230,46 @@ impl MmapMedium {
             // out once, so the batch's records are distinct); it holds header and payload.
             (unsafe { std::slice::from_raw_parts_mut(self.record_ptr(ptr), bytes) }, key, record)
         }));
+        Ok(())
+    }
+
+    /// [`write`](Self::write) through the file rather than the mapping: the records are
+    /// encoded into a buffer in file order and each run of adjacent records goes to the
+    /// file by `pwrite`, a page at a time. A page this process only reads is mapped
+    /// read-only, so the kernel's write-back cleans it without write-protecting a mapping
+    /// (and without a TLB shootdown to every core that runs this process).
+    fn write_through_file(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let stride = self.stride() as usize;
+        let bytes = self.codec.record_bytes();
+        let mut order: Vec<usize> = (0..items.len()).collect();
+        order.sort_unstable_by_key(|&i| items[i].1);
+        let mut buf = vec![0u8; items.len() * stride];
+        self.codec.encode_each(
+            buf.chunks_exact_mut(stride).zip(&order).map(|(out, &i)| (&mut out[..bytes], items[i].0, items[i].2)),
+        );
+        let mut start = 0;
+        while start < order.len() {
+            let mut end = start + 1;
+            while end < order.len() && items[order[end]].1 == items[order[end - 1]].1 + stride as u64 {
+                end += 1;
+            }
+            let first = items[order[start]].1;
+            let mut run = &buf[start * stride..(end - 1) * stride + bytes];
+            // One page at a time: a longer write makes the page cache hold the file in
+            // large folios, and every later small write walks all of a folio's blocks.
+            let mut at = first;
+            while !run.is_empty() {
+                let n = (PAGE - at % PAGE).min(run.len() as u64) as usize;
+                self.alloc
+                    .file()
+                    .write_all_at(&run[..n], at)
+                    .map_err(|e| io_at("cannot write rows", self.alloc.path(), e))?;
+                run = &run[n..];
+                at += n as u64;
+            }
+            start = end;
+        }
         Ok(())
     }
 
@@ -277,6 +329,55 @@ mod tests {
         m.write_row(ptrs[0], 7, &[1.5; 8]);
         unsafe { *m.record_ptr(ptrs[0]).add(ROW_HEADER_BYTES + 3) ^= 0x10 };
         assert!(!m.checksum_ok(ptrs[0]));
+    }
+
+    /// `RowWrites::File` writes nothing through the mapping: with the records' pages made
+    /// read-only a write through it would fault. Runs of adjacent records, records across
+    /// a page boundary and scattered ones all read back, checksums whole, neighbours kept.
+    #[test]
+    fn file_writes_leave_the_mapping_read_only_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rows.ebr");
+        let m = MmapMedium::create(&path, f32s(100)).unwrap();
+        m.set_row_writes(super::super::RowWrites::File);
+        let mut ptrs = Vec::new();
+        m.alloc().allocate(300, &mut ptrs).unwrap();
+        let rows: Vec<Vec<f32>> = (0..300).map(|i| (0..100).map(|j| (i * 1000 + j) as f32).collect()).collect();
+        let end = ROWS_HEADER_BYTES as u64 + 300 * m.stride();
+        // SAFETY: the records' pages of this test's own mapping; the header page (the
+        // allocator's word) stays writable.
+        let r = unsafe {
+            libc::mprotect(
+                m.map.as_mut_ptr().add(ROWS_HEADER_BYTES) as *mut libc::c_void,
+                (end as usize - ROWS_HEADER_BYTES).next_multiple_of(4096),
+                libc::PROT_READ,
+            )
+        };
+        assert_eq!(r, 0);
+        // A run of 40 adjacent records (it crosses pages), then every seventh of the rest
+        // in reverse order, then the ones between them.
+        let run: Vec<usize> = (0..40).collect();
+        let sparse: Vec<usize> = (40..300).filter(|i| i % 7 == 0).rev().collect();
+        let others: Vec<usize> = (40..300).filter(|i| i % 7 != 0).collect();
+        for part in [&run, &sparse, &others] {
+            let items: Vec<(u64, u64, &[f32])> =
+                part.iter().map(|&i| (i as u64 + 5, ptrs[i], rows[i].as_slice())).collect();
+            m.write(&items).unwrap();
+            for &i in part.iter() {
+                assert_eq!(m.key_at(ptrs[i]), i as u64 + 5);
+                assert_eq!(row_at(&m, ptrs[i]), rows[i]);
+            }
+        }
+        for (i, &p) in ptrs.iter().enumerate() {
+            assert!(m.checksum_ok(p), "record {i}");
+            assert_eq!(row_at(&m, p), rows[i], "record {i} after its neighbours were written");
+        }
+        m.flush().unwrap();
+        drop(m);
+        let m = MmapMedium::open(&path, f32s(100)).unwrap();
+        for (i, &p) in ptrs.iter().enumerate() {
+            assert_eq!((m.key_at(p), row_at(&m, p)), (i as u64 + 5, rows[i].clone()));
+        }
     }
 
     #[test]

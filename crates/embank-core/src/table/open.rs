@@ -50,6 +50,7 @@ fn resolve_placement(meta: &TableMeta, runtime: &Runtime, creating: bool) -> Res
 fn advise(runtime: &Runtime, st: &State) {
     st.index.advise(runtime.mmap_advice);
     st.medium.advise(runtime.mmap_advice);
+    st.medium.set_row_writes(runtime.row_writes);
 }
 
 /// Index files of other generations are left-overs of an interrupted rebuild.
