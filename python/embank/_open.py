@@ -57,8 +57,8 @@ def open(
         row_writes: how rows reach an mmap table's file: ``"mapped"`` (the default:
             copied into the mapping, cheapest for writers) or ``"file"`` (``pwrite``): the
             kernel's write-back of the rows then sends no TLB shootdown to the cores that
-            read, at about 2.5 us more per scattered row written. For a store that serves
-            reads while it ingests updates (``embank serve`` picks it for replicas).
+            read, at about 2.5 us more per scattered row written. For a store read by
+            many cores while it ingests updates.
         keep_checkpoints: how many :meth:`Store.checkpoint` s are kept for :meth:`Store.restore`.
         background_repair: after a killed process, repair in the background (the
             default); ``False`` repairs everything before ``open`` returns.

@@ -425,17 +425,29 @@ def test_abandoned_export_does_not_block_close(store_path: Path) -> None:
             pass
 
 
-@pytest.mark.parametrize("huge_pages,random_access", [(True, True), (False, False)])
+@pytest.mark.parametrize(
+    "huge_pages,random_access,row_writes", [(True, True, "mapped"), (False, False, "mapped"), (False, True, "file")]
+)
 def test_paging_options_keep_rows_across_a_reopen(
-    tmp_path: Path, huge_pages: bool, random_access: bool
+    tmp_path: Path, huge_pages: bool, random_access: bool, row_writes: str
 ) -> None:
-    """``huge_pages`` (MADV_HUGEPAGE) and ``mmap_random_access=False`` change only how the
-    kernel pages the mapped files: rows written, grown and reopened read back the same."""
+    """``huge_pages`` (MADV_HUGEPAGE), ``mmap_random_access=False`` and ``row_writes="file"``
+    change only how the kernel pages the mapped files and how rows reach them: rows
+    written, overwritten, grown and reopened read back the same."""
     keys = np.arange(5000, dtype=np.uint64)
     rows = np.random.default_rng(1).standard_normal((5000, 8)).astype(np.float32)
-    with embank.open(tmp_path / "s", huge_pages=huge_pages, mmap_random_access=random_access) as s:
+    opts = dict(huge_pages=huge_pages, mmap_random_access=random_access, row_writes=row_writes)
+    with embank.open(tmp_path / "s", **opts) as s:
+        assert s.stats()["row_writes"] == row_writes
         t = s.create_table("t", dim=8, capacity=64)  # grows: the new index is advised too
         t.push(keys, rows)
+        rows[::3] += 1.0
+        t.push(keys[::3].copy(), np.ascontiguousarray(rows[::3]))  # scattered rewrites
         np.testing.assert_array_equal(t.pull(keys), rows)
-    with embank.open(tmp_path / "s", huge_pages=huge_pages, mmap_random_access=random_access) as s:
+    with embank.open(tmp_path / "s", **opts) as s:
         np.testing.assert_array_equal(s.table("t").pull(keys), rows)
+
+
+def test_a_bad_row_writes_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(errors.ConfigError, match="row_writes"):
+        embank.open(tmp_path / "s", row_writes="mmap")

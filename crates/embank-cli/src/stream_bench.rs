@@ -81,10 +81,10 @@ pub struct StreamBenchArgs {
     /// pages where the file system allows).
     #[arg(long)]
     pub huge_pages: bool,
-    /// How the replica's store writes rows: "file" (pwrite; what `embank serve` picks for a
-    /// replica) or "mapped" (copied into the mapping; its pages are then mapped writable
-    /// and the kernel's write-back interrupts the reader with TLB shootdowns).
-    #[arg(long, default_value = "file", value_parser = ["file", "mapped"])]
+    /// How the replica's store writes rows (`store_options.row_writes`): "mapped" (copied
+    /// into the mapping, the default; the kernel's write-back then interrupts the reader
+    /// with TLB shootdowns) or "file" (pwrite: no shootdowns, a slower apply).
+    #[arg(long, default_value = "mapped", value_parser = ["mapped", "file"])]
     pub row_writes: String,
     /// Print the numbers as JSON after the table.
     #[arg(long)]
@@ -202,6 +202,11 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
         publisher.flush(Duration::from_secs(600)).map_err(e)?;
     }
     let last_seq = trainer.checkpoints().map_err(e)?.last().unwrap().seq;
+    // The trainer's pages reach the disk now, not by the kernel's write-back in the reading
+    // windows: it runs in this process, and cleaning a page it wrote through its mapping
+    // interrupts every core running this process, the reader's too (a trainer is another
+    // process where this is deployed).
+    trainer.flush().map_err(e)?;
     let table = replica_store.table("emb").map_err(e)?;
     // The read batches drawn beforehand (the Zipf draw is not what is measured), replayed.
     let batches = KeyStream::new(a.rows, 0.99, 7)?.batches(4096, BATCH);

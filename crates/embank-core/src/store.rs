@@ -70,10 +70,11 @@ pub struct StoreOptions {
     pub huge_pages: bool,
     /// How mmap-medium records are written ([`RowWrites`](crate::RowWrites)). Default
     /// `Mapped`: copied into the mapping, cheapest for writers. `File`: by `pwrite`, so
-    /// the kernel's write-back of the rows never interrupts a reader with a TLB shootdown
-    /// (2.5x fewer on a replica ingesting while it serves; reads kept 0.83x of idle
-    /// instead of 0.74x, docs/BENCHMARKS.md); a scattered record costs the writer about
-    /// 2.5 µs more. For read-mostly stores: serving replicas.
+    /// the kernel's write-back of the rows never interrupts a reader with a TLB shootdown;
+    /// a scattered record costs the writer about 2.5 µs more. On 2 vCPUs with one reader
+    /// a replica kept the same share of its reads either way and ingested half as fast
+    /// with `File` (docs/BENCHMARKS.md); each shootdown interrupts every core that runs
+    /// the process, so `File` is for stores read by many cores while they ingest.
     pub row_writes: crate::medium::RowWrites,
     /// Checkpoints kept for [`Store::restore`]; older ones are dropped (and the rows
     /// they alone needed freed). Default 2.

@@ -72,10 +72,10 @@ pub struct StoreSection {
     pub mmap_random_access: bool,
     /// Map the index and rows with transparent huge pages (read-mostly stores: replicas).
     pub huge_pages: bool,
-    /// How rows are written to an mmap table's file: "mapped" (copied into the mapping)
-    /// or "file" (`pwrite`: the kernel's write-back then sends no TLB shootdowns to
-    /// readers). Default: "file" on a replica (`[updates]`), "mapped" otherwise.
-    pub row_writes: Option<String>,
+    /// How rows are written to an mmap table's file: "mapped" (copied into the mapping,
+    /// the default) or "file" (`pwrite`: the kernel's write-back then sends no TLB
+    /// shootdowns to the cores that read; see `StoreOptions::row_writes`).
+    pub row_writes: String,
     pub verify: bool,
     /// Checkpoints kept (at least 1). On a replica: how many of the publisher's
     /// checkpoints stay readable exactly (`lookup(checkpoint=N)`), each holding the rows
@@ -94,7 +94,7 @@ impl Default for StoreSection {
             io_depth: d.io_depth,
             mmap_random_access: d.mmap_random_access,
             huge_pages: d.huge_pages,
-            row_writes: None,
+            row_writes: d.row_writes.name().into(),
             verify: d.verify,
             keep_checkpoints: d.keep_checkpoints,
             hot_placement: None,
@@ -311,11 +311,7 @@ impl ServeConfig {
             io_depth: s.io_depth,
             mmap_random_access: s.mmap_random_access,
             huge_pages: s.huge_pages,
-            row_writes: match &s.row_writes {
-                Some(w) => RowWrites::parse(w).map_err(|e| e.context("store_options.row_writes"))?,
-                None if self.updates.is_some() => RowWrites::File,
-                None => RowWrites::Mapped,
-            },
+            row_writes: RowWrites::parse(&s.row_writes).map_err(|e| e.context("store_options.row_writes"))?,
             verify: s.verify,
             keep_checkpoints: s.keep_checkpoints,
             hot_placement: s.hot_placement.clone(),
@@ -541,13 +537,11 @@ mod tests {
     }
 
     #[test]
-    fn row_writes_default_by_role_and_reject_a_bad_value() {
+    fn row_writes_parse_and_reject_a_bad_value() {
         let plain = ServeConfig::parse("store = 'x'").unwrap();
         assert_eq!(plain.store_options().unwrap().row_writes, RowWrites::Mapped);
         let set = ServeConfig::parse("store = 'x'\n[store_options]\nrow_writes = 'file'").unwrap();
         assert_eq!(set.store_options().unwrap().row_writes, RowWrites::File);
-        let replica = "store = 'x'\n[store_options]\nrow_writes = 'mapped'\n[updates]\ntransport = 'kafka'\nbrokers = 'x:9092'";
-        assert_eq!(ServeConfig::parse(replica).unwrap().store_options().unwrap().row_writes, RowWrites::Mapped);
         let e = err("store = 'x'\n[store_options]\nrow_writes = 'mmap'");
         assert!(e.contains("row_writes") && e.contains("mmap"), "{e}");
     }
@@ -567,7 +561,6 @@ mod tests {
         let c = ServeConfig::parse(&format!("store = 'x'\n{block}")).unwrap();
         let u = c.updates.as_ref().unwrap();
         assert_eq!((u.partition, u.stream.topic.as_str(), u.ingest_share), (0, "embank-updates", 0.5));
-        assert_eq!(c.store_options().unwrap().row_writes, RowWrites::File, "a replica writes rows through the file");
         for bad in ["0", "1.5"] {
             let e =
                 err(&format!("store = 'x'\n[updates]\ntransport = 'kafka'\nbrokers = 'x:9092'\ningest_share = {bad}"));

@@ -82,7 +82,7 @@ pub enum RowWrites {
     Mapped,
     /// Written to the file with `pwrite`, a page at a time: about 2.5 µs a scattered
     /// record more for the writer, but the pages stay mapped read-only, so write-back
-    /// interrupts no reader (a serving replica: 2.5x fewer shootdowns, docs/BENCHMARKS.md).
+    /// interrupts no reader.
     File,
 }
 
