@@ -426,7 +426,8 @@ def test_abandoned_export_does_not_block_close(store_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "huge_pages,random_access,row_writes", [(True, True, "mapped"), (False, False, "mapped"), (False, True, "file")]
+    "huge_pages,random_access,row_writes",
+    [(True, True, "mapped"), (False, False, "mapped"), (False, True, "file")],
 )
 def test_paging_options_keep_rows_across_a_reopen(
     tmp_path: Path, huge_pages: bool, random_access: bool, row_writes: str
