@@ -437,15 +437,20 @@ def test_paging_options_keep_rows_across_a_reopen(
     written, overwritten, grown and reopened read back the same."""
     keys = np.arange(5000, dtype=np.uint64)
     rows = np.random.default_rng(1).standard_normal((5000, 8)).astype(np.float32)
-    opts = dict(huge_pages=huge_pages, mmap_random_access=random_access, row_writes=row_writes)
-    with embank.open(tmp_path / "s", **opts) as s:
+
+    def opened() -> embank.Store:
+        return embank.open(
+            tmp_path / "s", huge_pages=huge_pages, mmap_random_access=random_access, row_writes=row_writes
+        )
+
+    with opened() as s:
         assert s.stats()["row_writes"] == row_writes
         t = s.create_table("t", dim=8, capacity=64)  # grows: the new index is advised too
         t.push(keys, rows)
         rows[::3] += 1.0
         t.push(keys[::3].copy(), np.ascontiguousarray(rows[::3]))  # scattered rewrites
         np.testing.assert_array_equal(t.pull(keys), rows)
-    with embank.open(tmp_path / "s", **opts) as s:
+    with opened() as s:
         np.testing.assert_array_equal(s.table("t").pull(keys), rows)
 
 
