@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use embank_core::{MediumKind, Store, StoreOptions, TableOptions};
+use embank_core::{MediumKind, RowWrites, Store, StoreOptions, TableOptions};
 
 const DIM: usize = 32;
 const KEYS: u64 = 256;
@@ -13,6 +13,13 @@ const KEYS: u64 = 256;
 #[test]
 fn no_read_returns_a_mixed_row() {
     run(MediumKind::Mmap, StoreOptions::default());
+}
+
+/// Rows written through the file (`pwrite`) while readers copy them from the mapping:
+/// three writers' records share pages, and readers see each whole or not at all.
+#[test]
+fn no_read_returns_a_mixed_row_with_rows_written_through_the_file() {
+    run(MediumKind::Mmap, StoreOptions { row_writes: RowWrites::File, ..StoreOptions::default() });
 }
 
 /// The block medium under a row cache of about 60 rows: reads race evictions,
