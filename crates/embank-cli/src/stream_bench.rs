@@ -161,15 +161,11 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     publisher.flush(Duration::from_secs(600)).map_err(e)?;
     let publish_s = started.elapsed().as_secs_f64();
     let bytes = publisher.status().bytes;
+    let row_writes = RowWrites::parse(&a.row_writes).map_err(e)?;
     let replica_store = Arc::new(
         Store::open(
             dir.path().join("replica"),
-            StoreOptions {
-                keep_checkpoints: 1,
-                huge_pages: a.huge_pages,
-                row_writes: RowWrites::parse(&a.row_writes).map_err(e)?,
-                ..Default::default()
-            },
+            StoreOptions { keep_checkpoints: 1, huge_pages: a.huge_pages, row_writes, ..Default::default() },
         )
         .map_err(e)?,
     );
@@ -341,12 +337,12 @@ pub fn run(a: StreamBenchArgs) -> Result<(), String> {
     report.insert("train_batches_per_second_publishing".into(), with_med.into());
     report.insert("publisher_cpu_per_training_second".into(), cpu_med.into());
 
-    report.insert("replica_row_writes".into(), a.row_writes.clone().into());
-    println!(
-        "embank bench-stream: {} at {brokers}, dim {dim}, the replica's rows written {}",
-        a.transport,
-        if a.row_writes == "file" { "through the file (pwrite)" } else { "through the mapping" }
-    );
+    report.insert("replica_row_writes".into(), row_writes.name().into());
+    let how = match row_writes {
+        RowWrites::File => "through the file (pwrite)",
+        RowWrites::Mapped => "through the mapping",
+    };
+    println!("embank bench-stream: {} at {brokers}, dim {dim}, the replica's rows written {how}", a.transport);
     println!(
         "  ingest into a replica     {:>12.0} rows/s   ({} rows, {:.1} MB on the stream; publisher {:.0} rows/s)",
         ingest,

@@ -46,6 +46,8 @@ unsafe impl Sync for MmapMedium {}
 /// How many records ahead [`MmapMedium::write`] prefetches the one it will write.
 const WRITE_PREFETCH_AHEAD: usize = 8;
 
+/// The most [`RowWrites::File`](super::RowWrites::File) writes in one `pwrite`, aligned:
+/// one small page, so the page cache keeps the file in small folios.
 const PAGE: u64 = 4096;
 
 impl MmapMedium {
