@@ -24,7 +24,7 @@ use memmap2::{MmapOptions, MmapRaw};
 
 use super::alloc::RecordAlloc;
 use super::codec::RecordCodec;
-use super::ReadItem;
+use super::{encode_in_file_order, merged_requests, ReadItem};
 use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::format::{self, block_stride, RowsHeader, BLOCK_ROWS_MAGIC, ROWS_HEADER_BYTES};
 use crate::io::{direct_io_alignment, AlignedBuf, Dir, IoEngine, IoReq, IoStats};
@@ -34,26 +34,6 @@ use crate::layout::RecordLayout;
 pub const BLOCK_FILE_BYTES_MAX: u64 = 1 << 40;
 /// Alignment assumed when the file system does not report one.
 const ALIGN_FALLBACK: u32 = 4096;
-/// Largest single request when adjacent records are merged.
-const MERGE_BYTES_MAX: usize = 1 << 20;
-
-/// Requests for records laid out in `buf` in ascending `ptrs` order (one stride each),
-/// merging records adjacent in the file into one request of up to 1 MiB.
-fn merged_requests(ptrs_sorted: &[u64], stride: usize, buf: *mut u8) -> Vec<IoReq> {
-    let mut reqs: Vec<IoReq> = Vec::new();
-    for (i, &ptr) in ptrs_sorted.iter().enumerate() {
-        if let Some(last) = reqs.last_mut() {
-            if last.offset + last.len as u64 == ptr && last.len + stride <= MERGE_BYTES_MAX {
-                last.len += stride;
-                continue;
-            }
-        }
-        // SAFETY: the caller's buffer holds `ptrs_sorted.len()` strides.
-        reqs.push(IoReq { offset: ptr, buf: unsafe { buf.add(i * stride) }, len: stride });
-    }
-    reqs
-}
-
 thread_local! {
     static IO_BUF: RefCell<AlignedBuf> = RefCell::new(AlignedBuf::new(1 << 16));
 }
@@ -235,20 +215,12 @@ impl BlockMedium {
             return Ok(());
         }
         let stride = self.stride() as usize;
-        // Write in file order so freshly allocated (adjacent) records become one request.
-        let mut order: Vec<u32> = (0..items.len() as u32).collect();
-        order.sort_unstable_by_key(|&i| items[i as usize].1);
         IO_BUF.with(|cell| {
             let mut buf = cell.borrow_mut();
             buf.reserve(items.len() * stride);
-            let bytes = buf.as_mut_slice();
-            let recs = bytes[..order.len() * stride].chunks_exact_mut(stride);
-            self.codec.encode_each(recs.zip(&order).map(|(rec, &o)| {
-                let (key, _, record) = items[o as usize];
-                rec[self.codec.record_bytes()..].fill(0);
-                (rec, key, record)
-            }));
-            let ptrs: Vec<u64> = order.iter().map(|&i| items[i as usize].1).collect();
+            // In file order, so freshly allocated (adjacent) records become one request.
+            let ptrs =
+                encode_in_file_order(&self.codec, items, stride, &mut buf.as_mut_slice()[..items.len() * stride]);
             let reqs = merged_requests(&ptrs, stride, buf.as_mut_ptr());
             self.io.submit(self.file.as_raw_fd(), Dir::Write, &reqs).map_err(|e| e.context(self.where_()))
         })
@@ -267,6 +239,7 @@ impl BlockMedium {
 
 #[cfg(test)]
 mod tests {
+    use super::super::MERGE_BYTES_MAX;
     use super::*;
     use crate::io::{engine, IoChoice};
 

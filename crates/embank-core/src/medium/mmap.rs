@@ -236,31 +236,21 @@ impl MmapMedium {
     }
 
     /// [`write`](Self::write) through the file rather than the mapping: the records are
-    /// encoded into a buffer in file order and each run of adjacent records goes to the
-    /// file by `pwrite`, a page at a time. A page this process only reads is mapped
+    /// encoded into a buffer in file order (as the block medium does) and each run of
+    /// adjacent records, padding included, goes to the file by `pwrite`, a page at a time. A page this process only reads is mapped
     /// read-only, so the kernel's write-back cleans it without write-protecting a mapping
     /// (and without a TLB shootdown to every core that runs this process).
     fn write_through_file(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
         use std::os::unix::fs::FileExt;
         let stride = self.stride() as usize;
-        let bytes = self.codec.record_bytes();
-        let mut order: Vec<usize> = (0..items.len()).collect();
-        order.sort_unstable_by_key(|&i| items[i].1);
         let mut buf = vec![0u8; items.len() * stride];
-        self.codec.encode_each(
-            buf.chunks_exact_mut(stride).zip(&order).map(|(out, &i)| (&mut out[..bytes], items[i].0, items[i].2)),
-        );
-        let mut start = 0;
-        while start < order.len() {
-            let mut end = start + 1;
-            while end < order.len() && items[order[end]].1 == items[order[end - 1]].1 + stride as u64 {
-                end += 1;
-            }
-            let first = items[order[start]].1;
-            let mut run = &buf[start * stride..(end - 1) * stride + bytes];
+        let ptrs = super::encode_in_file_order(&self.codec, items, stride, &mut buf);
+        for req in super::merged_requests(&ptrs, stride, buf.as_mut_ptr()) {
+            // SAFETY: each request lies in `buf`, which outlives the loop.
+            let mut run = unsafe { std::slice::from_raw_parts(req.buf as *const u8, req.len) };
             // One page at a time: a longer write makes the page cache hold the file in
             // large folios, and every later small write walks all of a folio's blocks.
-            let mut at = first;
+            let mut at = req.offset;
             while !run.is_empty() {
                 let n = (PAGE - at % PAGE).min(run.len() as u64) as usize;
                 self.alloc
@@ -270,7 +260,6 @@ impl MmapMedium {
                 run = &run[n..];
                 at += n as u64;
             }
-            start = end;
         }
         Ok(())
     }

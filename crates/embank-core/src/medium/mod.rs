@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::RowsHeader;
-use crate::io::{IoEngine, IoStats};
+use crate::io::{IoEngine, IoReq, IoStats};
 use crate::layout::RecordLayout;
 
 /// One record to read: its key, where it is, and where its elements go.
@@ -70,6 +70,44 @@ impl MapAdvice {
             MapAdvice::Huge => Some(memmap2::Advice::HugePage),
         }
     }
+}
+
+/// Largest single request when adjacent records are merged.
+pub(super) const MERGE_BYTES_MAX: usize = 1 << 20;
+
+/// Requests for records laid out in `buf` in ascending `ptrs` order (one stride each),
+/// merging records adjacent in the file into one request of up to 1 MiB.
+pub(super) fn merged_requests(ptrs_sorted: &[u64], stride: usize, buf: *mut u8) -> Vec<IoReq> {
+    let mut reqs: Vec<IoReq> = Vec::new();
+    for (i, &ptr) in ptrs_sorted.iter().enumerate() {
+        if let Some(last) = reqs.last_mut() {
+            if last.offset + last.len as u64 == ptr && last.len + stride <= MERGE_BYTES_MAX {
+                last.len += stride;
+                continue;
+            }
+        }
+        // SAFETY: the caller's buffer holds `ptrs_sorted.len()` strides.
+        reqs.push(IoReq { offset: ptr, buf: unsafe { buf.add(i * stride) }, len: stride });
+    }
+    reqs
+}
+
+/// Encodes `items` `(key, ptr, record)` into `buf` (one stride each, the padding after
+/// each record zeroed) in ascending `ptr` order; returns the pointers in that order.
+pub(super) fn encode_in_file_order(
+    codec: &RecordCodec,
+    items: &[(u64, u64, &[f32])],
+    stride: usize,
+    buf: &mut [u8],
+) -> Vec<u64> {
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    order.sort_unstable_by_key(|&i| items[i].1);
+    let bytes = codec.record_bytes();
+    codec.encode_each(buf.chunks_exact_mut(stride).zip(&order).map(|(rec, &i)| {
+        rec[bytes..].fill(0);
+        (rec, items[i].0, items[i].2)
+    }));
+    order.iter().map(|&i| items[i].1).collect()
 }
 
 /// How the mmap medium writes a record (`StoreOptions::row_writes`).
