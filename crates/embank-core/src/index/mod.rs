@@ -42,7 +42,18 @@ use crate::hash::{fingerprint, home_bucket, key_hash, probe_step};
 mod bucket;
 mod repair;
 
-use bucket::{empty_slots, MARK_SLOT_BITS};
+use bucket::{empty_slots, match_fp, MARK_SLOT_BITS};
+
+/// What the second stage of a pipelined lookup hands the third: the home bucket's
+/// version, whether keys overflow it, and its slots whose fingerprint matches.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Probe(u64);
+/// Keys [`Index::get_staged`] should be given at once, at most: the lines it fetches (a
+/// bucket's first line, a slot's) and the rows its caller prefetches stay in the core's
+/// cache between stages.
+pub const STAGED_KEYS_MAX: usize = 256;
+/// A probe's mark for a key left to [`Index::get`] (its bucket was being written).
+const PROBE_SLOW: u64 = u64::MAX;
 pub use bucket::{
     Bucket, Found, RecoverReport, BUCKET_BYTES, BUCKET_COUNT_MAX, MARK_TAG_MASK, PROBE_BUCKETS_MAX,
     PROBE_SAMPLE_BUCKETS, SLOTS_PER_BUCKET,
@@ -297,6 +308,95 @@ impl Index {
     #[inline]
     pub fn get(&self, key: u64, hash: u64) -> Option<u64> {
         self.find(key, hash).map(|f| f.ptr)
+    }
+
+    /// First stage of a pipelined lookup ([`Index::probe_home`], then
+    /// [`Index::probe_slots`]): prefetches the first line of the key's home bucket, the
+    /// one holding its seqlock version, overflow counter and fingerprints.
+    #[inline(always)]
+    pub fn probe_start(&self, hash: u64) {
+        crate::prefetch::prefetch_read(
+            self.raw_bucket(home_bucket(hash, self.bucket_mask)) as *const Bucket as *const u8
+        );
+    }
+
+    /// Second stage: reads the home bucket's version, overflow counter and fingerprints
+    /// (prefetched by [`Index::probe_start`]) and prefetches the slots whose fingerprint
+    /// matches, so a lookup fetches one or two of its bucket's four lines. Returns what
+    /// [`Index::probe_slots`] needs.
+    #[inline(always)]
+    pub fn probe_home(&self, hash: u64) -> Probe {
+        let bucket = self.bucket(home_bucket(hash, self.bucket_mask));
+        let v1 = bucket.version.load(Ordering::Acquire);
+        if v1 & 1 == 1 {
+            return Probe(PROBE_SLOW);
+        }
+        let candidates = match_fp(bucket.fp_words(), fingerprint(hash));
+        let overflow = (bucket.overflow.load(Ordering::Relaxed) != 0) as u64;
+        let mut c = candidates;
+        while c != 0 {
+            let slot = c.trailing_zeros() as usize;
+            c &= c - 1;
+            let at = &bucket.slots[slot] as *const [AtomicU64; 2] as *const u8;
+            crate::prefetch::prefetch_read(at);
+            // Slots 2, 6 and 10 straddle two lines: their pointer lies on the next.
+            // SAFETY: inside the 256-byte bucket (the slot's second word).
+            crate::prefetch::prefetch_read(unsafe { at.add(8) });
+        }
+        Probe((v1 as u64) << 32 | overflow << 16 | candidates as u64)
+    }
+
+    /// Last stage: the key's row pointer. Reads the candidate slots, then the version
+    /// again: [`Bucket::read`]'s seqlock read spread over the stages (version with
+    /// acquire, fingerprints, overflow and slots, a fence, the version). A key past its
+    /// home bucket, or in a bucket a writer changed meanwhile, takes [`Index::get`].
+    #[inline(always)]
+    pub fn probe_slots(&self, key: u64, hash: u64, probe: Probe) -> Option<u64> {
+        let word = probe.0;
+        if word != PROBE_SLOW {
+            let bucket = self.raw_bucket(home_bucket(hash, self.bucket_mask));
+            let mut ptr = None;
+            let mut c = (word & 0xffff) as u32;
+            while c != 0 {
+                let slot = c.trailing_zeros() as usize;
+                c &= c - 1;
+                if bucket.slots[slot][0].load(Ordering::Relaxed) == key {
+                    ptr = Some(bucket.slots[slot][1].load(Ordering::Relaxed));
+                    break;
+                }
+            }
+            fence(Ordering::Acquire);
+            if bucket.version.load(Ordering::Relaxed) == (word >> 32) as u32 && (ptr.is_some() || word & 1 << 16 == 0) {
+                return ptr;
+            }
+        }
+        self.get(key, hash)
+    }
+
+    /// Lock-free lookup of a batch, each stage of [`Index::probe_start`],
+    /// [`Index::probe_home`] and [`Index::probe_slots`] run over the whole batch before
+    /// the next, so every line a stage reads was asked for a batch earlier. `ptrs[i]`
+    /// becomes key `i`'s row pointer, 0 when absent; `found(i, ptr)` is called as each
+    /// key resolves (in order), so the caller can prefetch the row at once. Give it at
+    /// most [`STAGED_KEYS_MAX`] keys: the lines fetched stay in the core's cache.
+    #[inline]
+    pub fn get_staged(&self, keys: &[u64], hashes: &[u64], ptrs: &mut [u64], mut found: impl FnMut(usize, u64)) {
+        let n = keys.len();
+        debug_assert!(hashes.len() == n && ptrs.len() == n);
+        for &h in hashes {
+            self.probe_start(h);
+        }
+        // The probes wait in `ptrs` until their pointers replace them.
+        for i in 0..n {
+            ptrs[i] = self.probe_home(hashes[i]).0;
+        }
+        for i in 0..n {
+            let ptr = self.probe_slots(keys[i], hashes[i], Probe(ptrs[i])).unwrap_or(0);
+            ptrs[i] = ptr;
+            if ptr != 0 {
+                found(i, ptr);
+            }
+        }
     }
 
     /// Whether the key at `(bucket, slot)` is marked journaled in the interval `tag`

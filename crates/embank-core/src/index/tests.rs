@@ -7,6 +7,109 @@ fn new_index(dir: &tempfile::TempDir, buckets: u64) -> Index {
     Index::create(&dir.path().join("i"), buckets, 99).unwrap()
 }
 
+/// [`Index::get_staged`] over `keys` in batches of [`STAGED_KEYS_MAX`], as `get` answers.
+fn staged(index: &Index, keys: &[u64]) -> Vec<Option<u64>> {
+    let mut out = Vec::new();
+    for chunk in keys.chunks(STAGED_KEYS_MAX) {
+        let hashes: Vec<u64> = chunk.iter().map(|&k| index.hash(k)).collect();
+        let mut ptrs = vec![0; chunk.len()];
+        let mut seen = Vec::new();
+        index.get_staged(chunk, &hashes, &mut ptrs, |i, p| seen.push((i, p)));
+        let expected: Vec<(usize, u64)> =
+            ptrs.iter().enumerate().filter(|(_, &p)| p != 0).map(|(i, &p)| (i, p)).collect();
+        assert_eq!(seen, expected, "found() is called once per found key, in order");
+        out.extend(ptrs.into_iter().map(|p| (p != 0).then_some(p)));
+    }
+    out
+}
+
+/// A bucket that changes between a staged lookup's stages is read again: here the key
+/// moves to another slot after its fingerprints were matched, so the slots matched are
+/// stale, and only the version check finds it.
+#[test]
+fn a_bucket_changed_between_stages_is_read_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let index = new_index(&dir, 1);
+    let (a, k, filler) = (1u64, 2u64, 3u64);
+    for key in [a, k] {
+        assert!(index.insert_new(key, index.hash(key), 100 + key));
+    }
+    let hk = index.hash(k);
+    index.probe_start(hk);
+    let probe = index.probe_home(hk);
+    // k leaves slot 1, a filler takes it, k comes back in slot 2 with a new pointer.
+    assert_eq!(index.remove(k, hk), Some(102));
+    assert!(index.insert_new(filler, index.hash(filler), 103));
+    assert!(index.insert_new(k, hk, 202));
+    assert_eq!(index.find(k, hk).unwrap().slot, 2);
+    assert_eq!(index.probe_slots(k, hk, probe), Some(202));
+    // Unchanged: the probe answers by itself.
+    let probe = index.probe_home(hk);
+    assert_eq!(index.probe_slots(k, hk, probe), Some(202));
+    assert_eq!(index.probe_slots(99, index.hash(99), index.probe_home(index.hash(99))), None);
+}
+
+/// Staged lookups read while writers replace, remove and re-insert keys in the same
+/// buckets (a small index, so buckets are locked and changed under the readers all the
+/// time, and keys live past their home bucket): every answer is a pointer some writer
+/// stored for that key, and keys no writer touches are always found.
+#[test]
+fn staged_lookups_during_writes_see_only_stored_pointers() {
+    use std::sync::atomic::AtomicBool;
+    let dir = tempfile::tempdir().unwrap();
+    let index = new_index(&dir, 16);
+    // 16 * 14 = 224 slots: 100 keys that stay, 80 that writers churn.
+    let (stable, churned) = (0..100u64, 100..180u64);
+    let ptr_of = |key: u64, generation: u64| key << 32 | (generation + 1);
+    for key in stable.clone().chain(churned.clone()) {
+        assert!(index.insert_new(key, index.hash(key), ptr_of(key, 0)));
+    }
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for w in 0..2u64 {
+            let (index, stop, churned) = (&index, &stop, churned.clone());
+            s.spawn(move || {
+                let mut generation = 1;
+                while !stop.load(Ordering::Relaxed) {
+                    // The two writers own alternate keys: one writer per key, as the table's
+                    // striped locks guarantee.
+                    for key in churned.clone().filter(|k| k % 2 == w) {
+                        let h = index.hash(key);
+                        if generation % 3 == 0 {
+                            index.remove(key, h);
+                            assert!(index.insert_new(key, h, ptr_of(key, generation)));
+                        } else {
+                            index.replace(key, h, ptr_of(key, generation));
+                        }
+                    }
+                    generation += 1;
+                }
+            });
+        }
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (index, stable, churned) = (&index, stable.clone(), churned.clone());
+                s.spawn(move || {
+                    let keys: Vec<u64> = stable.clone().chain(churned).chain(1000..1020).collect();
+                    for _ in 0..2000 {
+                        for (&key, got) in keys.iter().zip(staged(index, &keys)) {
+                            match got {
+                                Some(p) => assert_eq!(p >> 32, key, "key {key} read another key's pointer {p:#x}"),
+                                None => assert!(!stable.contains(&key), "stable key {key} not found"),
+                            }
+                            assert!(key < 1000 || got.is_none(), "absent key {key} found");
+                        }
+                    }
+                })
+            })
+            .collect();
+        for r in readers {
+            r.join().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+}
+
 #[test]
 fn fp_matching() {
     let words = [0x0000_0300_0503_0001u64, 0x0000_0000_0000_0300];
@@ -29,6 +132,12 @@ fn fills_a_tiny_index_completely() {
     assert!(!index.insert_new(slots, index.hash(slots), 7), "a full index took one more key");
     for key in 0..slots {
         assert_eq!(index.get(key, index.hash(key)), Some(key + 1));
+    }
+    // Full buckets: most keys live past their home bucket, where a staged lookup hands
+    // over to the probe sequence.
+    let keys: Vec<u64> = (0..slots + 20).collect();
+    for (&key, got) in keys.iter().zip(staged(&index, &keys)) {
+        assert_eq!(got, (key < slots).then_some(key + 1), "staged, key {key}");
     }
     assert_eq!(index.len(), slots);
     // Remove everything; every overflow counter must return to zero.
@@ -86,6 +195,10 @@ proptest! {
         }
         for k in 0..300u64 {
             prop_assert_eq!(index.get(k, index.hash(k)), model.get(&k).copied(), "key {}", k);
+        }
+        let keys: Vec<u64> = (0..300u64).collect();
+        for (k, got) in keys.iter().zip(staged(&index, &keys)) {
+            prop_assert_eq!(got, model.get(k).copied(), "staged, key {}", k);
         }
         let mut seen = HashMap::new();
         index.for_each(0, index.bucket_count(), |k, p| { seen.insert(k, p); });

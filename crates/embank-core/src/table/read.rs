@@ -7,9 +7,11 @@ use std::sync::atomic::Ordering;
 use super::write::{Change, Notice, Outcome, RecordWriter};
 use super::{State, Table};
 use crate::error::{Error, Result};
+use crate::index::STAGED_KEYS_MAX;
 use crate::medium::{Mapped, Medium, ReadItem};
 
-/// How far ahead of the key being resolved its home bucket is prefetched. With all four
+/// How far ahead of the key being resolved its home bucket is prefetched on the tiered
+/// path (the fast path resolves keys in stages, [`resolve_staged`]). With all four
 /// lines of a bucket asked for, 16 keys ahead beat 8 for every row type (ycsb-c 10 M x 128
 /// on huge pages, alternating pairs: f32 +4-8 %, f16 +24 %, int8 +7-30 %; 24 and 32 gained
 /// nothing more): fewer lines per key leave room for more keys in flight.
@@ -30,6 +32,33 @@ pub(super) fn prefetch_buckets(index: &crate::index::Index, hashes: &[u64], i: u
     }
 }
 
+/// Resolves `keys` through the index in batches of [`STAGED_KEYS_MAX`]
+/// ([`Index::get_staged`](crate::index::Index::get_staged)), prefetching each found
+/// record; `ptrs[i]` becomes key `i`'s record (0 when absent, its position pushed to
+/// `missing`). After each batch `batch(range)` runs, so a caller can copy that batch's
+/// records while they are in cache.
+#[inline(always)]
+pub(super) fn resolve_staged(
+    index: &crate::index::Index,
+    medium: &Mapped<'_>,
+    keys: &[u64],
+    ptrs: &mut [u64],
+    missing: &mut Vec<usize>,
+    mut batch: impl FnMut(std::ops::Range<usize>, &[u64]),
+) {
+    let mut hashes = [0u64; STAGED_KEYS_MAX];
+    for start in (0..keys.len()).step_by(STAGED_KEYS_MAX) {
+        let end = keys.len().min(start + STAGED_KEYS_MAX);
+        let hashes = &mut hashes[..end - start];
+        for (h, &k) in hashes.iter_mut().zip(&keys[start..end]) {
+            *h = index.hash(k);
+        }
+        index.get_staged(&keys[start..end], hashes, &mut ptrs[start..end], |_, ptr| medium.prefetch(ptr));
+        missing.extend((start..end).filter(|&i| ptrs[i] == 0));
+        batch(start..end, ptrs);
+    }
+}
+
 impl Table {
     /// The records of a table on the fast path (only tables on a mapped medium without tiers).
     #[inline(always)]
@@ -43,32 +72,22 @@ impl Table {
         let w = self.shared.config.layout.elems();
         let (index, medium) = (&st.index, self.mapped(st));
         let n = keys.len();
-        let mut hashes = Vec::with_capacity(n);
-        hashes.extend(keys.iter().map(|&k| index.hash(k)));
         let mut ptrs = vec![0u64; n];
         let mut missing = Vec::new();
-        for i in 0..n {
-            prefetch_buckets(index, &hashes, i);
-            match index.get(keys[i], hashes[i]) {
-                Some(ptr) => {
-                    medium.prefetch(ptr);
-                    ptrs[i] = ptr;
-                }
-                None => missing.push(i),
-            }
-        }
         let mut corrupt = None;
-        for i in 0..n {
-            let ptr = ptrs[i];
-            if ptr == 0 {
-                continue;
+        resolve_staged(index, &medium, keys, &mut ptrs, &mut missing, |range, ptrs| {
+            for i in range {
+                let ptr = ptrs[i];
+                if ptr == 0 {
+                    continue;
+                }
+                if medium.key_at(ptr) != keys[i] {
+                    corrupt = Some(i);
+                    continue;
+                }
+                medium.read_into(ptr, &mut out[i * w..(i + 1) * w]);
             }
-            if medium.key_at(ptr) != keys[i] {
-                corrupt = Some(i);
-                continue;
-            }
-            medium.read_into(ptr, &mut out[i * w..(i + 1) * w]);
-        }
+        });
         if let Some(found) = found {
             for (i, &p) in ptrs.iter().enumerate() {
                 found[i] = p != 0;

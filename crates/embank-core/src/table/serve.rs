@@ -1,7 +1,7 @@
 //! Zero-copy reads for a server: rows handed out as slices of the mapped rows file,
 //! sent with vectored writes while the table's read lock and an epoch guard keep them.
 
-use super::read::prefetch_buckets;
+use super::read::resolve_staged;
 use super::Table;
 use crate::error::{Error, Result};
 use crate::layout::f32_bytes;
@@ -38,18 +38,8 @@ impl Table {
         let _pin = crossbeam_epoch::pin();
         let mut ptrs = vec![0u64; n];
         let mut missing = Vec::new();
-        let hashes: Vec<u64> = keys.iter().map(|&k| index.hash(k)).collect();
-        for (i, &key) in keys.iter().enumerate() {
-            prefetch_buckets(index, &hashes, i);
-            match index.get(key, hashes[i]) {
-                Some(ptr) => {
-                    // The kernel copies the rows out later: have them in cache by then.
-                    medium.prefetch(ptr);
-                    ptrs[i] = ptr
-                }
-                None => missing.push(i),
-            }
-        }
+        // Found rows are prefetched: the kernel copies them out later, have them in cache.
+        resolve_staged(index, &medium, keys, &mut ptrs, &mut missing, |_, _| {});
         // The records' keys are checked once every record has been asked for: checking
         // each as it is found would wait for its line before the next key's probe.
         if let Some(i) = (0..n).find(|&i| ptrs[i] != 0 && medium.key_at(ptrs[i]) != keys[i]) {
