@@ -1,7 +1,7 @@
 //! Zero-copy reads for a server: rows handed out as slices of the mapped rows file,
 //! sent with vectored writes while the table's read lock and an epoch guard keep them.
 
-use super::read::resolve_staged;
+use super::read::resolve;
 use super::Table;
 use crate::error::{Error, Result};
 use crate::layout::f32_bytes;
@@ -39,7 +39,7 @@ impl Table {
         let mut ptrs = vec![0u64; n];
         let mut missing = Vec::new();
         // Found rows are prefetched: the kernel copies them out later, have them in cache.
-        resolve_staged(index, &medium, keys, &mut ptrs, &mut missing, |_, _| {});
+        resolve(index, &medium, keys, &mut ptrs, &mut missing, |_, _| {});
         // The records' keys are checked once every record has been asked for: checking
         // each as it is found would wait for its line before the next key's probe.
         if let Some(i) = (0..n).find(|&i| ptrs[i] != 0 && medium.key_at(ptrs[i]) != keys[i]) {
