@@ -7,6 +7,9 @@
 //! from the key's hash; every bucket passed on the way counts it in its
 //! overflow counter, so a lookup stops at the key or at the first bucket
 //! whose counter is zero. In the common case a lookup reads one bucket.
+//! A batch read ([`Index::get_staged`]) reads less of it: the bucket's first
+//! line (version, overflow counter, fingerprints) for every key of the batch,
+//! then only the lines of the slots whose fingerprint matches, then those slots.
 //!
 //! Concurrency: readers never lock. They read a bucket between two loads of
 //! its version and retry while it is odd or changed. Writers lock a single
