@@ -49,7 +49,7 @@ use bucket::{empty_slots, match_fp, MARK_SLOT_BITS};
 
 /// What the second stage of a pipelined lookup hands the third: the home bucket's
 /// version, whether keys overflow it, and its slots whose fingerprint matches.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct Probe(u64);
 /// Keys [`Index::get_staged`] should be given at once, at most: the lines it fetches (a
 /// bucket's first line, a slot's) and the rows its caller prefetches stay in the core's

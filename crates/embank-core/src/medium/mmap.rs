@@ -237,9 +237,10 @@ impl MmapMedium {
 
     /// [`write`](Self::write) through the file rather than the mapping: the records are
     /// encoded into a buffer in file order (as the block medium does) and each run of
-    /// adjacent records, padding included, goes to the file by `pwrite`, a page at a time. A page this process only reads is mapped
-    /// read-only, so the kernel's write-back cleans it without write-protecting a mapping
-    /// (and without a TLB shootdown to every core that runs this process).
+    /// adjacent records, padding included, goes to the file by `pwrite`, a page at a time.
+    /// A page this process only reads is mapped read-only, so the kernel's write-back
+    /// cleans it without write-protecting a mapping (and without a TLB shootdown to every
+    /// core that runs this process).
     fn write_through_file(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
         use std::os::unix::fs::FileExt;
         let stride = self.stride() as usize;

@@ -58,14 +58,14 @@ pub(super) fn resolve(
     let mut hashes = [0u64; STAGED_KEYS_MAX];
     for start in (0..keys.len()).step_by(STAGED_KEYS_MAX) {
         let end = keys.len().min(start + STAGED_KEYS_MAX);
-        let (keys, ptrs_here, hashes) = (&keys[start..end], &mut ptrs[start..end], &mut hashes[..end - start]);
-        for (h, &k) in hashes.iter_mut().zip(keys) {
+        let (chunk, ptrs_here, hashes) = (&keys[start..end], &mut ptrs[start..end], &mut hashes[..end - start]);
+        for (h, &k) in hashes.iter_mut().zip(chunk) {
             *h = index.hash(k);
         }
         if staged {
-            index.get_staged(keys, hashes, ptrs_here, |_, ptr| medium.prefetch(ptr));
+            index.get_staged(chunk, hashes, ptrs_here, |_, ptr| medium.prefetch(ptr));
         } else {
-            for (i, &key) in keys.iter().enumerate() {
+            for (i, &key) in chunk.iter().enumerate() {
                 prefetch_buckets(index, hashes, i);
                 ptrs_here[i] = index.get(key, hashes[i]).unwrap_or(0);
                 if ptrs_here[i] != 0 {
