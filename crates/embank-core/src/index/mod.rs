@@ -57,6 +57,15 @@ pub struct Probe(u64);
 pub const STAGED_KEYS_MAX: usize = 256;
 /// A probe's mark for a key left to [`Index::get`] (its bucket was being written).
 const PROBE_SLOW: u64 = u64::MAX;
+const _: () = assert!(STAGED_KEYS_MAX <= 256, "get_staged keeps positions in a u8");
+
+/// What the last stage of a staged lookup found in the home bucket.
+enum Staged {
+    Found(u64),
+    Absent,
+    /// Past the home bucket, or the bucket changed between the stages: [`Index::get`].
+    Further,
+}
 pub use bucket::{
     Bucket, Found, RecoverReport, BUCKET_BYTES, BUCKET_COUNT_MAX, MARK_TAG_MASK, PROBE_BUCKETS_MAX,
     PROBE_SAMPLE_BUCKETS, SLOTS_PER_BUCKET,
@@ -295,7 +304,13 @@ impl Index {
     /// marks (which a write's first-change check reads after its lookup) included.
     #[inline(always)]
     pub fn prefetch(&self, hash: u64) {
-        let b = self.raw_bucket(home_bucket(hash, self.bucket_mask)) as *const Bucket as *const u8;
+        self.prefetch_bucket(home_bucket(hash, self.bucket_mask))
+    }
+
+    /// Prefetches all four lines of bucket `b` (see [`Index::prefetch`]).
+    #[inline(always)]
+    fn prefetch_bucket(&self, b: u64) {
+        let b = self.raw_bucket(b) as *const Bucket as *const u8;
         // All four lines. At the default load (0.7) a bucket holds ~10 keys, so ~40 % of
         // keys sit in slots 6..13, on the third and fourth lines: prefetching only the
         // first two left those to a demand miss inside the probe (ycsb-c 10 M x 128 on huge
@@ -355,37 +370,57 @@ impl Index {
     /// home bucket, or in a bucket a writer changed meanwhile, takes [`Index::get`].
     #[inline(always)]
     pub fn probe_slots(&self, key: u64, hash: u64, probe: Probe) -> Option<u64> {
+        match self.probe_home_slots(key, hash, probe) {
+            Staged::Found(ptr) => Some(ptr),
+            Staged::Absent => None,
+            Staged::Further => self.get(key, hash),
+        }
+    }
+
+    /// [`Index::probe_slots`] without the fall-back: `Further` where the key may lie past
+    /// its home bucket or the bucket changed between the stages.
+    #[inline(always)]
+    fn probe_home_slots(&self, key: u64, hash: u64, probe: Probe) -> Staged {
         let word = probe.0;
-        if word != PROBE_SLOW {
-            let bucket = self.raw_bucket(home_bucket(hash, self.bucket_mask));
-            let mut ptr = None;
-            let mut c = (word & 0xffff) as u32;
-            while c != 0 {
-                let slot = c.trailing_zeros() as usize;
-                c &= c - 1;
-                if bucket.slots[slot][0].load(Ordering::Relaxed) == key {
-                    ptr = Some(bucket.slots[slot][1].load(Ordering::Relaxed));
-                    break;
-                }
-            }
-            fence(Ordering::Acquire);
-            if bucket.version.load(Ordering::Relaxed) == (word >> 32) as u32 && (ptr.is_some() || word & 1 << 16 == 0) {
-                return ptr;
+        if word == PROBE_SLOW {
+            return Staged::Further;
+        }
+        let bucket = self.raw_bucket(home_bucket(hash, self.bucket_mask));
+        let mut ptr = None;
+        let mut c = (word & 0xffff) as u32;
+        while c != 0 {
+            let slot = c.trailing_zeros() as usize;
+            c &= c - 1;
+            if bucket.slots[slot][0].load(Ordering::Relaxed) == key {
+                ptr = Some(bucket.slots[slot][1].load(Ordering::Relaxed));
+                break;
             }
         }
-        self.get(key, hash)
+        fence(Ordering::Acquire);
+        if bucket.version.load(Ordering::Relaxed) != (word >> 32) as u32 {
+            return Staged::Further;
+        }
+        match ptr {
+            Some(ptr) => Staged::Found(ptr),
+            None if word & 1 << 16 == 0 => Staged::Absent,
+            None => Staged::Further,
+        }
     }
 
     /// Lock-free lookup of a batch, each stage of [`Index::probe_start`],
     /// [`Index::probe_home`] and [`Index::probe_slots`] run over the whole batch before
     /// the next, so every line a stage reads was asked for a batch earlier. `ptrs[i]`
-    /// becomes key `i`'s row pointer, 0 when absent; `found(i, ptr)` is called as each
-    /// key resolves (in order), so the caller can prefetch the row at once. Give it at
-    /// most [`STAGED_KEYS_MAX`] keys: the lines fetched stay in the core's cache.
+    /// becomes key `i`'s row pointer, 0 when absent; `found(i, ptr)` is called once for
+    /// each key found, so the caller can prefetch the row at once: in order for keys in
+    /// their home bucket, then for the keys that were not (whose next bucket the last
+    /// stage prefetches, and which [`Index::get`] then reads after the pass rather than
+    /// waiting on that bucket inside it). Give it at most [`STAGED_KEYS_MAX`] keys: the
+    /// lines fetched stay in the core's cache.
     #[inline]
     pub fn get_staged(&self, keys: &[u64], hashes: &[u64], ptrs: &mut [u64], mut found: impl FnMut(usize, u64)) {
         let n = keys.len();
         debug_assert!(hashes.len() == n && ptrs.len() == n);
+        assert!(n <= STAGED_KEYS_MAX, "get_staged takes at most {STAGED_KEYS_MAX} keys, not {n}");
         for &h in hashes {
             self.probe_start(h);
         }
@@ -393,10 +428,29 @@ impl Index {
         for i in 0..n {
             ptrs[i] = self.probe_home(hashes[i]).0;
         }
+        let mut further = [0u8; STAGED_KEYS_MAX];
+        let mut further_len = 0;
         for i in 0..n {
-            let ptr = self.probe_slots(keys[i], hashes[i], Probe(ptrs[i])).unwrap_or(0);
-            ptrs[i] = ptr;
-            if ptr != 0 {
+            ptrs[i] = match self.probe_home_slots(keys[i], hashes[i], Probe(ptrs[i])) {
+                Staged::Found(ptr) => {
+                    found(i, ptr);
+                    ptr
+                }
+                Staged::Absent => 0,
+                Staged::Further => {
+                    let next = (home_bucket(hashes[i], self.bucket_mask) + probe_step(hashes[i], self.bucket_mask))
+                        & self.bucket_mask;
+                    self.prefetch_bucket(next);
+                    further[further_len] = i as u8;
+                    further_len += 1;
+                    0
+                }
+            };
+        }
+        for &i in &further[..further_len] {
+            let i = i as usize;
+            if let Some(ptr) = self.get(keys[i], hashes[i]) {
+                ptrs[i] = ptr;
                 found(i, ptr);
             }
         }
