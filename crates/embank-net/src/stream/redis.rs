@@ -15,12 +15,26 @@ use super::{unavailable, Polled, Sink, Source, Start, StreamConfig};
 fn connect(c: &StreamConfig, timeout: Duration) -> Result<redis::Connection> {
     let client = redis::Client::open(c.brokers.as_str())
         .map_err(|e| Error::config(format!("updates: bad Redis URL {:?}: {e}", c.brokers)))?;
-    let con = client
-        .get_connection_with_timeout(timeout)
-        .map_err(|e| unavailable(format!("cannot connect to Redis at {}", c.brokers), e))?;
+    // A signal landing in the connect or its handshake fails it with EINTR (seen once in a
+    // CI run of `bench-stream`): that is no answer from the server, so try again.
+    let mut interrupted = 0;
+    let con = loop {
+        match client.get_connection_with_timeout(timeout) {
+            Ok(con) => break con,
+            Err(e) if interrupted < 3 && is_interrupted(&e) => interrupted += 1,
+            Err(e) => return Err(unavailable(format!("cannot connect to Redis at {}", c.brokers), e)),
+        }
+    };
     con.set_write_timeout(Some(timeout)).map_err(|e| unavailable("Redis socket".into(), e))?;
     con.set_read_timeout(Some(timeout)).map_err(|e| unavailable("Redis socket".into(), e))?;
     Ok(con)
+}
+
+/// Whether a Redis error is an interrupted system call (EINTR).
+fn is_interrupted(e: &redis::RedisError) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .is_some_and(|io| io.kind() == std::io::ErrorKind::Interrupted)
 }
 
 /// Sends in pipelines of this many entries.
