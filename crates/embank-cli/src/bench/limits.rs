@@ -38,6 +38,97 @@ pub fn gather_stored(keys: u64, row_bytes: usize, batches: &[Vec<u64>], batch: u
     gather_rows(keys, row_bytes, 16, batches, batch, seconds).0
 }
 
+/// Keys/s of the best a store with a one-line index can do on this access pattern, for
+/// rows of `dtype`: each key's record pointer is read from a table of 8-byte pointers
+/// (one random line a key, where embank's index reads a bucket line and, for most keys,
+/// a slot line), its record (a 16-byte header and the payload, at embank's record
+/// stride) prefetched, and the row decoded into `f32`s as a pull returns them; in stages
+/// of 256 keys as [`embank_core::index::Index::get_staged`] runs them. Measured for f32
+/// and a compact type in the same run, the ratio of the two bounds what the compact
+/// type can give against f32 through any index that reads one line a key.
+pub fn gather_indexed(
+    keys: u64,
+    dim: usize,
+    dtype: embank_core::DType,
+    batches: &[Vec<u64>],
+    batch: usize,
+    seconds: f64,
+) -> f64 {
+    use embank_core::RecordLayout;
+    let layout = RecordLayout::new(dim, 0, dtype);
+    let payload = layout.payload_bytes();
+    let stride = embank_core::format::record_stride(payload, dtype) as usize;
+    let mut records = huge_zeroed::<u8>(keys as usize * stride);
+    let mut row = vec![0f32; dim];
+    for (k, rec) in records.chunks_exact_mut(stride).enumerate() {
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = ((k * 31 + j) % 97) as f32 / 97.0;
+        }
+        rec[..8].copy_from_slice(&(k as u64).to_le_bytes());
+        layout.encode(&row, &mut rec[16..16 + payload]);
+    }
+    let mut ptrs = huge_zeroed::<u64>(keys as usize);
+    for (k, p) in ptrs.iter_mut().enumerate() {
+        *p = (k * stride) as u64;
+    }
+    let (records, ptrs) = (&records, &ptrs);
+    let deadline = Instant::now() + Duration::from_secs_f64(seconds.max(0.1));
+    let t0 = Instant::now();
+    let done: usize = std::thread::scope(|s| {
+        let handles: Vec<_> = batches
+            .iter()
+            .map(|stream| {
+                s.spawn(move || {
+                    let mut out = vec![0f32; batch * dim];
+                    let mut at = [0u64; 256];
+                    let n = stream.len() / batch;
+                    let (mut done, mut i) = (0usize, 0usize);
+                    while Instant::now() < deadline {
+                        let ks = &stream[(i % n) * batch..(i % n + 1) * batch];
+                        for (c, chunk) in ks.chunks(256).enumerate() {
+                            for &k in chunk {
+                                prefetch_lines((&ptrs[k as usize]) as *const u64 as *const u8, 8, false);
+                            }
+                            for (j, &k) in chunk.iter().enumerate() {
+                                at[j] = ptrs[k as usize];
+                                prefetch_lines(records[at[j] as usize..].as_ptr(), 16 + payload, false);
+                            }
+                            for (j, &k) in chunk.iter().enumerate() {
+                                let rec = &records[at[j] as usize..at[j] as usize + 16 + payload];
+                                if u64::from_le_bytes(rec[..8].try_into().unwrap_or_default()) != k {
+                                    continue;
+                                }
+                                let o = (c * 256 + j) * dim;
+                                layout.decode(&rec[16..], &mut out[o..o + dim]);
+                            }
+                        }
+                        std::hint::black_box(&out);
+                        done += batch;
+                        i += 1;
+                    }
+                    done
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_default()).sum()
+    });
+    done as f64 / t0.elapsed().as_secs_f64()
+}
+
+/// `n` zeroed values on transparent huge pages where the kernel allows (`MADV_HUGEPAGE`
+/// before the first touch), as `--huge-pages` maps an engine's index and rows.
+fn huge_zeroed<T: Copy + Default>(n: usize) -> Vec<T> {
+    let v = vec![T::default(); n];
+    let (start, len) = (v.as_ptr() as usize, std::mem::size_of_val(v.as_slice()));
+    let huge = 2 << 20;
+    let (from, to) = (start.next_multiple_of(huge), (start + len) / huge * huge);
+    if to > from {
+        // SAFETY: advice on whole pages inside the vector's allocation; contents unchanged.
+        unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE) };
+    }
+    v
+}
+
 /// The gather of rows of `row_bytes`, prefetched `ahead` keys ahead: keys/s and a batch's
 /// p50 and p99 (µs).
 fn gather_rows(

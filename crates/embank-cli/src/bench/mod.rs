@@ -286,6 +286,10 @@ pub struct Report {
     /// With `--dtype f16|int8`: the index-free gather of rows of the type's stored size
     /// (`limits::gather_stored`), keys/s.
     pub gather_stored_keys_per_second: Option<f64>,
+    /// With `--dtype f16|int8`: the gather through a table of record pointers (one random
+    /// line a key), decoded, for f32 rows and for the type's rows (`limits::gather_indexed`),
+    /// keys/s: `[f32, dtype]`.
+    pub gather_indexed_keys_per_second: Option<[f64; 2]>,
     /// Payload bandwidth of one loopback TCP stream, GB/s (measured when a networked
     /// engine runs: `embank-tcp`, `redis`).
     pub loopback_gb_per_second: Option<f64>,
@@ -642,6 +646,23 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         );
         Some(g)
     };
+    // Through a one-line index, decoded: f32 and the compact type, the ratio a compact
+    // type can reach against f32 through any index that reads a line a key.
+    let gather_indexed = if args.skip_limits || args.dtype == embank_core::DType::F32 {
+        None
+    } else {
+        let secs = args.duration.min(3.0);
+        let c = limits::gather_indexed(args.keys, dim, args.dtype, &streams.batches, args.batch, secs);
+        let f = limits::gather_indexed(args.keys, dim, embank_core::DType::F32, &streams.batches, args.batch, secs);
+        println!(
+            "limits: gather through a one-line pointer table, decoded: f32 {:.1} M keys/s, {} {:.1} M keys/s ({:.2}x)",
+            f / 1e6,
+            args.dtype,
+            c / 1e6,
+            c / f
+        );
+        Some([f, c])
+    };
     // The device's random I/O rate at the block medium's record size, where a block
     // engine will run: what its misses can at best be served at.
     let device = if args.skip_limits || !args.engines.iter().any(|e| e.starts_with("embank-block")) {
@@ -796,6 +817,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         gather_batch_us_p50: gather_p50,
         gather_batch_us_p99: gather_p99,
         gather_stored_keys_per_second: gather_stored,
+        gather_indexed_keys_per_second: gather_indexed,
         loopback_gb_per_second: loopback,
         device,
         checkpoint_pattern,
