@@ -12,14 +12,9 @@ fn staged(index: &Index, keys: &[u64]) -> Vec<Option<u64>> {
     let mut out = Vec::new();
     for chunk in keys.chunks(STAGED_KEYS_MAX) {
         let hashes: Vec<u64> = chunk.iter().map(|&k| index.hash(k)).collect();
-        let mut ptrs = vec![0; chunk.len()];
-        let mut seen = Vec::new();
-        index.get_staged(chunk, &hashes, &mut ptrs, |i, p| seen.push((i, p)));
-        // Keys found in their home bucket come in order, those found further on after them.
-        seen.sort_unstable();
-        let expected: Vec<(usize, u64)> =
-            ptrs.iter().enumerate().filter(|(_, &p)| p != 0).map(|(i, &p)| (i, p)).collect();
-        assert_eq!(seen, expected, "found() is called once per found key");
+        // Garbage in, to see every entry written.
+        let mut ptrs = vec![u64::MAX; chunk.len()];
+        index.get_staged(chunk, &hashes, &mut ptrs);
         out.extend(ptrs.into_iter().map(|p| (p != 0).then_some(p)));
     }
     out

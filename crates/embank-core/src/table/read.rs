@@ -41,8 +41,9 @@ pub(super) fn prefetch_buckets(index: &crate::index::Index, hashes: &[u64], i: u
 pub(super) const STAGED_INDEX_BYTES_MIN: u64 = 8 << 20;
 
 /// Resolves `keys` through the index in batches of [`STAGED_KEYS_MAX`], prefetching each
-/// found record: in stages ([`Index::get_staged`](crate::index::Index::get_staged)), or
-/// one key at a time for an index below [`STAGED_INDEX_BYTES_MIN`]. `ptrs[i]` becomes key
+/// found record: in stages ([`Index::get_staged`](crate::index::Index::get_staged), then
+/// the batch's records in a pass of their own), or one key at a time for an index below
+/// [`STAGED_INDEX_BYTES_MIN`]. `ptrs[i]` becomes key
 /// `i`'s record (0 when absent, its position pushed to `missing`). After each batch
 /// `batch(range)` runs, so a caller can copy that batch's records while they are in cache.
 #[inline(always)]
@@ -63,7 +64,12 @@ pub(super) fn resolve(
             *h = index.hash(k);
         }
         if staged {
-            index.get_staged(chunk, hashes, ptrs_here, |_, ptr| medium.prefetch(ptr));
+            index.get_staged(chunk, hashes, ptrs_here);
+            for &ptr in ptrs_here.iter() {
+                if ptr != 0 {
+                    medium.prefetch(ptr);
+                }
+            }
         } else {
             for (i, &key) in chunk.iter().enumerate() {
                 prefetch_buckets(index, hashes, i);
