@@ -29,7 +29,7 @@ store = "$work/shard$i"
 listen = "127.0.0.1:0"
 [limits]
 zero_copy = $zero_copy
-zero_copy_min_row_bytes = 0
+zero_copy_row_bytes_min = 0
 TOML
     "$bin" serve --config "$work/shard$i.toml" > "$work/shard$i.out" &
     pids+=($!)
