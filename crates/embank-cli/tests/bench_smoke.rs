@@ -95,6 +95,9 @@ fn smoke_bags_and_compact_dtypes() {
         assert_eq!(r["dtype"], dtype);
         // The compact type's own limit, measured beside the f32 rows' gather.
         assert!(r["gather_stored_keys_per_second"].as_f64().unwrap() > 0.0, "{dtype}: {r}");
+        // And the one-line-index bound, for f32 rows and for the type's, in the same run.
+        let indexed = r["gather_indexed_keys_per_second"].as_array().unwrap();
+        assert!(indexed.len() == 2 && indexed.iter().all(|v| v.as_f64().unwrap() > 0.0), "{dtype}: {r}");
         for e in r["engines"].as_array().unwrap() {
             assert!(e["keys_per_second"].as_f64().unwrap() > 0.0, "{dtype}: {e}");
             assert!(e["resident_bytes_per_row"].as_f64().is_some(), "{dtype}: {e}");

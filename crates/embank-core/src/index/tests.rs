@@ -1,4 +1,4 @@
-use super::bucket::match_fp;
+use super::bucket::{empty_slots_portable, match_fp, match_fp_portable};
 use super::*;
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -115,6 +115,20 @@ fn fp_matching() {
     let empty = empty_slots(words);
     assert_eq!(empty & 0b1, 0);
     assert_ne!(empty & 0b10, 0);
+}
+
+proptest! {
+    /// The vector match and the byte loops agree on every slot, the two unused bytes
+    /// (14, 15) never reported, whatever they hold.
+    #[test]
+    fn fp_matching_equals_the_byte_loops(w0 in any::<u64>(), w1 in any::<u64>(), pick in 0usize..17, fp in any::<u8>()) {
+        let words = [w0, w1];
+        // Often a fingerprint the words hold (byte `pick`), else a random one.
+        let fp = if pick < 16 { (words[pick / 8] >> (pick % 8 * 8)) as u8 } else { fp };
+        prop_assert_eq!(match_fp(words, fp), match_fp_portable(words, fp));
+        prop_assert_eq!(empty_slots(words), empty_slots_portable(words));
+        prop_assert_eq!(match_fp(words, fp) >> SLOTS_PER_BUCKET, 0);
+    }
 }
 
 #[test]
