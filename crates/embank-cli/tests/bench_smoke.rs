@@ -73,8 +73,10 @@ fn smoke_bags_and_compact_dtypes() {
     let hit = r["with"]["hit_rate"].as_f64().unwrap();
     assert!(hit > 0.2 && hit <= 0.5 + 0.05, "about half the bags repeat: {hit}");
     assert!(r["speedup"].as_f64().unwrap() > 0.0);
+    // int8 reads its rows as stored (`lookup_stored`), on both media.
     for dtype in ["f16", "int8"] {
         let out = dir.path().join(format!("{dtype}.json"));
+        let stored: &[&str] = if dtype == "int8" { &["--stored-rows"] } else { &[] };
         let run = Command::new(env!("CARGO_BIN_EXE_embank"))
             .args([
                 "bench",
@@ -86,6 +88,7 @@ fn smoke_bags_and_compact_dtypes() {
                 "--dtype",
                 dtype,
             ])
+            .args(stored)
             .arg("--out")
             .arg(&out)
             .output()
@@ -93,6 +96,7 @@ fn smoke_bags_and_compact_dtypes() {
         assert!(run.status.success(), "{dtype}: {}", String::from_utf8_lossy(&run.stderr));
         let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
         assert_eq!(r["dtype"], dtype);
+        assert_eq!(r["stored_rows"], dtype == "int8");
         // The compact type's own limit, measured beside the f32 rows' gather.
         assert!(r["gather_stored_keys_per_second"].as_f64().unwrap() > 0.0, "{dtype}: {r}");
         // And the one-line-index bound, for f32 rows and for the type's, in the same run.

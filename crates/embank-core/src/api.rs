@@ -35,6 +35,32 @@ pub trait TableApi: Send + Sync {
             )),
         }
     }
+    /// Rows as stored, not decoded (see [`Table::lookup_stored`]): `row_bytes` bytes a
+    /// key in the table's element type. The default looks the rows up decoded and
+    /// encodes them here (what a remote table does: the wire carries `f32` rows).
+    fn lookup_stored(&self, keys: &[u64], out: &mut [u8], found: &mut [bool]) -> Result<()> {
+        let meta = self.meta();
+        let plain = crate::layout::RecordLayout::new(meta.dim as usize, 0, meta.dtype);
+        let (dim, rb) = (plain.dim, plain.row_bytes());
+        if out.len() != keys.len() * rb || found.len() != keys.len() {
+            return Err(Error::invalid(format!(
+                "lookup_stored: table {:?} stores rows of {rb} bytes, so {} keys need {} bytes and a found-mask of {}; \
+                 got {} bytes and {}",
+                meta.name,
+                keys.len(),
+                keys.len() * rb,
+                keys.len(),
+                out.len(),
+                found.len()
+            )));
+        }
+        let mut rows = vec![0f32; keys.len() * dim];
+        self.lookup(keys, &mut rows, found)?;
+        for (row, o) in rows.chunks_exact(dim).zip(out.chunks_exact_mut(rb)) {
+            plain.encode_row(row, o);
+        }
+        Ok(())
+    }
     /// Pooled rows of bags (see [`Table::lookup_pooled`]). The default looks the
     /// distinct ids up in one batch and pools here, without a pooled cache: what a
     /// remote table does, since a bag's ids live on several shards.
@@ -194,6 +220,9 @@ impl TableApi for Table {
     }
     fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
         Table::lookup(self, keys, out, found)
+    }
+    fn lookup_stored(&self, keys: &[u64], out: &mut [u8], found: &mut [bool]) -> Result<()> {
+        Table::lookup_stored(self, keys, out, found)
     }
     fn lookup_pooled(
         &self,

@@ -117,7 +117,22 @@ impl RecordLayout {
         }
     }
 
-    /// Decodes only the row of `payload` (no optimizer state) into `out` (`dim` `f32`s).
+    /// Encodes a row alone (`dim` `f32`s, no optimizer state) into `out` (`row_bytes()`
+    /// bytes): a row as stored, what [`Table::lookup_stored`](crate::Table::lookup_stored)
+    /// returns; [`decode_row`](Self::decode_row) reads it back.
+    #[inline]
+    pub fn encode_row(&self, row: &[f32], out: &mut [u8]) {
+        debug_assert_eq!(row.len(), self.dim);
+        debug_assert_eq!(out.len(), self.row_bytes());
+        match self.dtype {
+            DType::F32 => out.copy_from_slice(f32_bytes(row)),
+            DType::F16 => encode_f16(row, out),
+            DType::Int8 => encode_int8(row, out),
+        }
+    }
+
+    /// Decodes only the row of `payload` (no optimizer state) into `out` (`dim` `f32`s);
+    /// `payload` may also be a stored row alone (`row_bytes()` bytes).
     #[inline]
     pub fn decode_row(&self, payload: &[u8], out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.dim);

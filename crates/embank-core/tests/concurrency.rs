@@ -1,5 +1,6 @@
 //! Readers and writers on overlapping keys: every row is written as a constant
-//! vector, so a read that mixed two writes would show two different values.
+//! vector, so a read that mixed two writes would show two different values. Readers
+//! take turns at `lookup`, `pull` and `lookup_stored`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -78,12 +79,19 @@ fn run(medium: MediumKind, options: StoreOptions) {
             let keys: Vec<u64> = (0..KEYS).map(|k| (k * 31 + r) % KEYS).collect();
             let mut out = vec![0.0; keys.len() * DIM];
             let mut found = vec![false; keys.len()];
+            let mut stored = vec![0u8; keys.len() * DIM * 4];
             let mut reads = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                if reads.is_multiple_of(2) {
-                    t.lookup(&keys, &mut out, &mut found).unwrap();
-                } else {
-                    t.pull(&keys, &mut out).unwrap();
+                match reads % 3 {
+                    0 => t.lookup(&keys, &mut out, &mut found).unwrap(),
+                    1 => t.pull(&keys, &mut out).unwrap(),
+                    _ => {
+                        // Rows as stored (f32 here: the little-endian floats).
+                        t.lookup_stored(&keys, &mut stored, &mut found).unwrap();
+                        for (o, b) in out.iter_mut().zip(stored.chunks_exact(4)) {
+                            *o = f32::from_le_bytes(b.try_into().unwrap());
+                        }
+                    }
                 }
                 for (i, row) in out.chunks(DIM).enumerate() {
                     assert!(

@@ -405,3 +405,75 @@ fn an_index_pointing_a_key_at_another_keys_record_is_refused_by_every_read() {
     }
     assert_eq!(t.stats().unwrap().rows, keys.len() as u64);
 }
+
+/// `lookup_stored` hands out rows as stored: decoded with `RecordLayout::decode_row` they
+/// are exactly what `lookup` returns, for every element type, on the fast path (small
+/// and staged indexes), behind a row cache (block medium), with optimizer state after
+/// the row, and for missing keys (the missing default, encoded). Wrong sizes are refused
+/// with an error that names them, and nothing is written.
+#[test]
+fn lookup_stored_decodes_to_exactly_what_lookup_returns() {
+    use embank_core::layout::RecordLayout;
+    use embank_core::{DType, MediumKind, MissingDefault, Optimizer};
+    const D: usize = 24;
+    for dtype in [DType::F32, DType::F16, DType::Int8] {
+        for (medium, capacity, optimizer) in [
+            (MediumKind::Mmap, 1_000, false),
+            (MediumKind::Mmap, 400_000, false), // an index of >= 8 MiB: the staged lookup
+            (MediumKind::Block, 1_000, false),
+            (MediumKind::Mmap, 1_000, true),
+        ] {
+            if optimizer && dtype == DType::Int8 {
+                continue; // int8 tables are for serving: no optimizer
+            }
+            let ctx = format!("{dtype} on {} (capacity {capacity}, optimizer {optimizer})", medium.name());
+            let dir = tempfile::tempdir().unwrap();
+            let store = Store::open(dir.path().join("s"), StoreOptions { cache_bytes: 16 << 10, ..Default::default() })
+                .unwrap();
+            let mut o = opts(D as u32);
+            o.dtype = dtype;
+            o.medium = medium;
+            o.capacity = capacity;
+            o.missing = MissingDefault::Value { value: -7.5 };
+            if optimizer {
+                o.optimizer = Optimizer::Adagrad { lr: 0.1, eps: 1e-8, initial_accumulator_value: 0.1 };
+            }
+            let t = store.create_table("t", o).unwrap();
+            let keys: Vec<u64> = (0..3_000u64).map(|k| k * 7919).collect();
+            let rows: Vec<f32> = keys
+                .iter()
+                .flat_map(|&k| (0..D).map(move |i| ((k % 101) as f32 - 50.0) * 0.013 + i as f32 * 0.21))
+                .collect();
+            t.push(&keys, &rows).unwrap();
+            if optimizer {
+                t.push_grad(&keys[..100], &vec![0.5; 100 * D]).unwrap();
+            }
+            // Every other key asked for is missing, in runs and alone, and one key twice.
+            let mut ask: Vec<u64> = keys.iter().step_by(3).copied().collect();
+            ask.extend([1, 2, 3, keys[5], 4, keys[5]]);
+            let rb = t.row_bytes();
+            assert_eq!(rb, RecordLayout::new(D, 0, dtype).row_bytes(), "{ctx}");
+            let (mut want, mut want_found) = (vec![0f32; ask.len() * D], vec![false; ask.len()]);
+            t.lookup(&ask, &mut want, &mut want_found).unwrap();
+            let (mut bytes, mut found) = (vec![0u8; ask.len() * rb], vec![true; ask.len()]);
+            t.lookup_stored(&ask, &mut bytes, &mut found).unwrap();
+            assert_eq!(found, want_found, "{ctx}: found-mask");
+            let plain = RecordLayout::new(D, 0, dtype);
+            let mut got = vec![0f32; ask.len() * D];
+            for (b, r) in bytes.chunks_exact(rb).zip(got.chunks_exact_mut(D)) {
+                plain.decode_row(b, r);
+            }
+            assert_eq!(got, want, "{ctx}: decoded stored rows");
+            assert!(got[got.len() - 7 * D..got.len() - 2 * D].iter().any(|&v| v == -7.5), "{ctx}: the missing default");
+            // Through the one table interface too.
+            let api: &dyn embank_core::api::TableApi = &t;
+            let mut again = vec![0u8; ask.len() * rb];
+            api.lookup_stored(&ask, &mut again, &mut found).unwrap();
+            assert_eq!(again, bytes, "{ctx}: TableApi");
+            let e = t.lookup_stored(&ask, &mut vec![0u8; ask.len() * rb - 1], &mut found).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidInput, "{ctx}: {e}");
+            assert!(e.to_string().contains(&format!("{} bytes", ask.len() * rb)), "{ctx}: {e}");
+            assert_eq!(t.len().unwrap(), keys.len() as u64, "{ctx}: lookup_stored creates nothing");
+        }
+    }
+}

@@ -67,6 +67,13 @@ pub struct Embank {
     /// Keys to place in their home buckets after the load (`embank-mmap-hot`).
     hot: Vec<u64>,
     placement_seconds: parking_lot::Mutex<Option<f64>>,
+    /// Reads take rows as stored (`Table::lookup_stored`), into a buffer of the thread's.
+    stored_rows: bool,
+}
+
+thread_local! {
+    /// `--stored-rows`: a reader thread's stored rows and found-mask, reused across batches.
+    static STORED: std::cell::RefCell<(Vec<u8>, Vec<bool>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 impl Embank {
@@ -78,6 +85,7 @@ impl Embank {
         dtype: embank_core::DType,
         cache_bytes: u64,
         (mmap_random_access, huge_pages): (bool, bool),
+        stored_rows: bool,
     ) -> Result<Self, String> {
         let (medium, io) = match name {
             "embank-mmap" | "embank-mmap-hot" => (MediumKind::Mmap, IoChoice::Auto),
@@ -102,6 +110,7 @@ impl Embank {
             checkpoints: std::sync::atomic::AtomicU64::new(1),
             hot: Vec::new(),
             placement_seconds: parking_lot::Mutex::new(None),
+            stored_rows,
         })
     }
 
@@ -166,7 +175,14 @@ impl Engine for Embank {
         self.table.push(keys, rows).map_err(|e| e.to_string())
     }
     fn pull(&self, _: usize, keys: &[u64], out: &mut [f32]) -> Result<(), String> {
-        self.table.pull(keys, out).map_err(|e| e.to_string())
+        if !self.stored_rows {
+            return self.table.pull(keys, out).map_err(|e| e.to_string());
+        }
+        STORED.with_borrow_mut(|(bytes, found)| {
+            bytes.resize(keys.len() * self.table.row_bytes(), 0);
+            found.resize(keys.len(), false);
+            self.table.lookup_stored(keys, bytes, found).map_err(|e| e.to_string())
+        })
     }
     fn checkpoint(&self) -> Result<(), String> {
         let b = self.checkpoints.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

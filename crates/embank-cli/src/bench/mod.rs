@@ -168,6 +168,12 @@ pub struct BenchArgs {
     /// pages (MADV_HUGEPAGE instead of MADV_RANDOM), for read-mostly stores.
     #[arg(long)]
     pub huge_pages: bool,
+    /// Embedded embank engines read rows as stored (`Table::lookup_stored`: f16 halves,
+    /// int8 bytes with scale and bias, not decoded to f32), as a consumer that decodes
+    /// them itself would (a GPU kernel); pushes still write f32. Compare with
+    /// `gather_stored_keys_per_second`, the index-free gather of rows of that size.
+    #[arg(long)]
+    pub stored_rows: bool,
     /// Also time each batch on the reader thread's CPU clock (`CLOCK_THREAD_CPUTIME_ID`,
     /// two more clock reads a batch): the report gives that time's p50/p99 beside the
     /// wall clock's, so a tail the read path does not spend on the core (preemption,
@@ -265,6 +271,8 @@ pub struct Report {
     pub dim: u32,
     /// Element type of embank's tables.
     pub dtype: embank_core::DType,
+    /// Embedded embank engines read rows as stored (`--stored-rows`).
+    pub stored_rows: bool,
     pub batch: usize,
     pub zipf: f64,
     pub threads: usize,
@@ -536,6 +544,7 @@ fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usi
                 args.dtype,
                 dram_bytes,
                 (args.mmap_random_access, args.huge_pages),
+                args.stored_rows,
             )?;
             if name == &"embank-mmap-hot" {
                 let zipf = args.zipf.unwrap_or(args.workload.default_zipf());
@@ -600,11 +609,12 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         return bags::run(&args, &dir, threads, zipf, machine);
     }
     println!(
-        "embank bench {}: {} keys x dim {} {}, batch {}, Zipf {}, {} threads, {} per engine{}; {}",
+        "embank bench {}: {} keys x dim {} {}{}, batch {}, Zipf {}, {} threads, {} per engine{}; {}",
         args.workload.name(),
         args.keys,
         dim,
         args.dtype,
+        if args.stored_rows { " (embank reads rows as stored)" } else { "" },
         args.batch,
         zipf,
         threads,
@@ -803,6 +813,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         keys: args.keys,
         dim: args.dim,
         dtype: args.dtype,
+        stored_rows: args.stored_rows,
         batch: args.batch,
         zipf,
         threads,

@@ -289,6 +289,67 @@ impl Table {
         Ok(())
     }
 
+    /// Like [`lookup`](Self::lookup) but each row comes as stored: `row_bytes()` bytes
+    /// a key (`RecordLayout::row_bytes`) in the table's element type, not decoded to
+    /// `f32` (`f32`: the little-endian floats; `f16`: IEEE halves; `int8`: `dim` bytes,
+    /// then `scale` and `bias` as `f32`, see [`crate::layout`]). For a consumer that
+    /// decodes rows itself (a GPU kernel, after a copy of a quarter of the bytes):
+    /// [`RecordLayout::decode_row`] gives exactly what [`lookup`](Self::lookup) returns.
+    /// Missing keys get the missing default, encoded, and `found[i] = false`. Tables behind
+    /// a row cache or a shared tier read their rows decoded and encode them again (within
+    /// the type's rounding of the decoded row; exact for `f32` and `f16`).
+    pub fn lookup_stored(&self, keys: &[u64], out: &mut [u8], found: &mut [bool]) -> Result<()> {
+        let layout = self.shared.config.layout;
+        let (rb, dim) = (layout.row_bytes(), layout.dim);
+        if out.len() != keys.len() * rb || found.len() != keys.len() {
+            return Err(Error::invalid(format!(
+                "lookup_stored: table {:?} stores rows of {rb} bytes ({} x {dim}), so {} keys need {} bytes and a \
+                 found-mask of {}; got {} bytes and {}",
+                self.shared.config.name,
+                layout.dtype.name(),
+                keys.len(),
+                keys.len() * rb,
+                keys.len(),
+                out.len(),
+                found.len()
+            )));
+        }
+        let plain = crate::layout::RecordLayout::new(dim, 0, layout.dtype);
+        if self.tiered() {
+            let mut rows = vec![0f32; keys.len() * dim];
+            self.lookup(keys, &mut rows, found)?;
+            for (row, o) in rows.chunks_exact(dim).zip(out.chunks_exact_mut(rb)) {
+                plain.encode_row(row, o);
+            }
+            return Ok(());
+        }
+        if let Some(h) = &self.shared.hot {
+            h.observe(keys);
+        }
+        let missing = {
+            let st = self.state()?;
+            let _pin = crossbeam_epoch::pin();
+            self.gather_stored(&st, keys, out, found)?
+        };
+        if !missing.is_empty() {
+            let missing_keys: Vec<u64> = missing.iter().map(|&i| keys[i]).collect();
+            let mut rows = vec![0f32; missing.len() * dim];
+            self.fill_missing(&missing_keys, &(0..missing.len()).collect::<Vec<_>>(), &mut rows);
+            for (row, &i) in rows.chunks_exact(dim).zip(&missing) {
+                plain.encode_row(row, &mut out[i * rb..(i + 1) * rb]);
+            }
+        }
+        if let Some(life) = &self.shared.lifecycle {
+            life.touch((0..keys.len()).filter(|&i| found[i]).map(|i| keys[i]));
+        }
+        Ok(())
+    }
+
+    /// Bytes of one row as [`lookup_stored`](Self::lookup_stored) returns it.
+    pub fn row_bytes(&self) -> usize {
+        self.shared.config.layout.row_bytes()
+    }
+
     /// Writes rows (insert or replace). With duplicate keys the last row wins.
     pub fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
         self.check_rows("push", keys.len(), rows.len())?;

@@ -127,6 +127,44 @@ impl Table {
         Ok(missing)
     }
 
+    /// Fast path of [`lookup_stored`](Table::lookup_stored): like [`gather`](Self::gather)
+    /// but copies each found record's stored row (`row_bytes` bytes, not decoded) into
+    /// `out`. Returns the positions of keys that were not found and fills `found`.
+    pub(super) fn gather_stored(
+        &self,
+        st: &State,
+        keys: &[u64],
+        out: &mut [u8],
+        found: &mut [bool],
+    ) -> Result<Vec<usize>> {
+        let rb = self.shared.config.layout.row_bytes();
+        let (index, medium) = (&st.index, self.mapped(st));
+        let mut ptrs = vec![0u64; keys.len()];
+        let mut missing = Vec::new();
+        let mut corrupt = None;
+        resolve(index, &medium, keys, &mut ptrs, &mut missing, |range, ptrs| {
+            for i in range {
+                let ptr = ptrs[i];
+                found[i] = ptr != 0;
+                if ptr == 0 {
+                    continue;
+                }
+                if medium.key_at(ptr) != keys[i] {
+                    corrupt = Some(i);
+                    continue;
+                }
+                out[i * rb..(i + 1) * rb].copy_from_slice(medium.row_bytes(ptr));
+            }
+        });
+        if let Some(i) = corrupt {
+            return Err(Error::corrupt(format!(
+                "table {:?}: the index points key {} at a record of another key",
+                self.shared.config.name, keys[i]
+            )));
+        }
+        Ok(missing)
+    }
+
     /// Tiered path: tiers, index, medium. Returns positions found nowhere; fills `found`
     /// if given; counts hits and misses with `count`.
     pub(super) fn tier_read(
