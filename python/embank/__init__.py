@@ -16,7 +16,7 @@ from ._native import __version__
 from ._open import connect, open
 from ._plan import plan
 from ._publisher import Publisher
-from ._store import Store, Table, Worker
+from ._store import Store, Table, Worker, decode_rows
 from .errors import (
     ConfigError,
     CorruptStoreError,
@@ -53,6 +53,7 @@ __all__ = [
     "Worker",
     "__version__",
     "connect",
+    "decode_rows",
     "errors",
     "init",
     "open",

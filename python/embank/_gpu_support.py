@@ -56,6 +56,29 @@ def _host_keys(keys: Any) -> npt.NDArray[np.int64]:
     return np.ascontiguousarray(a.astype(np.uint64).reshape(-1)).view(np.int64)
 
 
+def decode_rows(stored: torch.Tensor, stored_dtype: str, dim: int, kernels: str = "torch") -> torch.Tensor:
+    """Stored rows (uint8, ``n * row_bytes`` bytes as :meth:`embank.Table.lookup_stored`
+    lays them out) decoded where they are, into an ``(n, dim)`` float32 tensor: exactly
+    what :meth:`embank.Table.lookup` returns. ``"f16"``: a cast. ``"int8"``: ``q * scale +
+    bias``, a float32 multiply then a float32 add (never fused into one rounding); with
+    ``kernels="triton"`` in one launch, else in PyTorch."""
+    flat = stored.reshape(-1)
+    if stored_dtype == "f32":
+        return flat.view(torch.float32).view(-1, dim).clone()
+    if stored_dtype == "f16":
+        return flat.view(torch.float16).view(-1, dim).float()
+    if stored_dtype != "int8":
+        raise InvalidInputError(f"stored dtype must be one of f32, f16, int8; got {stored_dtype!r}")
+    rows = flat.view(-1, dim + 8)
+    if kernels == "triton":
+        from . import _triton
+
+        return _triton.decode_int8(rows, dim)
+    q = rows[:, :dim].float()
+    tail = rows[:, dim:].contiguous().view(torch.float32)  # (n, 2): scale, bias
+    return q.mul_(tail[:, 0:1]).add_(tail[:, 1:2])
+
+
 class _Staging:
     """Host buffers (pinned on CUDA) reused across calls, grown on demand: ``ids`` (int64)
     for device-to-host and host-to-device ids, ``rows`` (float32) for rows to the device.
@@ -77,6 +100,10 @@ class _Staging:
         if len(self.ids) < n:
             self.ids = torch.empty(max(n, 2 * len(self.ids)), dtype=torch.int64, pin_memory=self.pin)
         return self.ids[:n]
+
+    def bytes_of(self, n: int) -> torch.Tensor:
+        """``n`` bytes (uint8) of the ``rows`` buffer, for stored rows to the device."""
+        return self.rows_of((n + 3) // 4).view(torch.uint8)[:n]
 
     def rows_of(self, n: int) -> torch.Tensor:
         if len(self.rows) < n:

@@ -125,6 +125,36 @@ class _WriteListeners:
             f(keys)
 
 
+def row_bytes(stored_dtype: str, dim: int) -> int:
+    """Bytes of one stored row of ``dim`` values of ``stored_dtype`` (``"f32"``, ``"f16"``,
+    ``"int8"``: ``dim`` bytes, then scale and bias)."""
+    sizes = {"f32": 4 * dim, "f16": 2 * dim, "int8": dim + 8}
+    if stored_dtype not in sizes:
+        raise InvalidInputError(f"stored dtype must be one of f32, f16, int8; got {stored_dtype!r}")
+    return sizes[stored_dtype]
+
+
+def decode_rows(stored: npt.ArrayLike, stored_dtype: str, dim: int) -> Rows:
+    """Rows as :meth:`Table.lookup_stored` returns them (``(n, row_bytes)`` uint8), decoded
+    to an ``(n, dim)`` float32 array: exactly what :meth:`Table.lookup` returns (int8:
+    ``q * scale + bias``, a float32 multiply, then a float32 add, as the store decodes)."""
+    a = np.ascontiguousarray(stored, dtype=np.uint8)
+    rb = row_bytes(stored_dtype, dim)
+    if a.ndim != 2 or a.shape[1] != rb:
+        raise InvalidInputError(
+            f"stored rows of {stored_dtype} x {dim} are (n, {rb}) uint8, got shape {a.shape}"
+        )
+    if stored_dtype == "f32":
+        return a.view("<f4").astype(np.float32)
+    if stored_dtype == "f16":
+        return a.view("<f2").astype(np.float32)
+    q = a[:, :dim].astype(np.float32)
+    tail = np.ascontiguousarray(a[:, dim:]).view("<f4").astype(np.float32)
+    out: Rows = q * tail[:, 0:1]
+    out += tail[:, 1:2]
+    return out
+
+
 class Table:
     """One embedding table. Obtain it from :meth:`Store.create_table` or :meth:`Store.table`.
 
@@ -215,6 +245,25 @@ class Table:
                 raise InvalidInputError(f"default must be a number or a vector of {self.dim} values")
             rows[~found] = fill
         return rows, found
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row as stored (what :meth:`lookup_stored` returns a key)."""
+        return row_bytes(self.stored_dtype, self.dim)
+
+    def lookup_stored(self, keys: KeysLike) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.bool_]]:
+        """Rows of ``keys`` as the table stores them, not decoded to float32: an
+        ``(n, row_bytes)`` uint8 array and a found-mask; never creates rows.
+
+        For a consumer that decodes rows itself, after moving a quarter of the bytes
+        (an int8 table's rows to a GPU, decoded there: :class:`embank.gpu.GpuCache` does
+        this). Per :attr:`stored_dtype`: ``"f32"`` the little-endian floats; ``"f16"``
+        IEEE halves; ``"int8"`` ``dim`` bytes ``q``, then ``scale`` and ``bias`` (float32),
+        the value being ``q * scale + bias``. :func:`embank.decode_rows` decodes them to
+        exactly what :meth:`lookup` returns. Missing keys hold the ``missing`` default,
+        encoded. A remote table's rows travel as float32 and are encoded by the client.
+        """
+        return self._t.lookup_stored(_keys(keys))
 
     def place_hot(self, keys: KeysLike) -> dict[str, Any]:
         """Hot placement: moves ``keys`` (the hot set) into their home index buckets, so

@@ -290,7 +290,34 @@ def _invalidate(
     tl.store(done_ptr + i, claimed.to(tl.int64), mask=valid)
 
 
+@triton.jit(do_not_specialize=["n"])
+def _decode_int8(rows_ptr, n, out_ptr, dim, BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr):
+    """Stored int8 rows (``dim`` bytes ``q``, then ``scale`` and ``bias`` as float32, little-
+    endian, ``dim + 8`` bytes a row) into float32 rows: ``q * scale + bias``. Scale and
+    bias are assembled from their bytes (a row's tail is 4-byte aligned only when ``dim``
+    is); launched with fp fusion off, so the multiply and the add round apart, as the
+    store decodes."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = i < n
+    rb = dim + 8
+    cols = tl.arange(0, DIM_BLOCK)
+    cm = valid[:, None] & (cols < dim)[None, :]
+    q = tl.load(rows_ptr + i[:, None] * rb + cols[None, :], mask=cm, other=0).to(tl.float32)
+    tail = rows_ptr + i * rb + dim
+    scale_bits = tl.zeros_like(i).to(tl.int32)
+    bias_bits = tl.zeros_like(i).to(tl.int32)
+    for b in tl.static_range(4):
+        scale_bits |= tl.load(tail + b, mask=valid, other=0).to(tl.int32) << (8 * b)
+        bias_bits |= tl.load(tail + 4 + b, mask=valid, other=0).to(tl.int32) << (8 * b)
+    scale = scale_bits.to(tl.float32, bitcast=True)
+    bias = bias_bits.to(tl.float32, bitcast=True)
+    tl.store(out_ptr + i[:, None] * dim + cols[None, :], q * scale[:, None] + bias[:, None], mask=cm)
+
+
 # ---- launch helpers: shapes, blocks, launches on the tensors' device ----
+
+# Compile options a kernel needs beyond the defaults (the ahead-of-time test passes them too).
+COMPILE_OPTIONS: dict[str, dict[str, Any]] = {"_decode_int8": {"enable_fp_fusion": False}}
 
 BLOCK_SMALL = 16  # keys a program for choose/invalidate (a [BLOCK, S] tile of scores)
 
@@ -419,6 +446,19 @@ def invalidate(
     return done
 
 
+def decode_int8(rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """``rows`` (uint8, ``(n, dim + 8)``) decoded into a new ``(n, dim)`` float32 tensor."""
+    n = rows.shape[0]
+    out = torch.empty((n, dim), dtype=torch.float32, device=rows.device)
+    if n:
+        block = keys_per_program(dim)
+        with _on(rows.device):
+            _decode_int8[_grid(n, block)](
+                rows, n, out, dim, BLOCK=block, DIM_BLOCK=dim_block(dim), **COMPILE_OPTIONS["_decode_int8"]
+            )
+    return out
+
+
 class _on:
     """Launches on ``device`` (the cache's), not the current CUDA device."""
 
@@ -481,6 +521,12 @@ def aot_variants(
             "S": "constexpr", "BLOCK": "constexpr", "DIM_BLOCK": "constexpr",
         },
         {"S": slots, "BLOCK": kp, "DIM_BLOCK": db},
+    )  # fmt: skip
+    yield (
+        _decode_int8,
+        {"rows_ptr": "*u8", "n": "i64", "out_ptr": "*fp32", "dim": "i32", "BLOCK": "constexpr",
+         "DIM_BLOCK": "constexpr"},
+        {"BLOCK": kp, "DIM_BLOCK": db},
     )  # fmt: skip
     yield (
         _invalidate,

@@ -89,7 +89,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._gpu_support import _AsyncQueue, _host_keys, _insert_loop, _Staging, _triton_usable, key_hash
+from ._gpu_support import _AsyncQueue, _host_keys, _insert_loop, _Staging, _triton_usable, decode_rows, key_hash
 from ._store import Table
 from .errors import InvalidInputError
 
@@ -132,6 +132,12 @@ class GpuCache:
             never).
         queue_keys_max: keys waiting for a background insert at most; more are dropped
             and counted (default 1 Mi).
+        stored_rows: for a table storing ``f16`` or ``int8`` rows, fetch misses as stored
+            (:meth:`~embank.Table.lookup_stored`) and decode them on the device (default
+            True): an int8 row of dim 128 crosses to the device in 136 bytes, not 512,
+            and the host does not decode it. The rows cached are the same either way
+            (int8: ``q * scale + bias`` without a fused multiply-add, as the store
+            decodes). ``False``: fetch float32 rows (:meth:`~embank.Table.lookup`).
     """
 
     def __init__(
@@ -150,6 +156,7 @@ class GpuCache:
         default: float | Any = None,
         refresh_every: float | None = None,
         queue_keys_max: int = QUEUE_KEYS_MAX_DEFAULT,
+        stored_rows: bool = True,
     ) -> None:
         if not isinstance(table, Table):
             raise InvalidInputError(f"GpuCache caches an embank Table, got {type(table).__name__}")
@@ -169,6 +176,8 @@ class GpuCache:
             raise InvalidInputError(f"queue_keys_max must be >= 1, got {queue_keys_max}")
         self.table = table
         self.dim = table.dim
+        # The table's element type when misses are fetched as stored (None: float32 rows).
+        self._stored: str | None = table.stored_dtype if stored_rows and table.stored_dtype != "f32" else None
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -265,25 +274,41 @@ class GpuCache:
         with self._lock:
             self._staging.append(staging)
 
+    def _fetch(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
+        """Rows of ``keys`` (int64 bits of u64) from the table, for :meth:`_to_device`:
+        float32 rows, or the table's stored rows (uint8) where the cache decodes them."""
+        if self._stored is not None:
+            return self.table.lookup_stored(keys.view(np.uint64))
+        return self.table.lookup(keys.view(np.uint64))
+
     def _to_device(
-        self, staging: _Staging, ids: npt.NDArray[np.int64], rows: npt.NDArray[np.float32] | None
+        self, staging: _Staging, ids: npt.NDArray[np.int64], rows: npt.NDArray[Any] | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``ids`` (and ``rows``) to the device through ``staging``'s buffers, on the current
+        """``ids`` (and ``rows``: float32, or stored rows from :meth:`_fetch`, decoded on the
+        device into float32) to the device through ``staging``'s buffers, on the current
         stream, without waiting for the copy."""
         staging.ready()
         hid = staging.ids_of(len(ids))
         hid.numpy()[:] = ids
         dev_ids = hid.to(self.device, non_blocking=True)
         dev_rows = None
-        if rows is not None:
+        if rows is not None and rows.dtype == np.uint8:
+            hb = staging.bytes_of(rows.size)
+            hb.numpy()[:] = rows.reshape(-1)
+            dev_bytes = hb.to(self.device, non_blocking=True)
+            assert self._stored is not None
+            dev_rows = decode_rows(dev_bytes, self._stored, self.dim, self.kernels)  # a new tensor
+        elif rows is not None:
             hr = staging.rows_of(rows.size)
             hr.numpy()[:] = rows.reshape(-1)
             dev_rows = hr.to(self.device, non_blocking=True).view(-1, self.dim)
+            if self._side is None:
+                dev_rows = dev_rows.clone()
         if self._side is not None:
             staging.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             staging.copied.record(torch.cuda.current_stream(self.device))
         else:
-            dev_ids, dev_rows = dev_ids.clone(), None if dev_rows is None else dev_rows.clone()
+            dev_ids = dev_ids.clone()
         return dev_ids, dev_rows
 
     def _to_host(self, staging: _Staging, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -595,7 +620,7 @@ class GpuCache:
                 self._stats["default_answers"] += len(miss_ids)
             return
         uniq, first, inverse = np.unique(miss_ids, return_index=True, return_inverse=True)
-        rows, exists = self.table.lookup(uniq.view(np.uint64))
+        rows, exists = self._fetch(uniq)
         keep = exists & (uniq != EMPTY) & (uniq != LOCKED)
         packed = np.concatenate([inverse.reshape(-1), first[keep]]).astype(np.int64)
         with self._ordered():
@@ -640,7 +665,7 @@ class GpuCache:
                 missing = (host.numpy() < 0) & (keys != EMPTY) & (keys != LOCKED)
                 if not missing.any():
                     return
-                rows, exists = self.table.lookup(keys[missing].view(np.uint64))
+                rows, exists = self._fetch(keys[missing])
                 pick = np.flatnonzero(missing)[exists]
                 if not len(pick):
                     return
@@ -686,8 +711,8 @@ class GpuCache:
         changed (a key the table no longer holds is dropped). A row is written only if
         its bucket's version has not moved since its key was read, so a write through
         the table meanwhile (which invalidates) is never overwritten by the older row.
-        Returns rows, changed, bytes moved between host and device (keys down, float32
-        rows up) and seconds. Waits for the device (it is not the lookup's path)."""
+        Returns rows, changed, bytes moved between host and device (keys down, rows
+        up: float32, or as stored with ``stored_rows``) and seconds. Waits for the device (it is not the lookup's path)."""
         t0 = time.perf_counter()
         with self._ordered():
             keys_flat = self.keys.view(-1)
@@ -707,9 +732,9 @@ class GpuCache:
                 live = (host != EMPTY) & (host != LOCKED)
                 if not live.any():
                     continue
-                fresh, exists = self.table.lookup(host[live].view(np.uint64))
+                fresh, exists = self._fetch(host[live])
                 take = np.flatnonzero(live)
-                rows_all = np.zeros((len(host), self.dim), dtype=np.float32)
+                rows_all = np.zeros((len(host), fresh.shape[1]), dtype=fresh.dtype)
                 rows_all[take] = fresh
                 ok = np.zeros(len(host), dtype=bool)
                 ok[take[exists]] = True

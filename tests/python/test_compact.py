@@ -56,6 +56,18 @@ def test_every_dtype_reads_back_its_rounding_embedded_and_remote(store: embank.S
         step = (rows.max(axis=1) - rows.min(axis=1)) / 255
         assert (np.abs(got - rows) <= step[:, None] / 2 + 1e-6).all(), "int8 error within half a step"
     assert t.stats()["dtype"] == dtype
+    # Rows as stored: decoded, exactly lookup's rows (missing keys: the default, encoded).
+    ask = np.concatenate([keys[::3], np.array([1, 2], dtype=np.uint64)])
+    stored, found = t.lookup_stored(ask)
+    assert stored.dtype == np.uint8 and stored.shape == (len(ask), t.row_bytes)
+    assert t.row_bytes == {"f32": 96, "f16": 48, "int8": 32}[dtype]
+    assert found.tolist() == [True] * (len(ask) - 2) + [False, False]
+    want_rows, _ = t.lookup(ask)
+    np.testing.assert_array_equal(embank.decode_rows(stored, dtype, 24), want_rows)
+    if dtype == "int8":  # byte for byte the fused 8-bit row-wise layout of the rows pushed
+        np.testing.assert_array_equal(stored[:-2], fused8(rows[::3]))
+    with pytest.raises(errors.InvalidInputError, match=r"\(n, 32\) uint8"):
+        embank.decode_rows(stored[:, :-1], "int8", 24)
 
 
 def test_int8_refuses_training_and_says_why(store: embank.Store) -> None:

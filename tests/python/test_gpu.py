@@ -363,6 +363,69 @@ def test_triton_kernels_match_the_reference_in_the_interpreter(tmp_path: Path) -
     assert "kernels agree" in r.stdout
 
 
+_STORED_SCRIPT = r"""
+import sys
+import embank, numpy as np, torch
+from embank import gpu, _gpu_support, _triton
+store = embank.open(sys.argv[1])
+rng = np.random.default_rng(5)
+# The decoders: Triton (interpreted) and PyTorch, bit for bit the store's decode.
+for dim in (1, 3, 24, 128):
+    t = store.create_table(f"d{dim}", dim=dim, dtype="int8")
+    keys = np.arange(300, dtype=np.uint64)
+    rows = (rng.standard_normal((300, dim)) * rng.uniform(0.01, 100, (300, 1))).astype(np.float32)
+    rows[7] = 2.5  # a constant row: scale 0
+    t.push(keys, rows)
+    stored, found = t.lookup_stored(np.concatenate([keys, [10**6]]).astype(np.uint64))
+    want, _ = t.lookup(np.concatenate([keys, [10**6]]).astype(np.uint64))
+    assert found[:-1].all() and not found[-1]
+    for kernels in ("triton", "torch"):
+        got = _gpu_support.decode_rows(torch.from_numpy(stored.reshape(-1)), "int8", dim, kernels)
+        assert torch.equal(got, torch.from_numpy(want)), (dim, kernels)
+    assert np.array_equal(embank.decode_rows(stored, "int8", dim), want), dim
+# The cache on compact tables: misses fetched as stored and decoded on the device; every
+# answer and every cached row is exactly the table's (float32 cache rows), with both
+# kernel sets; a refresh moves the stored bytes, not float32 rows.
+for dtype in ("f16", "int8"):
+    t = store.create_table(f"c_{dtype}", dim=24, dtype=dtype)
+    keys = np.arange(400, dtype=np.uint64) * 3
+    t.push(keys, rng.standard_normal((400, 24)).astype(np.float32))
+    moved = {}
+    for kernels in ("triton", "torch"):
+        for stored_rows in (True, False):
+            c = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels=kernels,
+                             stored_rows=stored_rows)
+            for step in range(12):
+                ids = torch.as_tensor((rng.zipf(1.2, 40) % 450) * 3, dtype=torch.int64)
+                out = c.lookup(ids)
+                want = torch.from_numpy(t.lookup(ids.numpy().astype(np.uint64))[0])
+                assert torch.equal(out, want), (dtype, kernels, stored_rows, step)
+            c.wait()
+            t._t.push(keys[:50], rng.standard_normal((50, 24)).astype(np.float32))
+            r = c.refresh(batch=16)
+            assert r["rows"] > 0
+            moved[stored_rows] = r["bytes"] / r["rows"]
+            k = c.keys.view(-1)
+            at = (k >= 0).nonzero().squeeze(1)
+            for key, i in zip(k[at].tolist(), at.tolist()):
+                assert torch.equal(c.values[i], torch.from_numpy(t.lookup([key])[0][0])), (dtype, kernels, key)
+            c.close()
+    row_bytes = {"f16": 48, "int8": 32}[dtype]
+    assert moved == {True: 8 + row_bytes, False: 8 + 96}, (dtype, moved)
+print("stored rows agree")
+"""
+
+
+def test_compact_tables_fill_the_cache_with_rows_decoded_on_the_device(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run(
+        [sys.executable, "-c", _STORED_SCRIPT, str(tmp_path / "s")], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "stored rows agree" in r.stdout
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])

@@ -1,6 +1,6 @@
 """Every Triton kernel of the GPU cache compiles ahead of time for sm_80 and sm_90, on the
 CPU, with the installed Triton: every variant the cache launches (row types f32, f16,
-bf16; dims 1 to 512, powers of two or not; bucket sizes; unspecialized and specialized
+bf16; the decoder of stored int8 rows; dims 1 to 512, powers of two or not; bucket sizes; unspecialized and specialized
 on aligned pointers), through every stage (TTIR, TTGIR, LLVM IR, PTX and, with the
 ptxas Triton ships, a cubin). The interpreter tests
 never compile a kernel; this one does, so a kernel a GPU would refuse fails here."""
@@ -74,6 +74,7 @@ def _compile(job: tuple[str, int, str, int, int]) -> tuple[str, list[str] | str]
                 compiled = tr.compile(
                     ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                     target=GPUTarget("cuda", arch, 32),
+                    options=_triton.COMPILE_OPTIONS.get(kernel.fn.__name__, {}),
                 )
             except Exception as e:
                 return repr(job), f"{type(e).__name__}: {str(e)[:2000]}"
@@ -83,7 +84,7 @@ def _compile(job: tuple[str, int, str, int, int]) -> tuple[str, list[str] | str]
 
 def test_every_kernel_compiles_for_sm80_and_sm90() -> None:
     jobs = _variants()
-    assert {j[0] for j in jobs} == {"_find", "_choose", "_write", "_invalidate"}
+    assert {j[0] for j in jobs} == {"_find", "_choose", "_write", "_invalidate", "_decode_int8"}
     ctx: Any = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), mp_context=ctx) as pool:
         results = list(pool.map(_compile, jobs))

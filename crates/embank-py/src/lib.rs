@@ -350,6 +350,28 @@ impl Table {
         Ok((out, found))
     }
 
+    /// Rows of `keys` as stored (`row_bytes` bytes each: f32 floats, f16 halves, or int8
+    /// bytes then scale and bias) and the found-mask; never creates rows.
+    fn lookup_stored<'py>(
+        &self,
+        py: Python<'py>,
+        keys: PyReadonlyArray1<'py, u64>,
+    ) -> PyResult<(Bound<'py, PyArray2<u8>>, Bound<'py, PyArray1<bool>>)> {
+        let keys = slice(&keys, "keys")?;
+        let meta = self.inner.meta();
+        let rb = meta.dtype.row_bytes(meta.dim as usize);
+        let out = PyArray2::<u8>::zeros(py, [keys.len(), rb], false);
+        let found = PyArray1::<bool>::zeros(py, [keys.len()], false);
+        {
+            let mut rw = out.readwrite();
+            let mut fw = found.readwrite();
+            let rows = rw.as_slice_mut().expect("new array is contiguous");
+            let mask = fw.as_slice_mut().expect("new array is contiguous");
+            detached(py, || self.inner.lookup_stored(keys, rows, mask))?;
+        }
+        Ok((out, found))
+    }
+
     /// `f32`s of optimizer state stored after each row (0 without an optimizer).
     #[getter]
     fn state_len(&self) -> usize {
