@@ -89,7 +89,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._gpu_support import _AsyncQueue, _host_keys, _insert_loop, _Staging, _triton_usable, decode_rows, key_hash
+from ._gpu_support import (
+    _AsyncQueue,
+    _host_keys,
+    _insert_loop,
+    _Staging,
+    _triton_usable,
+    decode_rows,
+    key_hash,
+)
 from ._store import Table
 from .errors import InvalidInputError
 
@@ -712,7 +720,8 @@ class GpuCache:
         its bucket's version has not moved since its key was read, so a write through
         the table meanwhile (which invalidates) is never overwritten by the older row.
         Returns rows, changed, bytes moved between host and device (keys down, rows
-        up: float32, or as stored with ``stored_rows``) and seconds. Waits for the device (it is not the lookup's path)."""
+        up: float32, or as stored with ``stored_rows``) and seconds. Waits for the device
+        (it is not the lookup's path)."""
         t0 = time.perf_counter()
         with self._ordered():
             keys_flat = self.keys.view(-1)

@@ -408,7 +408,8 @@ for dtype in ("f16", "int8"):
             k = c.keys.view(-1)
             at = (k >= 0).nonzero().squeeze(1)
             for key, i in zip(k[at].tolist(), at.tolist()):
-                assert torch.equal(c.values[i], torch.from_numpy(t.lookup([key])[0][0])), (dtype, kernels, key)
+                want_row = torch.from_numpy(t.lookup([key])[0][0])
+                assert torch.equal(c.values[i], want_row), (dtype, kernels, key)
             c.close()
     row_bytes = {"f16": 48, "int8": 32}[dtype]
     assert moved == {True: 8 + row_bytes, False: 8 + 96}, (dtype, moved)

@@ -1,8 +1,8 @@
 """Every Triton kernel of the GPU cache compiles ahead of time for sm_80 and sm_90, on the
 CPU, with the installed Triton: every variant the cache launches (row types f32, f16,
-bf16; the decoder of stored int8 rows; dims 1 to 512, powers of two or not; bucket sizes; unspecialized and specialized
-on aligned pointers), through every stage (TTIR, TTGIR, LLVM IR, PTX and, with the
-ptxas Triton ships, a cubin). The interpreter tests
+bf16; the decoder of stored int8 rows; dims 1 to 512, powers of two or not; bucket sizes;
+unspecialized and specialized on aligned pointers), through every stage (TTIR, TTGIR,
+LLVM IR, PTX and, with the ptxas Triton ships, a cubin). The interpreter tests
 never compile a kernel; this one does, so a kernel a GPU would refuse fails here."""
 
 from __future__ import annotations

@@ -54,6 +54,8 @@ fn to_py_err(e: core::Error) -> PyErr {
 
 /// Rows and found-mask of a lookup.
 type LookupResult<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray1<bool>>);
+/// Stored rows (uint8) and the found-mask of a `lookup_stored`.
+type StoredResult<'py> = (Bound<'py, PyArray2<u8>>, Bound<'py, PyArray1<bool>>);
 /// One exported chunk, or the error that ended the export.
 type ExportChunk = Result<(Vec<u64>, Vec<f32>), core::Error>;
 
@@ -356,7 +358,7 @@ impl Table {
         &self,
         py: Python<'py>,
         keys: PyReadonlyArray1<'py, u64>,
-    ) -> PyResult<(Bound<'py, PyArray2<u8>>, Bound<'py, PyArray1<bool>>)> {
+    ) -> PyResult<StoredResult<'py>> {
         let keys = slice(&keys, "keys")?;
         let meta = self.inner.meta();
         let rb = meta.dtype.row_bytes(meta.dim as usize);

@@ -85,7 +85,6 @@ impl Embank {
         dtype: embank_core::DType,
         cache_bytes: u64,
         (mmap_random_access, huge_pages): (bool, bool),
-        stored_rows: bool,
     ) -> Result<Self, String> {
         let (medium, io) = match name {
             "embank-mmap" | "embank-mmap-hot" => (MediumKind::Mmap, IoChoice::Auto),
@@ -110,8 +109,13 @@ impl Embank {
             checkpoints: std::sync::atomic::AtomicU64::new(1),
             hot: Vec::new(),
             placement_seconds: parking_lot::Mutex::new(None),
-            stored_rows,
+            stored_rows: false,
         })
+    }
+
+    /// Reads take rows as stored (`Table::lookup_stored`), not decoded (`--stored-rows`).
+    pub fn set_stored_rows(&mut self, stored_rows: bool) {
+        self.stored_rows = stored_rows;
     }
 
     /// Keys to place in their home index buckets once loaded.

@@ -544,8 +544,8 @@ fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usi
                 args.dtype,
                 dram_bytes,
                 (args.mmap_random_access, args.huge_pages),
-                args.stored_rows,
             )?;
+            e.set_stored_rows(args.stored_rows);
             if name == &"embank-mmap-hot" {
                 let zipf = args.zipf.unwrap_or(args.workload.default_zipf());
                 let ranks = KeyStream::new(args.keys, zipf, args.seed)?;
