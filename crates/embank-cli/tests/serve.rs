@@ -142,6 +142,14 @@ fn two_shards_match_a_model() {
                     let want = model.get(k).cloned().unwrap_or_else(|| vec![0.0; dim]);
                     assert_eq!(&out[i * dim..(i + 1) * dim], &want[..], "step {step}: lookup of {k}");
                 }
+                // The same rows as stored (f32: the little-endian floats), mask alike.
+                let mut stored = vec![0u8; n * dim * 4];
+                let mut found_stored = vec![false; n];
+                t.lookup_stored(&keys, &mut stored, &mut found_stored).unwrap();
+                assert_eq!(found_stored, found, "step {step}: lookup_stored's mask");
+                let decoded: Vec<f32> =
+                    stored.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+                assert_eq!(decoded, out, "step {step}: lookup_stored");
             }
             2 | 3 => {
                 version += 1;
@@ -197,6 +205,65 @@ fn two_shards_match_a_model() {
     assert!(c.tables().unwrap().is_empty());
     let e = t2.pull(&[1], &mut [0.0; 6]).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Closed, "a dropped table's handle is closed, as embedded: {e}");
+}
+
+/// Compact rows cross the wire as stored (`lookup_stored`): decoded, exactly what
+/// `lookup` returns, from a shard that sends them zero-copy and one that copies; a
+/// missing key's row is the missing default, encoded; an int8 row of dim 128 takes 136
+/// bytes a row in the replies, not 512.
+#[test]
+fn compact_rows_cross_the_wire_as_stored() {
+    use embank_core::layout::RecordLayout;
+    use embank_core::{DType, MissingDefault};
+    let dir = tempfile::tempdir().unwrap();
+    let a = Shard::start(dir.path(), "a", "[limits]\nzero_copy_row_bytes_min = 0\n");
+    let b = Shard::start(dir.path(), "b", "[limits]\nzero_copy = false\n");
+    let c = client(&[&a, &b]);
+    let bytes_out = |shards: &[&Shard]| -> u64 {
+        shards
+            .iter()
+            .map(|s| {
+                let m = http_get(&s.admin, "/metrics");
+                let line = m.lines().find(|l| l.starts_with("embank_sent_bytes_total")).expect("sent bytes");
+                line.split_whitespace().last().unwrap().parse::<u64>().unwrap()
+            })
+            .sum()
+    };
+    let dim = 128;
+    let keys: Vec<u64> = (0..2_000).collect();
+    let rows: Vec<f32> = (0..keys.len() * dim).map(|i| ((i * 7919) % 1000) as f32 * 0.01 - 5.0).collect();
+    let ask: Vec<u64> = (0..1_000u64).map(|i| i * 2 + 1).chain([10_000, 10_001]).collect();
+    for dtype in [DType::F16, DType::Int8] {
+        let mut o = TableOptions::new(dim as u32);
+        o.dtype = dtype;
+        o.missing = MissingDefault::Value { value: 0.5 };
+        let t = c.create_table(&format!("c_{dtype}"), o).unwrap();
+        t.push(&keys, &rows).unwrap();
+        let (mut want, mut want_found) = (vec![0f32; ask.len() * dim], vec![false; ask.len()]);
+        let before = bytes_out(&[&a, &b]);
+        t.lookup(&ask, &mut want, &mut want_found).unwrap();
+        let decoded_bytes = bytes_out(&[&a, &b]) - before;
+        let rb = dtype.row_bytes(dim);
+        let (mut stored, mut found) = (vec![0u8; ask.len() * rb], vec![false; ask.len()]);
+        let before = bytes_out(&[&a, &b]);
+        t.lookup_stored(&ask, &mut stored, &mut found).unwrap();
+        let stored_bytes = bytes_out(&[&a, &b]) - before;
+        assert_eq!(found, want_found, "{dtype}: mask");
+        assert_eq!(found.iter().filter(|&&f| !f).count(), 2, "{dtype}: the two missing keys");
+        let plain = RecordLayout::new(dim, 0, dtype);
+        let mut got = vec![0f32; ask.len() * dim];
+        for (s, r) in stored.chunks_exact(rb).zip(got.chunks_exact_mut(dim)) {
+            plain.decode_row(s, r);
+        }
+        assert_eq!(got, want, "{dtype}: decoded stored rows are lookup's rows");
+        assert!(got[got.len() - dim..].iter().all(|&v| v == 0.5), "{dtype}: the missing default");
+        let ratio = stored_bytes as f64 / decoded_bytes as f64;
+        let expect = rb as f64 / (dim * 4) as f64;
+        assert!((ratio - expect).abs() < 0.02, "{dtype}: reply bytes {stored_bytes} against {decoded_bytes}");
+        // A wrong-sized buffer is refused before anything is sent.
+        let e = t.lookup_stored(&ask, &mut [0u8; 3], &mut found).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    }
 }
 
 /// push_grad over the wire gives exactly the embedded result, duplicates included.

@@ -94,6 +94,10 @@ pub enum Op {
     /// same row); `NotFound` once it is no longer held. How a new replica copies a
     /// sibling's served checkpoint before it follows the stream.
     ExportAt = 35,
+    /// Body: keys. Reply: found mask as `Lookup`'s, then `count` rows as the table stores
+    /// them (`RecordLayout::row_bytes` each: f32 floats, f16 halves, or int8 `dim` bytes
+    /// then f32 scale and bias), not decoded; never creates rows.
+    LookupStored = 36,
 }
 
 impl Op {
@@ -127,6 +131,7 @@ impl Op {
             33 => Served,
             34 => LookupAt,
             35 => ExportAt,
+            36 => LookupStored,
             _ => return None,
         })
     }
@@ -162,10 +167,11 @@ impl Op {
             Served => "served",
             LookupAt => "lookup_at",
             ExportAt => "export_at",
+            LookupStored => "lookup_stored",
         }
     }
 
-    pub const ALL: [Op; 27] = [
+    pub const ALL: [Op; 28] = [
         Op::Hello,
         Op::ListTables,
         Op::OpenTable,
@@ -193,6 +199,7 @@ impl Op {
         Op::Served,
         Op::LookupAt,
         Op::ExportAt,
+        Op::LookupStored,
     ];
 
     /// Whether the op changes rows, tables or checkpoints (refused by a read-only replica).
@@ -221,6 +228,7 @@ impl Op {
             Op::Pull
                 | Op::Lookup
                 | Op::LookupAt
+                | Op::LookupStored
                 | Op::Push
                 | Op::Delete
                 | Op::PushGrad

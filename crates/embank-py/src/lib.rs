@@ -354,11 +354,7 @@ impl Table {
 
     /// Rows of `keys` as stored (`row_bytes` bytes each: f32 floats, f16 halves, or int8
     /// bytes then scale and bias) and the found-mask; never creates rows.
-    fn lookup_stored<'py>(
-        &self,
-        py: Python<'py>,
-        keys: PyReadonlyArray1<'py, u64>,
-    ) -> PyResult<StoredResult<'py>> {
+    fn lookup_stored<'py>(&self, py: Python<'py>, keys: PyReadonlyArray1<'py, u64>) -> PyResult<StoredResult<'py>> {
         let keys = slice(&keys, "keys")?;
         let meta = self.inner.meta();
         let rb = meta.dtype.row_bytes(meta.dim as usize);

@@ -199,6 +199,8 @@ impl Engine for Embank {
 pub struct Remote {
     client: embank_net::Client,
     table: embank_net::RemoteTable,
+    /// Reads take rows as stored (`RemoteTable::lookup_stored`).
+    stored_rows: bool,
 }
 
 impl Remote {
@@ -218,7 +220,12 @@ impl Remote {
         o.capacity = keys / client.shard_count() as u64 + 1;
         o.dtype = dtype;
         let table = client.create_table(&name, o).map_err(|e| e.to_string())?;
-        Ok(Remote { client, table })
+        Ok(Remote { client, table, stored_rows: false })
+    }
+
+    /// Reads take rows as stored over the wire (`LOOKUP_STORED`), not decoded (`--stored-rows`).
+    pub fn set_stored_rows(&mut self, stored_rows: bool) {
+        self.stored_rows = stored_rows;
     }
 }
 
@@ -239,7 +246,14 @@ impl Engine for Remote {
         self.table.push(keys, rows).map_err(|e| e.to_string())
     }
     fn pull(&self, _: usize, keys: &[u64], out: &mut [f32]) -> Result<(), String> {
-        self.table.pull(keys, out).map_err(|e| e.to_string())
+        if !self.stored_rows {
+            return self.table.pull(keys, out).map_err(|e| e.to_string());
+        }
+        STORED.with_borrow_mut(|(bytes, found)| {
+            bytes.resize(keys.len() * self.table.meta().dtype.row_bytes(self.table.dim()), 0);
+            found.resize(keys.len(), false);
+            self.table.lookup_stored(keys, bytes, found).map_err(|e| e.to_string())
+        })
     }
 }
 

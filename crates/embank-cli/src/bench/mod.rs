@@ -168,9 +168,9 @@ pub struct BenchArgs {
     /// pages (MADV_HUGEPAGE instead of MADV_RANDOM), for read-mostly stores.
     #[arg(long)]
     pub huge_pages: bool,
-    /// Embedded embank engines read rows as stored (`Table::lookup_stored`: f16 halves,
-    /// int8 bytes with scale and bias, not decoded to f32), as a consumer that decodes
-    /// them itself would (a GPU kernel); pushes still write f32. Compare with
+    /// embank engines read rows as stored (`Table::lookup_stored`: f16 halves, int8 bytes
+    /// with scale and bias, not decoded to f32; `embank-tcp` over the wire the same way),
+    /// as a consumer that decodes them itself would (a GPU kernel); pushes still write f32. Compare with
     /// `gather_stored_keys_per_second`, the index-free gather of rows of that size.
     #[arg(long)]
     pub stored_rows: bool,
@@ -271,7 +271,7 @@ pub struct Report {
     pub dim: u32,
     /// Element type of embank's tables.
     pub dtype: embank_core::DType,
-    /// Embedded embank engines read rows as stored (`--stored-rows`).
+    /// embank engines read rows as stored (`--stored-rows`).
     pub stored_rows: bool,
     pub batch: usize,
     pub zipf: f64,
@@ -530,7 +530,9 @@ fn open_engine(name: &str, dir: &std::path::Path, args: &BenchArgs, threads: usi
     match name {
         "embank-tcp" => match &args.target {
             Some(target) => {
-                Ok(Box::new(engines::Remote::open(target, args.token.clone(), args.keys, args.dim, args.dtype)?))
+                let mut e = engines::Remote::open(target, args.token.clone(), args.keys, args.dim, args.dtype)?;
+                e.set_stored_rows(args.stored_rows);
+                Ok(Box::new(e))
             }
             None => Err("embank-tcp runs against servers: give --target tcp://host:port[,host:port]".into()),
         },

@@ -26,11 +26,30 @@ impl Table {
         create: bool,
         f: impl FnOnce(&[&[u8]], &[bool]) -> R,
     ) -> Result<Option<R>> {
+        if !self.shared.config.layout.rows_are_f32() {
+            return Ok(None);
+        }
+        self.borrow_rows(keys, create, f)
+    }
+
+    /// [`with_rows`](Self::with_rows) for rows as stored, of any element type: each item
+    /// of `f`'s slice is one row's `row_bytes()` bytes as
+    /// [`lookup_stored`](Self::lookup_stored) returns them (a missing key's: the
+    /// missing-row default, encoded). Never creates rows. `Ok(None)` without calling `f`
+    /// when the rows are not directly addressable (block medium, rows behind a tier).
+    pub fn with_stored_rows<R>(&self, keys: &[u64], f: impl FnOnce(&[&[u8]], &[bool]) -> R) -> Result<Option<R>> {
+        self.borrow_rows(keys, false, f)
+    }
+
+    /// The body of [`with_rows`](Self::with_rows) and
+    /// [`with_stored_rows`](Self::with_stored_rows): the mapped rows' stored bytes.
+    fn borrow_rows<R>(&self, keys: &[u64], create: bool, f: impl FnOnce(&[&[u8]], &[bool]) -> R) -> Result<Option<R>> {
         // Tables with admission or eviction keep books of every access: the copying path.
-        if self.tiered() || self.shared.lifecycle.is_some() || !self.shared.config.layout.rows_are_f32() {
+        if self.tiered() || self.shared.lifecycle.is_some() {
             return Ok(None);
         }
         let d = self.dim();
+        let layout = self.shared.config.layout;
         let n = keys.len();
         let st = self.state()?;
         let index = &st.index;
@@ -60,6 +79,17 @@ impl Table {
             let positions: Vec<usize> = (0..missing.len()).collect();
             self.fill_missing(&missing_keys, &positions, &mut scratch);
         }
+        // The missing rows as stored (f32: the scratch rows' bytes as they are).
+        let rb = layout.row_bytes();
+        let mut encoded = Vec::new();
+        if !layout.rows_are_f32() {
+            let plain = crate::layout::RecordLayout::new(d, 0, layout.dtype);
+            encoded = vec![0u8; missing.len() * rb];
+            for (row, o) in scratch.chunks_exact(d).zip(encoded.chunks_exact_mut(rb)) {
+                plain.encode_row(row, o);
+            }
+        }
+        let missing_rows: &[u8] = if layout.rows_are_f32() { f32_bytes(&scratch) } else { &encoded };
         let mut found = vec![true; n];
         let mut slices: Vec<&[u8]> = Vec::with_capacity(n);
         let mut next_missing = missing.iter().peekable();
@@ -68,7 +98,7 @@ impl Table {
             if next_missing.peek() == Some(&&i) {
                 next_missing.next();
                 found[i] = false;
-                slices.push(f32_bytes(&scratch[m * d..(m + 1) * d]));
+                slices.push(&missing_rows[m * rb..(m + 1) * rb]);
                 m += 1;
             } else {
                 slices.push(medium.row_bytes(ptr));

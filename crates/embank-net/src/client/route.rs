@@ -47,6 +47,7 @@ impl Client {
         match op {
             Op::Lookup
             | Op::LookupAt
+            | Op::LookupStored
             | Op::ExportAt
             | Op::Len
             | Op::TableStats

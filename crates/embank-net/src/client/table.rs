@@ -177,6 +177,44 @@ impl RemoteTable {
         self.client.run(&plan.reqs, |i, _, _, body| self.read_mask(&body, &plan.positions[i], out, found))
     }
 
+    /// Rows of `keys` as the table stores them (`row_bytes` bytes each, see
+    /// `embank_core::Table::lookup_stored`) and a found mask; never creates rows. The
+    /// rows cross the network as stored: an int8 row of dim 128 in 136 bytes, not 512.
+    pub fn lookup_stored(&self, keys: &[u64], out: &mut [u8], found: &mut [bool]) -> Result<()> {
+        let rb = self.meta.dtype.row_bytes(self.dim);
+        if out.len() != keys.len() * rb || found.len() != keys.len() {
+            return Err(Error::invalid(format!(
+                "lookup_stored: table {:?} stores rows of {rb} bytes, so {} keys need {} bytes and a found-mask of {}; \
+                 got {} bytes and {}",
+                self.name,
+                keys.len(),
+                keys.len() * rb,
+                keys.len(),
+                out.len(),
+                found.len()
+            )));
+        }
+        let mut plan = self.plan(Op::LookupStored, keys, None);
+        let min_checkpoint = self.client.inner.opts.min_checkpoint;
+        plan.reqs.iter_mut().for_each(|r| r.min_checkpoint = min_checkpoint);
+        self.client.run(&plan.reqs, |i, _, _, body| {
+            let positions = &plan.positions[i];
+            let m = mask_bytes(positions.len());
+            if body.len() != m + positions.len() * rb {
+                return Err(Error::corrupt(format!(
+                    "lookup_stored reply of {} bytes for {} rows of {rb} bytes",
+                    body.len(),
+                    positions.len()
+                )));
+            }
+            for (j, &p) in positions.iter().enumerate() {
+                found[p] = body[j / 8] & (1 << (j % 8)) != 0;
+                out[p * rb..(p + 1) * rb].copy_from_slice(&body[m + j * rb..m + (j + 1) * rb]);
+            }
+            Ok(())
+        })
+    }
+
     /// Rows of `keys` and a found mask exactly as they were at the publisher's checkpoint
     /// `batch_id` (a replica group fed by an update stream; a primary: its retained
     /// checkpoint of that batch id), every shard at that same checkpoint: a model reading
@@ -531,6 +569,9 @@ impl embank_core::TableApi for RemoteTable {
     }
     fn lookup(&self, keys: &[u64], out: &mut [f32], found: &mut [bool]) -> Result<()> {
         RemoteTable::lookup(self, keys, out, found)
+    }
+    fn lookup_stored(&self, keys: &[u64], out: &mut [u8], found: &mut [bool]) -> Result<()> {
+        RemoteTable::lookup_stored(self, keys, out, found)
     }
     fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
         RemoteTable::push(self, keys, rows)

@@ -168,7 +168,7 @@ impl Conn<'_> {
             _ => {
                 let table = self.checked_table(op, h)?;
                 match op {
-                    Op::Pull | Op::Lookup | Op::LookupAt => self.read_op(op, h, &table, body),
+                    Op::Pull | Op::Lookup | Op::LookupAt | Op::LookupStored => self.read_op(op, h, &table, body),
                     Op::Push | Op::PushGrad | Op::Delete | Op::Lookahead => self.write_op(op, h, &table, body),
                     Op::PullHeld | Op::PushGradHeld | Op::Release => self.held_op(op, h, &table, body),
                     _ => self.table_admin_op(op, h, &table, body),
@@ -267,6 +267,52 @@ impl Conn<'_> {
                 let r = self.send(&mut [IoSlice::new(&head), IoSlice::new(&mask), IoSlice::new(as_bytes(&rows))]);
                 self.rows = rows;
                 Ok(r?)
+            }
+            Op::LookupStored => {
+                let keys = &body[..n];
+                let rb = table.row_bytes();
+                let view = self.ctx.view.get();
+                if view.is_none() && self.ctx.opts.zero_copy && rb >= self.ctx.opts.zero_copy_row_bytes_min {
+                    let metrics = Arc::clone(&self.ctx.metrics);
+                    let stream = &mut self.stream;
+                    let sent = table.with_stored_rows(keys, |rows, found| {
+                        let mask = found_mask(found);
+                        let body_len = mask.len() + rows.len() * rb;
+                        let head = h.reply(h.count, body_len, status::OK).encode();
+                        let mut parts = Vec::with_capacity(rows.len() + 2);
+                        parts.push(IoSlice::new(&head));
+                        parts.push(IoSlice::new(&mask));
+                        parts.extend(rows.iter().map(|r| IoSlice::new(r)));
+                        metrics.bytes_out.fetch_add((HEADER_BYTES + body_len) as u64, Ordering::Relaxed);
+                        write_all_vectored(stream, &mut parts)
+                    })?;
+                    if let Some(r) = sent {
+                        self.ctx.metrics.replies_zero_copy.fetch_add(1, Ordering::Relaxed);
+                        return Ok(r?);
+                    }
+                }
+                self.ctx.metrics.replies_copied.fetch_add(1, Ordering::Relaxed);
+                let mut stored = vec![0u8; n * rb];
+                let mut found = vec![false; n];
+                match view {
+                    // A replica's served view reads decoded rows: encoded here again.
+                    Some(v) => {
+                        let mut rows = std::mem::take(&mut self.rows);
+                        rows.clear();
+                        rows.resize(n * dim, 0.0);
+                        let read = v.lookup(table, keys, &mut rows, &mut found);
+                        let plain = embank_core::layout::RecordLayout::new(dim, 0, table.meta().dtype);
+                        for (row, o) in rows.chunks_exact(dim).zip(stored.chunks_exact_mut(rb)) {
+                            plain.encode_row(row, o);
+                        }
+                        self.rows = rows;
+                        read
+                    }
+                    None => table.lookup_stored(keys, &mut stored, &mut found),
+                }?;
+                let mask = found_mask(&found);
+                let head = h.reply(h.count, mask.len() + stored.len(), status::OK).encode();
+                Ok(self.send(&mut [IoSlice::new(&head), IoSlice::new(&mask), IoSlice::new(&stored)])?)
             }
             Op::LookupAt => {
                 let (batch_id, keys) = (prefix[0], &body[..n]);
