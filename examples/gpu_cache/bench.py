@@ -14,7 +14,12 @@
 (d) end to end: ``EmbeddingBag`` inference through a cache of ``--cache-fraction`` of
     the rows against the same model pulling from the CPU store every batch, p50/p99
     latency of warm batches, and the warm-up curve (hit rate by batch) for
-    ``insert="auto"`` at thresholds 0, 0.5 and 1.0 (a PNG where matplotlib is installed).
+    ``insert="auto"`` at thresholds 0, 0.5 and 1.0 (a PNG where matplotlib is installed);
+(e) the miss path of compact tables: lookups of ``--fill-batch`` ids never seen (every id
+    a miss, inserted sync) on an f16 and an int8 table of ``--fill-rows`` rows of dim
+    128, the misses fetched as stored rows and decoded on the device
+    (``stored_rows=True``, the default) against fetched as float32 rows: keys/s and the
+    bytes each row took to the device.
 
 Every timed call is run once before timing, so Triton compiles are never timed.
 
@@ -90,14 +95,52 @@ def zipf_ids(rng: np.random.Generator, n: int, rows: int, a: float) -> np.ndarra
     return (draw * 2654435761) % rows  # hot ids spread over the key space
 
 
-def load_table(store: embank.Store, rows: int, dim: int, name: str = "items") -> embank.Table:
-    t = store.create_table(f"{name}{dim}_{rows}", dim=dim, capacity=rows, medium="mmap")
+def load_table(
+    store: embank.Store, rows: int, dim: int, name: str = "items", dtype: str = "f32"
+) -> embank.Table:
+    t = store.create_table(f"{name}{dim}_{rows}", dim=dim, capacity=rows, medium="mmap", dtype=dtype)
     chunk = 1 << 18
     rng = np.random.default_rng(0)
     for i in range(0, rows, chunk):
         n = min(chunk, rows - i)
         t.push(np.arange(i, i + n, dtype=np.uint64), rng.standard_normal((n, dim), dtype=np.float32))
     return t
+
+
+def miss_fill(store: embank.Store, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """(e): all-miss lookups on compact tables, misses fetched as stored rows or as float32."""
+    out: dict[str, Any] = {}
+    batch, dim = args.fill_batch, 128
+    for dtype in ("f16", "int8"):
+        t = load_table(store, args.fill_rows, dim, f"fill_{dtype}_", dtype)
+        out[dtype] = {}
+        for stored in (True, False):
+            cache = GpuCache(
+                t,
+                rows_max=args.fill_rows,
+                device=device,
+                insert="sync",
+                kernels=args.kernels,
+                stored_rows=stored,
+            )
+            order = torch.randperm(args.fill_rows, generator=torch.Generator().manual_seed(1))
+            chunks = [order[i : i + batch].to(device) for i in range(0, args.fill_rows - batch + 1, batch)]
+            chunks = chunks[: args.repeats + 1]  # the first one untimed (compiles)
+            cache.lookup(chunks[0])
+            before = cache.stats()
+            times = [seconds(functools.partial(cache.lookup, ids), device) for ids in chunks[1:]]
+            after = cache.stats()
+            hits, looked = hits_between(before, after)
+            out[dtype]["stored" if stored else "float32"] = {
+                "keys_per_s": rate(batch, times),
+                "misses": looked - hits,
+                "ids": looked,
+                "bytes_per_row_to_device": t.row_bytes if stored else dim * 4,
+            }
+            cache.close()
+        s, f = out[dtype]["stored"], out[dtype]["float32"]
+        out[dtype]["stored_vs_float32"] = s["keys_per_s"]["median"] / f["keys_per_s"]["median"]
+    return out
 
 
 def hit_path(t: embank.Table, dim: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -358,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--profile", action="store_true", help="write profile.txt: torch.profiler of a warm lookup"
     )
+    p.add_argument("--fill-rows", type=int, default=1_000_000, help="rows of the compact tables of (e)")
+    p.add_argument("--fill-batch", type=int, default=4096, help="ids a lookup of (e), every one a miss")
     p.add_argument("--bags", type=int, default=50, help="bags per batch")
     p.add_argument("--bag-size", type=int, default=10, help="ids per bag (50 x 10 = 500 ids a batch)")
     args = p.parse_args(argv)
@@ -416,6 +461,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"{v['default_answers']} default answers",
                     file=sys.stderr,
                 )
+    result["miss_fill"] = miss_fill(store, args, device)
+    for dtype, res in result["miss_fill"].items():
+        s, f = res["stored"], res["float32"]
+        print(
+            f"miss path, {dtype} x 128, {args.fill_batch} misses a lookup: stored rows "
+            f"{s['keys_per_s']['median'] / 1e6:.2f} M keys/s ({s['bytes_per_row_to_device']} B a row), "
+            f"float32 rows {f['keys_per_s']['median'] / 1e6:.2f} M keys/s ({f['bytes_per_row_to_device']} B): "
+            f"{res['stored_vs_float32']:.2f}x",
+            file=sys.stderr,
+        )
+    save()
     if args.profile:
         text = profile_lookup(t, args, device)
         for name, res in result["end_to_end"].items():

@@ -479,7 +479,7 @@ def test_the_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     bench = Path(__file__).resolve().parents[2] / "examples" / "gpu_cache" / "bench.py"
     args = ["--out", str(tmp_path), "--device", "cpu", "--rows", "20000", "--hit-rows", "5000",
             "--batch-sizes", "512,4096", "--batches", "16", "--repeats", "2", "--dims", "32",
-            "--size-fractions", "0.01,0.1"]  # fmt: skip
+            "--size-fractions", "0.01,0.1", "--fill-rows", "20000", "--fill-batch", "512"]  # fmt: skip
     no_matplotlib = (
         "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
         "runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -504,6 +504,11 @@ def test_the_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
         e = res["end_to_end"][z]
         assert e["gpu_cache_threshold_1.0"]["default_answers"] == 0  # sync until every id hits
         assert 0 < e["gpu_cache_threshold_1.0"]["hit_rate"] < 1
+    for dtype, row_bytes in (("f16", 256), ("int8", 136)):
+        fill = res["miss_fill"][dtype]
+        assert fill["stored"]["misses"] == fill["stored"]["ids"] == 2 * 512, fill  # every id a miss
+        assert fill["stored"]["bytes_per_row_to_device"] == row_bytes
+        assert fill["float32"]["misses"] == 2 * 512 and fill["stored_vs_float32"] > 0
     pytest.importorskip("matplotlib")
     spec = importlib.util.spec_from_file_location("gpu_cache_bench", bench)
     assert spec is not None and spec.loader is not None

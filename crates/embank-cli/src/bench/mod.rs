@@ -699,10 +699,11 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         None
     } else {
         let gbs = limits::loopback_tcp(args.duration.min(3.0)).map_err(|e| format!("loopback TCP stream: {e}"))?;
+        let wire_row = if args.stored_rows { args.dtype.row_bytes(dim) } else { dim * 4 };
         println!(
-            "limits: one loopback TCP stream carries {gbs:.2} GB/s: {:.2} M rows/s of {} B (f32 on the wire)",
-            gbs * 1e9 / (dim * 4) as f64 / 1e6,
-            dim * 4
+            "limits: one loopback TCP stream carries {gbs:.2} GB/s: {:.2} M rows/s of {wire_row} B ({} on the wire)",
+            gbs * 1e9 / wire_row as f64 / 1e6,
+            if args.stored_rows { format!("{} as stored", args.dtype) } else { "f32".to_string() }
         );
         Some(gbs)
     };

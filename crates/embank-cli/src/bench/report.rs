@@ -61,14 +61,20 @@ pub(super) fn print_table(r: &Report) {
         println!("lookups answered from their home index bucket: {}", home.join(", "));
     }
     if let Some(gbs) = r.loopback_gb_per_second {
-        // Networked engines' reply payload (rows travel as f32 whatever they are stored
-        // as) against one loopback TCP stream.
-        let row = r.dim as f64 * 4.0;
+        // Networked engines' reply payload against one loopback TCP stream: rows travel
+        // as f32 whatever they are stored as, except embank's with `--stored-rows`.
+        let row = |engine: &str| -> f64 {
+            if engine == "embank-tcp" && r.stored_rows {
+                r.dtype.row_bytes(r.dim as usize) as f64
+            } else {
+                r.dim as f64 * 4.0
+            }
+        };
         let net: Vec<String> = r
             .engines
             .iter()
             .filter(|e| e.skipped.is_none() && (e.engine == "embank-tcp" || e.engine == "redis"))
-            .map(|e| format!("{} {}", e.engine, share(e.keys_per_second * row / (gbs * 1e9))))
+            .map(|e| format!("{} {}", e.engine, share(e.keys_per_second * row(&e.engine) / (gbs * 1e9))))
             .collect();
         if !net.is_empty() {
             println!("reply payload of a loopback TCP stream's {gbs:.2} GB/s: {}", net.join(", "));
