@@ -467,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"miss path, {dtype} x 128, {args.fill_batch} misses a lookup: stored rows "
             f"{s['keys_per_s']['median'] / 1e6:.2f} M keys/s ({s['bytes_per_row_to_device']} B a row), "
-            f"float32 rows {f['keys_per_s']['median'] / 1e6:.2f} M keys/s ({f['bytes_per_row_to_device']} B): "
-            f"{res['stored_vs_float32']:.2f}x",
+            f"float32 rows {f['keys_per_s']['median'] / 1e6:.2f} M keys/s "
+            f"({f['bytes_per_row_to_device']} B): {res['stored_vs_float32']:.2f}x",
             file=sys.stderr,
         )
     save()
