@@ -40,25 +40,11 @@ pub trait TableApi: Send + Sync {
     /// encodes them here (what a remote table does: the wire carries `f32` rows).
     fn lookup_stored(&self, keys: &[u64], out: &mut [u8], found: &mut [bool]) -> Result<()> {
         let meta = self.meta();
-        let plain = crate::layout::RecordLayout::new(meta.dim as usize, 0, meta.dtype);
-        let (dim, rb) = (plain.dim, plain.row_bytes());
-        if out.len() != keys.len() * rb || found.len() != keys.len() {
-            return Err(Error::invalid(format!(
-                "lookup_stored: table {:?} stores rows of {rb} bytes, so {} keys need {} bytes and a found-mask of {}; \
-                 got {} bytes and {}",
-                meta.name,
-                keys.len(),
-                keys.len() * rb,
-                keys.len(),
-                out.len(),
-                found.len()
-            )));
-        }
+        let dim = meta.dim as usize;
+        crate::layout::check_stored_lens(&meta.name, meta.dtype, dim, keys.len(), out.len(), found.len())?;
         let mut rows = vec![0f32; keys.len() * dim];
         self.lookup(keys, &mut rows, found)?;
-        for (row, o) in rows.chunks_exact(dim).zip(out.chunks_exact_mut(rb)) {
-            plain.encode_row(row, o);
-        }
+        crate::layout::encode_rows(meta.dtype, dim, &rows, out);
         Ok(())
     }
     /// Pooled rows of bags (see [`Table::lookup_pooled`]). The default looks the

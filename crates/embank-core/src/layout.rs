@@ -157,6 +157,37 @@ impl RecordLayout {
     }
 }
 
+/// Encodes rows (`dim` `f32`s each, back to back) as stored rows of `dtype` (`row_bytes`
+/// bytes each, back to back) into `out`: what `lookup_stored` hands out for rows it read
+/// decoded (a tier's, a missing key's default).
+pub fn encode_rows(dtype: DType, dim: usize, rows: &[f32], out: &mut [u8]) {
+    let plain = RecordLayout::new(dim, 0, dtype);
+    for (row, o) in rows.chunks_exact(dim).zip(out.chunks_exact_mut(plain.row_bytes())) {
+        plain.encode_row(row, o);
+    }
+}
+
+/// Checks the buffers of a `lookup_stored` of `keys` keys on table `name` (rows of `dim`
+/// elements stored as `dtype`): `out` must hold `keys * row_bytes` bytes, `found` `keys`.
+pub fn check_stored_lens(
+    name: &str,
+    dtype: DType,
+    dim: usize,
+    keys: usize,
+    out: usize,
+    found: usize,
+) -> crate::error::Result<()> {
+    let rb = dtype.row_bytes(dim);
+    if out == keys * rb && found == keys {
+        return Ok(());
+    }
+    Err(crate::error::Error::invalid(format!(
+        "lookup_stored: table {name:?} stores rows of {rb} bytes ({dtype} x {dim}), so {keys} keys need {} bytes \
+         and a found-mask of {keys}; got {out} bytes and {found}",
+        keys * rb
+    )))
+}
+
 /// `f32 -> f16` (round to nearest even), vectorized (F16C when the CPU has it) where
 /// the bytes are 2-aligned, which records always are.
 #[inline]

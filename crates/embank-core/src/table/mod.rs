@@ -301,26 +301,18 @@ impl Table {
     pub fn lookup_stored(&self, keys: &[u64], out: &mut [u8], found: &mut [bool]) -> Result<()> {
         let layout = self.shared.config.layout;
         let (rb, dim) = (layout.row_bytes(), layout.dim);
-        if out.len() != keys.len() * rb || found.len() != keys.len() {
-            return Err(Error::invalid(format!(
-                "lookup_stored: table {:?} stores rows of {rb} bytes ({} x {dim}), so {} keys need {} bytes and a \
-                 found-mask of {}; got {} bytes and {}",
-                self.shared.config.name,
-                layout.dtype.name(),
-                keys.len(),
-                keys.len() * rb,
-                keys.len(),
-                out.len(),
-                found.len()
-            )));
-        }
-        let plain = crate::layout::RecordLayout::new(dim, 0, layout.dtype);
+        crate::layout::check_stored_lens(
+            &self.shared.config.name,
+            layout.dtype,
+            dim,
+            keys.len(),
+            out.len(),
+            found.len(),
+        )?;
         if self.tiered() {
             let mut rows = vec![0f32; keys.len() * dim];
             self.lookup(keys, &mut rows, found)?;
-            for (row, o) in rows.chunks_exact(dim).zip(out.chunks_exact_mut(rb)) {
-                plain.encode_row(row, o);
-            }
+            crate::layout::encode_rows(layout.dtype, dim, &rows, out);
             return Ok(());
         }
         if let Some(h) = &self.shared.hot {
@@ -335,8 +327,10 @@ impl Table {
             let missing_keys: Vec<u64> = missing.iter().map(|&i| keys[i]).collect();
             let mut rows = vec![0f32; missing.len() * dim];
             self.fill_missing(&missing_keys, &(0..missing.len()).collect::<Vec<_>>(), &mut rows);
-            for (row, &i) in rows.chunks_exact(dim).zip(&missing) {
-                plain.encode_row(row, &mut out[i * rb..(i + 1) * rb]);
+            let mut encoded = vec![0u8; missing.len() * rb];
+            crate::layout::encode_rows(layout.dtype, dim, &rows, &mut encoded);
+            for (row, &i) in encoded.chunks_exact(rb).zip(&missing) {
+                out[i * rb..(i + 1) * rb].copy_from_slice(row);
             }
         }
         if let Some(life) = &self.shared.lifecycle {

@@ -83,11 +83,8 @@ impl Table {
         let rb = layout.row_bytes();
         let mut encoded = Vec::new();
         if !layout.rows_are_f32() {
-            let plain = crate::layout::RecordLayout::new(d, 0, layout.dtype);
             encoded = vec![0u8; missing.len() * rb];
-            for (row, o) in scratch.chunks_exact(d).zip(encoded.chunks_exact_mut(rb)) {
-                plain.encode_row(row, o);
-            }
+            crate::layout::encode_rows(layout.dtype, d, &scratch, &mut encoded);
         }
         let missing_rows: &[u8] = if layout.rows_are_f32() { f32_bytes(&scratch) } else { &encoded };
         let mut found = vec![true; n];

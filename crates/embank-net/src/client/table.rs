@@ -182,18 +182,14 @@ impl RemoteTable {
     /// rows cross the network as stored: an int8 row of dim 128 in 136 bytes, not 512.
     pub fn lookup_stored(&self, keys: &[u64], out: &mut [u8], found: &mut [bool]) -> Result<()> {
         let rb = self.meta.dtype.row_bytes(self.dim);
-        if out.len() != keys.len() * rb || found.len() != keys.len() {
-            return Err(Error::invalid(format!(
-                "lookup_stored: table {:?} stores rows of {rb} bytes, so {} keys need {} bytes and a found-mask of {}; \
-                 got {} bytes and {}",
-                self.name,
-                keys.len(),
-                keys.len() * rb,
-                keys.len(),
-                out.len(),
-                found.len()
-            )));
-        }
+        embank_core::layout::check_stored_lens(
+            &self.name,
+            self.meta.dtype,
+            self.dim,
+            keys.len(),
+            out.len(),
+            found.len(),
+        )?;
         let mut plan = self.plan(Op::LookupStored, keys, None);
         let min_checkpoint = self.client.inner.opts.min_checkpoint;
         plan.reqs.iter_mut().for_each(|r| r.min_checkpoint = min_checkpoint);

@@ -301,10 +301,7 @@ impl Conn<'_> {
                         rows.clear();
                         rows.resize(n * dim, 0.0);
                         let read = v.lookup(table, keys, &mut rows, &mut found);
-                        let plain = embank_core::layout::RecordLayout::new(dim, 0, table.meta().dtype);
-                        for (row, o) in rows.chunks_exact(dim).zip(stored.chunks_exact_mut(rb)) {
-                            plain.encode_row(row, o);
-                        }
+                        embank_core::layout::encode_rows(table.meta().dtype, dim, &rows, &mut stored);
                         self.rows = rows;
                         read
                     }
