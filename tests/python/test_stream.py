@@ -204,6 +204,11 @@ def test_a_replica_serves_the_stream_as_int8_rows(tmp_path: Path, redis: Redis, 
             lo, hi = float(w.min()), float(w.max())
             step = (hi - lo) / 255
             assert np.abs(rows[i] - w).max() <= step / 2 + 1e-6, (rows[i], w)
+        # Rows as stored from the replica (its served view reads them decoded and encodes
+        # them again: the same values, to float32 rounding of the recomputed scale).
+        stored, found_stored = remote.table("emb").lookup_stored(keys)
+        assert stored.shape == (len(keys), DIM + 8) and (found_stored == found).all()
+        np.testing.assert_allclose(embank.decode_rows(stored, "int8", DIM), rows, rtol=0, atol=1e-5)
         remote.close()
     finally:
         proc.kill()
