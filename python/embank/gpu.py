@@ -44,7 +44,8 @@ after its miss count and miss ids reach a pinned buffer (one device-to-host copy
 the count and of as many miss ids as twice the previous lookup's misses, at least
 1,024; an all-hit lookup waits for it too). A lookup missing more than that waits a
 second time, for the rest of its miss ids. Then, with misses: the table is read on the host, the
-rows go to the device through a pinned buffer reused across calls (before reusing it,
+rows (an f16 or int8 table's as stored, decoded on the device: ``stored_rows``) go to the
+device through a pinned buffer reused across calls (before reusing it,
 the host waits for the previous call's copy from it, done long before in practice; a
 buffer too small is reallocated, pinned), and they are scattered into the answer and
 inserted, with no further wait. The background inserter and ``refresh`` wait for
