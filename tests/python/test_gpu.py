@@ -353,14 +353,17 @@ print("kernels agree")
 """
 
 
-def test_triton_kernels_match_the_reference_in_the_interpreter(tmp_path: Path) -> None:
+def _interpreted(script: str, store: Path) -> str:
+    """Runs ``script`` (given a store path) in a Python with Triton's interpreter on; its stdout."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run(
-        [sys.executable, "-c", _KERNELS_SCRIPT, str(tmp_path / "s")], env=env, capture_output=True, text=True
-    )
+    r = subprocess.run([sys.executable, "-c", script, str(store)], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "kernels agree" in r.stdout
+    return r.stdout
+
+
+def test_triton_kernels_match_the_reference_in_the_interpreter(tmp_path: Path) -> None:
+    assert "kernels agree" in _interpreted(_KERNELS_SCRIPT, tmp_path / "s")
 
 
 _STORED_SCRIPT = r"""
@@ -418,13 +421,7 @@ print("stored rows agree")
 
 
 def test_compact_tables_fill_the_cache_with_rows_decoded_on_the_device(tmp_path: Path) -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run(
-        [sys.executable, "-c", _STORED_SCRIPT, str(tmp_path / "s")], env=env, capture_output=True, text=True
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "stored rows agree" in r.stdout
+    assert "stored rows agree" in _interpreted(_STORED_SCRIPT, tmp_path / "s")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
