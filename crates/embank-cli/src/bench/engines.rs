@@ -76,6 +76,20 @@ thread_local! {
     static STORED: std::cell::RefCell<(Vec<u8>, Vec<bool>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
+/// `--stored-rows`: `read` (a `lookup_stored`) of `keys`' rows, `row_bytes` each, into
+/// the thread's buffers.
+fn read_stored(
+    keys: &[u64],
+    row_bytes: usize,
+    read: impl FnOnce(&[u64], &mut [u8], &mut [bool]) -> embank_core::Result<()>,
+) -> Result<(), String> {
+    STORED.with_borrow_mut(|(bytes, found)| {
+        bytes.resize(keys.len() * row_bytes, 0);
+        found.resize(keys.len(), false);
+        read(keys, bytes, found).map_err(|e| e.to_string())
+    })
+}
+
 impl Embank {
     pub fn open(
         name: &'static str,
@@ -182,11 +196,7 @@ impl Engine for Embank {
         if !self.stored_rows {
             return self.table.pull(keys, out).map_err(|e| e.to_string());
         }
-        STORED.with_borrow_mut(|(bytes, found)| {
-            bytes.resize(keys.len() * self.table.row_bytes(), 0);
-            found.resize(keys.len(), false);
-            self.table.lookup_stored(keys, bytes, found).map_err(|e| e.to_string())
-        })
+        read_stored(keys, self.table.row_bytes(), |k, b, f| self.table.lookup_stored(k, b, f))
     }
     fn checkpoint(&self) -> Result<(), String> {
         let b = self.checkpoints.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -201,6 +211,8 @@ pub struct Remote {
     table: embank_net::RemoteTable,
     /// Reads take rows as stored (`RemoteTable::lookup_stored`).
     stored_rows: bool,
+    /// Bytes of a stored row of the table.
+    row_bytes: usize,
 }
 
 impl Remote {
@@ -220,7 +232,8 @@ impl Remote {
         o.capacity = keys / client.shard_count() as u64 + 1;
         o.dtype = dtype;
         let table = client.create_table(&name, o).map_err(|e| e.to_string())?;
-        Ok(Remote { client, table, stored_rows: false })
+        let row_bytes = dtype.row_bytes(dim as usize);
+        Ok(Remote { client, table, stored_rows: false, row_bytes })
     }
 
     /// Reads take rows as stored over the wire (`LOOKUP_STORED`), not decoded (`--stored-rows`).
@@ -249,11 +262,7 @@ impl Engine for Remote {
         if !self.stored_rows {
             return self.table.pull(keys, out).map_err(|e| e.to_string());
         }
-        STORED.with_borrow_mut(|(bytes, found)| {
-            bytes.resize(keys.len() * self.table.meta().dtype.row_bytes(self.table.dim()), 0);
-            found.resize(keys.len(), false);
-            self.table.lookup_stored(keys, bytes, found).map_err(|e| e.to_string())
-        })
+        read_stored(keys, self.row_bytes, |k, b, f| self.table.lookup_stored(k, b, f))
     }
 }
 
