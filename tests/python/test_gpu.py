@@ -353,17 +353,21 @@ print("kernels agree")
 """
 
 
-def _interpreted(script: str, store: Path) -> str:
-    """Runs ``script`` (given a store path) in a Python with Triton's interpreter on; its stdout."""
+def _run_script(script: str, store: Path, device: str = "cpu") -> str:
+    """Runs ``script`` (given a store path and a device) in a fresh Python; its stdout. On
+    the CPU with Triton's interpreter on; on ``cuda`` with it off: compiled kernels."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", script, str(store)], env=env, capture_output=True, text=True)
+    if device != "cpu":
+        env.pop("TRITON_INTERPRET")
+    args = [sys.executable, "-c", script, str(store), device]
+    r = subprocess.run(args, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
 
 def test_triton_kernels_match_the_reference_in_the_interpreter(tmp_path: Path) -> None:
-    assert "kernels agree" in _interpreted(_KERNELS_SCRIPT, tmp_path / "s")
+    assert "kernels agree" in _run_script(_KERNELS_SCRIPT, tmp_path / "s")
 
 
 _STORED_SCRIPT = r"""
@@ -371,6 +375,7 @@ import sys
 import embank, numpy as np, torch
 from embank import gpu, _gpu_support, _triton
 store = embank.open(sys.argv[1])
+dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 rng = np.random.default_rng(5)
 # The decoders: Triton (interpreted) and PyTorch, bit for bit the store's decode.
 for dim in (1, 3, 24, 128):
@@ -383,8 +388,8 @@ for dim in (1, 3, 24, 128):
     want, _ = t.lookup(np.concatenate([keys, [10**6]]).astype(np.uint64))
     assert found[:-1].all() and not found[-1]
     for kernels in ("triton", "torch"):
-        got = _gpu_support.decode_rows(torch.from_numpy(stored.reshape(-1)), "int8", dim, kernels)
-        assert torch.equal(got, torch.from_numpy(want)), (dim, kernels)
+        got = _gpu_support.decode_rows(torch.from_numpy(stored.reshape(-1)).to(dev), "int8", dim, kernels)
+        assert got.device.type == dev and torch.equal(got.cpu(), torch.from_numpy(want)), (dim, kernels)
     assert np.array_equal(embank.decode_rows(stored, "int8", dim), want), dim
 # The cache on compact tables: misses fetched as stored and decoded on the device; every
 # answer and every cached row is exactly the table's (float32 cache rows), with both
@@ -396,11 +401,11 @@ for dtype in ("f16", "int8"):
     moved = {}
     for kernels in ("triton", "torch"):
         for stored_rows in (True, False):
-            c = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels=kernels,
+            c = gpu.GpuCache(t, rows_max=64, slots=8, device=dev, insert="sync", kernels=kernels,
                              stored_rows=stored_rows)
             for step in range(12):
                 ids = torch.as_tensor((rng.zipf(1.2, 40) % 450) * 3, dtype=torch.int64)
-                out = c.lookup(ids)
+                out = c.lookup(ids.to(dev)).cpu()
                 want = torch.from_numpy(t.lookup(ids.numpy().astype(np.uint64))[0])
                 assert torch.equal(out, want), (dtype, kernels, stored_rows, step)
             c.wait()
@@ -408,11 +413,12 @@ for dtype in ("f16", "int8"):
             r = c.refresh(batch=16)
             assert r["rows"] > 0
             moved[stored_rows] = r["bytes"] / r["rows"]
-            k = c.keys.view(-1)
+            k = c.keys.view(-1).cpu()
             at = (k >= 0).nonzero().squeeze(1)
+            values = c.values.cpu()
             for key, i in zip(k[at].tolist(), at.tolist()):
                 want_row = torch.from_numpy(t.lookup([key])[0][0])
-                assert torch.equal(c.values[i], want_row), (dtype, kernels, key)
+                assert torch.equal(values[i], want_row), (dtype, kernels, key)
             c.close()
     row_bytes = {"f16": 48, "int8": 32}[dtype]
     assert moved == {True: 8 + row_bytes, False: 8 + 96}, (dtype, moved)
@@ -421,7 +427,14 @@ print("stored rows agree")
 
 
 def test_compact_tables_fill_the_cache_with_rows_decoded_on_the_device(tmp_path: Path) -> None:
-    assert "stored rows agree" in _interpreted(_STORED_SCRIPT, tmp_path / "s")
+    assert "stored rows agree" in _run_script(_STORED_SCRIPT, tmp_path / "s")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_compact_tables_fill_the_cache_with_rows_decoded_on_the_device(tmp_path: Path) -> None:
+    """The same checks on the device with the compiled decode kernel: the int8 decode a
+    GPU runs (no fused multiply-add) gives the store's rows bit for bit."""
+    assert "stored rows agree" in _run_script(_STORED_SCRIPT, tmp_path / "s", device="cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
