@@ -109,6 +109,46 @@ fn smoke_bags_and_compact_dtypes() {
     }
 }
 
+/// `--dtypes` loads one table per type side by side and alternates their slices: every
+/// round has a slice of each type and its ratio to the first; a bad engine list is refused.
+#[test]
+fn dtypes_alternate_slices_of_one_table_per_type() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("dtypes.json");
+    let run = Command::new(env!("CARGO_BIN_EXE_embank"))
+        .args(["bench", "--smoke", "--engines", "embank-mmap", "--dtypes", "f32,int8", "--stored-rows"])
+        .args(["--rounds", "3", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.contains("round 3:") && stdout.contains("vs f32 in the same round"), "{stdout}");
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(r["rounds"], 3);
+    assert_eq!(r["stored_rows"], true);
+    let types = r["dtypes"].as_array().unwrap();
+    assert_eq!(types.iter().map(|t| t["dtype"].as_str().unwrap()).collect::<Vec<_>>(), ["f32", "int8"]);
+    for t in types {
+        let kps = t["keys_per_second"].as_array().unwrap();
+        assert!(kps.len() == 3 && kps.iter().all(|v| v.as_f64().unwrap() > 0.0), "{t}");
+        let firsts = types[0]["keys_per_second"].as_array().unwrap();
+        for ((v, first), ratio) in kps.iter().zip(firsts).zip(t["ratio_to_first"].as_array().unwrap()) {
+            let want = v.as_f64().unwrap() / first.as_f64().unwrap();
+            assert!((ratio.as_f64().unwrap() - want).abs() < 1e-9, "{t}");
+        }
+    }
+    for bad in [["--engines", "embank-mmap,hashmap"], ["--engines", "hashmap"]] {
+        let run = Command::new(env!("CARGO_BIN_EXE_embank"))
+            .args(["bench", "--smoke", "--dtypes", "f32,int8"])
+            .args(bad)
+            .output()
+            .unwrap();
+        assert!(!run.status.success());
+        assert!(String::from_utf8_lossy(&run.stderr).contains("--dtypes"), "{bad:?}");
+    }
+}
+
 #[test]
 fn cpu_time_puts_the_thread_s_cpu_clock_beside_the_wall_clock() {
     let dir = tempfile::tempdir().unwrap();

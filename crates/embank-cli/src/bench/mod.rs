@@ -4,6 +4,7 @@
 pub mod bags;
 #[cfg(feature = "baselines")]
 pub mod baselines;
+mod dtypes;
 pub mod engines;
 pub mod limits;
 pub mod pattern;
@@ -94,6 +95,17 @@ pub struct BenchArgs {
     /// baselines store f32 rows either way).
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: embank_core::DType,
+    /// Compare element types in one run (e.g. `f32,int8`): one table per type on the one
+    /// embedded engine of `--engines`, loaded side by side (memory for all of them), read
+    /// by the same workload in alternating slices of `--duration` seconds, `--rounds`
+    /// times; prints each round's keys/s and ratio to the first type, then min/median/max.
+    /// Slices seconds apart see the same host, where separate runs minutes apart may not.
+    /// The limits are not measured in this mode.
+    #[arg(long, value_delimiter = ',', value_parser = parse_dtype, conflicts_with = "dtype")]
+    pub dtypes: Vec<embank_core::DType>,
+    /// With `--dtypes`: rounds of alternating slices.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
     /// `embank-mmap-hot`: the hottest keys of the workload's popularity order placed in
     /// their home index buckets after the load (`Table::place_hot`).
     #[arg(long, default_value_t = 10_000)]
@@ -615,7 +627,11 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         args.workload.name(),
         args.keys,
         dim,
-        args.dtype,
+        if args.dtypes.is_empty() {
+            args.dtype.to_string()
+        } else {
+            args.dtypes.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(" | ")
+        },
         if args.stored_rows { " (embank reads rows as stored)" } else { "" },
         args.batch,
         zipf,
@@ -625,6 +641,9 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         machine
     );
     let streams = streams(&args, threads, zipf)?;
+    if !args.dtypes.is_empty() {
+        return dtypes::run(&args, &dir, threads, zipf, &streams, machine);
+    }
 
     // Physical limits first, while memory is empty.
     let row_bytes = (dim * 4) as f64;
