@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -28,9 +28,13 @@ ASYNC_GATHER_KEYS = 4096
 ASYNC_GATHER_S = 0.005
 
 
-def key_hash(keys: torch.Tensor) -> torch.Tensor:
+_Keys = TypeVar("_Keys", torch.Tensor, "npt.NDArray[np.int64]")
+
+
+def key_hash(keys: _Keys) -> _Keys:
     """splitmix64's finalizer of int64 keys, in int64 arithmetic (the Triton kernels mix
-    the same way): the low bits pick the bucket, the top byte is the digest."""
+    the same way): the low bits pick the bucket, the top byte is the digest. A tensor or
+    a numpy array (the same bits: both wrap on overflow, both shift arithmetically)."""
     h = keys ^ ((keys >> 30) & 0x3FFFFFFFF)
     h = h * -4658895280553007687
     h = h ^ ((h >> 27) & 0x1FFFFFFFFF)

@@ -498,17 +498,42 @@ class GpuCache:
         self.scores.view(-1)[at] = -1
         return first.to(torch.int64)
 
-    def _upsert(
-        self, ids: torch.Tensor, rows: torch.Tensor, snap: torch.Tensor, given: torch.Tensor
-    ) -> torch.Tensor:
-        """Inserts unique ``ids`` not cached yet (a key cached meanwhile keeps its row,
-        as fresh as this one: the versions say so). The ``rank``-th new key of a bucket
-        takes the rank-th lowest-score slot, so a batch's keys never take one slot twice."""
-        _, present, _ = self._find(ids, given, touch=False, gather=False)
+    def _host_rank(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Each of ``keys``' rank among the keys of its bucket, in order: what an insert
+        needs so that its keys take distinct slots (:meth:`_upsert`), computed on the host,
+        where the callers have the keys. On the device it took a sort and four more
+        launches: a fifth of a missing lookup's host time on an H100 (docs/BENCHMARKS.md)."""
+        b = (key_hash(keys) & 0x7FFFFFFFFFFFFFFF) % self.n_buckets
+        order = np.argsort(b, kind="stable")
+        sorted_b = b[order]
+        rank = np.empty(len(keys), dtype=np.int64)
+        rank[order] = np.arange(len(keys)) - np.searchsorted(sorted_b, sorted_b)
+        return rank
+
+    def _device_rank(self, present: torch.Tensor) -> torch.Tensor:
+        """:meth:`_host_rank` on the device, among the keys absent from the cache
+        (``present``: :meth:`_find`'s slots, ``-1 - bucket`` where absent)."""
         kb = torch.where(present >= 0, self.n_buckets, -1 - present)  # an absent key's bucket
         sorted_b, order = torch.sort(kb, stable=True)
         first = torch.searchsorted(sorted_b, sorted_b)
-        rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(ids), device=ids.device) - first)
+        return torch.empty_like(order).scatter_(0, order, torch.arange(len(kb), device=kb.device) - first)
+
+    def _upsert(
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        snap: torch.Tensor,
+        given: torch.Tensor,
+        rank: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Inserts unique ``ids`` not cached yet (a key cached meanwhile keeps its row,
+        as fresh as this one: the versions say so). A key of ``rank`` r in its bucket
+        takes the bucket's r-th lowest-score slot, so a batch's keys never take one slot
+        twice: ``rank`` as :meth:`_host_rank` gives it (ranks among all of ``ids``), or,
+        when not given, ranks among the keys absent from the cache, on the device."""
+        _, present, _ = self._find(ids, given, touch=False, gather=False)
+        if rank is None:
+            rank = self._device_rank(present)
         slot, expect, score = self._choose(ids, present, rank, given, snap)
         done = self._write(ids, rows, slot, expect, score, snap)
         return done
@@ -631,13 +656,17 @@ class GpuCache:
         uniq, first, inverse = np.unique(miss_ids, return_index=True, return_inverse=True)
         rows, exists = self._fetch(uniq)
         keep = exists & (uniq != EMPTY) & (uniq != LOCKED)
-        packed = np.concatenate([inverse.reshape(-1), first[keep]]).astype(np.int64)
+        # The unique keys' places among the misses, the first occurrence of each key kept,
+        # and the kept keys' ranks in their buckets: one copy to the device.
+        n_miss, n_keep = len(miss_ids), int(keep.sum())
+        rank = self._host_rank(uniq[keep])
+        packed = np.concatenate([inverse.reshape(-1), first[keep], rank]).astype(np.int64)
         with self._ordered():
             idx, dev_rows = self._to_device(staging, packed, np.ascontiguousarray(rows))
             assert dev_rows is not None
-            out.index_copy_(0, miss_at, dev_rows[idx[: len(miss_ids)]])
-            if keep.any():
-                kept = idx[len(miss_ids) :]  # first occurrence (in the misses) of each key kept
+            out.index_copy_(0, miss_at, dev_rows[idx[:n_miss]])
+            if n_keep:
+                kept = idx[n_miss : n_miss + n_keep]  # first occurrence (in the misses) of each key kept
                 u_of = idx[: len(miss_ids)][kept]  # its row among the unique keys
                 at = miss_at[kept]
                 if self._policy == 2:  # a key given twice: the larger of its scores
@@ -646,7 +675,7 @@ class GpuCache:
                     key_given = larger[u_of]
                 else:
                     key_given = given[at]
-                done = self._upsert(flat[at], dev_rows[u_of], vers[at], key_given)
+                done = self._upsert(flat[at], dev_rows[u_of], vers[at], key_given, idx[n_miss + n_keep :])
                 self._count_inserts(done, 1)
 
     def _async(self) -> bool:
@@ -679,11 +708,12 @@ class GpuCache:
                 if not len(pick):
                     return
                 with self._ordered():
-                    packed = np.concatenate([pick, scores[pick]]).astype(np.int64)
+                    n, rank_of = len(pick), self._host_rank(keys[pick])
+                    packed = np.concatenate([pick, scores[pick], rank_of]).astype(np.int64)
                     both, dev_rows = self._to_device(staging, packed, np.ascontiguousarray(rows[exists]))
                     assert dev_rows is not None
-                    at, given = both[: len(pick)], both[len(pick) :]
-                    done = self._upsert(ids[at], dev_rows, vers[at], given)
+                    at, given, rank = both[:n], both[n : 2 * n], both[2 * n :]
+                    done = self._upsert(ids[at], dev_rows, vers[at], given, rank)
                     self._count_inserts(done, 2)
         finally:
             self._give_staging(staging)

@@ -89,6 +89,27 @@ def _run_model(cache: gpu.GpuCache, t: embank.Table, seed: int, steps: int) -> N
             )
 
 
+def test_an_insert_s_ranks_from_the_host_are_the_device_s(gpu_store: embank.Store) -> None:
+    """The sync and background inserts rank their keys within their buckets on the host,
+    where the keys are: the same ranks the device computes when every key is absent, so
+    the same slots are taken (many keys a bucket: 8 buckets)."""
+    t = _table(gpu_store)
+    cache = gpu.GpuCache(t, rows_max=64, slots=8, device="cpu", insert="sync", kernels="torch")
+    rng = np.random.default_rng(9)
+    for n in (0, 1, 5, 300):
+        keys = rng.permutation(np.unique(rng.integers(0, 10**12, n)).astype(np.int64))
+        ids = torch.from_numpy(keys)
+        _, present, _ = cache._find(ids, ids, touch=False, gather=False)
+        assert (present < 0).all()
+        host = cache._host_rank(keys)
+        assert np.array_equal(host, cache._device_rank(present).numpy()), n
+        if n:  # each bucket's ranks are 0..k-1 in the keys' order
+            b = (gpu.key_hash(keys) & 0x7FFFFFFFFFFFFFFF) % cache.n_buckets
+            for bucket in np.unique(b):
+                assert host[b == bucket].tolist() == list(range(int((b == bucket).sum())))
+    cache.close()
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])
 def test_reference_path_against_a_model(gpu_store: embank.Store, policy: str) -> None:
     t = _table(gpu_store)
