@@ -656,26 +656,32 @@ class GpuCache:
         uniq, first, inverse = np.unique(miss_ids, return_index=True, return_inverse=True)
         rows, exists = self._fetch(uniq)
         keep = exists & (uniq != EMPTY) & (uniq != LOCKED)
-        # The unique keys' places among the misses, the first occurrence of each key kept,
-        # and the kept keys' ranks in their buckets: one copy to the device.
-        n_miss, n_keep = len(miss_ids), int(keep.sum())
-        rank = self._host_rank(uniq[keep])
-        packed = np.concatenate([inverse.reshape(-1), first[keep], rank]).astype(np.int64)
+        # One copy to the device: each miss's place among the unique keys, then for the
+        # keys kept (their rows inserted) their first occurrence among the misses, their
+        # ranks in their buckets, the keys themselves and their places among the unique
+        # keys. What the host knows goes with the copy, not computed by indexing there.
+        n_miss, n_uniq = len(miss_ids), len(uniq)
+        kept_at = np.flatnonzero(keep)
+        n_keep = len(kept_at)
+        kept_keys = uniq[kept_at]
+        packed = np.concatenate(
+            [inverse.reshape(-1), first[kept_at], self._host_rank(kept_keys), kept_keys, kept_at]
+        ).astype(np.int64)
         with self._ordered():
             idx, dev_rows = self._to_device(staging, packed, np.ascontiguousarray(rows))
             assert dev_rows is not None
             out.index_copy_(0, miss_at, dev_rows[idx[:n_miss]])
             if n_keep:
-                kept = idx[n_miss : n_miss + n_keep]  # first occurrence (in the misses) of each key kept
-                u_of = idx[: len(miss_ids)][kept]  # its row among the unique keys
-                at = miss_at[kept]
+                kept, rank, keys, u_of = idx[n_miss:].view(4, n_keep)
+                at = miss_at[kept]  # the first occurrence's place in the batch
                 if self._policy == 2:  # a key given twice: the larger of its scores
-                    larger = torch.full((len(uniq),), -1, dtype=torch.int64, device=self.device)
-                    larger.scatter_reduce_(0, idx[: len(miss_ids)], given[miss_at], "amax")
+                    larger = torch.full((n_uniq,), -1, dtype=torch.int64, device=self.device)
+                    larger.scatter_reduce_(0, idx[:n_miss], given[miss_at], "amax")
                     key_given = larger[u_of]
                 else:
-                    key_given = given[at]
-                done = self._upsert(flat[at], dev_rows[u_of], vers[at], key_given, idx[n_miss + n_keep :])
+                    key_given = keys  # the lookup's ids stand for scores the policy ignores
+                kept_rows = dev_rows if n_keep == n_uniq else dev_rows[u_of]
+                done = self._upsert(keys, kept_rows, vers[at], key_given, rank)
                 self._count_inserts(done, 1)
 
     def _async(self) -> bool:
@@ -708,12 +714,13 @@ class GpuCache:
                 if not len(pick):
                     return
                 with self._ordered():
-                    n, rank_of = len(pick), self._host_rank(keys[pick])
-                    packed = np.concatenate([pick, scores[pick], rank_of]).astype(np.int64)
+                    picked = keys[pick]
+                    ranks = self._host_rank(picked)
+                    packed = np.concatenate([pick, scores[pick], ranks, picked]).astype(np.int64)
                     both, dev_rows = self._to_device(staging, packed, np.ascontiguousarray(rows[exists]))
                     assert dev_rows is not None
-                    at, given, rank = both[:n], both[n : 2 * n], both[2 * n :]
-                    done = self._upsert(ids[at], dev_rows, vers[at], given, rank)
+                    at, given, rank, picked_ids = both.view(4, len(pick))
+                    done = self._upsert(picked_ids, dev_rows, vers[at], given, rank)
                     self._count_inserts(done, 2)
         finally:
             self._give_staging(staging)
