@@ -502,7 +502,7 @@ class GpuCache:
         """Each of ``keys``' rank among the keys of its bucket, in order: what an insert
         needs so that its keys take distinct slots (:meth:`_upsert`), computed on the host,
         where the callers have the keys. On the device it took a sort and four more
-        launches: a fifth of a missing lookup's host time on an H100 (docs/BENCHMARKS.md)."""
+        launches: a fifth of a missing lookup's time on an H200 (docs/BENCHMARKS.md)."""
         b = (key_hash(keys) & 0x7FFFFFFFFFFFFFFF) % self.n_buckets
         order = np.argsort(b, kind="stable")
         sorted_b = b[order]
