@@ -510,30 +510,19 @@ class GpuCache:
         rank[order] = np.arange(len(keys)) - np.searchsorted(sorted_b, sorted_b)
         return rank
 
-    def _device_rank(self, present: torch.Tensor) -> torch.Tensor:
-        """:meth:`_host_rank` on the device, among the keys absent from the cache
-        (``present``: :meth:`_find`'s slots, ``-1 - bucket`` where absent)."""
-        kb = torch.where(present >= 0, self.n_buckets, -1 - present)  # an absent key's bucket
-        sorted_b, order = torch.sort(kb, stable=True)
-        first = torch.searchsorted(sorted_b, sorted_b)
-        return torch.empty_like(order).scatter_(0, order, torch.arange(len(kb), device=kb.device) - first)
-
     def _upsert(
         self,
         ids: torch.Tensor,
         rows: torch.Tensor,
         snap: torch.Tensor,
         given: torch.Tensor,
-        rank: torch.Tensor | None = None,
+        rank: torch.Tensor,
     ) -> torch.Tensor:
         """Inserts unique ``ids`` not cached yet (a key cached meanwhile keeps its row,
         as fresh as this one: the versions say so). A key of ``rank`` r in its bucket
-        takes the bucket's r-th lowest-score slot, so a batch's keys never take one slot
-        twice: ``rank`` as :meth:`_host_rank` gives it (ranks among all of ``ids``), or,
-        when not given, ranks among the keys absent from the cache, on the device."""
+        (:meth:`_host_rank`) takes the bucket's r-th lowest-score slot, so a batch's keys
+        never take one slot twice."""
         _, present, _ = self._find(ids, given, touch=False, gather=False)
-        if rank is None:
-            rank = self._device_rank(present)
         slot, expect, score = self._choose(ids, present, rank, given, snap)
         done = self._write(ids, rows, slot, expect, score, snap)
         return done
