@@ -1,0 +1,43 @@
+// The CPU emulator of the GPU cache's kernels (built only with the crate's `emulator`
+// feature, for tests): each launch runs its warps in turn, a warp's 32 lanes as 32
+// threads. "Device" memory is host memory, so the kernels' pointers are plain pointers.
+#include <thread>
+#include <vector>
+#include "target.h"
+
+thread_local u32 emu_lane;
+thread_local u64 emu_thread;
+thread_local EmuWarp* emu_warp;
+
+#include "cache.cu"
+
+template <class A>
+static void run(void (*k)(A), u64 threads, const void* args) {
+    A a;
+    std::memcpy(&a, args, sizeof(A));
+    u64 warps = (threads + 31) / 32;
+    for (u64 w = 0; w < warps; w++) {
+        EmuWarp warp;
+        std::vector<std::thread> lanes;
+        lanes.reserve(32);
+        for (u32 l = 0; l < 32; l++)
+            lanes.emplace_back([&, l] {
+                emu_lane = l;
+                emu_thread = w * 32 + l;
+                emu_warp = &warp;
+                k(a);
+            });
+        for (auto& t : lanes) t.join();
+    }
+}
+
+extern "C" int embank_emu_launch(u32 kernel, u64 threads, const void* args, u64 args_len) {
+    switch (kernel) {
+        case 0: if (args_len != sizeof(FindArgs)) return -1; run(embank_find, threads, args); return 0;
+        case 1: if (args_len != sizeof(FillArgs)) return -1; run(embank_fill, threads, args); return 0;
+        case 2: if (args_len != sizeof(InvalidateArgs)) return -1; run(embank_invalidate, threads, args); return 0;
+        case 3: if (args_len != sizeof(RefreshArgs)) return -1; run(embank_refresh, threads, args); return 0;
+        case 4: if (args_len != sizeof(CountArgs)) return -1; run(embank_count, threads, args); return 0;
+    }
+    return -2;
+}

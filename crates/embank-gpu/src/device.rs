@@ -1,0 +1,372 @@
+//! The seam between the cache's host logic and where its kernels run: [`Cuda`] (the
+//! CUDA driver, loaded at run time, running the PTX of `kernels/cache.cu`) or, with the
+//! `emulator` feature, [`Emulator`] (the same kernels compiled for the CPU; "device"
+//! memory is host memory and every call completes before it returns).
+//!
+//! Pointers, streams and events cross as `u64` handles: a device pointer of the caller
+//! (a tensor's `data_ptr`) and a stream of the caller (`torch.cuda.current_stream()
+//! .cuda_stream`) are used as given.
+
+use embank_core::{Error, ErrorKind, Result};
+
+/// The kernels of `kernels/cache.cu`, by their index in the emulator's switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    Find = 0,
+    Fill = 1,
+    Invalidate = 2,
+    Refresh = 3,
+    Count = 4,
+}
+
+impl Kernel {
+    const ALL: [Kernel; 5] = [Kernel::Find, Kernel::Fill, Kernel::Invalidate, Kernel::Refresh, Kernel::Count];
+
+    fn symbol(self) -> &'static [u8] {
+        match self {
+            Kernel::Find => b"embank_find\0",
+            Kernel::Fill => b"embank_fill\0",
+            Kernel::Invalidate => b"embank_invalidate\0",
+            Kernel::Refresh => b"embank_refresh\0",
+            Kernel::Count => b"embank_count\0",
+        }
+    }
+}
+
+/// A stream handle (`CUstream`; 0: the legacy default stream).
+pub type Stream = u64;
+/// An event handle (`CUevent`).
+pub type Event = u64;
+
+/// Where the kernels run. Every method may be called from any thread.
+pub trait Device: Send + Sync {
+    /// Makes the device's context current on the calling thread.
+    fn enter(&self) -> Result<()>;
+    fn alloc(&self, bytes: usize) -> Result<u64>;
+    /// # Safety
+    /// `ptr` came from [`Device::alloc`] with `bytes`, and no launch uses it any more.
+    unsafe fn free(&self, ptr: u64, bytes: usize);
+    /// Page-locked host memory (zeroed where the device allows).
+    fn alloc_host(&self, bytes: usize) -> Result<*mut u8>;
+    /// # Safety
+    /// `ptr` came from [`Device::alloc_host`] and no copy uses it any more.
+    unsafe fn free_host(&self, ptr: *mut u8, bytes: usize);
+    fn memset(&self, dst: u64, byte: u8, bytes: usize, stream: Stream) -> Result<()>;
+    /// # Safety
+    /// `src` stays valid and unchanged until the copy is done (an event after it).
+    unsafe fn htod(&self, dst: u64, src: *const u8, bytes: usize, stream: Stream) -> Result<()>;
+    /// # Safety
+    /// `dst` stays valid until the copy is done (an event after it).
+    unsafe fn dtoh(&self, dst: *mut u8, src: u64, bytes: usize, stream: Stream) -> Result<()>;
+    /// Launches `kernel` over `threads` threads (warps of 32) with its argument struct.
+    fn launch(&self, kernel: Kernel, threads: u64, args: &[u8], stream: Stream) -> Result<()>;
+    fn event(&self) -> Result<Event>;
+    fn record(&self, event: Event, stream: Stream) -> Result<()>;
+    /// The host waits for everything before the event's last record.
+    fn wait(&self, event: Event) -> Result<()>;
+    /// `stream` waits (on the device) for everything before the event's last record.
+    fn stream_wait(&self, stream: Stream, event: Event) -> Result<()>;
+    fn stream(&self) -> Result<Stream>;
+    /// # Safety
+    /// Nothing uses the event any more.
+    unsafe fn drop_event(&self, event: Event);
+    /// # Safety
+    /// Nothing uses the stream any more.
+    unsafe fn drop_stream(&self, stream: Stream);
+    /// Names the device for errors and stats.
+    fn name(&self) -> String;
+}
+
+/// The threads a block of a launch has (8 warps).
+pub const BLOCK_THREADS: u64 = 256;
+
+// ---- CUDA ----
+
+use cudarc::driver::sys;
+
+/// The PTX of `kernels/cache.cu` (tools/gpu_ptx.py writes it; `make test` checks it).
+pub const PTX: &str = include_str!("../kernels/cache.ptx");
+
+/// The CUDA driver on GPU `ordinal`, in its primary context (the one PyTorch uses).
+pub struct Cuda {
+    ordinal: i32,
+    device: sys::CUdevice,
+    ctx: usize,
+    module: usize,
+    functions: [usize; 5],
+}
+
+fn check(rc: sys::CUresult, what: &str) -> Result<()> {
+    if rc == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a static string's address or leaves it null.
+    unsafe { sys::cuGetErrorString(rc, &mut text) };
+    let text = if text.is_null() {
+        format!("{rc:?}")
+    } else {
+        // SAFETY: a NUL-terminated static string of the driver.
+        unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned()
+    };
+    Err(Error::new(ErrorKind::Io, format!("CUDA {what} failed: {text} ({rc:?})")))
+}
+
+impl Cuda {
+    /// The driver on GPU `ordinal`, with the kernels loaded (the driver compiles the PTX
+    /// for the GPU at hand, once; it caches the result on disk).
+    pub fn new(ordinal: i32) -> Result<Cuda> {
+        // SAFETY: loading libcuda is a dlopen; absence is reported, not a crash.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "the GPU cache's native path needs NVIDIA's driver (libcuda.so), which this machine lacks",
+            ));
+        }
+        // SAFETY: plain driver calls with out-pointers to locals.
+        unsafe {
+            check(sys::cuInit(0), "cuInit")?;
+            let mut device: sys::CUdevice = 0;
+            check(sys::cuDeviceGet(&mut device, ordinal), "cuDeviceGet")?;
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            check(sys::cuDevicePrimaryCtxRetain(&mut ctx, device), "cuDevicePrimaryCtxRetain")?;
+            check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
+            let ptx = std::ffi::CString::new(PTX).expect("PTX has no NUL");
+            let mut module: sys::CUmodule = std::ptr::null_mut();
+            check(sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()), "loading the kernels (cuModuleLoadData)")?;
+            let mut functions = [0usize; 5];
+            for k in Kernel::ALL {
+                let mut f: sys::CUfunction = std::ptr::null_mut();
+                check(sys::cuModuleGetFunction(&mut f, module, k.symbol().as_ptr().cast()), "cuModuleGetFunction")?;
+                functions[k as usize] = f as usize;
+            }
+            Ok(Cuda { ordinal, device, ctx: ctx as usize, module: module as usize, functions })
+        }
+    }
+}
+
+impl Drop for Cuda {
+    fn drop(&mut self) {
+        // SAFETY: the module and the context's retain are ours; nothing launches any more.
+        unsafe {
+            let _ = sys::cuCtxSetCurrent(self.ctx as sys::CUcontext);
+            let _ = sys::cuModuleUnload(self.module as sys::CUmodule);
+            let _ = sys::cuDevicePrimaryCtxRelease_v2(self.device);
+        }
+    }
+}
+
+impl Device for Cuda {
+    fn enter(&self) -> Result<()> {
+        // SAFETY: the context is retained while self lives.
+        check(unsafe { sys::cuCtxSetCurrent(self.ctx as sys::CUcontext) }, "cuCtxSetCurrent")
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<u64> {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: an out-pointer to a local.
+        check(unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) }, "cuMemAlloc")?;
+        Ok(p)
+    }
+
+    unsafe fn free(&self, ptr: u64, _bytes: usize) {
+        let _ = sys::cuMemFree_v2(ptr);
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<*mut u8> {
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local (flags 0: pinned, this context).
+        check(unsafe { sys::cuMemHostAlloc(&mut p, bytes.max(1), 0) }, "cuMemHostAlloc")?;
+        Ok(p.cast())
+    }
+
+    unsafe fn free_host(&self, ptr: *mut u8, _bytes: usize) {
+        let _ = sys::cuMemFreeHost(ptr.cast());
+    }
+
+    fn memset(&self, dst: u64, byte: u8, bytes: usize, stream: Stream) -> Result<()> {
+        // SAFETY: dst is device memory of at least `bytes` (the caller's contract).
+        check(unsafe { sys::cuMemsetD8Async(dst, byte, bytes, stream as sys::CUstream) }, "cuMemsetD8Async")
+    }
+
+    unsafe fn htod(&self, dst: u64, src: *const u8, bytes: usize, stream: Stream) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        check(sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), bytes, stream as sys::CUstream), "cuMemcpyHtoDAsync")
+    }
+
+    unsafe fn dtoh(&self, dst: *mut u8, src: u64, bytes: usize, stream: Stream) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        check(sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, bytes, stream as sys::CUstream), "cuMemcpyDtoHAsync")
+    }
+
+    fn launch(&self, kernel: Kernel, threads: u64, args: &[u8], stream: Stream) -> Result<()> {
+        if threads == 0 {
+            return Ok(());
+        }
+        let blocks = threads.div_ceil(BLOCK_THREADS);
+        if blocks > i32::MAX as u64 {
+            return Err(Error::new(ErrorKind::InvalidInput, format!("a launch of {threads} threads is too large")));
+        }
+        // The argument struct is the kernel's one parameter, copied by the driver.
+        let mut buf = args.to_vec();
+        let mut params = [buf.as_mut_ptr().cast::<std::ffi::c_void>()];
+        // SAFETY: the function is loaded; params points at one struct of the kernel's
+        // parameter type (same #[repr(C)] layout as cache.cu's), alive for the call.
+        let rc = unsafe {
+            sys::cuLaunchKernel(
+                self.functions[kernel as usize] as sys::CUfunction,
+                blocks as u32,
+                1,
+                1,
+                BLOCK_THREADS as u32,
+                1,
+                1,
+                0,
+                stream as sys::CUstream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        check(rc, "cuLaunchKernel")
+    }
+
+    fn event(&self) -> Result<Event> {
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local; flag 2: CU_EVENT_DISABLE_TIMING.
+        check(unsafe { sys::cuEventCreate(&mut e, 2) }, "cuEventCreate")?;
+        Ok(e as u64)
+    }
+
+    fn record(&self, event: Event, stream: Stream) -> Result<()> {
+        // SAFETY: an event of ours, a stream of the caller's.
+        check(unsafe { sys::cuEventRecord(event as sys::CUevent, stream as sys::CUstream) }, "cuEventRecord")
+    }
+
+    fn wait(&self, event: Event) -> Result<()> {
+        // SAFETY: an event of ours.
+        check(unsafe { sys::cuEventSynchronize(event as sys::CUevent) }, "cuEventSynchronize")
+    }
+
+    fn stream_wait(&self, stream: Stream, event: Event) -> Result<()> {
+        // SAFETY: an event of ours, a stream of the caller's.
+        check(
+            unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, event as sys::CUevent, 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+
+    fn stream(&self) -> Result<Stream> {
+        let mut s: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local; flag 1: CU_STREAM_NON_BLOCKING.
+        check(unsafe { sys::cuStreamCreate(&mut s, 1) }, "cuStreamCreate")?;
+        Ok(s as u64)
+    }
+
+    unsafe fn drop_event(&self, event: Event) {
+        let _ = sys::cuEventDestroy_v2(event as sys::CUevent);
+    }
+
+    unsafe fn drop_stream(&self, stream: Stream) {
+        let _ = sys::cuStreamDestroy_v2(stream as sys::CUstream);
+    }
+
+    fn name(&self) -> String {
+        format!("cuda:{}", self.ordinal)
+    }
+}
+
+// ---- the CPU emulator ----
+
+#[cfg(feature = "emulator")]
+mod emulator {
+    use super::*;
+    use std::alloc::{alloc_zeroed, dealloc, Layout};
+
+    extern "C" {
+        fn embank_emu_launch(kernel: u32, threads: u64, args: *const u8, args_len: u64) -> i32;
+    }
+
+    /// The kernels compiled for the CPU (kernels/emu.cpp): every call is done when it
+    /// returns, streams and events are tokens.
+    #[derive(Default)]
+    pub struct Emulator;
+
+    fn layout(bytes: usize) -> Layout {
+        Layout::from_size_align(bytes.max(1), 256).expect("a valid layout")
+    }
+
+    impl Device for Emulator {
+        fn enter(&self) -> Result<()> {
+            Ok(())
+        }
+        fn alloc(&self, bytes: usize) -> Result<u64> {
+            // SAFETY: a non-zero size.
+            let p = unsafe { alloc_zeroed(layout(bytes)) };
+            if p.is_null() {
+                return Err(Error::new(ErrorKind::Io, format!("emulator: cannot allocate {bytes} bytes")));
+            }
+            Ok(p as u64)
+        }
+        unsafe fn free(&self, ptr: u64, bytes: usize) {
+            dealloc(ptr as *mut u8, layout(bytes));
+        }
+        fn alloc_host(&self, bytes: usize) -> Result<*mut u8> {
+            Ok(self.alloc(bytes)? as *mut u8)
+        }
+        unsafe fn free_host(&self, ptr: *mut u8, bytes: usize) {
+            dealloc(ptr, layout(bytes));
+        }
+        fn memset(&self, dst: u64, byte: u8, bytes: usize, _stream: Stream) -> Result<()> {
+            // SAFETY: dst is emulated device memory (host memory) of `bytes` at least.
+            unsafe { std::ptr::write_bytes(dst as *mut u8, byte, bytes) };
+            Ok(())
+        }
+        unsafe fn htod(&self, dst: u64, src: *const u8, bytes: usize, _stream: Stream) -> Result<()> {
+            std::ptr::copy_nonoverlapping(src, dst as *mut u8, bytes);
+            Ok(())
+        }
+        unsafe fn dtoh(&self, dst: *mut u8, src: u64, bytes: usize, _stream: Stream) -> Result<()> {
+            std::ptr::copy_nonoverlapping(src as *const u8, dst, bytes);
+            Ok(())
+        }
+        fn launch(&self, kernel: Kernel, threads: u64, args: &[u8], _stream: Stream) -> Result<()> {
+            if threads == 0 {
+                return Ok(());
+            }
+            let threads = threads.div_ceil(BLOCK_THREADS) * BLOCK_THREADS;
+            // SAFETY: args is the kernel's argument struct; the emulator checks its size.
+            let rc = unsafe { embank_emu_launch(kernel as u32, threads, args.as_ptr(), args.len() as u64) };
+            if rc != 0 {
+                return Err(Error::new(ErrorKind::Corrupt, format!("emulator: launch of {kernel:?} refused ({rc})")));
+            }
+            Ok(())
+        }
+        fn event(&self) -> Result<Event> {
+            Ok(1)
+        }
+        fn record(&self, _event: Event, _stream: Stream) -> Result<()> {
+            Ok(())
+        }
+        fn wait(&self, _event: Event) -> Result<()> {
+            Ok(())
+        }
+        fn stream_wait(&self, _stream: Stream, _event: Event) -> Result<()> {
+            Ok(())
+        }
+        fn stream(&self) -> Result<Stream> {
+            Ok(0)
+        }
+        unsafe fn drop_event(&self, _event: Event) {}
+        unsafe fn drop_stream(&self, _stream: Stream) {}
+        fn name(&self) -> String {
+            "emulator".to_owned()
+        }
+    }
+}
+
+#[cfg(feature = "emulator")]
+pub use emulator::Emulator;

@@ -1,0 +1,1212 @@
+//! embank's GPU cache, driven from Rust: a lookup is one native call (ids in, rows out,
+//! on the caller's stream), no Python between kernels and no interpreter lock held
+//! while misses are fetched from the table.
+//!
+//! [`GpuTable`] keeps the hot rows of one [`TableApi`] table in device memory in the
+//! layout of `kernels/cache.cu` (buckets of up to 128 slots: keys, digests, scores,
+//! rows; a version a bucket). A lookup:
+//!
+//! 1. under the cache's launch lock, orders itself after the cache's previous launch
+//!    (one event), applies the invalidations that change notices queued
+//!    ([`GpuTable::listener`]), launches **find** (find + touch + gather + the misses
+//!    compacted, one launch) and copies the miss count and the misses to pinned memory;
+//! 2. *sync*: waits for that copy (the one host sync); with misses, reads their rows from
+//!    the table straight into pinned memory (as stored: f16/int8 rows are decoded on the
+//!    device), copies them up in one copy and launches **fill** (answers the misses and
+//!    inserts the new keys, one warp a bucket, one launch);
+//!    *async*: returns at once (misses answered with the default row); the background
+//!    inserter waits for the copy, fetches and inserts on its own stream.
+//!
+//! Every buffer is allocated once and grown on demand (a pool of per-call scratch);
+//! nothing is allocated per call in the steady state.
+//!
+//! The kernels run on CUDA through [`device::Cuda`] (libcuda loaded at run time, the PTX
+//! compiled by the driver), or on the CPU through the emulator (feature `emulator`).
+
+pub mod device;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use embank_core::tier::{Changed, Listener};
+use embank_core::{DType, Error, ErrorKind, Result, TableApi};
+use parking_lot::{Condvar, Mutex};
+
+pub use device::{Device, Event, Kernel, Stream};
+
+const EMPTY_KEY: u64 = u64::MAX;
+const LOCKED_KEY: u64 = u64::MAX - 1;
+/// Miss ids a lookup copies to the host with the count, at least.
+const MISS_HINT_MIN: usize = 1024;
+/// Lookups whose misses may wait for the background inserter at once; more are dropped.
+const ASYNC_JOBS_MAX: usize = 16;
+/// Rows a refresh reads from the table a chunk.
+const REFRESH_CHUNK: usize = 1 << 16;
+// Device counters (cache.cu's C_*).
+const C_INVALIDATED: usize = 0;
+const C_SYNC_INSERTS: u32 = 1;
+const C_ASYNC_INSERTS: u32 = 2;
+const C_REFUSED: usize = 3;
+const C_EVICTIONS: usize = 4;
+const C_REFRESH_CHANGED: usize = 5;
+const C_ROWS: usize = 6;
+const COUNTERS: usize = 8;
+
+/// splitmix64's finalizer: cache.cu's `mix`, `embank.gpu.key_hash`.
+pub fn mix(k: u64) -> u64 {
+    let mut h = k ^ (k >> 30);
+    h = h.wrapping_mul(0xbf58476d1ce4e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d049bb133111eb);
+    h ^ (h >> 31)
+}
+
+/// Element type of the cached rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowType {
+    F32 = 0,
+    F16 = 1,
+    Bf16 = 2,
+}
+
+impl RowType {
+    fn bytes(self) -> usize {
+        if self == RowType::F32 {
+            4
+        } else {
+            2
+        }
+    }
+}
+
+/// Which slot a new key takes, and what a hit does to its score.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// Score: the clock of the last use.
+    Lru = 0,
+    /// Score: uses; a new key starts at 1.
+    Lfu = 1,
+    /// Score: the caller's (a hit keeps the larger).
+    Custom = 2,
+}
+
+/// When a lookup's misses are inserted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Insert {
+    /// Before the lookup returns (one host sync).
+    Sync,
+    /// In the background; misses are answered with the default row (no host sync).
+    Async,
+    /// Async once the window's hit rate reaches the threshold.
+    Auto,
+}
+
+/// How a cache is made.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub n_buckets: usize,
+    /// Slots a bucket: a power of two up to 128.
+    pub slots: usize,
+    pub row_type: RowType,
+    pub policy: Policy,
+    pub insert: Insert,
+    pub hit_rate_threshold: f64,
+    pub window: usize,
+    /// The row of an async miss (`dim` values).
+    pub default_row: Vec<f32>,
+    /// Fetch f16/int8 rows as stored and decode them on the device.
+    pub stored_rows: bool,
+}
+
+/// Counts kept on the host.
+#[derive(Clone, Debug, Default)]
+pub struct HostStats {
+    pub lookups: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub default_answers: u64,
+    pub async_dropped: u64,
+    pub async_errors: u64,
+    pub refreshes: u64,
+    pub refresh_rows: u64,
+    pub refresh_changed: u64,
+    pub refresh_bytes: u64,
+    pub refresh_seconds: f64,
+    pub notices: u64,
+    pub host_syncs: u64,
+}
+
+/// Everything [`GpuTable::stats`] reports.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    pub host: HostStats,
+    pub window_hit_rate: Option<f64>,
+    pub invalidated: u64,
+    pub sync_inserts: u64,
+    pub async_inserts: u64,
+    pub insert_refused: u64,
+    pub evictions: u64,
+    pub rows_cached: u64,
+    pub rows_max: u64,
+    pub bytes: u64,
+}
+
+/// What [`GpuTable::refresh`] did.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Refreshed {
+    pub rows: u64,
+    pub changed: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+// ---- argument structs: cache.cu's, field for field ----
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct CacheDesc {
+    keys: u64,
+    digests: u64,
+    scores: u64,
+    rows: u64,
+    versions: u64,
+    counters: u64,
+    clock: u64,
+    n_buckets: u32,
+    slots: u32,
+    dim: u32,
+    dtype: u32,
+    policy: u32,
+    pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct FindArgs {
+    c: CacheDesc,
+    ids: u64,
+    out: u64,
+    dflt: u64,
+    payload: u64,
+    miss_at: u64,
+    given: u64,
+    n: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct FillArgs {
+    c: CacheDesc,
+    out: u64,
+    miss_at: u64,
+    row_of: u64,
+    rows: u64,
+    keys: u64,
+    key_row: u64,
+    key_ver: u64,
+    key_score: u64,
+    groups: u64,
+    n_answer: u64,
+    n_groups: u64,
+    stored: u32,
+    row_bytes: u32,
+    which: u32,
+    pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct InvalidateArgs {
+    c: CacheDesc,
+    keys: u64,
+    n: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RefreshArgs {
+    c: CacheDesc,
+    slots: u64,
+    keys: u64,
+    vers: u64,
+    found: u64,
+    rows: u64,
+    n: u64,
+    stored: u32,
+    row_bytes: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CountArgs {
+    c: CacheDesc,
+    n: u64,
+}
+
+fn bytes_of<T: Copy>(t: &T) -> &[u8] {
+    // SAFETY: plain #[repr(C)] structs of integers, read as bytes.
+    unsafe { std::slice::from_raw_parts((t as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
+}
+
+// ---- memory ----
+
+/// Device memory, freed on drop.
+struct Buffer {
+    dev: Arc<dyn Device>,
+    ptr: u64,
+    bytes: usize,
+}
+
+impl Buffer {
+    fn new(dev: &Arc<dyn Device>, bytes: usize) -> Result<Buffer> {
+        let ptr = dev.alloc(bytes)?;
+        Ok(Buffer { dev: dev.clone(), ptr, bytes })
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: ours; owners drop buffers only after the launches using them are done.
+        unsafe { self.dev.free(self.ptr, self.bytes) }
+    }
+}
+
+/// Pinned host memory, freed on drop.
+struct Host {
+    dev: Arc<dyn Device>,
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: a plain allocation; access is governed by its owner (a scratch held by one
+// caller at a time).
+unsafe impl Send for Host {}
+
+impl Host {
+    fn new(dev: &Arc<dyn Device>, bytes: usize) -> Result<Host> {
+        let ptr = dev.alloc_host(bytes)?;
+        Ok(Host { dev: dev.clone(), ptr, bytes })
+    }
+    fn slice_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
+        assert!(off + len <= self.bytes, "pinned buffer overrun: {off} + {len} > {}", self.bytes);
+        // SAFETY: in bounds; &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
+    }
+    fn u64s(&mut self, off: usize, n: usize) -> &mut [u64] {
+        assert!(off % 8 == 0);
+        let b = self.slice_mut(off, n * 8);
+        // SAFETY: 8-aligned (the allocation is 256-aligned, off a multiple of 8).
+        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), n) }
+    }
+    fn u32s(&mut self, off: usize, n: usize) -> &mut [u32] {
+        assert!(off % 4 == 0);
+        let b = self.slice_mut(off, n * 4);
+        // SAFETY: 4-aligned.
+        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), n) }
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        // SAFETY: ours; owners drop it only after the copies using it are done.
+        unsafe { self.dev.free_host(self.ptr, self.bytes) }
+    }
+}
+
+/// A grown-on-demand pair of device and pinned buffers, and the event after its last
+/// use on the device: whoever takes it next waits for that before writing to it.
+struct Scratch {
+    dev_buf: Buffer,
+    host: Host,
+    done: Event,
+    copied: Event,
+}
+
+impl Scratch {
+    fn new(dev: &Arc<dyn Device>, bytes: usize) -> Result<Scratch> {
+        Ok(Scratch {
+            dev_buf: Buffer::new(dev, bytes)?,
+            host: Host::new(dev, bytes)?,
+            done: dev.event()?,
+            copied: dev.event()?,
+        })
+    }
+    /// Room for `bytes` on both sides (waits for the last use before growing).
+    fn reserve(&mut self, dev: &Arc<dyn Device>, bytes: usize) -> Result<()> {
+        if self.dev_buf.bytes >= bytes && self.host.bytes >= bytes {
+            return Ok(());
+        }
+        dev.wait(self.done)?;
+        dev.wait(self.copied)?;
+        let bytes = bytes.max(2 * self.dev_buf.bytes);
+        self.dev_buf = Buffer::new(dev, bytes)?;
+        self.host = Host::new(dev, bytes)?;
+        Ok(())
+    }
+}
+
+fn align(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+/// Where a lookup's find puts its misses in a scratch: the payload (count, then key,
+/// version, score a miss) and the misses' places.
+struct FindLayout {
+    payload: usize,
+    miss_at: usize,
+    end: usize,
+}
+
+impl FindLayout {
+    fn new(n: usize) -> FindLayout {
+        let miss_at = 8 * (1 + 3 * n);
+        FindLayout { payload: 0, miss_at, end: align(miss_at + 4 * n, 256) }
+    }
+}
+
+/// Where a fill's inputs go in a scratch (after `base`), in the order the host writes
+/// them: rows first (the table writes them straight there), then the arrays.
+struct FillLayout {
+    rows: usize,
+    row_of: usize,
+    keys: usize,
+    key_score: usize,
+    key_row: usize,
+    key_ver: usize,
+    groups: usize,
+    end: usize,
+}
+
+impl FillLayout {
+    /// For `answers` misses, `uniq` rows fetched, `ins` keys inserted in `groups` buckets.
+    fn new(base: usize, row_bytes: usize, answers: usize, uniq: usize, ins: usize, groups: usize) -> FillLayout {
+        let rows = base;
+        let keys = align(rows + uniq * row_bytes, 8);
+        let key_score = keys + 8 * ins;
+        let row_of = key_score + 8 * ins;
+        let key_row = row_of + 4 * answers;
+        let key_ver = key_row + 4 * ins;
+        let groups_at = key_ver + 4 * ins;
+        let end = align(groups_at + 4 * (groups + 1), 256);
+        FillLayout { rows, row_of, keys, key_score, key_row, key_ver, groups: groups_at, end }
+    }
+    fn most(base: usize, row_bytes: usize, n: usize) -> usize {
+        FillLayout::new(base, row_bytes, n, n, n, n).end
+    }
+}
+
+// ---- the cache ----
+
+struct State {
+    clock: u64,
+    miss_hint: usize,
+    window: VecDeque<(u64, u64)>,
+    inval: Option<Scratch>,
+}
+
+struct Job {
+    scratch: Scratch,
+    n: usize,
+    count_hint: usize,
+}
+
+struct Queue {
+    jobs: VecDeque<Job>,
+    busy: bool,
+    closed: bool,
+    error: Option<String>,
+}
+
+struct Inner {
+    dev: Arc<dyn Device>,
+    table: Arc<dyn TableApi>,
+    desc: CacheDesc,
+    dim: usize,
+    stored: u32,
+    row_bytes: usize,
+    opts: Options,
+    _arrays: Vec<Buffer>,
+    dflt: Buffer,
+    /// The event after the cache's last launch: the next waits for it (the launch lock).
+    order: Event,
+    side: Stream,
+    state: Mutex<State>,
+    pool: Mutex<Vec<Scratch>>,
+    pending: Mutex<Vec<u64>>,
+    stats: Mutex<HostStats>,
+    queue: Mutex<Queue>,
+    queue_cv: Condvar,
+    closed: AtomicBool,
+}
+
+/// A GPU cache of one table (see the crate's text).
+pub struct GpuTable {
+    inner: Arc<Inner>,
+    inserter: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn invalid(msg: impl Into<String>) -> Error {
+    Error::new(ErrorKind::InvalidInput, msg)
+}
+
+impl GpuTable {
+    /// A cache of `table` on `dev`, empty.
+    pub fn new(dev: Arc<dyn Device>, table: Arc<dyn TableApi>, opts: Options) -> Result<GpuTable> {
+        let dim = table.dim();
+        let s = opts.slots;
+        if s == 0 || s > 128 || !s.is_power_of_two() {
+            return Err(invalid(format!("slots must be a power of two up to 128, got {s}")));
+        }
+        if opts.n_buckets == 0 || opts.n_buckets > u32::MAX as usize {
+            return Err(invalid(format!("buckets must be in 1..2^32, got {}", opts.n_buckets)));
+        }
+        if opts.default_row.len() != dim {
+            return Err(invalid(format!("the default row has {} values for dim {dim}", opts.default_row.len())));
+        }
+        let meta = table.meta();
+        let (stored, row_bytes) = match (opts.stored_rows, meta.dtype) {
+            (true, DType::F16) => (1, meta.dtype.row_bytes(dim)),
+            (true, DType::Int8) => (2, meta.dtype.row_bytes(dim)),
+            _ => (0, 4 * dim),
+        };
+        dev.enter()?;
+        let slots_total = opts.n_buckets * s;
+        let keys = Buffer::new(&dev, slots_total * 8)?;
+        let digests = Buffer::new(&dev, slots_total)?;
+        let scores = Buffer::new(&dev, slots_total * 8)?;
+        let rows = Buffer::new(&dev, slots_total * dim * opts.row_type.bytes())?;
+        let versions = Buffer::new(&dev, opts.n_buckets * 4)?;
+        let counters = Buffer::new(&dev, COUNTERS * 8)?;
+        let side = dev.stream()?;
+        dev.memset(keys.ptr, 0xff, keys.bytes, side)?;
+        dev.memset(digests.ptr, 0, digests.bytes, side)?;
+        dev.memset(scores.ptr, 0, scores.bytes, side)?;
+        dev.memset(rows.ptr, 0, rows.bytes, side)?;
+        dev.memset(versions.ptr, 0, versions.bytes, side)?;
+        dev.memset(counters.ptr, 0, counters.bytes, side)?;
+        let dflt = Buffer::new(&dev, dim * 4)?;
+        let mut staging = Host::new(&dev, dim * 4)?;
+        for (i, v) in opts.default_row.iter().enumerate() {
+            staging.slice_mut(4 * i, 4).copy_from_slice(&v.to_le_bytes());
+        }
+        // SAFETY: staging lives until the wait below.
+        unsafe { dev.htod(dflt.ptr, staging.ptr, dim * 4, side)? };
+        let order = dev.event()?;
+        dev.record(order, side)?;
+        dev.wait(order)?;
+        drop(staging);
+        let desc = CacheDesc {
+            keys: keys.ptr,
+            digests: digests.ptr,
+            scores: scores.ptr,
+            rows: rows.ptr,
+            versions: versions.ptr,
+            counters: counters.ptr,
+            clock: 0,
+            n_buckets: opts.n_buckets as u32,
+            slots: s as u32,
+            dim: dim as u32,
+            dtype: opts.row_type as u32,
+            policy: opts.policy as u32,
+            pad: 0,
+        };
+        let inner = Arc::new(Inner {
+            dev,
+            table,
+            desc,
+            dim,
+            stored,
+            row_bytes,
+            opts,
+            _arrays: vec![keys, digests, scores, rows, versions, counters],
+            dflt,
+            order,
+            side,
+            state: Mutex::new(State { clock: 0, miss_hint: MISS_HINT_MIN, window: VecDeque::new(), inval: None }),
+            pool: Mutex::new(Vec::new()),
+            pending: Mutex::new(Vec::new()),
+            stats: Mutex::new(HostStats::default()),
+            queue: Mutex::new(Queue { jobs: VecDeque::new(), busy: false, closed: false, error: None }),
+            queue_cv: Condvar::new(),
+            closed: AtomicBool::new(false),
+        });
+        let weak = Arc::downgrade(&inner);
+        let inserter = std::thread::Builder::new()
+            .name("embank-gpu-insert".into())
+            .spawn(move || insert_loop(weak))
+            .map_err(|e| Error::new(ErrorKind::Io, format!("cannot start the GPU cache's inserter: {e}")))?;
+        Ok(GpuTable { inner, inserter: Mutex::new(Some(inserter)) })
+    }
+
+    pub fn dim(&self) -> usize {
+        self.inner.dim
+    }
+
+    /// Bytes of the cache's structure on the device.
+    pub fn bytes(&self) -> u64 {
+        self.inner._arrays.iter().map(|b| b.bytes as u64).sum()
+    }
+
+    /// Rows of the `n` keys at device address `ids` (u64) into `out` (`n * dim` f32), on
+    /// `stream`; `given` (u64 scores) for [`Policy::Custom`], else 0. Returns the hits
+    /// when the lookup waited for its miss count (sync), None when it did not (async).
+    pub fn lookup(&self, ids: u64, n: usize, out: u64, stream: Stream, given: u64) -> Result<Option<usize>> {
+        self.inner.lookup(ids, n, out, stream, given)
+    }
+
+    /// Drops `keys` from the cache now (and bumps their buckets' versions, so no insert
+    /// of a row read before this lands); returns the rows dropped. Waits for the device.
+    pub fn invalidate(&self, keys: &[u64]) -> Result<u64> {
+        self.inner.check_open()?;
+        self.inner.pending.lock().extend_from_slice(keys);
+        let before = self.inner.counters()?[C_INVALIDATED];
+        {
+            let mut st = self.inner.state.lock();
+            self.inner.enter_ordered(&mut st, self.inner.side)?;
+            self.inner.apply_pending(&mut st, self.inner.side)?;
+            self.inner.dev.record(self.inner.order, self.inner.side)?;
+        }
+        Ok(self.inner.counters()?[C_INVALIDATED] - before)
+    }
+
+    /// Keys that changed in the table, to drop at the next launch (a change notice).
+    pub fn notice(&self, keys: &[u64]) {
+        self.inner.notice(keys)
+    }
+
+    /// A listener for `Store::add_change_listener`: the changes of the table named
+    /// `name` reach the cache before its next lookup. Holds the cache weakly.
+    pub fn listener(&self, name: &str) -> Arc<dyn Listener> {
+        Arc::new(Notices { inner: Arc::downgrade(&self.inner), name: name.to_owned() })
+    }
+
+    /// Re-reads every cached key from the table and rewrites the rows that changed
+    /// (drops the keys the table no longer holds); a row whose bucket moved since its
+    /// key was read (a write meanwhile) is left alone. Waits for the device.
+    pub fn refresh(&self) -> Result<Refreshed> {
+        self.inner.refresh()
+    }
+
+    /// Waits until the background inserter has inserted everything queued.
+    pub fn wait(&self) -> Result<()> {
+        let mut q = self.inner.queue.lock();
+        while !q.jobs.is_empty() || q.busy {
+            self.inner.queue_cv.wait(&mut q);
+        }
+        match q.error.take() {
+            Some(e) => Err(Error::new(ErrorKind::Io, format!("a background insert of the GPU cache failed: {e}"))),
+            None => Ok(()),
+        }
+    }
+
+    pub fn stats(&self) -> Result<Stats> {
+        self.inner.stats()
+    }
+
+    /// Finishes the queued inserts and stops the inserter.
+    pub fn close(&self) -> Result<()> {
+        let result = self.wait();
+        self.inner.closed.store(true, Ordering::SeqCst);
+        {
+            let mut q = self.inner.queue.lock();
+            q.closed = true;
+            self.inner.queue_cv.notify_all();
+        }
+        if let Some(h) = self.inserter.lock().take() {
+            let _ = h.join();
+        }
+        result
+    }
+}
+
+impl Drop for GpuTable {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.dev.enter();
+        let _ = self.dev.wait(self.order);
+        let pool = std::mem::take(&mut *self.pool.lock());
+        for s in &pool {
+            let _ = self.dev.wait(s.done);
+        }
+        // SAFETY: everything launched is done (waited above).
+        unsafe {
+            for s in &pool {
+                self.dev.drop_event(s.done);
+                self.dev.drop_event(s.copied);
+            }
+            if let Some(s) = self.state.get_mut().inval.take() {
+                self.dev.drop_event(s.done);
+                self.dev.drop_event(s.copied);
+            }
+            self.dev.drop_event(self.order);
+            self.dev.drop_stream(self.side);
+        }
+    }
+}
+
+struct Notices {
+    inner: Weak<Inner>,
+    name: String,
+}
+
+impl Listener for Notices {
+    fn rows_changed(&self, changed: &Changed<'_>) {
+        if changed.name != self.name {
+            return;
+        }
+        if let Some(inner) = self.inner.upgrade() {
+            inner.notice(changed.keys);
+        }
+    }
+}
+
+impl Inner {
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(Error::new(ErrorKind::Closed, "the GPU cache is closed"));
+        }
+        Ok(())
+    }
+
+    fn notice(&self, keys: &[u64]) {
+        let mut p = self.pending.lock();
+        p.extend_from_slice(keys);
+        drop(p);
+        self.stats.lock().notices += keys.len() as u64;
+    }
+
+    /// Under the launch lock: `stream` waits for the cache's previous launch.
+    fn enter_ordered(&self, _st: &mut State, stream: Stream) -> Result<()> {
+        self.dev.enter()?;
+        self.dev.stream_wait(stream, self.order)
+    }
+
+    /// Under the launch lock: the queued invalidations, one launch.
+    fn apply_pending(&self, st: &mut State, stream: Stream) -> Result<()> {
+        let mut keys = std::mem::take(&mut *self.pending.lock());
+        if keys.is_empty() {
+            return Ok(());
+        }
+        keys.sort_unstable();
+        keys.dedup();
+        let bytes = keys.len() * 8;
+        let c = self.desc_now(st);
+        if st.inval.is_none() {
+            st.inval = Some(Scratch::new(&self.dev, bytes.max(4096))?);
+        }
+        let s = st.inval.as_mut().expect("made above");
+        s.reserve(&self.dev, bytes)?;
+        self.dev.wait(s.done)?;
+        s.host.u64s(0, keys.len()).copy_from_slice(&keys);
+        // SAFETY: the pinned buffer is not written again before `done` (waited above).
+        unsafe { self.dev.htod(s.dev_buf.ptr, s.host.ptr, bytes, stream)? };
+        let args = InvalidateArgs { c, keys: s.dev_buf.ptr, n: keys.len() as u64 };
+        self.dev.launch(Kernel::Invalidate, keys.len() as u64 * 32, bytes_of(&args), stream)?;
+        self.dev.record(s.done, stream)
+    }
+
+    fn desc_now(&self, st: &State) -> CacheDesc {
+        CacheDesc { clock: st.clock, ..self.desc }
+    }
+
+    fn take_scratch(&self, bytes: usize) -> Result<Scratch> {
+        let popped = self.pool.lock().pop();
+        let mut s = match popped {
+            Some(s) => s,
+            None => Scratch::new(&self.dev, bytes.max(1 << 16))?,
+        };
+        s.reserve(&self.dev, bytes)?;
+        Ok(s)
+    }
+
+    fn give_scratch(&self, s: Scratch) {
+        self.pool.lock().push(s);
+    }
+
+    fn asynchronous(&self, st: &State) -> bool {
+        match self.opts.insert {
+            Insert::Sync => false,
+            Insert::Async => true,
+            Insert::Auto => {
+                let (h, n) = st.window.iter().fold((0, 0), |(h, n), (a, b)| (h + a, n + b));
+                n > 0 && h as f64 >= self.opts.hit_rate_threshold * n as f64
+            }
+        }
+    }
+
+    fn record_window(&self, hits: u64, n: u64) {
+        let mut st = self.state.lock();
+        st.window.push_back((hits, n));
+        while st.window.len() > self.opts.window.max(1) {
+            st.window.pop_front();
+        }
+    }
+
+    fn lookup(&self, ids: u64, n: usize, out: u64, stream: Stream, given: u64) -> Result<Option<usize>> {
+        self.check_open()?;
+        if let Some(e) = self.queue.lock().error.take() {
+            return Err(Error::new(ErrorKind::Io, format!("a background insert of the GPU cache failed: {e}")));
+        }
+        if self.opts.policy == Policy::Custom && given == 0 {
+            return Err(invalid("policy custom needs the scores of the ids"));
+        }
+        if n == 0 {
+            return Ok(Some(0));
+        }
+        let fl = FindLayout::new(n);
+        let mut s = self.take_scratch(fl.end + FillLayout::most(0, self.row_bytes, n))?;
+        // The previous user's copies out of the pinned buffer and its launches are done
+        // long before in practice; this wait is what makes reusing it safe.
+        self.dev.wait(s.done)?;
+        let (asynchronous, hint) = {
+            let mut st = self.state.lock();
+            self.enter_ordered(&mut st, stream)?;
+            self.apply_pending(&mut st, stream)?;
+            st.clock += 1;
+            let asynchronous = self.asynchronous(&st);
+            let hint = st.miss_hint.min(n);
+            let args = FindArgs {
+                c: self.desc_now(&st),
+                ids,
+                out,
+                dflt: self.dflt.ptr,
+                payload: s.dev_buf.ptr + fl.payload as u64,
+                miss_at: s.dev_buf.ptr + fl.miss_at as u64,
+                given,
+                n: n as u64,
+            };
+            self.dev.memset(args.payload, 0, 8, stream)?;
+            self.dev.launch(Kernel::Find, n as u64 * 32, bytes_of(&args), stream)?;
+            // SAFETY: the pinned buffer is this caller's until the scratch goes back, and
+            // nobody reads it before `copied`.
+            unsafe { self.dev.dtoh(s.host.ptr, args.payload, 8 * (1 + 3 * hint), stream)? };
+            self.dev.record(s.copied, stream)?;
+            self.dev.record(s.done, stream)?;
+            self.dev.record(self.order, stream)?;
+            (asynchronous, hint)
+        };
+        if asynchronous {
+            let mut q = self.queue.lock();
+            if q.jobs.len() >= ASYNC_JOBS_MAX || q.closed {
+                drop(q);
+                self.stats.lock().async_dropped += 1;
+                self.give_scratch(s);
+            } else {
+                q.jobs.push_back(Job { scratch: s, n, count_hint: hint });
+                self.queue_cv.notify_all();
+            }
+            self.stats.lock().lookups += 1;
+            return Ok(None);
+        }
+        self.dev.wait(s.copied)?; // the one host sync
+        let m = s.host.u64s(0, 1)[0] as usize;
+        if m > hint {
+            // More misses than the hint: their rest, and a second wait.
+            // SAFETY: as above.
+            unsafe {
+                self.dev.dtoh(
+                    s.host.ptr.add(8 * (1 + 3 * hint)),
+                    s.dev_buf.ptr + 8 * (1 + 3 * hint) as u64,
+                    8 * 3 * (m - hint),
+                    stream,
+                )?
+            };
+            self.dev.record(s.copied, stream)?;
+            self.dev.wait(s.copied)?;
+        }
+        {
+            let mut st = self.state.lock();
+            st.miss_hint = (2 * m).max(MISS_HINT_MIN);
+        }
+        let result = if m > 0 {
+            let misses: Vec<u64> = s.host.u64s(8, 3 * m).to_vec();
+            let answer = Answer { out, miss_at: s.dev_buf.ptr + fl.miss_at as u64, n: m };
+            self.fill(&mut s, fl.end, stream, Some(answer), &misses, C_SYNC_INSERTS)
+        } else {
+            Ok(())
+        };
+        self.give_scratch(s);
+        result?;
+        self.record_window((n - m) as u64, n as u64);
+        let mut stats = self.stats.lock();
+        stats.lookups += 1;
+        stats.hits += (n - m) as u64;
+        stats.misses += m as u64;
+        stats.host_syncs += 1 + u64::from(m > hint);
+        Ok(Some(n - m))
+    }
+
+    /// Fetches the rows of `misses` ((key, version, score) triples) from the table and, in
+    /// one copy and one launch on `stream`, answers them (`answer`) and inserts the keys
+    /// the table holds. Uses `s` after byte `base`.
+    fn fill(
+        &self,
+        s: &mut Scratch,
+        base: usize,
+        stream: Stream,
+        answer: Option<Answer>,
+        misses: &[u64],
+        which: u32,
+    ) -> Result<()> {
+        let m = misses.len() / 3;
+        let mut at: HashMap<u64, u32> = HashMap::with_capacity(m);
+        let mut uniq: Vec<u64> = Vec::with_capacity(m);
+        let mut ver: Vec<u32> = Vec::with_capacity(m);
+        let mut score: Vec<u64> = Vec::with_capacity(m);
+        let mut row_of: Vec<u32> = Vec::with_capacity(m);
+        for t in misses.chunks_exact(3) {
+            let (k, v, sc) = (t[0], t[1] as u32, t[2]);
+            let u = *at.entry(k).or_insert_with(|| {
+                uniq.push(k);
+                ver.push(v);
+                score.push(0);
+                (uniq.len() - 1) as u32
+            });
+            let u = u as usize;
+            score[u] = score[u].max(sc);
+            row_of.push(u as u32);
+        }
+        let u_n = uniq.len();
+        let answers = if answer.is_some() { m } else { 0 };
+        let most = FillLayout::new(base, self.row_bytes, answers, u_n, u_n, u_n);
+        s.reserve(&self.dev, most.end)?;
+        let mut found = vec![false; u_n];
+        {
+            let rows = s.host.slice_mut(most.rows, u_n * self.row_bytes);
+            if self.stored == 0 && self.table.meta().dtype != DType::F32 {
+                // SAFETY: 256-aligned base, f32 rows.
+                let f = unsafe { std::slice::from_raw_parts_mut(rows.as_mut_ptr().cast::<f32>(), u_n * self.dim) };
+                self.table.lookup(&uniq, f, &mut found)?;
+            } else {
+                self.table.lookup_stored(&uniq, rows, &mut found)?;
+            }
+        }
+        // The keys to insert, grouped by bucket.
+        let nb = self.desc.n_buckets as u64;
+        let mut ins: Vec<(u64, u32)> = (0..u_n)
+            .filter(|&u| found[u] && uniq[u] < LOCKED_KEY)
+            .map(|u| ((mix(uniq[u]) & 0x7FFF_FFFF_FFFF_FFFF) % nb, u as u32))
+            .collect();
+        ins.sort_unstable();
+        let mut groups: Vec<u32> = Vec::new();
+        for (i, (b, _)) in ins.iter().enumerate() {
+            if i == 0 || ins[i - 1].0 != *b {
+                groups.push(i as u32);
+            }
+        }
+        let n_groups = groups.len();
+        groups.push(ins.len() as u32);
+        let lay = FillLayout::new(base, self.row_bytes, answers, u_n, ins.len(), n_groups);
+        let h = &mut s.host;
+        let k = ins.len();
+        h.u64s(lay.keys, k).iter_mut().zip(&ins).for_each(|(d, &(_, u))| *d = uniq[u as usize]);
+        h.u64s(lay.key_score, k).iter_mut().zip(&ins).for_each(|(d, &(_, u))| *d = score[u as usize]);
+        h.u32s(lay.row_of, answers).copy_from_slice(&row_of[..answers]);
+        h.u32s(lay.key_row, k).iter_mut().zip(&ins).for_each(|(d, &(_, u))| *d = u);
+        h.u32s(lay.key_ver, k).iter_mut().zip(&ins).for_each(|(d, &(_, u))| *d = ver[u as usize]);
+        h.u32s(lay.groups, n_groups + 1).copy_from_slice(&groups);
+        let d = s.dev_buf.ptr;
+        let at_dev = |off: usize| d + off as u64;
+        let mut st = self.state.lock();
+        self.enter_ordered(&mut st, stream)?;
+        // SAFETY: the pinned bytes stay unchanged until `done` (the next user waits).
+        unsafe { self.dev.htod(at_dev(base), h.ptr.add(base), lay.end - base, stream)? };
+        let args = FillArgs {
+            c: self.desc_now(&st),
+            out: answer.as_ref().map_or(0, |a| a.out),
+            miss_at: answer.as_ref().map_or(0, |a| a.miss_at),
+            row_of: at_dev(lay.row_of),
+            rows: at_dev(lay.rows),
+            keys: at_dev(lay.keys),
+            key_row: at_dev(lay.key_row),
+            key_ver: at_dev(lay.key_ver),
+            key_score: at_dev(lay.key_score),
+            groups: at_dev(lay.groups),
+            n_answer: answers as u64,
+            n_groups: n_groups as u64,
+            stored: self.stored,
+            row_bytes: self.row_bytes as u32,
+            which,
+            pad: 0,
+        };
+        debug_assert!(answer.as_ref().is_none_or(|a| a.n == answers));
+        self.dev.launch(Kernel::Fill, (answers + n_groups) as u64 * 32, bytes_of(&args), stream)?;
+        self.dev.record(s.done, stream)?;
+        self.dev.record(self.order, stream)?;
+        Ok(())
+    }
+
+    /// Reads the device counters (waits for the device).
+    fn counters(&self) -> Result<[u64; COUNTERS]> {
+        let mut st = self.state.lock();
+        self.counters_locked(&mut st, false)
+    }
+
+    fn counters_locked(&self, st: &mut State, count_rows: bool) -> Result<[u64; COUNTERS]> {
+        let mut h = Host::new(&self.dev, COUNTERS * 8)?;
+        self.enter_ordered(st, self.side)?;
+        if count_rows {
+            let c = self.desc_now(st);
+            self.dev.memset(c.counters + 8 * C_ROWS as u64, 0, 8, self.side)?;
+            let n = self.desc.n_buckets as u64 * self.desc.slots as u64;
+            let args = CountArgs { c, n };
+            self.dev.launch(Kernel::Count, n.div_ceil(32) * 32, bytes_of(&args), self.side)?;
+        }
+        // SAFETY: `h` lives until the wait below.
+        unsafe { self.dev.dtoh(h.ptr, self.desc.counters, COUNTERS * 8, self.side)? };
+        self.dev.record(self.order, self.side)?;
+        self.dev.wait(self.order)?;
+        let mut out = [0u64; COUNTERS];
+        out.copy_from_slice(h.u64s(0, COUNTERS));
+        Ok(out)
+    }
+
+    fn stats(&self) -> Result<Stats> {
+        let c = {
+            let mut st = self.state.lock();
+            self.enter_ordered(&mut st, self.side)?;
+            self.apply_pending(&mut st, self.side)?;
+            self.counters_locked(&mut st, true)?
+        };
+        let st = self.state.lock();
+        let (h, n) = st.window.iter().fold((0, 0), |(h, n), (a, b)| (h + a, n + b));
+        Ok(Stats {
+            host: self.stats.lock().clone(),
+            window_hit_rate: (n > 0).then(|| h as f64 / n as f64),
+            invalidated: c[C_INVALIDATED],
+            sync_inserts: c[C_SYNC_INSERTS as usize],
+            async_inserts: c[C_ASYNC_INSERTS as usize],
+            insert_refused: c[C_REFUSED],
+            evictions: c[C_EVICTIONS],
+            rows_cached: c[C_ROWS],
+            rows_max: self.desc.n_buckets as u64 * self.desc.slots as u64,
+            bytes: self._arrays.iter().map(|b| b.bytes as u64).sum(),
+        })
+    }
+
+    /// The background inserter's work: the misses of the queued lookups, fetched and
+    /// inserted together on the side stream.
+    fn insert_jobs(&self, jobs: Vec<Job>) -> Result<()> {
+        let mut misses: Vec<u64> = Vec::new();
+        let mut answered = 0u64;
+        let mut give = Vec::with_capacity(jobs.len());
+        let mut first_err = None;
+        for mut job in jobs {
+            let r = (|| -> Result<()> {
+                self.dev.enter()?;
+                self.dev.wait(job.scratch.copied)?;
+                let m = job.scratch.host.u64s(0, 1)[0] as usize;
+                if m > job.count_hint {
+                    let h = job.count_hint;
+                    // SAFETY: the find is done (waited); the pinned buffer is ours.
+                    unsafe {
+                        self.dev.dtoh(
+                            job.scratch.host.ptr.add(8 * (1 + 3 * h)),
+                            job.scratch.dev_buf.ptr + 8 * (1 + 3 * h) as u64,
+                            8 * 3 * (m - h),
+                            self.side,
+                        )?
+                    };
+                    self.dev.record(job.scratch.copied, self.side)?;
+                    self.dev.wait(job.scratch.copied)?;
+                }
+                misses.extend_from_slice(job.scratch.host.u64s(8, 3 * m));
+                answered += m as u64;
+                self.record_window((job.n - m) as u64, job.n as u64);
+                let mut stats = self.stats.lock();
+                stats.hits += (job.n - m) as u64;
+                stats.misses += m as u64;
+                stats.default_answers += m as u64;
+                Ok(())
+            })();
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+            give.push(job.scratch);
+        }
+        let _ = answered;
+        let result = match first_err {
+            Some(e) => Err(e),
+            None if misses.is_empty() => Ok(()),
+            None => {
+                let n = misses.len() / 3;
+                let mut s = self.take_scratch(FillLayout::most(0, self.row_bytes, n))?;
+                self.dev.wait(s.done)?;
+                let r = self.fill(&mut s, 0, self.side, None, &misses, C_ASYNC_INSERTS);
+                self.give_scratch(s);
+                r
+            }
+        };
+        for s in give {
+            self.give_scratch(s);
+        }
+        result
+    }
+
+    fn refresh(&self) -> Result<Refreshed> {
+        self.check_open()?;
+        let t0 = Instant::now();
+        let slots_total = self.desc.n_buckets as usize * self.desc.slots as usize;
+        let nb = self.desc.n_buckets as usize;
+        let mut snap = Host::new(&self.dev, slots_total * 8 + nb * 4)?;
+        {
+            let mut st = self.state.lock();
+            self.enter_ordered(&mut st, self.side)?;
+            self.apply_pending(&mut st, self.side)?;
+            // SAFETY: `snap` lives until the wait below.
+            unsafe {
+                self.dev.dtoh(snap.ptr, self.desc.keys, slots_total * 8, self.side)?;
+                self.dev.dtoh(snap.ptr.add(slots_total * 8), self.desc.versions, nb * 4, self.side)?;
+            }
+            self.dev.record(self.order, self.side)?;
+        }
+        self.dev.wait(self.order)?;
+        let before = self.counters()?[C_REFRESH_CHANGED];
+        let keys: Vec<u64> = snap.u64s(0, slots_total).to_vec();
+        let vers: Vec<u32> = snap.u32s(slots_total * 8, nb).to_vec();
+        drop(snap);
+        let live: Vec<usize> = (0..slots_total).filter(|&i| keys[i] < LOCKED_KEY).collect();
+        let rb = self.row_bytes;
+        // Two buffers alternate: the table's read of one chunk overlaps the copy and the
+        // launch of the one before.
+        let chunk_bytes = |n: usize| align(n * rb, 8) + n * 8 * 2 + n * 4 + align(n, 8) + 256;
+        let per = REFRESH_CHUNK.min(live.len().max(1));
+        let mut bufs = [Scratch::new(&self.dev, chunk_bytes(per))?, Scratch::new(&self.dev, chunk_bytes(per))?];
+        let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(1, 16);
+        let mut moved = (slots_total * 8 + nb * 4) as u64;
+        for (ci, part) in live.chunks(per).enumerate() {
+            let s = &mut bufs[ci % 2];
+            self.dev.wait(s.done)?;
+            let n = part.len();
+            let rows_off = 0;
+            let slots_off = align(n * rb, 8);
+            let keys_off = slots_off + 8 * n;
+            let vers_off = keys_off + 8 * n;
+            let found_off = vers_off + 4 * n;
+            let end = found_off + n;
+            let ks: Vec<u64> = part.iter().map(|&i| keys[i]).collect();
+            let mut found = vec![false; n];
+            {
+                let rows = s.host.slice_mut(rows_off, n * rb);
+                let per_thread = n.div_ceil(threads).max(1024);
+                let f32_rows = self.stored == 0 && self.table.meta().dtype != DType::F32;
+                std::thread::scope(|scope| -> Result<()> {
+                    let mut handles = Vec::new();
+                    for ((kc, rc), fc) in
+                        ks.chunks(per_thread).zip(rows.chunks_mut(per_thread * rb)).zip(found.chunks_mut(per_thread))
+                    {
+                        let table = &self.table;
+                        handles.push(scope.spawn(move || -> Result<()> {
+                            if f32_rows {
+                                // SAFETY: 4-aligned (chunks of whole f32 rows from a
+                                // 256-aligned base).
+                                let f = unsafe {
+                                    std::slice::from_raw_parts_mut(rc.as_mut_ptr().cast::<f32>(), rc.len() / 4)
+                                };
+                                table.lookup(kc, f, fc)
+                            } else {
+                                table.lookup_stored(kc, rc, fc)
+                            }
+                        }));
+                    }
+                    for h in handles {
+                        h.join().map_err(|_| Error::new(ErrorKind::Corrupt, "a refresh reader panicked"))??;
+                    }
+                    Ok(())
+                })?;
+            }
+            let sd = self.desc.slots as usize;
+            for (j, &i) in part.iter().enumerate() {
+                s.host.u64s(slots_off, n)[j] = i as u64;
+                s.host.u64s(keys_off, n)[j] = keys[i];
+                s.host.u32s(vers_off, n)[j] = vers[i / sd];
+            }
+            for (j, f) in found.iter().enumerate() {
+                s.host.slice_mut(found_off, n)[j] = u8::from(*f);
+            }
+            let d = s.dev_buf.ptr;
+            let mut st = self.state.lock();
+            self.enter_ordered(&mut st, self.side)?;
+            // SAFETY: unchanged until `done` (waited before the next write).
+            unsafe { self.dev.htod(d, s.host.ptr, end, self.side)? };
+            let args = RefreshArgs {
+                c: self.desc_now(&st),
+                slots: d + slots_off as u64,
+                keys: d + keys_off as u64,
+                vers: d + vers_off as u64,
+                found: d + found_off as u64,
+                rows: d + rows_off as u64,
+                n: n as u64,
+                stored: self.stored,
+                row_bytes: rb as u32,
+            };
+            self.dev.launch(Kernel::Refresh, n as u64 * 32, bytes_of(&args), self.side)?;
+            self.dev.record(s.done, self.side)?;
+            self.dev.record(self.order, self.side)?;
+            moved += end as u64;
+        }
+        for s in &bufs {
+            self.dev.wait(s.done)?;
+        }
+        let changed = self.counters()?[C_REFRESH_CHANGED] - before;
+        for s in bufs {
+            // SAFETY: waited above.
+            unsafe {
+                self.dev.drop_event(s.done);
+                self.dev.drop_event(s.copied);
+            }
+        }
+        let seconds = t0.elapsed().as_secs_f64();
+        let r = Refreshed { rows: live.len() as u64, changed, bytes: moved, seconds };
+        let mut stats = self.stats.lock();
+        stats.refreshes += 1;
+        stats.refresh_rows += r.rows;
+        stats.refresh_changed += r.changed;
+        stats.refresh_bytes += r.bytes;
+        stats.refresh_seconds += seconds;
+        Ok(r)
+    }
+}
+
+struct Answer {
+    out: u64,
+    miss_at: u64,
+    n: usize,
+}
+
+fn insert_loop(weak: Weak<Inner>) {
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        let jobs: Vec<Job> = {
+            let mut q = inner.queue.lock();
+            if q.jobs.is_empty() {
+                if q.closed {
+                    return;
+                }
+                // Hold the cache only while working: wait with a timeout, then let go.
+                inner.queue_cv.wait_for(&mut q, std::time::Duration::from_millis(100));
+                if q.jobs.is_empty() {
+                    continue;
+                }
+            }
+            q.busy = true;
+            q.jobs.drain(..).collect()
+        };
+        let r = inner.insert_jobs(jobs);
+        let mut q = inner.queue.lock();
+        q.busy = false;
+        if let Err(e) = r {
+            inner.stats.lock().async_errors += 1;
+            q.error.get_or_insert(e.to_string());
+        }
+        inner.queue_cv.notify_all();
+    }
+}

@@ -1,0 +1,235 @@
+//! The GPU cache's host logic and kernels, run on the CPU emulator (the kernels of
+//! kernels/cache.cu compiled by g++), against an embedded table as the reference.
+//! `cargo test -p embank-gpu --features emulator`.
+#![cfg(feature = "emulator")]
+
+use std::sync::Arc;
+
+use embank_core::{DType, Store, StoreOptions, TableApi, TableOptions};
+use embank_gpu::device::Emulator;
+use embank_gpu::{Device, GpuTable, Insert, Options, Policy, RowType};
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    store: Store,
+    table: Arc<dyn TableApi>,
+}
+
+fn table(dtype: DType, dim: u32, keys: u64) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    let mut o = TableOptions::new(dim);
+    o.dtype = dtype;
+    o.capacity = 4096;
+    let t = store.create_table("t", o).unwrap();
+    let ks: Vec<u64> = (0..keys).collect();
+    let rows: Vec<f32> = (0..keys as usize * dim as usize).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+    t.push(&ks, &rows).unwrap();
+    Fixture { _dir: dir, store, table: Arc::new(t) }
+}
+
+fn options(n_buckets: usize, slots: usize, dim: usize) -> Options {
+    Options {
+        n_buckets,
+        slots,
+        row_type: RowType::F32,
+        policy: Policy::Lru,
+        insert: Insert::Sync,
+        hit_rate_threshold: 0.8,
+        window: 8,
+        default_row: vec![-7.0; dim],
+        stored_rows: true,
+    }
+}
+
+fn dev() -> Arc<dyn Device> {
+    Arc::new(Emulator)
+}
+
+/// A lookup through the cache: ids and rows in (emulated) device memory, i.e. host memory.
+fn lookup(cache: &GpuTable, ids: &[u64]) -> (Vec<f32>, Option<usize>) {
+    let mut out = vec![0f32; ids.len() * cache.dim()];
+    let hits = cache.lookup(ids.as_ptr() as u64, ids.len(), out.as_mut_ptr() as u64, 0, 0).unwrap();
+    (out, hits)
+}
+
+fn reference(t: &Arc<dyn TableApi>, ids: &[u64]) -> Vec<f32> {
+    let mut out = vec![0f32; ids.len() * t.dim()];
+    let mut found = vec![false; ids.len()];
+    t.lookup(ids, &mut out, &mut found).unwrap();
+    out
+}
+
+#[test]
+fn sync_lookups_answer_the_tables_rows_then_hit() {
+    let f = table(DType::F32, 5, 300);
+    let cache = GpuTable::new(dev(), f.table.clone(), options(4, 32, 5)).unwrap();
+    // Duplicates, a key the table lacks (answered with its missing default, not cached).
+    let ids: Vec<u64> = vec![3, 7, 3, 250, 9_999, 7, 42];
+    let (out, hits) = lookup(&cache, &ids);
+    assert_eq!(out, reference(&f.table, &ids));
+    assert_eq!(hits, Some(0));
+    let (out, hits) = lookup(&cache, &ids);
+    assert_eq!(out, reference(&f.table, &ids));
+    assert_eq!(hits, Some(6), "all but the absent key hit");
+    let s = cache.stats().unwrap();
+    assert_eq!(s.rows_cached, 4, "four distinct keys the table holds");
+    assert_eq!(s.sync_inserts, 4);
+    assert_eq!(s.host.host_syncs, 2);
+}
+
+#[test]
+fn a_full_cache_evicts_and_stays_exact() {
+    let f = table(DType::F32, 3, 500);
+    // 2 buckets of 8: 16 rows for 500 keys.
+    let cache = GpuTable::new(dev(), f.table.clone(), options(2, 8, 3)).unwrap();
+    let mut seed = 1u64;
+    for _ in 0..6 {
+        let ids: Vec<u64> = (0..40)
+            .map(|_| {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (seed >> 33) % 500
+            })
+            .collect();
+        let (out, _) = lookup(&cache, &ids);
+        assert_eq!(out, reference(&f.table, &ids));
+    }
+    let s = cache.stats().unwrap();
+    assert!(s.rows_cached <= 16 && s.rows_cached >= 8, "{s:?}");
+    assert!(s.evictions > 0, "{s:?}");
+}
+
+#[test]
+fn compact_tables_and_row_types_decode_on_the_device() {
+    for (dtype, row_type) in
+        [(DType::Int8, RowType::F32), (DType::F16, RowType::F32), (DType::F32, RowType::F16), (DType::F32, RowType::Bf16)]
+    {
+        let f = table(dtype, 6, 100);
+        let mut o = options(4, 16, 6);
+        o.row_type = row_type;
+        let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
+        let ids: Vec<u64> = (0..20).collect();
+        let (miss, _) = lookup(&cache, &ids);
+        let want = reference(&f.table, &ids);
+        assert_eq!(miss, want, "{dtype:?}: a miss answers the table's row exactly");
+        let (hit, hits) = lookup(&cache, &ids);
+        assert_eq!(hits, Some(20));
+        for (a, b) in hit.iter().zip(&want) {
+            let tol = match row_type {
+                RowType::F32 => 0.0,
+                RowType::F16 => 2e-3 * b.abs().max(1e-3),
+                RowType::Bf16 => 8e-3 * b.abs().max(1e-3),
+            };
+            assert!((a - b).abs() <= tol, "{dtype:?}/{row_type:?}: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn f16_rounding_is_to_nearest_even_as_torch_does() {
+    let f = table(DType::F32, 4, 1);
+    // Values on and around half-way points, subnormals, overflow.
+    let vals = [1.0f32 + 1.0 / 2048.0, 1.0 + 3.0 / 2048.0, 6.0e-8, 65520.0];
+    f.table.push(&[0], &vals).unwrap();
+    let mut o = options(1, 8, 4);
+    o.row_type = RowType::F16;
+    let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
+    lookup(&cache, &[0]);
+    let (hit, _) = lookup(&cache, &[0]);
+    let want = [1.0f32, 1.0 + 4.0 / 2048.0, 5.960_464_5e-8, f32::INFINITY];
+    assert_eq!(hit, want);
+}
+
+#[test]
+fn change_notices_reach_the_cache_within_one_lookup() {
+    let f = table(DType::F32, 4, 100);
+    let cache = GpuTable::new(dev(), f.table.clone(), options(8, 16, 4)).unwrap();
+    f.store.add_change_listener(cache.listener("t")).unwrap();
+    let ids: Vec<u64> = (0..50).collect();
+    lookup(&cache, &ids);
+    f.table.push(&[5, 6], &[9.0; 8]).unwrap();
+    let (out, hits) = lookup(&cache, &ids);
+    assert_eq!(out, reference(&f.table, &ids));
+    assert_eq!(&out[20..28], &[9.0; 8]);
+    assert_eq!(hits, Some(48), "the two written rows were dropped, then fetched");
+    assert_eq!(cache.stats().unwrap().invalidated, 2);
+}
+
+#[test]
+fn refresh_rewrites_rows_written_behind_the_caches_back() {
+    let f = table(DType::F32, 4, 100);
+    let cache = GpuTable::new(dev(), f.table.clone(), options(8, 16, 4)).unwrap();
+    let ids: Vec<u64> = (0..40).collect();
+    lookup(&cache, &ids);
+    // No listener: these writes bypass the cache.
+    f.table.push(&[1, 2, 3], &[4.5; 12]).unwrap();
+    f.table.delete(&[4]).unwrap();
+    let (stale, _) = lookup(&cache, &ids);
+    assert_ne!(stale, reference(&f.table, &ids));
+    let r = cache.refresh().unwrap();
+    assert_eq!(r.rows, 40);
+    assert_eq!(r.changed, 4, "three rewritten, one dropped");
+    let (fresh, hits) = lookup(&cache, &ids);
+    assert_eq!(fresh, reference(&f.table, &ids));
+    assert_eq!(hits, Some(39));
+}
+
+#[test]
+fn async_lookups_answer_the_default_then_the_rows() {
+    let f = table(DType::F32, 4, 100);
+    let mut o = options(8, 16, 4);
+    o.insert = Insert::Async;
+    let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
+    let ids: Vec<u64> = vec![1, 2, 3, 2];
+    let (out, hits) = lookup(&cache, &ids);
+    assert_eq!(hits, None);
+    assert_eq!(out, vec![-7.0; 16]);
+    cache.wait().unwrap();
+    let (out, _) = lookup(&cache, &ids);
+    assert_eq!(out, reference(&f.table, &ids));
+    let s = cache.stats().unwrap();
+    assert_eq!((s.async_inserts, s.host.default_answers, s.host.host_syncs), (3, 4, 0));
+}
+
+#[test]
+fn invalidate_drops_the_rows_and_counts_them() {
+    let f = table(DType::F32, 4, 100);
+    let cache = GpuTable::new(dev(), f.table.clone(), options(8, 16, 4)).unwrap();
+    lookup(&cache, &[1, 2, 3]);
+    assert_eq!(cache.invalidate(&[2, 3, 3, 77]).unwrap(), 2);
+    assert_eq!(lookup(&cache, &[1, 2, 3]).1, Some(1));
+}
+
+#[test]
+fn lfu_refuses_a_new_key_where_every_slot_is_used_more() {
+    let f = table(DType::F32, 2, 100);
+    let mut o = options(1, 2, 2);
+    o.policy = Policy::Lfu;
+    let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
+    lookup(&cache, &[1, 2]);
+    lookup(&cache, &[1, 2]); // both used twice
+    lookup(&cache, &[3]); // a new key scores 1: refused
+    assert_eq!(lookup(&cache, &[1, 2]).1, Some(2));
+    assert_eq!(cache.stats().unwrap().insert_refused, 1);
+}
+
+#[test]
+fn two_threads_on_one_cache() {
+    let f = table(DType::F32, 3, 200);
+    let cache = Arc::new(GpuTable::new(dev(), f.table.clone(), options(4, 16, 3)).unwrap());
+    std::thread::scope(|s| {
+        for t in 0..2u64 {
+            let cache = cache.clone();
+            let table = f.table.clone();
+            s.spawn(move || {
+                for r in 0..4u64 {
+                    let ids: Vec<u64> = (0..30).map(|i| (i * 7 + r * 13 + t * 101) % 200).collect();
+                    let (out, _) = lookup(&cache, &ids);
+                    assert_eq!(out, reference(&table, &ids));
+                }
+            });
+        }
+    });
+    let s = cache.stats().unwrap();
+    assert_eq!(s.host.lookups, 8);
+}
