@@ -21,8 +21,10 @@ $(VENV)/.installed: requirements-dev.txt requirements-torchrec.txt $(VENV)/.demo
 	touch $@
 
 # Builds the Rust engine and installs the Python package (and the `embank` command) into .venv.
+# `make test` builds it with the CPU emulator of the GPU cache's kernels (g++ needed), so that
+# the native GPU path's Python tests run without a GPU; `make demo` builds it without.
 develop: $(VENV)/.demo-installed
-	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/maturin develop --release --locked -q
+	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/maturin develop --release --locked -q $(DEVELOP_FLAGS)
 
 # The main job: build a store of a few million rows, pull from it, reopen it.
 demo: develop
@@ -45,10 +47,12 @@ wheel: $(VENV)/.wheel-installed
 # Every check: formatting, lints with warnings denied, Rust tests, Python lint, types, tests,
 # and a short run of every fuzz target.
 test: develop $(VENV)/.installed lint test-rust test-python fuzz-smoke
+test: DEVELOP_FLAGS = --features gpu-emulator
 
 lint: $(VENV)/.installed
 	cargo fmt --all --check
 	python3 tools/import_cycles.py crates/embank-core/src
+	$(BIN)/python tools/gpu_ptx.py --check
 	cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 	$(BIN)/ruff check python tests/python examples bench tools/newcomer.py
 	$(BIN)/ruff format --check python tests/python examples bench tools/newcomer.py
@@ -57,6 +61,7 @@ lint: $(VENV)/.installed
 
 test-rust: kafka-jars
 	cargo test --workspace --exclude embank-py --locked
+	cargo test -p embank-gpu --features emulator --locked
 	cargo test -p embank-cli --features baselines --locked --test bench_smoke
 
 test-python: develop kge-data

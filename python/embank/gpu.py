@@ -99,6 +99,7 @@ from ._gpu_support import (
     decode_rows,
     key_hash,
 )
+from . import _native
 from ._store import Table
 from .errors import InvalidInputError
 
@@ -191,11 +192,17 @@ class GpuCache:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if kernels == "auto":
-            kernels = "triton" if self.device.type == "cuda" and _triton_usable(self.device) else "torch"
-        if kernels not in ("triton", "torch"):
-            raise InvalidInputError(f'kernels must be "triton", "torch" or "auto", got {kernels!r}')
+            kernels = "native" if self.device.type == "cuda" else "torch"
+        if kernels not in ("native", "triton", "torch"):
+            raise InvalidInputError(f'kernels must be "native", "triton", "torch" or "auto", got {kernels!r}')
         if kernels == "triton" and not _triton_usable(self.device):
             raise InvalidInputError("Triton kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
+        if kernels == "native" and self.device.type == "cpu" and not _native.gpu_emulator():
+            raise InvalidInputError(
+                'kernels="native" runs on CUDA; on the CPU only in a build with the GPU emulator (make test builds one)'
+            )
+        if kernels == "native" and self.device.type not in ("cuda", "cpu"):
+            raise InvalidInputError(f'kernels="native" runs on CUDA, not {self.device.type}')
         self.kernels = kernels
         self.insert_mode, self.threshold, self.policy = insert, hit_rate_threshold, policy
         self._policy = _POLICIES[policy]
@@ -205,6 +212,22 @@ class GpuCache:
         self.slots = s
         self.n_buckets = rows_max // s  # rounded down: rows_max is a bound
         self.dtype = dtype
+        fill = default
+        if fill is None:
+            missing = table.options.get("missing")
+            fill = float(missing) if isinstance(missing, (int, float)) else 0.0
+        default_values = torch.as_tensor(fill, dtype=torch.float32).expand(self.dim)
+        self._n: Any = None
+        self._closed = False
+        if kernels == "native":
+            self._window_len = max(1, window)
+            self._init_native(table, default_values, stored_rows)
+            self._stop = threading.Event()
+            weakref.finalize(self, self._stop.set)
+            self._refresher: threading.Thread | None = None
+            if refresh_every is not None:
+                self.start_refresh(refresh_every)
+            return
         dev = self.device
         s = self.slots
         self.keys = torch.full((self.n_buckets, s), EMPTY, dtype=torch.int64, device=dev)
@@ -217,11 +240,7 @@ class GpuCache:
         self._counts = torch.zeros(5, dtype=torch.int64, device=dev)
         self._outcomes = torch.zeros((3, 8), dtype=torch.int64, device=dev)
         self._ones = torch.ones(ONES_CHUNK, dtype=torch.int64, device=dev)  # never reallocated
-        fill = default
-        if fill is None:
-            missing = table.options.get("missing")
-            fill = float(missing) if isinstance(missing, (int, float)) else 0.0
-        self.default_row = torch.as_tensor(fill, dtype=torch.float32).expand(self.dim).to(dev).clone()
+        self.default_row = default_values.to(dev).clone()
         self.clock = 0
         self._lock = threading.RLock()
         self._order: Any = None  # the event after the cache's last launch (CUDA)
@@ -236,7 +255,6 @@ class GpuCache:
             0,
         )  # fmt: skip
         self._refresh_seconds = 0.0
-        self._closed = False
         self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._queue = _AsyncQueue(queue_keys_max)
         self._inserter = threading.Thread(
@@ -246,10 +264,63 @@ class GpuCache:
         self._stop = threading.Event()
         weakref.finalize(self, self._queue.close)
         weakref.finalize(self, self._stop.set)
-        self._refresher: threading.Thread | None = None
+        self._refresher = None
         if refresh_every is not None:
             self.start_refresh(refresh_every)
         table._write_listeners().add(self._on_write)
+
+    # ---- the native path (kernels="native": crates/embank-gpu) ----
+
+    def _init_native(self, table: Table, default_values: torch.Tensor, stored_rows: bool) -> None:
+        """The cache as one native object: every lookup is one call into Rust, which
+        launches the CUDA kernels of crates/embank-gpu/kernels/cache.cu itself (on the CPU:
+        their emulator, in a test build)."""
+        ordinal = self.device.index if self.device.type == "cuda" else -1
+        if self.device.type == "cuda":
+            torch.cuda.init()  # the primary context the native path shares with PyTorch
+        self._stream_of = (
+            (lambda: torch.cuda.current_stream(self.device).cuda_stream) if self.device.type == "cuda" else (lambda: 0)
+        )
+        self._n = _native.GpuTable(
+            table._t,
+            ordinal,
+            self.n_buckets,
+            self.slots,
+            str(self.dtype).replace("torch.", ""),
+            self.policy,
+            self.insert_mode,
+            self.threshold,
+            self._window_len,
+            [float(v) for v in default_values.tolist()],
+            stored_rows,
+            table._store,
+        )
+        self._insert_sent = self.insert_mode
+        self._remote = bool(table._t.remote)
+        if self._remote:  # an embedded table's writes reach the cache through the store's notices
+            table._write_listeners().add(self._on_write)
+
+    def _lookup_native(self, ids: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        flat = self._device_ids(ids)
+        n = flat.numel()
+        out = torch.empty((n, self.dim), dtype=torch.float32, device=self.device)
+        given = 0
+        if self._policy == 2:
+            if scores is None:
+                raise InvalidInputError('policy="custom" needs the scores of the ids')
+            g = scores.reshape(-1).to(self.device, torch.int64)
+            if len(g) != n:
+                raise InvalidInputError(f"scores must have the shape of ids, got {scores.shape} for {ids.shape}")
+            if len(g) and int(g.min()) < 0:
+                raise InvalidInputError("scores must be >= 0")
+            given = g.data_ptr()
+        if self.insert_mode != self._insert_sent:  # the attribute is the switch, as for the other kernels
+            if self.insert_mode not in ("sync", "async", "auto"):
+                raise InvalidInputError(f'insert must be "sync", "async" or "auto", got {self.insert_mode!r}')
+            self._n.set_insert(self.insert_mode)
+            self._insert_sent = self.insert_mode
+        self._n.lookup(flat.data_ptr(), n, out.data_ptr(), self._stream_of(), given)
+        return out.reshape(*ids.shape, self.dim)
 
     # ---- ordering and host buffers ----
 
@@ -556,6 +627,8 @@ class GpuCache:
         inserted with the larger of its scores, whatever their order, so the Triton
         kernels and the PyTorch path cache the same keys). One host sync (see the
         module's text)."""
+        if self._n is not None:
+            return self._lookup_native(ids, scores)
         self._queue.raise_error()
         flat = self._device_ids(ids)
         n = len(flat)
@@ -717,6 +790,9 @@ class GpuCache:
     def wait(self) -> None:
         """Waits until the background inserts queued so far are done; raises the error
         of a failed one (once)."""
+        if self._n is not None:
+            self._n.wait()
+            return
         self._queue.join()
         self._queue.raise_error()
 
@@ -724,6 +800,10 @@ class GpuCache:
         """Drops ``keys`` (a tensor on any device, numpy array or list of u64 keys) from
         the cache; a later lookup reads them from the table again. Returns how many were
         cached (waits for the device)."""
+        if self._n is not None:
+            if isinstance(keys, torch.Tensor):
+                keys = self._device_ids(keys).cpu().numpy()
+            return int(self._n.invalidate(_host_keys(keys).view(np.uint64).tolist()))
         return int(self._invalidate_keys(keys).sum())
 
     def _invalidate_keys(self, keys: Any) -> torch.Tensor:
@@ -739,6 +819,9 @@ class GpuCache:
         return done
 
     def _on_write(self, keys: npt.NDArray[np.uint64]) -> None:
+        if self._n is not None:
+            self._n.notice(np.asarray(keys, dtype=np.uint64).tolist())  # dropped before the next lookup
+            return
         self._invalidate_keys(keys)  # no host wait
 
     def refresh(self, batch: int = 65_536) -> dict[str, float]:
@@ -749,6 +832,9 @@ class GpuCache:
         Returns rows, changed, bytes moved between host and device (keys down, rows
         up: float32, or as stored with ``stored_rows``) and seconds. Waits for the device
         (it is not the lookup's path)."""
+        if self._n is not None:
+            rows, changed, moved, seconds = self._n.refresh()
+            return {"rows": rows, "changed": changed, "bytes": moved, "seconds": seconds}
         t0 = time.perf_counter()
         with self._ordered():
             keys_flat = self.keys.view(-1)
@@ -824,6 +910,8 @@ class GpuCache:
         full) and errors, evictions, invalidated rows, refresh rows/bytes/seconds/GB/s,
         rows cached, rows_max, bytes of the structure and, on CUDA, memory allocated.
         Waits for the device."""
+        if self._n is not None:
+            return self._stats_native()
         with self._ordered():
             counts = self._counts.tolist()
             outcomes = self._outcomes.tolist()
@@ -864,12 +952,36 @@ class GpuCache:
             s["cuda_memory_allocated"] = torch.cuda.memory_allocated(self.device)
         return s
 
+    def _stats_native(self) -> dict[str, Any]:
+        s: dict[str, Any] = dict(self._n.stats())
+        total = s["hits"] + s["misses"]
+        s["hit_rate"] = s["hits"] / total if total else None
+        secs = s["refresh_seconds"]
+        s["refresh_gb_per_s"] = s["refresh_bytes"] / secs / 1e9 if secs else None
+        s["slots"] = self.slots
+        s["device"], s["kernels"], s["insert"], s["policy"] = (
+            str(self.device),
+            self.kernels,
+            self.insert_mode,
+            self.policy,
+        )
+        s["dtype"] = str(self.dtype).replace("torch.", "")
+        return s
+
     def close(self) -> None:
         """Stops the background threads (queued inserts are finished first) and raises
         the error of a failed background insert not raised yet."""
         if self._closed:
             return
         self._closed = True
+        if self._n is not None:
+            self._stop.set()
+            if self._refresher is not None:
+                self._refresher.join()
+            if self._remote:
+                self.table._write_listeners().discard(self._on_write)
+            self._n.close()
+            return
         self._stop.set()
         self._queue.join()
         self._queue.close()

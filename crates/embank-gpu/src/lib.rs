@@ -26,7 +26,7 @@
 pub mod device;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -37,7 +37,6 @@ use parking_lot::{Condvar, Mutex};
 
 pub use device::{Device, Event, Kernel, Stream};
 
-const EMPTY_KEY: u64 = u64::MAX;
 const LOCKED_KEY: u64 = u64::MAX - 1;
 /// Miss ids a lookup copies to the host with the count, at least.
 const MISS_HINT_MIN: usize = 1024;
@@ -440,6 +439,8 @@ struct Inner {
     queue: Mutex<Queue>,
     queue_cv: Condvar,
     closed: AtomicBool,
+    /// The insert mode now ([`Insert`] as u8): [`GpuTable::set_insert`] changes it.
+    insert: AtomicU8,
 }
 
 /// A GPU cache of one table (see the crate's text).
@@ -513,6 +514,7 @@ impl GpuTable {
             policy: opts.policy as u32,
             pad: 0,
         };
+        let insert = AtomicU8::new(opts.insert as u8);
         let inner = Arc::new(Inner {
             dev,
             table,
@@ -532,6 +534,7 @@ impl GpuTable {
             queue: Mutex::new(Queue { jobs: VecDeque::new(), busy: false, closed: false, error: None }),
             queue_cv: Condvar::new(),
             closed: AtomicBool::new(false),
+            insert,
         });
         let weak = Arc::downgrade(&inner);
         let inserter = std::thread::Builder::new()
@@ -543,6 +546,11 @@ impl GpuTable {
 
     pub fn dim(&self) -> usize {
         self.inner.dim
+    }
+
+    /// Changes when misses are inserted, from the next lookup on.
+    pub fn set_insert(&self, insert: Insert) {
+        self.inner.insert.store(insert as u8, Ordering::Relaxed);
     }
 
     /// Bytes of the cache's structure on the device.
@@ -732,10 +740,10 @@ impl Inner {
     }
 
     fn asynchronous(&self, st: &State) -> bool {
-        match self.opts.insert {
-            Insert::Sync => false,
-            Insert::Async => true,
-            Insert::Auto => {
+        match self.insert.load(Ordering::Relaxed) {
+            x if x == Insert::Sync as u8 => false,
+            x if x == Insert::Async as u8 => true,
+            _ => {
                 let (h, n) = st.window.iter().fold((0, 0), |(h, n), (a, b)| (h + a, n + b));
                 n > 0 && h as f64 >= self.opts.hit_rate_threshold * n as f64
             }
@@ -752,6 +760,7 @@ impl Inner {
 
     fn lookup(&self, ids: u64, n: usize, out: u64, stream: Stream, given: u64) -> Result<Option<usize>> {
         self.check_open()?;
+        self.dev.enter()?; // the caller's thread may never have used the device
         if let Some(e) = self.queue.lock().error.take() {
             return Err(Error::new(ErrorKind::Io, format!("a background insert of the GPU cache failed: {e}")));
         }
@@ -951,6 +960,7 @@ impl Inner {
     }
 
     fn counters_locked(&self, st: &mut State, count_rows: bool) -> Result<[u64; COUNTERS]> {
+        self.dev.enter()?;
         let mut h = Host::new(&self.dev, COUNTERS * 8)?;
         self.enter_ordered(st, self.side)?;
         if count_rows {
@@ -1053,6 +1063,7 @@ impl Inner {
 
     fn refresh(&self) -> Result<Refreshed> {
         self.check_open()?;
+        self.dev.enter()?;
         let t0 = Instant::now();
         let slots_total = self.desc.n_buckets as usize * self.desc.slots as usize;
         let nb = self.desc.n_buckets as usize;

@@ -19,9 +19,10 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
 mod fused;
+mod gpu;
 
 /// Maps an engine error to the matching class of `embank.errors`.
-fn to_py_err(e: core::Error) -> PyErr {
+pub(crate) fn to_py_err(e: core::Error) -> PyErr {
     let class = match e.kind() {
         ErrorKind::Io => "EmbankIOError",
         ErrorKind::Config => "ConfigError",
@@ -66,14 +67,14 @@ fn slice<'a, T: numpy::Element>(a: &'a PyReadonlyArray1<'_, T>, what: &str) -> P
 /// An open store: embedded (a directory in this process) or remote (shards over TCP),
 /// behind the one store interface of the core.
 #[pyclass(module = "embank._native", frozen)]
-struct Store {
+pub(crate) struct Store {
     inner: Arc<dyn StoreApi>,
     /// The same store when it is embedded (what a publisher reads from).
-    embedded: Option<Arc<core::Store>>,
+    pub(crate) embedded: Option<Arc<core::Store>>,
 }
 
 /// Runs a call on the store interface with the GIL released, mapping its error.
-fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, core::Error> + Send) -> PyResult<T> {
+pub(crate) fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, core::Error> + Send) -> PyResult<T> {
     py.detach(f).map_err(to_py_err)
 }
 
@@ -294,8 +295,8 @@ impl Store {
 
 /// One table of a store, behind the one table interface of the core.
 #[pyclass(module = "embank._native", frozen)]
-struct Table {
-    inner: Arc<dyn TableApi>,
+pub(crate) struct Table {
+    pub(crate) inner: Arc<dyn TableApi>,
 }
 
 #[pymethods]
@@ -703,6 +704,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fused::Collection>()?;
     m.add_class::<fused::Step>()?;
     m.add_class::<fused::Grads>()?;
+    m.add_class::<gpu::GpuTable>()?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_emulator, m)?)?;
     m.add_function(wrap_pyfunction!(client_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
