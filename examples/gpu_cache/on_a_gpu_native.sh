@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The native GPU path's checks and measurements on a machine with an NVIDIA GPU, in one
+# call of about four minutes: the CUDA tests (the native path on CUDA and on the emulator
+# where the build has it; the Triton/PyTorch paths' tests too), then
+# examples/gpu_cache/native_bench.py at full size. Each step has its own time limit.
+#
+#   bash examples/gpu_cache/on_a_gpu_native.sh OUT_DIR [WORK_DIR]
+#
+# Needs python3 with torch (CUDA), numpy, pytest (triton for the Triton tests); embank
+# importable (installed, or python/embank with its built extension: the script puts
+# ./python first on PYTHONPATH).
+set -u
+out=${1:?usage: on_a_gpu_native.sh OUT_DIR [WORK_DIR]}
+work=${2:-/tmp/embank-gpu-native}
+py=${PYTHON:-python3}
+mkdir -p "$out" "$work"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+step() { echo "== $(date -u +%H:%M:%S) $*" >&2; }
+
+step env
+{
+    nvidia-smi -L
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+    "$py" -c 'import sys, torch, numpy, embank; print(sys.version.split()[0], "torch", torch.__version__, "numpy", numpy.__version__, torch.cuda.get_device_name(), "emulator", embank._native.gpu_emulator())'
+    nproc
+} 2>&1 | tee "$out/env.txt"
+
+step tests
+timeout "${TESTS_TIMEOUT:-200}" "$py" -m pytest -q -p no:cacheprovider -rs -x \
+    tests/python/test_gpu_native.py tests/python/test_gpu.py tests/python/test_gpu_regressions.py \
+    2>&1 | tee "$out/pytest.txt" | tail -40
+
+step native bench
+timeout "${BENCH_TIMEOUT:-330}" "$py" examples/gpu_cache/native_bench.py --out "$work" ${BENCH_ARGS:-} \
+    2>&1 | tee "$out/bench.txt" | tail -150
+cp "$work/native.json" "$out/" 2>/dev/null
+step done
