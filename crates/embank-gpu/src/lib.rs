@@ -771,7 +771,12 @@ impl Inner {
             return Ok(Some(0));
         }
         let fl = FindLayout::new(n);
-        let mut s = self.take_scratch(fl.end + FillLayout::most(0, self.row_bytes, n))?;
+        // An async lookup's misses are filled from the inserter's own scratch: this one
+        // needs room for the find only. A sync one fills from it too (grown now: growing
+        // later would lose the misses' places).
+        let planned_async = self.asynchronous(&self.state.lock());
+        let room = if planned_async { fl.end } else { fl.end + FillLayout::most(0, self.row_bytes, n) };
+        let mut s = self.take_scratch(room)?;
         // The previous user's copies out of the pinned buffer and its launches are done
         // long before in practice; this wait is what makes reusing it safe.
         self.dev.wait(s.done)?;
@@ -780,7 +785,7 @@ impl Inner {
             self.enter_ordered(&mut st, stream)?;
             self.apply_pending(&mut st, stream)?;
             st.clock += 1;
-            let asynchronous = self.asynchronous(&st);
+            let asynchronous = planned_async;
             let hint = st.miss_hint.min(n);
             let args = FindArgs {
                 c: self.desc_now(&st),
@@ -1043,6 +1048,9 @@ impl Inner {
             give.push(job.scratch);
         }
         let _ = answered;
+        for s in give {
+            self.give_scratch(s); // before the table is read: the lookups may reuse them
+        }
         let result = match first_err {
             Some(e) => Err(e),
             None if misses.is_empty() => Ok(()),
@@ -1055,9 +1063,6 @@ impl Inner {
                 r
             }
         };
-        for s in give {
-            self.give_scratch(s);
-        }
         result
     }
 
