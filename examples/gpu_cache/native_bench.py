@@ -11,7 +11,9 @@ the limits and baselines of the same run: the checks of "the GPU tier earns its 
 (c) end to end: ``EmbeddingBag`` (``--bags`` x ``--bag-size`` ids, Zipf 0.99 and 1.2) over
     ``--rows`` rows through a cache of ``--cache-fraction`` of them, warmed by a trace,
     against the same bag pulling every row from the CPU store, p50/p99 of ``--batches``;
-    the Triton kernels' p50 beside them (``--triton``) where Triton is installed;
+    inserts ``auto`` (async from a window hit rate of 0.8), ``async`` (every miss answered
+    with the default row, inserted in the background) and ``sync`` (every miss fetched
+    before the lookup returns); the Triton kernels' (``--triton``) beside them;
 (d) refresh: a write of 1 % of the cached rows through the table reaches the cache by the
     next lookup (checked row for row), and a full ``refresh()`` of ``--refresh-rows`` rows
     of dim 128: GB/s of the bytes it moved.
@@ -124,6 +126,8 @@ def throughput(store: embank.Store, args: argparse.Namespace, device: torch.devi
     cache = GpuCache(t, rows_max=2 * rows, device=device, insert="async", kernels="native")
     warm(cache, torch.arange(rows, dtype=torch.int64, device=device))
     held = cache.stats()["rows_cached"]
+    sync_cache = GpuCache(t, rows_max=2 * rows, device=device, insert="sync", kernels="native")
+    warm(sync_cache, torch.arange(rows, dtype=torch.int64, device=device))
     weight = torch.randn(rows, dim, device=device)
     perm = torch.randperm(rows, generator=torch.Generator().manual_seed(2)).to(device)
     g = torch.Generator().manual_seed(1)
@@ -132,7 +136,12 @@ def throughput(store: embank.Store, args: argparse.Namespace, device: torch.devi
         ids = torch.randint(0, rows, (batch,), generator=g).to(device)
         permuted = perm[ids]
         res: dict[str, Any] = {"ids": batch}
-        for name, fn in (("native", lambda i=ids: cache.lookup(i)), ("gather", lambda r=permuted: F.embedding(r, weight))):
+        runs = (
+            ("native", lambda i=ids: cache.lookup(i)),
+            ("native_sync", lambda i=ids: sync_cache.lookup(i)),
+            ("gather", lambda r=permuted: F.embedding(r, weight)),
+        )
+        for name, fn in runs:
             fn()
             sync(device)
             times = []
@@ -145,12 +154,14 @@ def throughput(store: embank.Store, args: argparse.Namespace, device: torch.devi
             res[f"{name}_keys_per_s_best"] = batch / min(times)
             res[f"{name}_keys_per_s_median"] = batch / float(np.median(times))
         res["native_vs_gather"] = res["native_keys_per_s_median"] / res["gather_keys_per_s_median"]
+        res["native_sync_vs_gather"] = res["native_sync_keys_per_s_median"] / res["gather_keys_per_s_median"]
         out["batches"].append(res)
     before = cache.stats()
     cache.lookup(torch.arange(min(rows, 1 << 16), dtype=torch.int64, device=device))
     cache.wait()
     out["misses_while_timed"] = cache.stats()["misses"] - before["misses"]
     cache.close()
+    sync_cache.close()
     return out
 
 
@@ -160,7 +171,9 @@ def end_to_end(store: embank.Store, args: argparse.Namespace, device: torch.devi
     cdf: dict[Any, np.ndarray] = {}
     n_ids = args.bags * args.bag_size
     offsets = torch.arange(0, n_ids, args.bag_size, dtype=torch.int64)
-    kernels = ["native"] + (["triton"] if args.triton else [])
+    variants = [("native", m) for m in ("auto", "async", "sync")] + (
+        [("triton", "auto")] if args.triton else []
+    )
     for a in (0.99, 1.2):
         rng = np.random.default_rng(7)
         batches = [torch.as_tensor(zipf_ids(rng, n_ids, args.rows, a, cdf)) for _ in range(args.batches + 1)]
@@ -177,11 +190,11 @@ def end_to_end(store: embank.Store, args: argparse.Namespace, device: torch.devi
                 lat.append(time.perf_counter() - t0)
         res["cpu_store"] = {"p50_ms": 1e3 * pct(lat, 50), "p99_ms": 1e3 * pct(lat, 99)}
         trace = torch.as_tensor(zipf_ids(np.random.default_rng(11), args.trace_ids, args.rows, a, cdf))
-        for k in kernels:
+        for k, mode in variants:
             cache = GpuCache(t, rows_max=out["cache_rows"], device=device, insert="sync", kernels=k)
             for part in trace.split(1 << 16):
                 cache.lookup(part.to(device))
-            cache.insert_mode = "auto"
+            cache.insert_mode = mode
             bag = et.EmbeddingBag(cache, mode="sum").eval()
             before = cache.stats()
             lat = []
@@ -197,11 +210,12 @@ def end_to_end(store: embank.Store, args: argparse.Namespace, device: torch.devi
             after = cache.stats()
             h = after["hits"] - before["hits"]
             n = h + after["misses"] - before["misses"]
-            res[f"gpu_cache_{k}"] = {
+            res[f"gpu_cache_{k}_{mode}"] = {
                 "p50_ms": 1e3 * pct(lat, 50),
                 "p99_ms": 1e3 * pct(lat, 99),
                 "hit_rate": h / max(1, n),
                 "vs_cpu_store_p50": pct(lat, 50) * 1e3 / res["cpu_store"]["p50_ms"],
+                "default_answers": after["default_answers"] - before["default_answers"],
             }
             cache.close()
         out[f"zipf_{a}"] = res
@@ -262,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    }
     sections = {"a": ("all_hit", all_hit), "b": ("throughput", throughput), "c": ("end_to_end", end_to_end),
                 "d": ("refresh", refresh)}  # fmt: skip
     with embank.open(str(args.out / "store"), create=True) as store:

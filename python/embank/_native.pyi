@@ -1,6 +1,8 @@
 from collections.abc import Iterator
 from os import PathLike
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -135,3 +137,42 @@ class Collection:
         self, values: list[npt.NDArray[np.int64]], offsets: list[npt.NDArray[np.int64]]
     ) -> None: ...
     def dims(self) -> list[int]: ...
+
+def gpu_emulator() -> bool: ...
+
+class GpuTable:
+    def __init__(
+        self,
+        table: Table,
+        device_ordinal: int,
+        n_buckets: int,
+        slots: int,
+        row_type: str,
+        policy: str,
+        insert: str,
+        hit_rate_threshold: float,
+        window: int,
+        default_row: list[float],
+        stored_rows: bool,
+        store: Store | None = None,
+    ) -> None: ...
+    def lookup(self, ids: int, n: int, out: int, stream: int, given: int) -> int | None: ...
+    def lookup_pooled(
+        self,
+        ids: int,
+        n: int,
+        offsets: int,
+        bags: int,
+        weights: int,
+        mean: bool,
+        out: int,
+        stream: int,
+        given: int,
+    ) -> int | None: ...
+    def set_insert(self, insert: str) -> None: ...
+    def invalidate(self, keys: list[int]) -> int: ...
+    def notice(self, keys: list[int]) -> None: ...
+    def refresh(self) -> tuple[int, int, int, float]: ...
+    def wait(self) -> None: ...
+    def close(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...

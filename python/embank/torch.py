@@ -261,12 +261,14 @@ class EmbeddingBag(_Lookup):
             out = self.table.lookup_pooled(keys, offsets.to("cpu").numpy(), w, self.mode)
             return _to_device(torch.from_numpy(out), device)
         if self.cache is not None:
-            rows = self.cached_rows(input, device)
-            weights = None if per_sample_weights is None else per_sample_weights.to(device)
-            every = torch.arange(len(rows), device=device)
-            return F.embedding_bag(
-                every, rows, offsets.to(device), mode=self.mode, per_sample_weights=weights
-            )
+            if torch.is_grad_enabled() and self.training:
+                raise InvalidInputError(
+                    "a GpuCache answers lookups in eval mode or under torch.no_grad(); "
+                    "train through the table"
+                )
+            # Found and pooled on the cache's device (one launch on the native path).
+            pooled = self.cache.lookup_pooled(input, offsets, per_sample_weights, self.mode)
+            return pooled.to(device)
         # Pooled on the host: on a device only the pooled rows go up and their gradient
         # comes down.
         rows, inverse = self.unique_rows(input)

@@ -41,7 +41,7 @@ def _ids(keys: Any, device: str) -> Any:
     return torch.as_tensor(np.asarray(keys, dtype=np.int64), device=device)
 
 
-def _truth(t: embank.Table, keys: Any) -> np.ndarray:
+def _truth(t: embank.Table, keys: Any) -> np.ndarray[Any, Any]:
     rows, _ = t.lookup(np.asarray(keys, dtype=np.uint64))
     return rows
 
@@ -120,7 +120,9 @@ def test_compact_tables_and_cached_row_types(gpu_store: embank.Store, device: st
 
 def test_custom_scores_keep_the_highest(gpu_store: embank.Store, device: str) -> None:
     t = _table(gpu_store)
-    cache = gpu.GpuCache(t, rows_max=2, slots=2, device=device, insert="sync", kernels="native", policy="custom")
+    cache = gpu.GpuCache(
+        t, rows_max=2, slots=2, device=device, insert="sync", kernels="native", policy="custom"
+    )
     with pytest.raises(InvalidInputError, match="scores"):
         cache.lookup(_ids([7], device))
     cache.lookup(_ids([7, 14], device), torch.tensor([50, 60], device=device))
@@ -154,8 +156,10 @@ def test_two_threads_on_one_cache(gpu_store: embank.Store, device: str) -> None:
                     out = cache.lookup(_ids(ids, device))
                 np.testing.assert_array_equal(out.cpu().numpy(), _truth(t, ids))
                 if seed == 1:
-                    t.push(np.array([7, 14], dtype=np.uint64), rng.standard_normal((2, DIM)).astype(np.float32))
-        except BaseException as e:  # noqa: BLE001 (reported below)
+                    t.push(
+                        np.array([7, 14], dtype=np.uint64), rng.standard_normal((2, DIM)).astype(np.float32)
+                    )
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
@@ -205,3 +209,27 @@ def test_bad_input_is_refused_and_nothing_is_lost(gpu_store: embank.Store, devic
 def test_native_on_the_cpu_needs_the_emulator_build(gpu_store: embank.Store) -> None:
     with pytest.raises(InvalidInputError, match="emulator"):
         gpu.GpuCache(_table(gpu_store), rows_max=64, device="cpu", kernels="native")
+
+
+@pytest.mark.parametrize("insert", ["sync", "async"])
+def test_pooled_lookups_equal_embedding_bag(gpu_store: embank.Store, device: str, insert: str) -> None:
+    """``lookup_pooled`` (one launch: find and pool) against ``F.embedding_bag`` over the
+    table's rows: sum, weighted sum, mean, an empty bag, a key the table lacks."""
+    import torch.nn.functional as F
+
+    t = _table(gpu_store)
+    keys = np.array([7, 14, 21, 14, 99_999, 35, 42], dtype=np.int64)
+    offsets = torch.tensor([0, 3, 3, 5], device=device)
+    weights = torch.tensor([0.5, 2.0, 1.0, -1.0, 3.0, 1.0, 0.25], device=device)
+    rows = torch.from_numpy(_truth(t, keys)).to(device)
+    every = torch.arange(len(keys), device=device)
+    cache = gpu.GpuCache(t, rows_max=256, device=device, insert=insert, kernels="native")
+    cache.lookup(_ids(keys, device))  # cached (async: once the inserter is done)
+    cache.wait()
+    for mode, w in (("sum", None), ("sum", weights), ("mean", None)):
+        got = cache.lookup_pooled(_ids(keys, device), offsets, w, mode)
+        want = F.embedding_bag(every, rows, offsets, mode=mode, per_sample_weights=w)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(InvalidInputError, match="per_sample_weights"):
+        cache.lookup_pooled(_ids(keys, device), offsets, weights, "mean")
+    cache.close()

@@ -39,7 +39,9 @@ DEV u64 mix(u64 k) {
     h *= 0x94d049bb133111ebull;
     return h ^ (h >> 31);
 }
-DEV u64 bucket_of(const Cache& c, u64 h) { return (h & 0x7FFFFFFFFFFFFFFFull) % c.n_buckets; }
+// The bucket: the hash's low 32 bits scaled to n_buckets (a multiply, not a division);
+// the digest comes from the top byte, independent of it.
+DEV u64 bucket_of(const Cache& c, u64 h) { return ((h & 0xffffffffull) * (u64)c.n_buckets) >> 32; }
 DEV u32 digest_of(u64 h) { return (u32)(h >> 56); }
 
 // ---- element types (bit-exact on both targets; round to nearest even) ----
@@ -149,14 +151,32 @@ struct FindArgs {
     u64 ids;       // const u64[n]
     u64 out;       // float[n * dim]
     u64 dflt;      // const float[dim]: a miss's row until it is filled
-    u64 payload;   // u64[1 + 3n]: the miss count, then (key, version, score) per miss
+    u64 payload;   // u64[2 + 3n]: two miss counts (this launch's, `parity`, zero at its
+                   // start; the other zeroed here for the next), then (key, version, score)
     u64 miss_at;   // u32[n]: each miss's place in the batch
     u64 given;     // const u64[n] scores (policy custom), or 0
     u64 n;
+    u32 parity, vec4;  // vec4: rows and `out` 16-byte aligned f32, dim % 4 == 0
 };
+
+// Row `slot` of the cache into `out` (f32), the warp's lanes side by side.
+DEV void gather(const Cache& c, u64 slot, float* out, bool vec4) {
+    u32 l = lane_id();
+    if (vec4) {
+        const float4* src = (const float4*)((const float*)c.rows + slot * c.dim);
+        float4* dst = (float4*)out;
+        for (u32 j = l; j < c.dim / 4; j += 32) dst[j] = src[j];
+    } else if (c.dtype == 0) {
+        const float* src = (const float*)c.rows + slot * c.dim;
+        for (u32 j = l; j < c.dim; j += 32) out[j] = src[j];
+    } else {
+        for (u32 j = l; j < c.dim; j += 32) out[j] = row_get(c, slot, j);
+    }
+}
 
 KERNEL embank_find(FindArgs a) {
     u64 i = warp_id();
+    if (i == 0 && lane_id() == 0) ((u64*)a.payload)[1 - a.parity] = 0;
     if (i >= a.n) return;
     const Cache& c = a.c;
     u32 l = lane_id();
@@ -171,18 +191,78 @@ KERNEL embank_find(FindArgs a) {
             if (c.policy == 1) atomic_add64(sc, 1);
             else atomic_max64(sc, score);
         }
-        for (u32 j = l; j < c.dim; j += 32) out[j] = row_get(c, (u64)slot, j);
+        gather(c, (u64)slot, out, a.vec4 != 0);
     } else {
         if (l == 0) {
             u64* p = (u64*)a.payload;
-            u64 at = atomic_add64(p, 1);
-            p[1 + 3 * at] = key;
-            p[2 + 3 * at] = ((const u32*)c.versions)[b];
-            p[3 + 3 * at] = score;
+            u64 at = atomic_add64(p + a.parity, 1);
+            p[2 + 3 * at] = key;
+            p[3 + 3 * at] = ((const u32*)c.versions)[b];
+            p[4 + 3 * at] = score;
             ((u32*)a.miss_at)[at] = (u32)i;
         }
         const float* dflt = (const float*)a.dflt;
         for (u32 j = l; j < c.dim; j += 32) out[j] = dflt[j];
+    }
+}
+
+// ---- pooled lookup: find, touch and pool a bag's rows (one warp a bag) ----
+
+struct PoolArgs {
+    Cache c;
+    u64 ids;       // const u64[n]
+    u64 offsets;   // const i64[bags]: where each bag starts (the last ends at n)
+    u64 weights;   // const float[n] per-sample weights, or 0
+    u64 out;       // float[bags * dim]
+    u64 dflt;      // const float[dim]
+    u64 payload;   // as FindArgs'
+    u64 miss_at;   // u32[n]: each miss's bag
+    u64 miss_w;    // float[n]: each miss's weight in its bag
+    u64 given;     // const u64[n] scores (policy custom), or 0
+    u64 n, bags;
+    u32 parity, mean, add_default /* async: a miss pools the default row */, pad;
+};
+
+KERNEL embank_pool(PoolArgs a) {
+    u64 b = warp_id();
+    if (b == 0 && lane_id() == 0) ((u64*)a.payload)[1 - a.parity] = 0;
+    if (b >= a.bags) return;
+    const Cache& c = a.c;
+    u32 l = lane_id();
+    const i64* offsets = (const i64*)a.offsets;
+    i64 start = offsets[b], end = b + 1 < a.bags ? offsets[b + 1] : (i64)a.n;
+    float* out = (float*)a.out + b * c.dim;
+    for (u32 j = l; j < c.dim; j += 32) out[j] = 0.0f;
+    float scale = a.mean && end > start ? 1.0f / (float)(end - start) : 1.0f;
+    for (i64 i = start; i < end; i++) {
+        u64 key = ((const u64*)a.ids)[i];
+        u64 h = mix(key), bk = bucket_of(c, h);
+        i64 slot = find_slot(c, key, bk, digest_of(h));
+        float w = a.weights ? ((const float*)a.weights)[i] : 1.0f;
+        w = a.mean ? scale : w;
+        u64 score = c.policy == 2 ? ((const u64*)a.given)[i] : c.clock;
+        if (slot != NO_SLOT) {
+            if (l == 0) {
+                u64* sc = (u64*)c.scores + slot;
+                if (c.policy == 1) atomic_add64(sc, 1);
+                else atomic_max64(sc, score);
+            }
+            for (u32 j = l; j < c.dim; j += 32) out[j] += w * row_get(c, (u64)slot, j);
+        } else {
+            if (l == 0) {
+                u64* p = (u64*)a.payload;
+                u64 at = atomic_add64(p + a.parity, 1);
+                p[2 + 3 * at] = key;
+                p[3 + 3 * at] = ((const u32*)c.versions)[bk];
+                p[4 + 3 * at] = score;
+                ((u32*)a.miss_at)[at] = (u32)b;
+                ((float*)a.miss_w)[at] = w;
+            }
+            if (a.add_default) {
+                const float* dflt = (const float*)a.dflt;
+                for (u32 j = l; j < c.dim; j += 32) out[j] += w * dflt[j];
+            }
+        }
     }
 }
 
@@ -199,6 +279,8 @@ struct FillArgs {
     u64 key_ver;    // const u32[n_insert]: its bucket's version when it was found missing
     u64 key_score;  // const u64[n_insert]: its score (policy custom)
     u64 groups;     // const u32[n_groups + 1]: where each bucket's keys start
+    u64 miss_w;     // const float[n_answer]: pooled (not 0): each miss's weight, and
+                    // `miss_at` its bag: the row is added to its bag's (atomically)
     u64 n_answer, n_groups;
     u32 stored, row_bytes, which /* C_SYNC_INSERTS or C_ASYNC_INSERTS */, pad;
 };
@@ -211,7 +293,12 @@ KERNEL embank_fill(FillArgs a) {
         u64 at = ((const u32*)a.miss_at)[w];
         const u8* row = (const u8*)a.rows + (u64)((const u32*)a.row_of)[w] * a.row_bytes;
         float* out = (float*)a.out + at * c.dim;
-        for (u32 j = l; j < c.dim; j += 32) out[j] = stored_get(row, a.stored, c.dim, j);
+        if (a.miss_w) {
+            float wt = ((const float*)a.miss_w)[w];
+            for (u32 j = l; j < c.dim; j += 32) atomic_add_f32(out + j, wt * stored_get(row, a.stored, c.dim, j));
+        } else {
+            for (u32 j = l; j < c.dim; j += 32) out[j] = stored_get(row, a.stored, c.dim, j);
+        }
         return;
     }
     u64 g = w - a.n_answer;

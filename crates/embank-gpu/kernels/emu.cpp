@@ -38,6 +38,7 @@ extern "C" int embank_emu_launch(u32 kernel, u64 threads, const void* args, u64 
         case 2: if (args_len != sizeof(InvalidateArgs)) return -1; run(embank_invalidate, threads, args); return 0;
         case 3: if (args_len != sizeof(RefreshArgs)) return -1; run(embank_refresh, threads, args); return 0;
         case 4: if (args_len != sizeof(CountArgs)) return -1; run(embank_count, threads, args); return 0;
+        case 5: if (args_len != sizeof(PoolArgs)) return -1; run(embank_pool, threads, args); return 0;
     }
     return -2;
 }

@@ -7,6 +7,7 @@
 
 #define KERNEL static void
 #define DEV static inline
+struct alignas(16) float4 { float x, y, z, w; };
 
 struct EmuWarp {
     std::barrier<> bar{32};
@@ -37,6 +38,7 @@ DEV u32 shfl32(u32 v, u32 src) { return (u32)exchange(v, src); }
 DEV u64 shfl_xor64(u64 v, u32 m) { return exchange(v, emu_lane ^ m); }
 DEV u64 atomic_add64(u64* p, u64 v) { return std::atomic_ref<u64>(*p).fetch_add(v); }
 DEV u32 atomic_add32(u32* p, u32 v) { return std::atomic_ref<u32>(*p).fetch_add(v); }
+DEV void atomic_add_f32(float* p, float v) { std::atomic_ref<float>(*p).fetch_add(v); }
 DEV void atomic_max64(u64* p, u64 v) {
     std::atomic_ref<u64> a(*p);
     u64 old = a.load();

@@ -20,6 +20,7 @@ DEV u64 shfl_xor64(u64 v, u32 m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 DEV u64 atomic_add64(u64* p, u64 v) { return atomicAdd(p, v); }
 DEV u32 atomic_add32(u32* p, u32 v) { return atomicAdd(p, v); }
 DEV void atomic_max64(u64* p, u64 v) { atomicMax(p, v); }
+DEV void atomic_add_f32(float* p, float v) { atomicAdd(p, v); }
 DEV float fmul_rn(float a, float b) { return __fmul_rn(a, b); }
 DEV float fadd_rn(float a, float b) { return __fadd_rn(a, b); }
 DEV u32 lowest_bit(u32 m) { return (u32)(__ffs((int)m) - 1); }

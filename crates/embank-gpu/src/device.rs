@@ -17,10 +17,12 @@ pub enum Kernel {
     Invalidate = 2,
     Refresh = 3,
     Count = 4,
+    Pool = 5,
 }
 
 impl Kernel {
-    const ALL: [Kernel; 5] = [Kernel::Find, Kernel::Fill, Kernel::Invalidate, Kernel::Refresh, Kernel::Count];
+    const ALL: [Kernel; 6] =
+        [Kernel::Find, Kernel::Fill, Kernel::Invalidate, Kernel::Refresh, Kernel::Count, Kernel::Pool];
 
     fn symbol(self) -> &'static [u8] {
         match self {
@@ -29,6 +31,7 @@ impl Kernel {
             Kernel::Invalidate => b"embank_invalidate\0",
             Kernel::Refresh => b"embank_refresh\0",
             Kernel::Count => b"embank_count\0",
+            Kernel::Pool => b"embank_pool\0",
         }
     }
 }
@@ -64,6 +67,8 @@ pub trait Device: Send + Sync {
     fn record(&self, event: Event, stream: Stream) -> Result<()>;
     /// The host waits for everything before the event's last record.
     fn wait(&self, event: Event) -> Result<()>;
+    /// True when everything before the event's last record is done (no wait).
+    fn done(&self, event: Event) -> Result<bool>;
     /// `stream` waits (on the device) for everything before the event's last record.
     fn stream_wait(&self, stream: Stream, event: Event) -> Result<()>;
     fn stream(&self) -> Result<Stream>;
@@ -93,7 +98,7 @@ pub struct Cuda {
     device: sys::CUdevice,
     ctx: usize,
     module: usize,
-    functions: [usize; 5],
+    functions: [usize; 6],
 }
 
 fn check(rc: sys::CUresult, what: &str) -> Result<()> {
@@ -134,7 +139,7 @@ impl Cuda {
             let ptx = std::ffi::CString::new(PTX).expect("PTX has no NUL");
             let mut module: sys::CUmodule = std::ptr::null_mut();
             check(sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()), "loading the kernels (cuModuleLoadData)")?;
-            let mut functions = [0usize; 5];
+            let mut functions = [0usize; 6];
             for k in Kernel::ALL {
                 let mut f: sys::CUfunction = std::ptr::null_mut();
                 check(sys::cuModuleGetFunction(&mut f, module, k.symbol().as_ptr().cast()), "cuModuleGetFunction")?;
@@ -251,12 +256,18 @@ impl Device for Cuda {
         check(unsafe { sys::cuEventSynchronize(event as sys::CUevent) }, "cuEventSynchronize")
     }
 
+    fn done(&self, event: Event) -> Result<bool> {
+        // SAFETY: an event of ours.
+        let rc = unsafe { sys::cuEventQuery(event as sys::CUevent) };
+        if rc == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check(rc, "cuEventQuery").map(|()| true)
+    }
+
     fn stream_wait(&self, stream: Stream, event: Event) -> Result<()> {
         // SAFETY: an event of ours, a stream of the caller's.
-        check(
-            unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, event as sys::CUevent, 0) },
-            "cuStreamWaitEvent",
-        )
+        check(unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, event as sys::CUevent, 0) }, "cuStreamWaitEvent")
     }
 
     fn stream(&self) -> Result<Stream> {
@@ -353,6 +364,9 @@ mod emulator {
         }
         fn wait(&self, _event: Event) -> Result<()> {
             Ok(())
+        }
+        fn done(&self, _event: Event) -> Result<bool> {
+            Ok(true)
         }
         fn stream_wait(&self, _stream: Stream, _event: Event) -> Result<()> {
             Ok(())

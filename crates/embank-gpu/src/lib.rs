@@ -53,6 +53,15 @@ const C_EVICTIONS: usize = 4;
 const C_REFRESH_CHANGED: usize = 5;
 const C_ROWS: usize = 6;
 const COUNTERS: usize = 8;
+/// Words before a find's misses in its payload: the two miss counts.
+const PAYLOAD_HEAD: usize = 2;
+/// Where a background fill starts in a scratch: past the miss counts it must keep.
+const FILL_BASE: usize = 256;
+
+/// The bucket of a key's hash among `n_buckets`: cache.cu's `bucket_of`.
+pub fn bucket_of(h: u64, n_buckets: u64) -> u64 {
+    ((h & 0xffff_ffff) * n_buckets) >> 32
+}
 
 /// splitmix64's finalizer: cache.cu's `mix`, `embank.gpu.key_hash`.
 pub fn mix(k: u64) -> u64 {
@@ -193,6 +202,41 @@ struct FindArgs {
     miss_at: u64,
     given: u64,
     n: u64,
+    parity: u32,
+    vec4: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PoolArgs {
+    c: CacheDesc,
+    ids: u64,
+    offsets: u64,
+    weights: u64,
+    out: u64,
+    dflt: u64,
+    payload: u64,
+    miss_at: u64,
+    miss_w: u64,
+    given: u64,
+    n: u64,
+    bags: u64,
+    parity: u32,
+    mean: u32,
+    add_default: u32,
+    pad: u32,
+}
+
+/// What a pooled lookup adds to a plain one: the bags (device addresses).
+#[derive(Clone, Copy, Debug)]
+pub struct Bags {
+    /// i64 offsets: where each bag starts (the last ends at the ids' end).
+    pub offsets: u64,
+    pub bags: usize,
+    /// f32 per-sample weights (sum), or 0.
+    pub weights: u64,
+    /// Mean instead of sum.
+    pub mean: bool,
 }
 
 #[repr(C)]
@@ -208,6 +252,7 @@ struct FillArgs {
     key_ver: u64,
     key_score: u64,
     groups: u64,
+    miss_w: u64,
     n_answer: u64,
     n_groups: u64,
     stored: u32,
@@ -295,13 +340,13 @@ impl Host {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
     }
     fn u64s(&mut self, off: usize, n: usize) -> &mut [u64] {
-        assert!(off % 8 == 0);
+        assert!(off.is_multiple_of(8));
         let b = self.slice_mut(off, n * 8);
         // SAFETY: 8-aligned (the allocation is 256-aligned, off a multiple of 8).
         unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), n) }
     }
     fn u32s(&mut self, off: usize, n: usize) -> &mut [u32] {
-        assert!(off % 4 == 0);
+        assert!(off.is_multiple_of(4));
         let b = self.slice_mut(off, n * 4);
         // SAFETY: 4-aligned.
         unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), n) }
@@ -322,16 +367,26 @@ struct Scratch {
     host: Host,
     done: Event,
     copied: Event,
+    /// Which of the payload's two miss counts the next find uses (it zeroes the other).
+    parity: u32,
 }
 
 impl Scratch {
     fn new(dev: &Arc<dyn Device>, bytes: usize) -> Result<Scratch> {
-        Ok(Scratch {
+        let s = Scratch {
             dev_buf: Buffer::new(dev, bytes)?,
             host: Host::new(dev, bytes)?,
             done: dev.event()?,
             copied: dev.event()?,
-        })
+            parity: 0,
+        };
+        s.zero_counts(dev)?;
+        Ok(s)
+    }
+    /// The payload's miss counts start at zero (the first user waits for `done`).
+    fn zero_counts(&self, dev: &Arc<dyn Device>) -> Result<()> {
+        dev.memset(self.dev_buf.ptr, 0, 16, 0)?;
+        dev.record(self.done, 0)
     }
     /// Room for `bytes` on both sides (waits for the last use before growing).
     fn reserve(&mut self, dev: &Arc<dyn Device>, bytes: usize) -> Result<()> {
@@ -343,7 +398,8 @@ impl Scratch {
         let bytes = bytes.max(2 * self.dev_buf.bytes);
         self.dev_buf = Buffer::new(dev, bytes)?;
         self.host = Host::new(dev, bytes)?;
-        Ok(())
+        self.parity = 0;
+        self.zero_counts(dev)
     }
 }
 
@@ -351,18 +407,20 @@ fn align(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
 }
 
-/// Where a lookup's find puts its misses in a scratch: the payload (count, then key,
-/// version, score a miss) and the misses' places.
+/// Where a lookup's find puts its misses in a scratch: the payload (two counts, then
+/// key, version, score a miss) and the misses' places.
 struct FindLayout {
     payload: usize,
     miss_at: usize,
+    miss_w: usize,
     end: usize,
 }
 
 impl FindLayout {
     fn new(n: usize) -> FindLayout {
-        let miss_at = 8 * (1 + 3 * n);
-        FindLayout { payload: 0, miss_at, end: align(miss_at + 4 * n, 256) }
+        let miss_at = 8 * (PAYLOAD_HEAD + 3 * n);
+        let miss_w = miss_at + 4 * n;
+        FindLayout { payload: 0, miss_at, miss_w, end: align(miss_w + 4 * n, 256) }
     }
 }
 
@@ -410,6 +468,7 @@ struct Job {
     scratch: Scratch,
     n: usize,
     count_hint: usize,
+    parity: usize,
 }
 
 struct Queue {
@@ -435,6 +494,8 @@ struct Inner {
     state: Mutex<State>,
     pool: Mutex<Vec<Scratch>>,
     pending: Mutex<Vec<u64>>,
+    /// Async lookups whose miss counts were not read yet, oldest first.
+    unread: Mutex<VecDeque<Job>>,
     stats: Mutex<HostStats>,
     queue: Mutex<Queue>,
     queue_cv: Condvar,
@@ -530,6 +591,7 @@ impl GpuTable {
             state: Mutex::new(State { clock: 0, miss_hint: MISS_HINT_MIN, window: VecDeque::new(), inval: None }),
             pool: Mutex::new(Vec::new()),
             pending: Mutex::new(Vec::new()),
+            unread: Mutex::new(VecDeque::new()),
             stats: Mutex::new(HostStats::default()),
             queue: Mutex::new(Queue { jobs: VecDeque::new(), busy: false, closed: false, error: None }),
             queue_cv: Condvar::new(),
@@ -562,7 +624,23 @@ impl GpuTable {
     /// `stream`; `given` (u64 scores) for [`Policy::Custom`], else 0. Returns the hits
     /// when the lookup waited for its miss count (sync), None when it did not (async).
     pub fn lookup(&self, ids: u64, n: usize, out: u64, stream: Stream, given: u64) -> Result<Option<usize>> {
-        self.inner.lookup(ids, n, out, stream, given)
+        self.inner.lookup(ids, n, out, stream, given, None)
+    }
+
+    /// Bags of the `n` keys at `ids` pooled into `out` (`bags * dim` f32), in one launch
+    /// (plus the misses' fill when sync): what an `EmbeddingBag` over the cache needs.
+    /// Otherwise as [`GpuTable::lookup`] (a miss of an async lookup pools the default row).
+    #[allow(clippy::too_many_arguments)]
+    pub fn lookup_pooled(
+        &self,
+        ids: u64,
+        n: usize,
+        bags: Bags,
+        out: u64,
+        stream: Stream,
+        given: u64,
+    ) -> Result<Option<usize>> {
+        self.inner.lookup(ids, n, out, stream, given, Some(bags))
     }
 
     /// Drops `keys` from the cache now (and bumps their buckets' versions, so no insert
@@ -600,6 +678,8 @@ impl GpuTable {
 
     /// Waits until the background inserter has inserted everything queued.
     pub fn wait(&self) -> Result<()> {
+        self.inner.dev.enter()?;
+        self.inner.poll_unread(true)?;
         let mut q = self.inner.queue.lock();
         while !q.jobs.is_empty() || q.busy {
             self.inner.queue_cv.wait(&mut q);
@@ -640,7 +720,9 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.dev.enter();
         let _ = self.dev.wait(self.order);
-        let pool = std::mem::take(&mut *self.pool.lock());
+        let mut pool = std::mem::take(&mut *self.pool.lock());
+        pool.extend(self.unread.get_mut().drain(..).map(|j| j.scratch));
+        pool.extend(self.queue.get_mut().jobs.drain(..).map(|j| j.scratch));
         for s in &pool {
             let _ = self.dev.wait(s.done);
         }
@@ -725,6 +807,44 @@ impl Inner {
         CacheDesc { clock: st.clock, ..self.desc }
     }
 
+    /// The async lookups whose copies are done (all of them with `block`): an all-hit
+    /// one's scratch goes back to the pool here, one with misses to the inserter.
+    fn poll_unread(&self, block: bool) -> Result<()> {
+        loop {
+            let job = {
+                let mut unread = self.unread.lock();
+                let Some(front) = unread.front() else { return Ok(()) };
+                if !block && !self.dev.done(front.scratch.copied)? {
+                    return Ok(());
+                }
+                unread.pop_front().expect("a front")
+            };
+            self.dev.wait(job.scratch.copied)?;
+            let mut job = job;
+            let m = job.scratch.host.u64s(0, PAYLOAD_HEAD)[job.parity] as usize;
+            if m == 0 {
+                self.record_window(job.n as u64, job.n as u64);
+                self.stats.lock().hits += job.n as u64;
+                self.give_scratch(job.scratch);
+                continue;
+            }
+            let mut q = self.queue.lock();
+            if q.jobs.len() >= ASYNC_JOBS_MAX || q.closed {
+                drop(q);
+                let mut stats = self.stats.lock();
+                stats.async_dropped += 1;
+                stats.hits += (job.n - m) as u64;
+                stats.misses += m as u64;
+                stats.default_answers += m as u64;
+                drop(stats);
+                self.give_scratch(job.scratch);
+            } else {
+                q.jobs.push_back(job);
+                self.queue_cv.notify_all();
+            }
+        }
+    }
+
     fn take_scratch(&self, bytes: usize) -> Result<Scratch> {
         let popped = self.pool.lock().pop();
         let mut s = match popped {
@@ -758,7 +878,15 @@ impl Inner {
         }
     }
 
-    fn lookup(&self, ids: u64, n: usize, out: u64, stream: Stream, given: u64) -> Result<Option<usize>> {
+    fn lookup(
+        &self,
+        ids: u64,
+        n: usize,
+        out: u64,
+        stream: Stream,
+        given: u64,
+        pooled: Option<Bags>,
+    ) -> Result<Option<usize>> {
         self.check_open()?;
         self.dev.enter()?; // the caller's thread may never have used the device
         if let Some(e) = self.queue.lock().error.take() {
@@ -767,9 +895,10 @@ impl Inner {
         if self.opts.policy == Policy::Custom && given == 0 {
             return Err(invalid("policy custom needs the scores of the ids"));
         }
-        if n == 0 {
+        if n == 0 && pooled.is_none_or(|b| b.bags == 0) {
             return Ok(Some(0));
         }
+        self.poll_unread(false)?;
         let fl = FindLayout::new(n);
         // An async lookup's misses are filled from the inserter's own scratch: this one
         // needs room for the find only. A sync one fills from it too (grown now: growing
@@ -787,48 +916,79 @@ impl Inner {
             st.clock += 1;
             let asynchronous = planned_async;
             let hint = st.miss_hint.min(n);
-            let args = FindArgs {
-                c: self.desc_now(&st),
-                ids,
-                out,
-                dflt: self.dflt.ptr,
-                payload: s.dev_buf.ptr + fl.payload as u64,
-                miss_at: s.dev_buf.ptr + fl.miss_at as u64,
-                given,
-                n: n as u64,
-            };
-            self.dev.memset(args.payload, 0, 8, stream)?;
-            self.dev.launch(Kernel::Find, n as u64 * 32, bytes_of(&args), stream)?;
+            let payload = s.dev_buf.ptr + fl.payload as u64;
+            let miss_at = s.dev_buf.ptr + fl.miss_at as u64;
+            match pooled {
+                None => {
+                    let vec4 = self.desc.dtype == 0 && self.dim.is_multiple_of(4) && out.is_multiple_of(16);
+                    let args = FindArgs {
+                        c: self.desc_now(&st),
+                        ids,
+                        out,
+                        dflt: self.dflt.ptr,
+                        payload,
+                        miss_at,
+                        given,
+                        n: n as u64,
+                        parity: s.parity,
+                        vec4: u32::from(vec4),
+                    };
+                    self.dev.launch(Kernel::Find, n as u64 * 32, bytes_of(&args), stream)?;
+                }
+                Some(b) => {
+                    let args = PoolArgs {
+                        c: self.desc_now(&st),
+                        ids,
+                        offsets: b.offsets,
+                        weights: b.weights,
+                        out,
+                        dflt: self.dflt.ptr,
+                        payload,
+                        miss_at,
+                        miss_w: s.dev_buf.ptr + fl.miss_w as u64,
+                        given,
+                        n: n as u64,
+                        bags: b.bags as u64,
+                        parity: s.parity,
+                        mean: u32::from(b.mean),
+                        add_default: u32::from(asynchronous),
+                        pad: 0,
+                    };
+                    self.dev.launch(Kernel::Pool, b.bags as u64 * 32, bytes_of(&args), stream)?;
+                }
+            }
             // SAFETY: the pinned buffer is this caller's until the scratch goes back, and
             // nobody reads it before `copied`.
-            unsafe { self.dev.dtoh(s.host.ptr, args.payload, 8 * (1 + 3 * hint), stream)? };
+            unsafe { self.dev.dtoh(s.host.ptr, payload, 8 * (PAYLOAD_HEAD + 3 * hint), stream)? };
             self.dev.record(s.copied, stream)?;
             self.dev.record(s.done, stream)?;
             self.dev.record(self.order, stream)?;
             (asynchronous, hint)
         };
+        let parity = s.parity as usize;
+        s.parity ^= 1;
         if asynchronous {
-            let mut q = self.queue.lock();
-            if q.jobs.len() >= ASYNC_JOBS_MAX || q.closed {
-                drop(q);
-                self.stats.lock().async_dropped += 1;
-                self.give_scratch(s);
-            } else {
-                q.jobs.push_back(Job { scratch: s, n, count_hint: hint });
-                self.queue_cv.notify_all();
+            // No wait: the misses are read once the copy is done, by a later call
+            // (poll_unread) or the inserter; an all-hit lookup's scratch just goes back.
+            let mut unread = self.unread.lock();
+            unread.push_back(Job { scratch: s, n, count_hint: hint, parity });
+            let over = unread.len() > ASYNC_JOBS_MAX;
+            drop(unread);
+            if over {
+                self.poll_unread(true)?;
             }
             self.stats.lock().lookups += 1;
             return Ok(None);
         }
         self.dev.wait(s.copied)?; // the one host sync
-        let m = s.host.u64s(0, 1)[0] as usize;
+        let m = s.host.u64s(0, PAYLOAD_HEAD)[parity] as usize;
         if m > hint {
             // More misses than the hint: their rest, and a second wait.
             // SAFETY: as above.
             unsafe {
                 self.dev.dtoh(
-                    s.host.ptr.add(8 * (1 + 3 * hint)),
-                    s.dev_buf.ptr + 8 * (1 + 3 * hint) as u64,
+                    s.host.ptr.add(8 * (PAYLOAD_HEAD + 3 * hint)),
+                    s.dev_buf.ptr + 8 * (PAYLOAD_HEAD + 3 * hint) as u64,
                     8 * 3 * (m - hint),
                     stream,
                 )?
@@ -841,8 +1001,9 @@ impl Inner {
             st.miss_hint = (2 * m).max(MISS_HINT_MIN);
         }
         let result = if m > 0 {
-            let misses: Vec<u64> = s.host.u64s(8, 3 * m).to_vec();
-            let answer = Answer { out, miss_at: s.dev_buf.ptr + fl.miss_at as u64, n: m };
+            let misses: Vec<u64> = s.host.u64s(8 * PAYLOAD_HEAD, 3 * m).to_vec();
+            let miss_w = if pooled.is_some() { s.dev_buf.ptr + fl.miss_w as u64 } else { 0 };
+            let answer = Answer { out, miss_at: s.dev_buf.ptr + fl.miss_at as u64, miss_w, n: m };
             self.fill(&mut s, fl.end, stream, Some(answer), &misses, C_SYNC_INSERTS)
         } else {
             Ok(())
@@ -907,7 +1068,7 @@ impl Inner {
         let nb = self.desc.n_buckets as u64;
         let mut ins: Vec<(u64, u32)> = (0..u_n)
             .filter(|&u| found[u] && uniq[u] < LOCKED_KEY)
-            .map(|u| ((mix(uniq[u]) & 0x7FFF_FFFF_FFFF_FFFF) % nb, u as u32))
+            .map(|u| (bucket_of(mix(uniq[u]), nb), u as u32))
             .collect();
         ins.sort_unstable();
         let mut groups: Vec<u32> = Vec::new();
@@ -944,6 +1105,7 @@ impl Inner {
             key_ver: at_dev(lay.key_ver),
             key_score: at_dev(lay.key_score),
             groups: at_dev(lay.groups),
+            miss_w: answer.as_ref().map_or(0, |a| a.miss_w),
             n_answer: answers as u64,
             n_groups: n_groups as u64,
             stored: self.stored,
@@ -985,6 +1147,8 @@ impl Inner {
     }
 
     fn stats(&self) -> Result<Stats> {
+        self.dev.enter()?;
+        self.poll_unread(true)?;
         let c = {
             let mut st = self.state.lock();
             self.enter_ordered(&mut st, self.side)?;
@@ -1018,14 +1182,14 @@ impl Inner {
             let r = (|| -> Result<()> {
                 self.dev.enter()?;
                 self.dev.wait(job.scratch.copied)?;
-                let m = job.scratch.host.u64s(0, 1)[0] as usize;
+                let m = job.scratch.host.u64s(0, PAYLOAD_HEAD)[job.parity] as usize;
                 if m > job.count_hint {
                     let h = job.count_hint;
                     // SAFETY: the find is done (waited); the pinned buffer is ours.
                     unsafe {
                         self.dev.dtoh(
-                            job.scratch.host.ptr.add(8 * (1 + 3 * h)),
-                            job.scratch.dev_buf.ptr + 8 * (1 + 3 * h) as u64,
+                            job.scratch.host.ptr.add(8 * (PAYLOAD_HEAD + 3 * h)),
+                            job.scratch.dev_buf.ptr + 8 * (PAYLOAD_HEAD + 3 * h) as u64,
                             8 * 3 * (m - h),
                             self.side,
                         )?
@@ -1033,7 +1197,7 @@ impl Inner {
                     self.dev.record(job.scratch.copied, self.side)?;
                     self.dev.wait(job.scratch.copied)?;
                 }
-                misses.extend_from_slice(job.scratch.host.u64s(8, 3 * m));
+                misses.extend_from_slice(job.scratch.host.u64s(8 * PAYLOAD_HEAD, 3 * m));
                 answered += m as u64;
                 self.record_window((job.n - m) as u64, job.n as u64);
                 let mut stats = self.stats.lock();
@@ -1051,19 +1215,21 @@ impl Inner {
         for s in give {
             self.give_scratch(s); // before the table is read: the lookups may reuse them
         }
-        let result = match first_err {
+        match first_err {
             Some(e) => Err(e),
             None if misses.is_empty() => Ok(()),
             None => {
                 let n = misses.len() / 3;
-                let mut s = self.take_scratch(FillLayout::most(0, self.row_bytes, n))?;
+                // After the payload's miss counts: the next find with this scratch needs
+                // its count zero (a find zeroes the one the one after it uses).
+                let base = FILL_BASE;
+                let mut s = self.take_scratch(FillLayout::most(base, self.row_bytes, n))?;
                 self.dev.wait(s.done)?;
-                let r = self.fill(&mut s, 0, self.side, None, &misses, C_ASYNC_INSERTS);
+                let r = self.fill(&mut s, base, self.side, None, &misses, C_ASYNC_INSERTS);
                 self.give_scratch(s);
                 r
             }
-        };
-        result
+        }
     }
 
     fn refresh(&self) -> Result<Refreshed> {
@@ -1195,6 +1361,8 @@ impl Inner {
 struct Answer {
     out: u64,
     miss_at: u64,
+    /// Pooled: the misses' weights (`miss_at` holds their bags); 0: rows.
+    miss_w: u64,
     n: usize,
 }
 
@@ -1208,15 +1376,22 @@ fn insert_loop(weak: Weak<Inner>) {
                     return;
                 }
                 // Hold the cache only while working: wait with a timeout, then let go.
-                inner.queue_cv.wait_for(&mut q, std::time::Duration::from_millis(100));
+                inner.queue_cv.wait_for(&mut q, std::time::Duration::from_millis(20));
                 if q.jobs.is_empty() {
+                    drop(q);
+                    // Lookups that stopped coming leave their misses unread: read them.
+                    if inner.dev.enter().is_ok() {
+                        let _ = inner.poll_unread(false);
+                    }
                     continue;
                 }
             }
             q.busy = true;
             q.jobs.drain(..).collect()
         };
-        let r = inner.insert_jobs(jobs);
+        // A panic would leave `wait` waiting forever: it becomes the inserter's error.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.insert_jobs(jobs)))
+            .unwrap_or_else(|_| Err(Error::new(ErrorKind::Corrupt, "the GPU cache's inserter panicked")));
         let mut q = inner.queue.lock();
         q.busy = false;
         if let Err(e) = r {

@@ -101,9 +101,12 @@ fn a_full_cache_evicts_and_stays_exact() {
 
 #[test]
 fn compact_tables_and_row_types_decode_on_the_device() {
-    for (dtype, row_type) in
-        [(DType::Int8, RowType::F32), (DType::F16, RowType::F32), (DType::F32, RowType::F16), (DType::F32, RowType::Bf16)]
-    {
+    for (dtype, row_type) in [
+        (DType::Int8, RowType::F32),
+        (DType::F16, RowType::F32),
+        (DType::F32, RowType::F16),
+        (DType::F32, RowType::Bf16),
+    ] {
         let f = table(dtype, 6, 100);
         let mut o = options(4, 16, 6);
         o.row_type = row_type;
@@ -232,4 +235,76 @@ fn two_threads_on_one_cache() {
     });
     let s = cache.stats().unwrap();
     assert_eq!(s.host.lookups, 8);
+}
+
+/// Bags pooled by the cache against the table's rows pooled here: sum, weighted sum and
+/// mean, misses (sync: fetched and added; async: the default row), an empty bag.
+#[test]
+fn pooled_lookups_pool_bags_as_an_embedding_bag_does() {
+    use embank_gpu::Bags;
+    let f = table(DType::F32, 3, 100);
+    let ids: Vec<u64> = vec![1, 2, 3, 2, 9_999, 5, 6];
+    let offsets: Vec<i64> = vec![0, 3, 3, 5]; // bags [1,2,3] [] [2,9999] [5,6]
+    let weights: Vec<f32> = vec![0.5, 2.0, 1.0, -1.0, 3.0, 1.0, 0.25];
+    let rows = reference(&f.table, &ids);
+    let pool = |w: Option<&[f32]>, mean: bool, dflt: Option<f32>| -> Vec<f32> {
+        let mut out = vec![0f32; 4 * 3];
+        for b in 0..4 {
+            let (s, e) = (offsets[b] as usize, if b + 1 < 4 { offsets[b + 1] as usize } else { ids.len() });
+            for i in s..e {
+                let wt = if mean { 1.0 / (e - s) as f32 } else { w.map_or(1.0, |w| w[i]) };
+                for j in 0..3 {
+                    let v = if ids[i] == 9_999 { dflt.unwrap_or(rows[i * 3 + j]) } else { rows[i * 3 + j] };
+                    out[b * 3 + j] += wt * v;
+                }
+            }
+        }
+        out
+    };
+    for insert in [Insert::Sync, Insert::Async] {
+        let mut o = options(4, 16, 3);
+        o.insert = insert;
+        let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
+        for (w, mean) in [(None, false), (Some(&weights[..]), false), (None, true)] {
+            for round in 0..2 {
+                let mut out = vec![f32::NAN; 4 * 3];
+                let bags = Bags {
+                    offsets: offsets.as_ptr() as u64,
+                    bags: 4,
+                    weights: w.map_or(0, |w| w.as_ptr() as u64),
+                    mean,
+                };
+                cache.lookup_pooled(ids.as_ptr() as u64, ids.len(), bags, out.as_mut_ptr() as u64, 0, 0).unwrap();
+                cache.wait().unwrap();
+                // Async: the first round's misses pool the default (-7); 9999 never gets cached.
+                let first_async = insert == Insert::Async && round == 0 && w.is_none() && !mean;
+                let want = if insert == Insert::Async && (first_async || ids.contains(&9_999)) {
+                    if first_async {
+                        // Every key missed the first time: all default rows.
+                        let mut o = vec![0f32; 12];
+                        for b in 0..4 {
+                            let (s, e) = (offsets[b] as usize, if b + 1 < 4 { offsets[b + 1] as usize } else { 7 });
+                            for _ in s..e {
+                                for j in 0..3 {
+                                    o[b * 3 + j] += -7.0;
+                                }
+                            }
+                        }
+                        o
+                    } else {
+                        pool(w, mean, Some(-7.0))
+                    }
+                } else {
+                    pool(w, mean, None)
+                };
+                for (a, b) in out.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                        "{insert:?} w={} mean={mean}: {out:?} vs {want:?}",
+                        w.is_some()
+                    );
+                }
+            }
+        }
+    }
 }

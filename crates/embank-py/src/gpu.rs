@@ -112,6 +112,27 @@ impl GpuTable {
         detached(py, || self.inner.lookup(ids, n, out, stream, given))
     }
 
+    /// `bags` bags of the `n` ids at `ids`, pooled into `out` (bags x dim float32):
+    /// `offsets` (int64, where each bag starts) and `weights` (float32 per id, or 0) are
+    /// device addresses; `mean` pools by the mean. As `lookup` otherwise.
+    #[allow(clippy::too_many_arguments)]
+    fn lookup_pooled(
+        &self,
+        py: Python<'_>,
+        ids: u64,
+        n: usize,
+        offsets: u64,
+        bags: usize,
+        weights: u64,
+        mean: bool,
+        out: u64,
+        stream: u64,
+        given: u64,
+    ) -> PyResult<Option<usize>> {
+        let b = embank_gpu::Bags { offsets, bags, weights, mean };
+        detached(py, || self.inner.lookup_pooled(ids, n, b, out, stream, given))
+    }
+
     /// When misses are inserted from the next lookup on: "sync", "async" or "auto".
     fn set_insert(&self, insert: &str) -> PyResult<()> {
         self.inner.set_insert(parse_insert(insert).map_err(crate::to_py_err)?);
