@@ -1,6 +1,5 @@
 from collections.abc import Iterator
 from os import PathLike
-
 from typing import Any
 
 import numpy as np
