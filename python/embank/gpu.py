@@ -333,6 +333,21 @@ class GpuCache:
         return given, keep
 
     def _lookup_native(self, ids: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        # The common case (int64 ids on the cache's device, no scores) without a PyTorch
+        # call but the output's allocation: this is the host's whole share of a lookup.
+        if (
+            type(ids) is torch.Tensor
+            and ids.dtype is torch.int64
+            and ids.device == self.device
+            and ids.is_contiguous()
+            and scores is None
+            and self._policy != 2
+            and self.insert_mode == self._insert_sent
+        ):
+            n = ids.numel()
+            out = torch.empty((n, self.dim), dtype=torch.float32, device=self.device)
+            self._n.lookup(ids.data_ptr(), n, out.data_ptr(), self._stream_of(), 0)
+            return out if ids.dim() == 1 else out.view(*ids.shape, self.dim)
         flat = self._device_ids(ids)
         n = flat.numel()
         given, _keep = self._native_prelude(scores, n, ids.shape)

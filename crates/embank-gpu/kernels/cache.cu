@@ -156,6 +156,7 @@ struct FindArgs {
     u64 miss_at;   // u32[n]: each miss's place in the batch
     u64 given;     // const u64[n] scores (policy custom), or 0
     u64 n;
+    u64 cap;       // misses recorded at most (counted all the same)
     u32 parity, vec4;  // vec4: rows and `out` 16-byte aligned f32, dim % 4 == 0
 };
 
@@ -196,10 +197,12 @@ KERNEL embank_find(FindArgs a) {
         if (l == 0) {
             u64* p = (u64*)a.payload;
             u64 at = atomic_add64(p + a.parity, 1);
-            p[2 + 3 * at] = key;
-            p[3 + 3 * at] = ((const u32*)c.versions)[b];
-            p[4 + 3 * at] = score;
-            ((u32*)a.miss_at)[at] = (u32)i;
+            if (at < a.cap) {
+                p[2 + 3 * at] = key;
+                p[3 + 3 * at] = ((const u32*)c.versions)[b];
+                p[4 + 3 * at] = score;
+                ((u32*)a.miss_at)[at] = (u32)i;
+            }
         }
         const float* dflt = (const float*)a.dflt;
         for (u32 j = l; j < c.dim; j += 32) out[j] = dflt[j];
@@ -220,6 +223,7 @@ struct PoolArgs {
     u64 miss_w;    // float[n]: each miss's weight in its bag
     u64 given;     // const u64[n] scores (policy custom), or 0
     u64 n, bags;
+    u64 cap;       // misses recorded at most (counted all the same)
     u32 parity, mean, add_default /* async: a miss pools the default row */, pad;
 };
 
@@ -252,11 +256,13 @@ KERNEL embank_pool(PoolArgs a) {
             if (l == 0) {
                 u64* p = (u64*)a.payload;
                 u64 at = atomic_add64(p + a.parity, 1);
-                p[2 + 3 * at] = key;
-                p[3 + 3 * at] = ((const u32*)c.versions)[bk];
-                p[4 + 3 * at] = score;
-                ((u32*)a.miss_at)[at] = (u32)b;
-                ((float*)a.miss_w)[at] = w;
+                if (at < a.cap) {
+                    p[2 + 3 * at] = key;
+                    p[3 + 3 * at] = ((const u32*)c.versions)[bk];
+                    p[4 + 3 * at] = score;
+                    ((u32*)a.miss_at)[at] = (u32)b;
+                    ((float*)a.miss_w)[at] = w;
+                }
             }
             if (a.add_default) {
                 const float* dflt = (const float*)a.dflt;

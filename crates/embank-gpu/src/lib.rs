@@ -42,8 +42,14 @@ const LOCKED_KEY: u64 = u64::MAX - 1;
 const MISS_HINT_MIN: usize = 1024;
 /// Lookups whose misses may wait for the background inserter at once; more are dropped.
 const ASYNC_JOBS_MAX: usize = 16;
+/// Misses an async lookup records for the background insert, at most (the rest are
+/// answered with the default row all the same, and counted as dropped): its scratch
+/// stays small however large the batch, and several are in flight.
+pub const ASYNC_MISS_CAP: usize = 1 << 16;
+/// Async lookups left unread before a lookup polls them (an event query each).
+const POLL_AT: usize = 2;
 /// Rows a refresh reads from the table a chunk.
-const REFRESH_CHUNK: usize = 1 << 16;
+const REFRESH_CHUNK: usize = 1 << 18;
 // Device counters (cache.cu's C_*).
 const C_INVALIDATED: usize = 0;
 const C_SYNC_INSERTS: u32 = 1;
@@ -127,6 +133,9 @@ pub struct Options {
     pub default_row: Vec<f32>,
     /// Fetch f16/int8 rows as stored and decode them on the device.
     pub stored_rows: bool,
+    /// Misses an async lookup records for the background insert, at most
+    /// ([`ASYNC_MISS_CAP`] by default); the rest are answered and counted as dropped.
+    pub async_miss_cap: usize,
 }
 
 /// Counts kept on the host.
@@ -202,6 +211,7 @@ struct FindArgs {
     miss_at: u64,
     given: u64,
     n: u64,
+    cap: u64,
     parity: u32,
     vec4: u32,
 }
@@ -221,6 +231,7 @@ struct PoolArgs {
     given: u64,
     n: u64,
     bags: u64,
+    cap: u64,
     parity: u32,
     mean: u32,
     add_default: u32,
@@ -367,34 +378,39 @@ struct Scratch {
     host: Host,
     done: Event,
     copied: Event,
+    /// The event after the scratch's last use on the device (`copied` or `done`).
+    last: Event,
     /// Which of the payload's two miss counts the next find uses (it zeroes the other).
     parity: u32,
 }
 
 impl Scratch {
     fn new(dev: &Arc<dyn Device>, bytes: usize) -> Result<Scratch> {
-        let s = Scratch {
+        let done = dev.event()?;
+        let mut s = Scratch {
             dev_buf: Buffer::new(dev, bytes)?,
             host: Host::new(dev, bytes)?,
-            done: dev.event()?,
+            done,
             copied: dev.event()?,
+            last: done,
             parity: 0,
         };
         s.zero_counts(dev)?;
         Ok(s)
     }
     /// The payload's miss counts start at zero (the first user waits for `done`).
-    fn zero_counts(&self, dev: &Arc<dyn Device>) -> Result<()> {
+    fn zero_counts(&mut self, dev: &Arc<dyn Device>) -> Result<()> {
         dev.memset(self.dev_buf.ptr, 0, 16, 0)?;
-        dev.record(self.done, 0)
+        dev.record(self.done, 0)?;
+        self.last = self.done;
+        Ok(())
     }
     /// Room for `bytes` on both sides (waits for the last use before growing).
     fn reserve(&mut self, dev: &Arc<dyn Device>, bytes: usize) -> Result<()> {
         if self.dev_buf.bytes >= bytes && self.host.bytes >= bytes {
             return Ok(());
         }
-        dev.wait(self.done)?;
-        dev.wait(self.copied)?;
+        dev.wait(self.last)?;
         let bytes = bytes.max(2 * self.dev_buf.bytes);
         self.dev_buf = Buffer::new(dev, bytes)?;
         self.host = Host::new(dev, bytes)?;
@@ -458,6 +474,10 @@ impl FillLayout {
 // ---- the cache ----
 
 struct State {
+    /// The event after the cache's last launch, and its stream: the next launch waits
+    /// for it (on the device), unless it goes to the same stream.
+    last: Event,
+    last_stream: Option<Stream>,
     clock: u64,
     miss_hint: usize,
     window: VecDeque<(u64, u64)>,
@@ -469,6 +489,8 @@ struct Job {
     n: usize,
     count_hint: usize,
     parity: usize,
+    /// Misses recorded at most: more were answered with the default and not inserted.
+    cap: usize,
 }
 
 struct Queue {
@@ -588,7 +610,14 @@ impl GpuTable {
             dflt,
             order,
             side,
-            state: Mutex::new(State { clock: 0, miss_hint: MISS_HINT_MIN, window: VecDeque::new(), inval: None }),
+            state: Mutex::new(State {
+                last: order,
+                last_stream: None,
+                clock: 0,
+                miss_hint: MISS_HINT_MIN,
+                window: VecDeque::new(),
+                inval: None,
+            }),
             pool: Mutex::new(Vec::new()),
             pending: Mutex::new(Vec::new()),
             unread: Mutex::new(VecDeque::new()),
@@ -653,7 +682,7 @@ impl GpuTable {
             let mut st = self.inner.state.lock();
             self.inner.enter_ordered(&mut st, self.inner.side)?;
             self.inner.apply_pending(&mut st, self.inner.side)?;
-            self.inner.dev.record(self.inner.order, self.inner.side)?;
+            self.inner.mark(&mut st, self.inner.order, self.inner.side)?;
         }
         Ok(self.inner.counters()?[C_INVALIDATED] - before)
     }
@@ -719,12 +748,13 @@ impl Drop for GpuTable {
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.dev.enter();
-        let _ = self.dev.wait(self.order);
+        let last = self.state.get_mut().last;
+        let _ = self.dev.wait(last);
         let mut pool = std::mem::take(&mut *self.pool.lock());
         pool.extend(self.unread.get_mut().drain(..).map(|j| j.scratch));
         pool.extend(self.queue.get_mut().jobs.drain(..).map(|j| j.scratch));
         for s in &pool {
-            let _ = self.dev.wait(s.done);
+            let _ = self.dev.wait(s.last);
         }
         // SAFETY: everything launched is done (waited above).
         unsafe {
@@ -774,9 +804,20 @@ impl Inner {
     }
 
     /// Under the launch lock: `stream` waits for the cache's previous launch.
-    fn enter_ordered(&self, _st: &mut State, stream: Stream) -> Result<()> {
+    fn enter_ordered(&self, st: &mut State, stream: Stream) -> Result<()> {
         self.dev.enter()?;
-        self.dev.stream_wait(stream, self.order)
+        if st.last_stream == Some(stream) {
+            return Ok(()); // in order already
+        }
+        self.dev.stream_wait(stream, st.last)
+    }
+
+    /// Under the launch lock: records `event` on `stream` as the cache's last launch.
+    fn mark(&self, st: &mut State, event: Event, stream: Stream) -> Result<()> {
+        self.dev.record(event, stream)?;
+        st.last = event;
+        st.last_stream = Some(stream);
+        Ok(())
     }
 
     /// Under the launch lock: the queued invalidations, one launch.
@@ -832,7 +873,7 @@ impl Inner {
             if q.jobs.len() >= ASYNC_JOBS_MAX || q.closed {
                 drop(q);
                 let mut stats = self.stats.lock();
-                stats.async_dropped += 1;
+                stats.async_dropped += m as u64;
                 stats.hits += (job.n - m) as u64;
                 stats.misses += m as u64;
                 stats.default_answers += m as u64;
@@ -898,24 +939,27 @@ impl Inner {
         if n == 0 && pooled.is_none_or(|b| b.bags == 0) {
             return Ok(Some(0));
         }
-        self.poll_unread(false)?;
-        let fl = FindLayout::new(n);
+        if self.unread.lock().len() >= POLL_AT {
+            self.poll_unread(false)?;
+        }
         // An async lookup's misses are filled from the inserter's own scratch: this one
         // needs room for the find only. A sync one fills from it too (grown now: growing
         // later would lose the misses' places).
         let planned_async = self.asynchronous(&self.state.lock());
+        let cap = if planned_async { n.min(self.opts.async_miss_cap.max(1)) } else { n };
+        let fl = FindLayout::new(cap);
         let room = if planned_async { fl.end } else { fl.end + FillLayout::most(0, self.row_bytes, n) };
         let mut s = self.take_scratch(room)?;
         // The previous user's copies out of the pinned buffer and its launches are done
         // long before in practice; this wait is what makes reusing it safe.
-        self.dev.wait(s.done)?;
+        self.dev.wait(s.last)?;
         let (asynchronous, hint) = {
             let mut st = self.state.lock();
             self.enter_ordered(&mut st, stream)?;
             self.apply_pending(&mut st, stream)?;
             st.clock += 1;
             let asynchronous = planned_async;
-            let hint = st.miss_hint.min(n);
+            let hint = st.miss_hint.min(cap);
             let payload = s.dev_buf.ptr + fl.payload as u64;
             let miss_at = s.dev_buf.ptr + fl.miss_at as u64;
             match pooled {
@@ -930,6 +974,7 @@ impl Inner {
                         miss_at,
                         given,
                         n: n as u64,
+                        cap: cap as u64,
                         parity: s.parity,
                         vec4: u32::from(vec4),
                     };
@@ -949,6 +994,7 @@ impl Inner {
                         given,
                         n: n as u64,
                         bags: b.bags as u64,
+                        cap: cap as u64,
                         parity: s.parity,
                         mean: u32::from(b.mean),
                         add_default: u32::from(asynchronous),
@@ -960,9 +1006,8 @@ impl Inner {
             // SAFETY: the pinned buffer is this caller's until the scratch goes back, and
             // nobody reads it before `copied`.
             unsafe { self.dev.dtoh(s.host.ptr, payload, 8 * (PAYLOAD_HEAD + 3 * hint), stream)? };
-            self.dev.record(s.copied, stream)?;
-            self.dev.record(s.done, stream)?;
-            self.dev.record(self.order, stream)?;
+            self.mark(&mut st, s.copied, stream)?;
+            s.last = s.copied;
             (asynchronous, hint)
         };
         let parity = s.parity as usize;
@@ -971,7 +1016,7 @@ impl Inner {
             // No wait: the misses are read once the copy is done, by a later call
             // (poll_unread) or the inserter; an all-hit lookup's scratch just goes back.
             let mut unread = self.unread.lock();
-            unread.push_back(Job { scratch: s, n, count_hint: hint, parity });
+            unread.push_back(Job { scratch: s, n, count_hint: hint, parity, cap });
             let over = unread.len() > ASYNC_JOBS_MAX;
             drop(unread);
             if over {
@@ -1115,8 +1160,8 @@ impl Inner {
         };
         debug_assert!(answer.as_ref().is_none_or(|a| a.n == answers));
         self.dev.launch(Kernel::Fill, (answers + n_groups) as u64 * 32, bytes_of(&args), stream)?;
-        self.dev.record(s.done, stream)?;
-        self.dev.record(self.order, stream)?;
+        self.mark(&mut st, s.done, stream)?;
+        s.last = s.done;
         Ok(())
     }
 
@@ -1139,7 +1184,7 @@ impl Inner {
         }
         // SAFETY: `h` lives until the wait below.
         unsafe { self.dev.dtoh(h.ptr, self.desc.counters, COUNTERS * 8, self.side)? };
-        self.dev.record(self.order, self.side)?;
+        self.mark(st, self.order, self.side)?;
         self.dev.wait(self.order)?;
         let mut out = [0u64; COUNTERS];
         out.copy_from_slice(h.u64s(0, COUNTERS));
@@ -1182,7 +1227,11 @@ impl Inner {
             let r = (|| -> Result<()> {
                 self.dev.enter()?;
                 self.dev.wait(job.scratch.copied)?;
-                let m = job.scratch.host.u64s(0, PAYLOAD_HEAD)[job.parity] as usize;
+                let counted = job.scratch.host.u64s(0, PAYLOAD_HEAD)[job.parity] as usize;
+                let m = counted.min(job.cap);
+                if counted > m {
+                    self.stats.lock().async_dropped += (counted - m) as u64;
+                }
                 if m > job.count_hint {
                     let h = job.count_hint;
                     // SAFETY: the find is done (waited); the pinned buffer is ours.
@@ -1199,11 +1248,11 @@ impl Inner {
                 }
                 misses.extend_from_slice(job.scratch.host.u64s(8 * PAYLOAD_HEAD, 3 * m));
                 answered += m as u64;
-                self.record_window((job.n - m) as u64, job.n as u64);
+                self.record_window((job.n - counted) as u64, job.n as u64);
                 let mut stats = self.stats.lock();
-                stats.hits += (job.n - m) as u64;
-                stats.misses += m as u64;
-                stats.default_answers += m as u64;
+                stats.hits += (job.n - counted) as u64;
+                stats.misses += counted as u64;
+                stats.default_answers += counted as u64;
                 Ok(())
             })();
             if let Err(e) = r {
@@ -1224,7 +1273,7 @@ impl Inner {
                 // its count zero (a find zeroes the one the one after it uses).
                 let base = FILL_BASE;
                 let mut s = self.take_scratch(FillLayout::most(base, self.row_bytes, n))?;
-                self.dev.wait(s.done)?;
+                self.dev.wait(s.last)?;
                 let r = self.fill(&mut s, base, self.side, None, &misses, C_ASYNC_INSERTS);
                 self.give_scratch(s);
                 r
@@ -1248,7 +1297,7 @@ impl Inner {
                 self.dev.dtoh(snap.ptr, self.desc.keys, slots_total * 8, self.side)?;
                 self.dev.dtoh(snap.ptr.add(slots_total * 8), self.desc.versions, nb * 4, self.side)?;
             }
-            self.dev.record(self.order, self.side)?;
+            self.mark(&mut st, self.order, self.side)?;
         }
         self.dev.wait(self.order)?;
         let before = self.counters()?[C_REFRESH_CHANGED];
@@ -1306,14 +1355,10 @@ impl Inner {
                 })?;
             }
             let sd = self.desc.slots as usize;
-            for (j, &i) in part.iter().enumerate() {
-                s.host.u64s(slots_off, n)[j] = i as u64;
-                s.host.u64s(keys_off, n)[j] = keys[i];
-                s.host.u32s(vers_off, n)[j] = vers[i / sd];
-            }
-            for (j, f) in found.iter().enumerate() {
-                s.host.slice_mut(found_off, n)[j] = u8::from(*f);
-            }
+            s.host.u64s(slots_off, n).iter_mut().zip(part).for_each(|(d, &i)| *d = i as u64);
+            s.host.u64s(keys_off, n).copy_from_slice(&ks);
+            s.host.u32s(vers_off, n).iter_mut().zip(part).for_each(|(d, &i)| *d = vers[i / sd]);
+            s.host.slice_mut(found_off, n).iter_mut().zip(&found).for_each(|(d, &f)| *d = u8::from(f));
             let d = s.dev_buf.ptr;
             let mut st = self.state.lock();
             self.enter_ordered(&mut st, self.side)?;
@@ -1332,7 +1377,7 @@ impl Inner {
             };
             self.dev.launch(Kernel::Refresh, n as u64 * 32, bytes_of(&args), self.side)?;
             self.dev.record(s.done, self.side)?;
-            self.dev.record(self.order, self.side)?;
+            self.mark(&mut st, self.order, self.side)?;
             moved += end as u64;
         }
         for s in &bufs {

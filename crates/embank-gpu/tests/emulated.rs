@@ -39,6 +39,7 @@ fn options(n_buckets: usize, slots: usize, dim: usize) -> Options {
         window: 8,
         default_row: vec![-7.0; dim],
         stored_rows: true,
+        async_miss_cap: embank_gpu::ASYNC_MISS_CAP,
     }
 }
 
@@ -307,4 +308,22 @@ fn pooled_lookups_pool_bags_as_an_embedding_bag_does() {
             }
         }
     }
+}
+
+#[test]
+fn an_async_lookup_records_its_misses_up_to_the_cap() {
+    let f = table(DType::F32, 2, 100);
+    let mut o = options(8, 16, 2);
+    o.insert = Insert::Async;
+    o.async_miss_cap = 3;
+    let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
+    let ids: Vec<u64> = (0..10).collect();
+    let (out, _) = lookup(&cache, &ids);
+    assert_eq!(out, vec![-7.0; 20], "every miss answered with the default");
+    cache.wait().unwrap();
+    let s = cache.stats().unwrap();
+    assert_eq!((s.async_inserts, s.host.async_dropped, s.host.default_answers), (3, 7, 10));
+    let (_, _) = lookup(&cache, &ids);
+    cache.wait().unwrap();
+    assert_eq!(cache.stats().unwrap().rows_cached, 6, "three more the second time");
 }

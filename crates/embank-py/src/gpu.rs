@@ -96,6 +96,7 @@ impl GpuTable {
                 window,
                 default_row,
                 stored_rows,
+                async_miss_cap: embank_gpu::ASYNC_MISS_CAP,
             };
             let inner = Engine::new(device(device_ordinal)?, table_api, opts)?;
             if let Some(store) = embedded {
