@@ -18,6 +18,9 @@ the limits and baselines of the same run: the checks of "the GPU tier earns its 
     next lookup (checked row for row), and a full ``refresh()`` of ``--refresh-rows`` rows
     of dim 128: GB/s of the bytes it moved.
 
+(e) DLRM inference on the device through a cache per table against the CPU store
+    (examples/s, and the largest difference between their predictions);
+
 ``python examples/gpu_cache/native_bench.py --out W`` (CUDA; ``W/native.json``). On the
 CPU with the emulator build (``make test``'s): ``--device cpu --small-run`` as a smoke test.
 """
@@ -249,6 +252,78 @@ def refresh(store: embank.Store, args: argparse.Namespace, device: torch.device)
     }
 
 
+class _Bags(torch.nn.Module):
+    """DLRM's tables as one bag module per feature: ``(n, 26)`` ids in, pooled rows out
+    (one id a bag, as Criteo's features)."""
+
+    def __init__(self, bags: list[torch.nn.Module], device: torch.device) -> None:
+        super().__init__()
+        self.bags = torch.nn.ModuleList(bags)
+        self.device = device
+
+    def forward(self, sparse: torch.Tensor) -> dict[str, torch.Tensor]:
+        offsets = torch.arange(sparse.shape[0], dtype=torch.int64, device=sparse.device)
+        return {f"C{j + 1}": bag(sparse[:, j].contiguous(), offsets) for j, bag in enumerate(self.bags)}
+
+
+def dlrm(store: embank.Store, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """(e) DLRM inference on the device (examples/dlrm/model.py's model, 26 tables of
+    ``--dlrm-rows`` rows, Zipf 1.05 ids, batches of ``--dlrm-batch``): tables read from
+    the CPU store every batch against through a GpuCache per table (sync inserts, so
+    every row is the table's: the predictions must be equal)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "dlrm"))
+    from model import DLRM  # type: ignore[import-not-found]
+
+    dim, rows, nf = 16, args.dlrm_rows, 26
+    tables = [load(store, f"dlrm{j}", rows, dim) for j in range(nf)]
+    torch.manual_seed(0)
+    cdf: dict[Any, np.ndarray] = {}
+    rng = np.random.default_rng(3)
+    batches = []
+    for _ in range(args.dlrm_batches + args.dlrm_warm):
+        sparse = np.stack([zipf_ids(rng, args.dlrm_batch, rows, 1.05, cdf) for _ in range(nf)], axis=1)
+        dense = torch.randn(args.dlrm_batch, 13)
+        batches.append((dense.to(device), torch.as_tensor(sparse, dtype=torch.int64).to(device)))
+    out: dict[str, Any] = {"tables": nf, "rows": rows, "batch": args.dlrm_batch}
+    preds: dict[str, list[torch.Tensor]] = {}
+    for name in ("cpu_store", "gpu_cache"):
+        caches = []
+        if name == "gpu_cache":
+            caches = [
+                GpuCache(t, rows_max=args.dlrm_cache_rows, device=device, insert="sync") for t in tables
+            ]
+            bags = [et.EmbeddingBag(c, mode="sum") for c in caches]
+        else:
+            bags = [et.EmbeddingBag(t, mode="sum") for t in tables]
+        torch.manual_seed(0)
+        model = DLRM(_Bags(bags, device), dim, [64, 32], [128, 64]).to(device).eval()
+        got = []
+        with torch.no_grad():
+            for dense, sparse in batches[: args.dlrm_warm]:  # warms the caches
+                model(dense, sparse)
+            sync(device)
+            t0 = time.perf_counter()
+            for dense, sparse in batches[args.dlrm_warm :]:
+                got.append(model(dense, sparse))
+            sync(device)
+            secs = time.perf_counter() - t0
+        preds[name] = got
+        res: dict[str, Any] = {"examples_per_s": args.dlrm_batch * args.dlrm_batches / secs}
+        if caches:
+            st = [c.stats() for c in caches]
+            h, m = sum(x["hits"] for x in st), sum(x["misses"] for x in st)
+            res["hit_rate"] = h / max(1, h + m)
+            for c in caches:
+                c.close()
+        out[name] = res
+    diff = max(float((a - b).abs().max()) for a, b in zip(preds["cpu_store"], preds["gpu_cache"]))
+    out["max_prediction_difference"] = diff
+    out["speedup"] = out["gpu_cache"]["examples_per_s"] / out["cpu_store"]["examples_per_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="work directory (stores, native.json)")
@@ -266,13 +341,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-ids", type=int, default=4_000_000, help="ids that warm (c)'s cache")
     p.add_argument("--triton", action="store_true", help="also (c) through the Triton kernels")
     p.add_argument("--refresh-rows", type=int, default=1 << 20, help="rows cached for (d), dim 128")
-    p.add_argument("--only", default="a,b,c,d", help="sections to run")
+    p.add_argument("--dlrm-rows", type=int, default=1_000_000, help="rows of each of (e)'s 26 tables")
+    p.add_argument("--dlrm-cache-rows", type=int, default=100_000, help="rows of (e)'s caches, each")
+    p.add_argument("--dlrm-batch", type=int, default=512)
+    p.add_argument("--dlrm-batches", type=int, default=100, help="timed batches of (e)")
+    p.add_argument("--dlrm-warm", type=int, default=200, help="batches that warm (e)'s caches, untimed")
+    p.add_argument("--only", default="a,b,c,d,e", help="sections to run")
     p.add_argument("--small-run", action="store_true", help="tiny sizes (a CPU smoke test)")
     args = p.parse_args(argv)
     if args.small_run:
         args.small, args.calls, args.big, args.batch_sizes, args.reps = 64, 5, 4096, "1024", 1
         args.rows, args.batches, args.trace_ids, args.refresh_rows = 20_000, 3, 2000, 2000
         args.bags, args.bag_size = 4, 4
+        args.dlrm_rows, args.dlrm_cache_rows, args.dlrm_batch, args.dlrm_batches, args.dlrm_warm = (
+            500,
+            100,
+            8,
+            2,
+            2,
+        )
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -280,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     }
     sections = {"a": ("all_hit", all_hit), "b": ("throughput", throughput), "c": ("end_to_end", end_to_end),
-                "d": ("refresh", refresh)}  # fmt: skip
+                "d": ("refresh", refresh), "e": ("dlrm", dlrm)}  # fmt: skip
     with embank.open(str(args.out / "store"), create=True) as store:
         for key in args.only.split(","):
             name, fn = sections[key]
