@@ -49,7 +49,7 @@ pub const ASYNC_MISS_CAP: usize = 1 << 16;
 /// Async lookups left unread before a lookup polls them (an event query each).
 const POLL_AT: usize = 2;
 /// Rows a refresh reads from the table a chunk.
-const REFRESH_CHUNK: usize = 1 << 18;
+const REFRESH_CHUNK: usize = 1 << 16;
 // Device counters (cache.cu's C_*).
 const C_INVALIDATED: usize = 0;
 const C_SYNC_INSERTS: u32 = 1;
