@@ -39,7 +39,9 @@ never writes a row it fetched before a write over the row written after it.
 **Streams and syncs** (CUDA). Every launch goes to the current stream of the cache's
 device, under the cache's lock, after waiting on an event recorded by the cache's
 previous launch: the cache's operations run on the device in the order they were
-called, whichever streams they come from. A lookup waits for the host once: on the event
+called, whichever streams they come from. With async inserts a native lookup waits for
+nothing: its miss count is read once its copy is done, by a later call or the background
+inserter. Otherwise a lookup waits for the host once: on the event
 after its miss count and miss ids reach a pinned buffer (one device-to-host copy of
 the count and of as many miss ids as twice the previous lookup's misses, at least
 1,024; an all-hit lookup waits for it too). A lookup missing more than that waits a
@@ -53,21 +55,22 @@ their own copies on the cache's side stream or the caller's, never under the loc
 ``kernels="torch"`` on CUDA the same holds except that the insert's bookkeeping may wait
 too; ``invalidate`` (its return value), ``refresh`` and ``stats`` wait for the device.
 
-The operations exist twice with the same results: in Triton (``kernels="triton"``, the
-default on CUDA; on the CPU under ``TRITON_INTERPRET=1``) and in plain PyTorch
-(``kernels="torch"``, the default elsewhere and the reference).
+**Kernels.** ``kernels="native"`` (the default on CUDA): the cache is one object of
+crates/embank-gpu, and a lookup is one call into it: the CUDA kernels of
+``crates/embank-gpu/kernels/cache.cu`` are launched from Rust on the caller's stream (find,
+gather and the misses compacted in one launch; a sync lookup's misses answered and inserted
+in one more), ids and rows passed by address, the GIL released while misses are read from
+the table, nothing allocated per call but the output. A write through an embedded store
+reaches the cache by its next lookup (the store's change notices). On the CPU it runs only
+on the kernels' emulator, in a build made for tests. ``kernels="triton"`` and ``"torch"``
+(the default elsewhere and the reference) are the Python path, with the same results:
+Triton kernels (on the CPU under ``TRITON_INTERPRET=1``) or plain PyTorch.
 
-**When it pays** (measured on an H100 with torch 2.11 and Triton 3.6; docs/BENCHMARKS.md,
-"The GPU cache"). The device's work is small (6.6 µs for an all-hit lookup of 512 ids);
-the host's is not: ~150 µs for that lookup (Triton's launcher, allocations, the one
-wait), ~1 ms more for a lookup that inserts (a dozen launches). So at serving batches of
-~500 ids a warmed cache answers about as fast as pulling every row from the CPU store
-when its inserts run in the background (``"auto"`` above its threshold, ``"async"``:
-the background inserter gathers a few lookups' misses, up to 5 ms or 4,096 keys, before
-it inserts), and 3-5x slower when they run inside the lookup (``"sync"``, or ``"auto"``
-below its threshold); at 16 k ids a batch and more, the lookup's fixed cost is spread
-thin (0.1-0.4 G keys/s). Keep a small, hot table resident in ``torch.nn.Embedding``
-instead: a gather of 512 ids costs ~12 µs.
+**When it pays** (measured on an H200; docs/BENCHMARKS.md, "The GPU cache"). Native: an
+all-hit lookup of 512 ids costs ~33 µs with the device's work (~21 µs of host time), a
+lookup of 1 M ids runs at ~3 G keys/s, and an ``EmbeddingBag`` of 50 x 10 ids through a
+warmed 10 % cache answers in 0.07-0.11 ms, 2.6-3.4x faster than pulling every row from the
+CPU store. The Triton path's host cost is ~150 µs a lookup, ~1 ms more for one that inserts.
 
 Use it in eval mode as the source of :class:`embank.torch.Embedding`/``EmbeddingBag``/
 ``EmbeddingBagCollection``: ``EmbeddingBag(GpuCache(table, ...))``. Writes made
@@ -147,7 +150,8 @@ class GpuCache:
             down to 8, while rounding ``rows_max`` down to whole buckets would lose
             more than an eighth of it).
         policy: ``"lru"`` (default), ``"lfu"`` or ``"custom"`` (see the module's text).
-        kernels: ``"triton"``, ``"torch"`` or ``"auto"`` (default: Triton on CUDA).
+        kernels: ``"native"``, ``"triton"``, ``"torch"`` or ``"auto"`` (default: native on
+            CUDA, PyTorch elsewhere; see the module's text).
         window: lookups the hit rate of ``"auto"`` is taken over (default 32).
         default: the row an async miss is answered with (a number or ``dim`` values);
             default: the table's ``missing`` default when it is a number, else zeros.
