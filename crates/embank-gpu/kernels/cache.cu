@@ -146,17 +146,51 @@ DEV u64 warp_id() { return thread_id() >> 5; }
 
 // ---- lookup: find, touch, gather, and the misses compacted (one launch) ----
 
+// Where a lookup's last warp copies the miss count and the first `hint` misses: pinned
+// host memory mapped into the device's address space, so no copy is launched and the host
+// reads them once the launch's event is done. `done` counts the warps finished (the last
+// one copies, then zeroes it for the next launch).
+struct Report {
+    u64 host;   // u64[4 + 3 * hint], device address of mapped host memory
+    u64 done;   // u32, device memory, zero between launches
+    u64 hint;   // misses copied at most
+    u64 warps;  // warps that check in
+};
+
+// Called by every warp that checks in, after its work: the last one copies.
+DEV void report(const Report& r, const u64* payload, u32 parity) {
+    u32 l = lane_id();
+    u32 last = 0;
+    if (l == 0) {
+        thread_fence();
+        last = atomic_add32((u32*)r.done, 1u) == (u32)(r.warps - 1) ? 1u : 0u;
+    }
+    last = shfl32(last, 0);
+    if (!last) return;
+    thread_fence();
+    u64 count = load_cg(payload + parity);
+    u64 copy = count < r.hint ? count : r.hint;
+    u64* host = (u64*)r.host;
+    for (u64 k = l; k < 3 * copy; k += 32) host[4 + k] = load_cg(payload + 4 + k);
+    if (l == 0) {
+        host[parity] = count;
+        *(u32*)r.done = 0;
+    }
+}
+
 struct FindArgs {
     Cache c;
     u64 ids;       // const u64[n]
     u64 out;       // float[n * dim]
     u64 dflt;      // const float[dim]: a miss's row until it is filled
-    u64 payload;   // u64[2 + 3n]: two miss counts (this launch's, `parity`, zero at its
-                   // start; the other zeroed here for the next), then (key, version, score)
+    u64 payload;   // u64[4 + 3n]: two miss counts (this launch's, `parity`, zero at its
+                   // start; the other zeroed here for the next), the warps done (Report's
+                   // `done`), a pad, then (key, version, score) a miss
     u64 miss_at;   // u32[n]: each miss's place in the batch
     u64 given;     // const u64[n] scores (policy custom), or 0
     u64 n;
     u64 cap;       // misses recorded at most (counted all the same)
+    Report r;
     u32 parity, vec4;  // vec4: rows and `out` 16-byte aligned f32, dim % 4 == 0
 };
 
@@ -198,15 +232,16 @@ KERNEL embank_find(FindArgs a) {
             u64* p = (u64*)a.payload;
             u64 at = atomic_add64(p + a.parity, 1);
             if (at < a.cap) {
-                p[2 + 3 * at] = key;
-                p[3 + 3 * at] = ((const u32*)c.versions)[b];
-                p[4 + 3 * at] = score;
+                p[4 + 3 * at] = key;
+                p[5 + 3 * at] = ((const u32*)c.versions)[b];
+                p[6 + 3 * at] = score;
                 ((u32*)a.miss_at)[at] = (u32)i;
             }
         }
         const float* dflt = (const float*)a.dflt;
         for (u32 j = l; j < c.dim; j += 32) out[j] = dflt[j];
     }
+    report(a.r, (const u64*)a.payload, a.parity);
 }
 
 // ---- pooled lookup: find, touch and pool a bag's rows (one warp a bag) ----
@@ -224,6 +259,7 @@ struct PoolArgs {
     u64 given;     // const u64[n] scores (policy custom), or 0
     u64 n, bags;
     u64 cap;       // misses recorded at most (counted all the same)
+    Report r;
     u32 parity, mean, add_default /* async: a miss pools the default row */, pad;
 };
 
@@ -257,9 +293,9 @@ KERNEL embank_pool(PoolArgs a) {
                 u64* p = (u64*)a.payload;
                 u64 at = atomic_add64(p + a.parity, 1);
                 if (at < a.cap) {
-                    p[2 + 3 * at] = key;
-                    p[3 + 3 * at] = ((const u32*)c.versions)[bk];
-                    p[4 + 3 * at] = score;
+                    p[4 + 3 * at] = key;
+                    p[5 + 3 * at] = ((const u32*)c.versions)[bk];
+                    p[6 + 3 * at] = score;
                     ((u32*)a.miss_at)[at] = (u32)b;
                     ((float*)a.miss_w)[at] = w;
                 }
@@ -270,6 +306,7 @@ KERNEL embank_pool(PoolArgs a) {
             }
         }
     }
+    report(a.r, (const u64*)a.payload, a.parity);
 }
 
 // ---- fill: a lookup's misses answered from the fetched rows, and new keys inserted ----

@@ -50,5 +50,7 @@ DEV float fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 DEV u32 lowest_bit(u32 m) { return (u32)__builtin_ctz(m); }
 DEV u32 popcount32(u32 m) { return (u32)__builtin_popcount(m); }
 DEV void warp_sync() { emu_warp->bar.arrive_and_wait(); }
+DEV void thread_fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+DEV u64 load_cg(const u64* p) { return std::atomic_ref<const u64>(*p).load(); }
 DEV float bits_float(u32 x) { float f; std::memcpy(&f, &x, 4); return f; }
 DEV u32 float_bits(float f) { u32 x; std::memcpy(&x, &f, 4); return x; }

@@ -54,6 +54,9 @@ pub trait Device: Send + Sync {
     /// # Safety
     /// `ptr` came from [`Device::alloc_host`] and no copy uses it any more.
     unsafe fn free_host(&self, ptr: *mut u8, bytes: usize);
+    /// The device's address of pinned host memory from [`Device::alloc_host`] (mapped:
+    /// a kernel may write there).
+    fn host_device_ptr(&self, ptr: *mut u8) -> Result<u64>;
     fn memset(&self, dst: u64, byte: u8, bytes: usize, stream: Stream) -> Result<()>;
     /// # Safety
     /// `src` stays valid and unchanged until the copy is done (an event after it).
@@ -180,13 +183,21 @@ impl Device for Cuda {
 
     fn alloc_host(&self, bytes: usize) -> Result<*mut u8> {
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: an out-pointer to a local (flags 0: pinned, this context).
-        check(unsafe { sys::cuMemHostAlloc(&mut p, bytes.max(1), 0) }, "cuMemHostAlloc")?;
+        // SAFETY: an out-pointer to a local. Flags: PORTABLE (1, every context) | DEVICEMAP
+        // (2, mapped into the device's address space).
+        check(unsafe { sys::cuMemHostAlloc(&mut p, bytes.max(1), 3) }, "cuMemHostAlloc")?;
         Ok(p.cast())
     }
 
     unsafe fn free_host(&self, ptr: *mut u8, _bytes: usize) {
         let _ = sys::cuMemFreeHost(ptr.cast());
+    }
+
+    fn host_device_ptr(&self, ptr: *mut u8) -> Result<u64> {
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: memory from cuMemHostAlloc with DEVICEMAP; an out-pointer to a local.
+        check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, ptr.cast(), 0) }, "cuMemHostGetDevicePointer")?;
+        Ok(d)
     }
 
     fn memset(&self, dst: u64, byte: u8, bytes: usize, stream: Stream) -> Result<()> {
@@ -330,6 +341,9 @@ mod emulator {
         }
         unsafe fn free_host(&self, ptr: *mut u8, bytes: usize) {
             dealloc(ptr, layout(bytes));
+        }
+        fn host_device_ptr(&self, ptr: *mut u8) -> Result<u64> {
+            Ok(ptr as u64)
         }
         fn memset(&self, dst: u64, byte: u8, bytes: usize, _stream: Stream) -> Result<()> {
             // SAFETY: dst is emulated device memory (host memory) of `bytes` at least.

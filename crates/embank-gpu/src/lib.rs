@@ -59,8 +59,9 @@ const C_EVICTIONS: usize = 4;
 const C_REFRESH_CHANGED: usize = 5;
 const C_ROWS: usize = 6;
 const COUNTERS: usize = 8;
-/// Words before a find's misses in its payload: the two miss counts.
-const PAYLOAD_HEAD: usize = 2;
+/// Words before a find's misses in its payload: the two miss counts, the warps done
+/// (cache.cu's `Report::done`), a pad.
+const PAYLOAD_HEAD: usize = 4;
 /// Where a background fill starts in a scratch: past the miss counts it must keep.
 const FILL_BASE: usize = 256;
 
@@ -202,6 +203,15 @@ struct CacheDesc {
 
 #[repr(C)]
 #[derive(Clone, Copy)]
+struct Report {
+    host: u64,
+    done: u64,
+    hint: u64,
+    warps: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
 struct FindArgs {
     c: CacheDesc,
     ids: u64,
@@ -212,6 +222,7 @@ struct FindArgs {
     given: u64,
     n: u64,
     cap: u64,
+    r: Report,
     parity: u32,
     vec4: u32,
 }
@@ -232,6 +243,7 @@ struct PoolArgs {
     n: u64,
     bags: u64,
     cap: u64,
+    r: Report,
     parity: u32,
     mean: u32,
     add_default: u32,
@@ -329,11 +341,13 @@ impl Drop for Buffer {
     }
 }
 
-/// Pinned host memory, freed on drop.
+/// Pinned host memory, mapped into the device's address space, freed on drop.
 struct Host {
     dev: Arc<dyn Device>,
     ptr: *mut u8,
     bytes: usize,
+    /// Its address on the device (a kernel writes there, the host reads `ptr`).
+    dev_ptr: u64,
 }
 
 // SAFETY: a plain allocation; access is governed by its owner (a scratch held by one
@@ -343,7 +357,15 @@ unsafe impl Send for Host {}
 impl Host {
     fn new(dev: &Arc<dyn Device>, bytes: usize) -> Result<Host> {
         let ptr = dev.alloc_host(bytes)?;
-        Ok(Host { dev: dev.clone(), ptr, bytes })
+        let dev_ptr = match dev.host_device_ptr(ptr) {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: just allocated, unused.
+                unsafe { dev.free_host(ptr, bytes) };
+                return Err(e);
+            }
+        };
+        Ok(Host { dev: dev.clone(), ptr, bytes, dev_ptr })
     }
     fn slice_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
         assert!(off + len <= self.bytes, "pinned buffer overrun: {off} + {len} > {}", self.bytes);
@@ -400,7 +422,7 @@ impl Scratch {
     }
     /// The payload's miss counts start at zero (the first user waits for `done`).
     fn zero_counts(&mut self, dev: &Arc<dyn Device>) -> Result<()> {
-        dev.memset(self.dev_buf.ptr, 0, 16, 0)?;
+        dev.memset(self.dev_buf.ptr, 0, 8 * PAYLOAD_HEAD, 0)?;
         dev.record(self.done, 0)?;
         self.last = self.done;
         Ok(())
@@ -962,6 +984,10 @@ impl Inner {
             let hint = st.miss_hint.min(cap);
             let payload = s.dev_buf.ptr + fl.payload as u64;
             let miss_at = s.dev_buf.ptr + fl.miss_at as u64;
+            // The last warp copies the count and the first `hint` misses to the pinned
+            // buffer itself: no copy to launch, and none to wait for but the kernel.
+            let warps = pooled.map_or(n, |b| b.bags) as u64;
+            let r = Report { host: s.host.dev_ptr, done: payload + 16, hint: hint as u64, warps };
             match pooled {
                 None => {
                     let vec4 = self.desc.dtype == 0 && self.dim.is_multiple_of(4) && out.is_multiple_of(16);
@@ -975,6 +1001,7 @@ impl Inner {
                         given,
                         n: n as u64,
                         cap: cap as u64,
+                        r,
                         parity: s.parity,
                         vec4: u32::from(vec4),
                     };
@@ -995,6 +1022,7 @@ impl Inner {
                         n: n as u64,
                         bags: b.bags as u64,
                         cap: cap as u64,
+                        r,
                         parity: s.parity,
                         mean: u32::from(b.mean),
                         add_default: u32::from(asynchronous),
@@ -1003,9 +1031,6 @@ impl Inner {
                     self.dev.launch(Kernel::Pool, b.bags as u64 * 32, bytes_of(&args), stream)?;
                 }
             }
-            // SAFETY: the pinned buffer is this caller's until the scratch goes back, and
-            // nobody reads it before `copied`.
-            unsafe { self.dev.dtoh(s.host.ptr, payload, 8 * (PAYLOAD_HEAD + 3 * hint), stream)? };
             self.mark(&mut st, s.copied, stream)?;
             s.last = s.copied;
             (asynchronous, hint)
