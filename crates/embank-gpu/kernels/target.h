@@ -26,7 +26,7 @@ DEV float fadd_rn(float a, float b) { return __fadd_rn(a, b); }
 DEV u32 lowest_bit(u32 m) { return (u32)(__ffs((int)m) - 1); }
 DEV u32 popcount32(u32 m) { return (u32)__popc(m); }
 DEV void warp_sync() { __syncwarp(); }
-DEV void thread_fence() { __threadfence_system(); }
+DEV void thread_fence() { __threadfence(); }
 DEV u64 load_cg(const u64* p) { return __ldcg((const unsigned long long*)p); }
 DEV float bits_float(u32 x) { return __uint_as_float(x); }
 DEV u32 float_bits(float f) { return __float_as_uint(f); }

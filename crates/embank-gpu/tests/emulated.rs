@@ -40,6 +40,7 @@ fn options(n_buckets: usize, slots: usize, dim: usize) -> Options {
         default_row: vec![-7.0; dim],
         stored_rows: true,
         async_miss_cap: embank_gpu::ASYNC_MISS_CAP,
+        report_warps_max: embank_gpu::REPORT_WARPS_MAX,
     }
 }
 
@@ -81,9 +82,18 @@ fn sync_lookups_answer_the_tables_rows_then_hit() {
 
 #[test]
 fn a_full_cache_evicts_and_stays_exact() {
+    // Misses reported by the kernel's last warp, and copied by the host (no report).
+    for report_warps_max in [embank_gpu::REPORT_WARPS_MAX, 0] {
+        full_cache_evicts_and_stays_exact(report_warps_max);
+    }
+}
+
+fn full_cache_evicts_and_stays_exact(report_warps_max: usize) {
     let f = table(DType::F32, 3, 500);
     // 2 buckets of 8: 16 rows for 500 keys.
-    let cache = GpuTable::new(dev(), f.table.clone(), options(2, 8, 3)).unwrap();
+    let mut o = options(2, 8, 3);
+    o.report_warps_max = report_warps_max;
+    let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
     let mut seed = 1u64;
     for _ in 0..6 {
         let ids: Vec<u64> = (0..40)

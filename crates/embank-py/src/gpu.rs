@@ -97,6 +97,7 @@ impl GpuTable {
                 default_row,
                 stored_rows,
                 async_miss_cap: embank_gpu::ASYNC_MISS_CAP,
+                report_warps_max: embank_gpu::REPORT_WARPS_MAX,
             };
             let inner = Engine::new(device(device_ordinal)?, table_api, opts)?;
             if let Some(store) = embedded {
