@@ -67,10 +67,12 @@ on the kernels' emulator, in a build made for tests. ``kernels="triton"`` and ``
 Triton kernels (on the CPU under ``TRITON_INTERPRET=1``) or plain PyTorch.
 
 **When it pays** (measured on an H200; docs/BENCHMARKS.md, "The GPU cache"). Native: an
-all-hit lookup of 512 ids costs ~33 µs with the device's work (~21 µs of host time), a
-lookup of 1 M ids runs at ~3 G keys/s, and an ``EmbeddingBag`` of 50 x 10 ids through a
-warmed 10 % cache answers in 0.07-0.11 ms, 2.6-3.4x faster than pulling every row from the
-CPU store. The Triton path's host cost is ~150 µs a lookup, ~1 ms more for one that inserts.
+all-hit lookup of 512 ids costs ~20 µs with the device's work (~12 µs of host time; one
+launch: the kernel's last warp writes the miss count to mapped host memory), a lookup of
+1 M ids runs at ~2.7 G keys/s, and an ``EmbeddingBag`` of 50 x 10 ids through a warmed
+10 % cache is 2.6-5x faster than pulling every row from the CPU store; DLRM inference
+through a cache per table 3.1x. The Triton path's host cost is ~150 µs a lookup, ~1 ms
+more for one that inserts.
 
 Use it in eval mode as the source of :class:`embank.torch.Embedding`/``EmbeddingBag``/
 ``EmbeddingBagCollection``: ``EmbeddingBag(GpuCache(table, ...))``. Writes made
