@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from . import _native
 from ._publisher import Publisher
-from .errors import InvalidInputError, PublishError
+from .errors import InvalidInputError, PublishError, TableExistsError
 from .init import Initializer, zeros
 from .optim import Optimizer
 
@@ -153,6 +153,19 @@ def decode_rows(stored: npt.ArrayLike, stored_dtype: str, dim: int) -> Rows:
     out: Rows = q * tail[:, 0:1]
     out += tail[:, 1:2]
     return out
+
+
+_DTYPE_NAMES = {"f32": "f32", "float32": "f32", "float": "f32", "f16": "f16", "float16": "f16", "half": "f16",
+                "int8": "int8", "uint8": "int8", "i8": "int8", "u8": "int8"}  # fmt: skip
+
+
+def _spec(options: dict[str, Any]) -> str:
+    """The options a get-or-create compares, as words: dim, dtype, optimizer."""
+    dtype = str(options.get("dtype", "f32"))
+    opt = options.get("optimizer")
+    none = not opt or (isinstance(opt, dict) and opt.get("kind") == "none")
+    opt_text = "no optimizer" if none else "optimizer " + json.dumps(opt, sort_keys=True)
+    return f"dim {options.get('dim')}, dtype {_DTYPE_NAMES.get(dtype.lower(), dtype)}, {opt_text}"
 
 
 class Table:
@@ -527,11 +540,16 @@ class Store:
         rows_max: int | None = None,
         evict: str = "lru",
         max_rows: int | None = None,
+        exist_ok: bool = False,
     ) -> Table:
         """Creates a table.
 
         Args:
             name: 1 to 128 letters, digits, ``_``, ``-`` or ``.``.
+            exist_ok: if the table exists already, return it (get-or-create) when its
+                dim, dtype and optimizer are the ones asked for, and raise
+                :class:`~embank.TableExistsError` naming both when they are not (its
+                other options are kept as they are). Default: an existing table raises.
             dim: elements per row, 1 to 4096.
             dtype: how rows are stored: ``"f32"`` (the default), ``"f16"`` (IEEE half,
                 rounded to nearest even: half the bytes, for training and serving) or
@@ -627,8 +645,30 @@ class Store:
         lifecycle = _lifecycle_json(admit_after, ttl_steps, ttl_seconds, rows_max, evict)
         if lifecycle is not None:
             options["lifecycle"] = json.loads(lifecycle)
-        native = self._s.create_table(name, json.dumps(options))
+        if exist_ok and name in self:
+            return self._existing(name, options)
+        try:
+            native = self._s.create_table(name, json.dumps(options))
+        except TableExistsError:
+            if exist_ok:  # created meanwhile by another handle
+                return self._existing(name, options)
+            t = self.table(name)
+            raise TableExistsError(
+                f"table {name!r} exists already ({_spec(t.options)}): open it with store.table({name!r}), "
+                "or pass exist_ok=True to get it when it matches"
+            ) from None
         return Table(native, self._listeners_of(name), self._s)
+
+    def _existing(self, name: str, asked: dict[str, Any]) -> Table:
+        """The existing table ``name`` for ``create_table(exist_ok=True)``, if it matches."""
+        t = self.table(name)
+        have = t.options
+        if _spec(have) != _spec(asked):
+            raise TableExistsError(
+                f"table {name!r} exists with {_spec(have)}; asked for {_spec(asked)}: "
+                "drop it, or use another name"
+            )
+        return t
 
     def table(self, name: str) -> Table:
         """The table called ``name``; raises :class:`~embank.errors.NotFoundError` (a ``KeyError``)."""

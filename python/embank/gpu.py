@@ -93,7 +93,11 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
+
+try:
+    import torch
+except ImportError as e:  # the package installs without PyTorch
+    raise ImportError("embank.gpu needs PyTorch: pip install 'embank[torch]' (or torch itself)") from e
 import torch.nn.functional as F
 
 from . import _native

@@ -104,6 +104,8 @@ def test_connect_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EMBANK_TLS_CA_FILE", raising=False)
     with pytest.raises(errors.ConfigError, match="at least one"):
         embank.connect([])
+    with pytest.raises(errors.ConfigError, match=r'"localhost" has no port: write host:port'):
+        embank.connect(["localhost"])
     with pytest.raises(errors.ConfigError, match="timeout"):
         embank.connect(["127.0.0.1:1"], timeout=0)
     with pytest.raises(errors.ShardUnavailableError):

@@ -226,8 +226,37 @@ def test_unknown_and_duplicate_table(store: embank.Store) -> None:
         store.table("missing")
     assert isinstance(e.value, KeyError)
     assert 'no table "missing"' in str(e.value)
-    with pytest.raises(embank.TableExistsError, match="exists"):
+    with pytest.raises(embank.TableExistsError, match=r"exists already \(dim 2, dtype f32, no optimizer\)"):
         store.create_table("t", dim=2)
+
+
+def test_get_or_create(store: embank.Store) -> None:
+    """``exist_ok=True`` returns the existing table when dim, dtype and optimizer match,
+    and names both specs when they do not; the table and its rows are untouched."""
+    adagrad = embank.optim.Adagrad(lr=0.1)
+    t = store.create_table("g", dim=3, dtype="f16", optimizer=adagrad, exist_ok=True)  # created
+    t.push([5], np.ones((1, 3), dtype=np.float32))
+    again = store.create_table("g", dim=3, dtype="float16", optimizer=adagrad, exist_ok=True)
+    np.testing.assert_array_equal(again.pull([5]), np.ones((1, 3), dtype=np.float32))
+    for kwargs, asked in (
+        ({"dim": 4, "dtype": "f16", "optimizer": adagrad}, "dim 4"),
+        ({"dim": 3, "dtype": "f32", "optimizer": adagrad}, "dtype f32"),
+        ({"dim": 3, "dtype": "f16"}, "no optimizer"),
+    ):
+        with pytest.raises(
+            embank.TableExistsError, match=f"exists with dim 3, dtype f16, optimizer .*; asked for .*{asked}"
+        ):
+            store.create_table("g", exist_ok=True, **kwargs)  # type: ignore[arg-type]
+    assert store.table("g").dim == 3 and store.tables().count("g") == 1
+
+
+def test_the_torch_modules_say_how_to_get_pytorch() -> None:
+    """Without PyTorch, ``import embank.torch`` (and ``embank.gpu``) names the extra to install."""
+    for mod in ("embank.torch", "embank.gpu"):
+        code = f"import sys; sys.modules['torch'] = None; import {mod}"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode != 0
+        assert f"{mod} needs PyTorch: pip install 'embank[torch]'" in r.stderr, r.stderr
 
 
 @pytest.mark.local_only("capacity is per shard and keys split unevenly, so a shard fills first")

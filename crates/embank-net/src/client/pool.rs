@@ -154,7 +154,7 @@ impl Client {
         let addrs: Vec<SocketAddr> = ep
             .addr
             .to_socket_addrs()
-            .map_err(|e| (Error::config(format!("{}: address does not resolve: {e}", shard.replica_name(r))), false))?
+            .map_err(|e| (Error::config(resolve_error(&shard.replica_name(r), &ep.addr, &e)), false))?
             .collect();
         let mut last = None;
         let mut stream = None;
@@ -329,3 +329,32 @@ pub(super) fn check_reply(shard: &Shard, r: usize, req: &Header, reply: &Header,
 
 /// New connections tried again after a server closed them before answering the hello.
 pub(super) const HELLO_RETRIES: u32 = 8;
+
+/// Why `addr` did not resolve, for a person: a missing port said as such (the resolver's
+/// own words for it are "invalid socket address").
+fn resolve_error(name: &str, addr: &str, e: &io::Error) -> String {
+    let has_port = match addr.strip_prefix('[') {
+        Some(rest) => rest.contains("]:"),
+        None => addr.contains(':'),
+    };
+    if has_port {
+        format!("{name}: address does not resolve: {e}")
+    } else {
+        format!("{name}: address {addr:?} has no port: write host:port (the server's default is {addr}:7070)")
+    }
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::resolve_error;
+
+    #[test]
+    fn a_missing_port_is_named() {
+        let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "invalid socket address");
+        let m = resolve_error("shard 0", "localhost", &e);
+        assert!(m.contains("has no port") && m.contains("localhost:7070"), "{m}");
+        assert!(resolve_error("shard 0", "[::1]", &e).contains("has no port"));
+        let m = resolve_error("shard 0", "nohost.invalid:7070", &e);
+        assert!(m.contains("does not resolve"), "{m}");
+    }
+}
