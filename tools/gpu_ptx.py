@@ -33,11 +33,13 @@ TARGETS = ("sm_80", "sm_90")
 
 
 def _find(pattern: str) -> str:
-    for base in sys.path + [os.path.join(sys.prefix, "lib")]:
+    for base in [*sys.path, os.path.join(sys.prefix, "lib")]:
         hits = sorted(glob.glob(os.path.join(base, pattern)))
         if hits:
             return hits[0]
-    raise SystemExit(f"gpu_ptx: {pattern} not found on sys.path (pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12)")
+    raise SystemExit(
+        f"gpu_ptx: {pattern} not found on sys.path (pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12)"
+    )
 
 
 def compile_ptx() -> str:
@@ -65,6 +67,9 @@ def compile_ptx() -> str:
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     text = ptx.value.decode()
     text = re.sub(r"^\.version \d+\.\d+$", f".version {PTX_ISA}", text, count=1, flags=re.M)
+    # Line info names the files by the compiler's working directory: by name alone, so the
+    # PTX is the same on every machine.
+    text = re.sub(r'^(\s*\.file\s+\d+\s+")[^"]*/([^"/]+")', r"\1\2", text, flags=re.M)
     # A hint of PTX ISA 8.3 that ISA 7.0 lacks (ptxas checks the rest).
     text = re.sub(r'^\s*\.pragma "used_bytes_mask \d+";\n', "", text, flags=re.M)
     return text
@@ -80,7 +85,8 @@ def check_targets(ptx: str) -> None:
                                capture_output=True, text=True)  # fmt: skip
             if r.returncode:
                 raise SystemExit(f"gpu_ptx: ptxas refuses cache.ptx for {t}:\n{r.stderr}")
-            spills = [ln for ln in r.stderr.splitlines() if "spill" in ln and not re.search(r"\b0 bytes spill stores, 0 bytes spill loads", ln)]
+            clean = r"\b0 bytes spill stores, 0 bytes spill loads"
+            spills = [ln for ln in r.stderr.splitlines() if "spill" in ln and not re.search(clean, ln)]
             print(f"gpu_ptx: {t}: ok ({len(re.findall('Compiling entry function', r.stderr))} kernels)")
             for ln in spills:
                 print(f"gpu_ptx: {t}: {ln.strip()}")
@@ -88,13 +94,13 @@ def check_targets(ptx: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="compare with the committed PTX instead of writing it")
+    ap.add_argument("--check", action="store_true", help="compare with the committed PTX, do not write it")
     args = ap.parse_args()
     ptx = compile_ptx()
     out = KERNELS / "cache.ptx"
     if args.check:
         if not out.exists() or out.read_text() != ptx:
-            raise SystemExit("gpu_ptx: crates/embank-gpu/kernels/cache.ptx is stale: run python tools/gpu_ptx.py")
+            raise SystemExit("gpu_ptx: kernels/cache.ptx is stale: run python tools/gpu_ptx.py")
         print("gpu_ptx: cache.ptx is what cache.cu compiles to")
     else:
         out.write_text(ptx)
