@@ -4,6 +4,7 @@ remote store adds (a shard down, a wrong token)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -208,3 +209,32 @@ def test_a_cluster_file_is_the_shard_map_switched_to_while_connected(
     finally:
         with embank.connect(cluster) as both:
             both.drop_table("mapped")
+
+
+def test_check_config_refuses_what_serve_refuses(tmp_path: Path) -> None:
+    """``embank serve --check-config`` runs the checks ``serve`` runs before it listens:
+    a non-loopback address without a token, or without TLS; a port alone; a declared
+    table whose dim differs from the store's (read from its catalog, not opened)."""
+    store = tmp_path / "s"
+    with embank.open(store) as s:
+        s.create_table("items", dim=4)
+
+    def check(body: str) -> subprocess.CompletedProcess[str]:
+        config = tmp_path / "serve.toml"
+        config.write_text(f'store = "{store}"\n' + body)
+        cmd = [sys.executable, "-m", "embank", "serve", "--config", str(config), "--check-config"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    for body, refusal in (
+        ('listen = "0.0.0.0:7072"\n', "requires an auth token"),
+        ('listen = "0.0.0.0:7072"\ntoken = "s3cret"\n', "requires TLS"),
+        ('listen = "7072"\n', 'a port alone; write host:port, e.g. "127.0.0.1:7072"'),
+        (
+            '[[tables]]\nname = "items"\ndim = 8\n',
+            'table "items" exists in .* with dim 4, but the config says dim 8',
+        ),
+    ):
+        out = check(body)
+        assert out.returncode != 0 and re.search(refusal, out.stderr), (body, out.stderr)
+    out = check('listen = "127.0.0.1:7072"\n[[tables]]\nname = "items"\ndim = 4\n')
+    assert out.returncode == 0 and out.stdout.startswith("config ok"), out.stderr

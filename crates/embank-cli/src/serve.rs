@@ -66,7 +66,7 @@ pub fn run(args: ServeArgs) -> Result<(), String> {
         config.admin = Some(a);
     }
     if args.check_config {
-        config.server_options_loaded().map_err(|e| e.to_string())?;
+        check(&config).map_err(|e| e.to_string())?;
         let what = match &config.updates {
             Some(u) => format!("a replica of {} (partition {})", u.stream.describe(), u.partition),
             None => "a primary".into(),
@@ -78,6 +78,31 @@ pub fn run(args: ServeArgs) -> Result<(), String> {
         return Ok(());
     }
     serve(config).map_err(|e| e.to_string())
+}
+
+/// What `serve` checks before it listens, without opening the store or listening: the
+/// options and their files, the listen address (port, token, TLS), and the declared
+/// tables' dims against an existing store's catalog (read, not locked).
+fn check(config: &ServeConfig) -> Result<(), Error> {
+    let opts = config.server_options_loaded()?;
+    Server::check_listen(&config.listen, &opts)?;
+    let declared = config.table_options()?;
+    if let Ok(catalog) = embank_core::catalog::Catalog::open(&config.store) {
+        let have = catalog.snapshot();
+        for (name, options) in declared {
+            if let Some(m) = have.tables.iter().find(|m| m.name == name) {
+                if m.dim != options.dim {
+                    return Err(Error::config(format!(
+                        "table {name:?} exists in {} with dim {}, but the config says dim {}",
+                        config.store.display(),
+                        m.dim,
+                        options.dim
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn serve(config: ServeConfig) -> Result<(), Error> {

@@ -171,11 +171,21 @@ impl Ctx {
 }
 
 impl Server {
-    /// Binds `addr`. Anything but a loopback address needs `opts.token`.
-    pub fn bind(addr: &str, store: Arc<Store>, opts: ServerOptions) -> Result<Server> {
+    /// What `bind` checks before it listens (`embank serve --check-config` runs it too):
+    /// `addr` resolves, and anything but loopback has a token and TLS (or `insecure`).
+    pub fn check_listen(addr: &str, opts: &ServerOptions) -> Result<Vec<SocketAddr>> {
         let addrs: Vec<SocketAddr> = addr
             .to_socket_addrs()
-            .map_err(|e| Error::config(format!("listen address {addr:?} does not resolve: {e}")))?
+            .map_err(|e| {
+                let hint = if addr.parse::<u16>().is_ok() {
+                    format!(": it is a port alone; write host:port, e.g. \"127.0.0.1:{addr}\"")
+                } else if !addr.contains(':') {
+                    ": it has no port; write host:port".to_owned()
+                } else {
+                    String::new()
+                };
+                Error::config(format!("listen address {addr:?} does not resolve: {e}{hint}"))
+            })?
             .collect();
         if opts.token.is_none() {
             if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
@@ -201,6 +211,12 @@ impl Server {
                 }
             }
         }
+        Ok(addrs)
+    }
+
+    /// Binds `addr`. Anything but a loopback address needs `opts.token`.
+    pub fn bind(addr: &str, store: Arc<Store>, opts: ServerOptions) -> Result<Server> {
+        let addrs = Server::check_listen(addr, &opts)?;
         let listener = TcpListener::bind(&addrs[..]).map_err(|e| Error::io(format!("cannot listen on {addr}"), e))?;
         Ok(Server {
             listener,
