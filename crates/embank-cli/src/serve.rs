@@ -38,8 +38,10 @@ pub struct ServeArgs {
     /// Print a commented sample config and exit.
     #[arg(long)]
     pub print_sample_config: bool,
-    /// Check the config (every key, the tables' options, TLS and token files) and exit:
-    /// 0 and "config ok" when it would start, else the error naming the key.
+    /// Check the config and exit: every key, the tables' options, the TLS and token files,
+    /// the listen address (a port, and a token and TLS off loopback), the declared tables'
+    /// dims against an existing store's (read, not opened). 0 and "config ok" when `serve`
+    /// would start, else the error naming what it would refuse.
     #[arg(long)]
     pub check_config: bool,
 }
