@@ -183,6 +183,27 @@ fn seconds(what: &str, s: f64) -> Result<Duration> {
     Ok(Duration::from_secs_f64(s))
 }
 
+/// The store options a config may put at its top level by mistake: where they belong.
+const STORE_KEYS: [&str; 9] = [
+    "cache_bytes",
+    "io_engine",
+    "io_depth",
+    "mmap_random_access",
+    "huge_pages",
+    "row_writes",
+    "verify",
+    "keep_checkpoints",
+    "hot_placement",
+];
+
+/// A parse error naming an unknown top-level key that is a store option, with where it goes.
+fn misplaced_hint(message: String) -> String {
+    match STORE_KEYS.iter().find(|k| message.contains(&format!("unknown field `{k}`"))) {
+        Some(k) => format!("{message}\n`{k}` is a store option: put it under [store_options]"),
+        None => message,
+    }
+}
+
 impl ServeConfig {
     /// Reads and checks a config file; errors name the file, the key and what was wrong.
     pub fn from_file(path: &Path) -> Result<ServeConfig> {
@@ -219,7 +240,7 @@ impl ServeConfig {
 
     /// Parses config text (relative paths stay relative).
     pub fn parse(text: &str) -> Result<ServeConfig> {
-        let mut c: ServeConfig = toml::from_str(text).map_err(|e| Error::config(e.to_string()))?;
+        let mut c: ServeConfig = toml::from_str(text).map_err(|e| Error::config(misplaced_hint(e.to_string())))?;
         c.deprecated = c.limits.take_old_spellings();
         for (i, t) in c.tables.iter().enumerate() {
             if t.get("lifecycle").and_then(|l| l.as_table()).is_some_and(|l| l.contains_key("max_rows")) {
@@ -480,6 +501,14 @@ impl ClientConfig {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_store_option_at_the_top_level_is_pointed_to_its_section() {
+        let e = super::ServeConfig::parse("store = \"/tmp/x\"\ncache_bytes = 1000\n").unwrap_err().to_string();
+        assert!(e.contains("`cache_bytes` is a store option: put it under [store_options]"), "{e}");
+        let e = super::ServeConfig::parse("store = \"/tmp/x\"\ncache_byts = 1000\n").unwrap_err().to_string();
+        assert!(!e.contains("store option"), "{e}");
+    }
+
     use super::*;
 
     const SAMPLE: &str = include_str!("../../../docs/serve.sample.toml");

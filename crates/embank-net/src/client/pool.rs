@@ -80,7 +80,14 @@ impl Shard {
         } else {
             ErrorKind::Unavailable
         };
-        Error::new(kind, format!("{} {what}: {e}", self.replica_name(r)))
+        // A server that asks for client certificates ends the handshake of a client
+        // without one with this alert: say what to set.
+        let hint = if e.to_string().contains("CertificateRequired") {
+            " (the server asks for a client certificate: set tls_cert_file and tls_key_file)"
+        } else {
+            ""
+        };
+        Error::new(kind, format!("{} {what}: {e}{hint}", self.replica_name(r)))
     }
 }
 
