@@ -140,7 +140,7 @@ def test_mutual_tls(tmp_path: Path, tls_dir: Path) -> None:
     p, addr = start_shard(config)
     try:
         with pytest.raises(
-            errors.ShardUnavailableError, match="CertificateRequired.*set tls_cert_file and tls_key_file"
+            errors.ShardUnavailableError, match=r"CertificateRequired.*set tls_cert_file and tls_key_file"
         ):
             embank.connect([addr])
         with pytest.raises(errors.ConfigError, match="both"):
