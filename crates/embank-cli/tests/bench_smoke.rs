@@ -55,6 +55,21 @@ fn smoke_runs_or_explains_every_engine() {
     }
 }
 
+/// Without `--engines`, a build without the baselines runs only its own engines and says
+/// once how to get the others.
+#[test]
+fn the_default_engines_are_the_builds() {
+    let run = Command::new(env!("CARGO_BIN_EXE_embank")).args(["bench", "--smoke", "--skip-limits"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    if cfg!(feature = "baselines") {
+        assert!(stdout.contains("rocksdb") && !stdout.contains("not in this build"), "{stdout}");
+    } else {
+        assert_eq!(stdout.matches("not in this build").count(), 1, "{stdout}");
+        assert!(!stdout.contains("skipped:"), "{stdout}");
+    }
+}
+
 /// `--workload bags` measures the pooled-embedding cache against none, and
 /// `--dtype` runs the embank engines on compact rows.
 #[test]
