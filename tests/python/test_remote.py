@@ -76,6 +76,25 @@ def lone_shard(tmp_path: Path, tls_dir: Path) -> Iterator[tuple[subprocess.Popen
         p.wait(timeout=60)
 
 
+def test_a_token_sent_to_a_server_without_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client with a token believes the server checks it: a server with none says so
+    (it used to accept the connection silently)."""
+    monkeypatch.delenv("EMBANK_TLS_CA_FILE", raising=False)  # a plain loopback server
+    config = tmp_path / "open.toml"
+    config.write_text(f'store = "{tmp_path / "s"}"\nlisten = "127.0.0.1:0"\n')
+    p, addr = start_shard(config)
+    try:
+        with pytest.raises(errors.UnauthorizedError, match="this server takes no token"):
+            embank.connect([addr], token="s3cret")
+        with embank.connect([addr]) as s:
+            assert s.tables() == []
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+
+
 def test_token_and_a_shard_that_goes_down(lone_shard: tuple[subprocess.Popen[str], str, Path]) -> None:
     proc, addr, _ = lone_shard
     with pytest.raises(errors.UnauthorizedError, match="this server requires a token"):

@@ -28,6 +28,15 @@ impl Conn<'_> {
             return Err(Failure::from(Refusal::frame(status::UNKNOWN_OPCODE, format!("unknown opcode {}", h.opcode))));
         };
         let raw = &as_bytes(body)[..h.body_len as usize];
+        if op == Op::Hello && !raw.is_empty() && self.ctx.opts.token.is_none() {
+            // A client that sends a token believes the server checks it: say it does not,
+            // rather than let a misconfigured cluster run without the auth it was meant to have.
+            return Err(Failure::Refused(Refusal {
+                status: status::UNAUTHORIZED,
+                message: "this server takes no token: connect without one, or set the same token on the server".into(),
+                close: true,
+            }));
+        }
         if !self.authed {
             if op != Op::Hello {
                 return Err(Failure::Refused(Refusal {
