@@ -23,9 +23,14 @@
 //! The kernels run on CUDA through [`device::Cuda`] (libcuda loaded at run time, the PTX
 //! compiled by the driver), or on the CPU through the emulator (feature `emulator`).
 
+mod args;
 pub mod device;
+mod mem;
 
 use std::collections::{HashMap, VecDeque};
+
+use args::{bytes_of, CacheDesc, CountArgs, FillArgs, FindArgs, InvalidateArgs, PoolArgs, RefreshArgs, Report};
+use mem::{align, Buffer, FillLayout, FindLayout, Host, Scratch};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -66,7 +71,7 @@ const C_ROWS: usize = 6;
 const COUNTERS: usize = 8;
 /// Words before a find's misses in its payload: the two miss counts, the warps done
 /// (cache.cu's `Report::done`), a pad.
-const PAYLOAD_HEAD: usize = 4;
+pub(crate) const PAYLOAD_HEAD: usize = 4;
 /// Where a background fill starts in a scratch: past the miss counts it must keep.
 const FILL_BASE: usize = 256;
 
@@ -189,75 +194,6 @@ pub struct Refreshed {
     pub seconds: f64,
 }
 
-// ---- argument structs: cache.cu's, field for field ----
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct CacheDesc {
-    keys: u64,
-    digests: u64,
-    scores: u64,
-    rows: u64,
-    versions: u64,
-    counters: u64,
-    clock: u64,
-    n_buckets: u32,
-    slots: u32,
-    dim: u32,
-    dtype: u32,
-    policy: u32,
-    pad: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Report {
-    host: u64,
-    done: u64,
-    hint: u64,
-    warps: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct FindArgs {
-    c: CacheDesc,
-    ids: u64,
-    out: u64,
-    dflt: u64,
-    payload: u64,
-    miss_at: u64,
-    given: u64,
-    n: u64,
-    cap: u64,
-    r: Report,
-    parity: u32,
-    vec4: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct PoolArgs {
-    c: CacheDesc,
-    ids: u64,
-    offsets: u64,
-    weights: u64,
-    out: u64,
-    dflt: u64,
-    payload: u64,
-    miss_at: u64,
-    miss_w: u64,
-    given: u64,
-    n: u64,
-    bags: u64,
-    cap: u64,
-    r: Report,
-    parity: u32,
-    mean: u32,
-    add_default: u32,
-    pad: u32,
-}
-
 /// What a pooled lookup adds to a plain one: the bags (device addresses).
 #[derive(Clone, Copy, Debug)]
 pub struct Bags {
@@ -268,237 +204,6 @@ pub struct Bags {
     pub weights: u64,
     /// Mean instead of sum.
     pub mean: bool,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct FillArgs {
-    c: CacheDesc,
-    out: u64,
-    miss_at: u64,
-    row_of: u64,
-    rows: u64,
-    keys: u64,
-    key_row: u64,
-    key_ver: u64,
-    key_score: u64,
-    groups: u64,
-    miss_w: u64,
-    n_answer: u64,
-    n_groups: u64,
-    stored: u32,
-    row_bytes: u32,
-    which: u32,
-    pad: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct InvalidateArgs {
-    c: CacheDesc,
-    keys: u64,
-    n: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct RefreshArgs {
-    c: CacheDesc,
-    slots: u64,
-    keys: u64,
-    vers: u64,
-    found: u64,
-    rows: u64,
-    n: u64,
-    stored: u32,
-    row_bytes: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct CountArgs {
-    c: CacheDesc,
-    n: u64,
-}
-
-fn bytes_of<T: Copy>(t: &T) -> &[u8] {
-    // SAFETY: plain #[repr(C)] structs of integers, read as bytes.
-    unsafe { std::slice::from_raw_parts((t as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
-}
-
-// ---- memory ----
-
-/// Device memory, freed on drop.
-struct Buffer {
-    dev: Arc<dyn Device>,
-    ptr: u64,
-    bytes: usize,
-}
-
-impl Buffer {
-    fn new(dev: &Arc<dyn Device>, bytes: usize) -> Result<Buffer> {
-        let ptr = dev.alloc(bytes)?;
-        Ok(Buffer { dev: dev.clone(), ptr, bytes })
-    }
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        // SAFETY: ours; owners drop buffers only after the launches using them are done.
-        unsafe { self.dev.free(self.ptr, self.bytes) }
-    }
-}
-
-/// Pinned host memory, mapped into the device's address space, freed on drop.
-struct Host {
-    dev: Arc<dyn Device>,
-    ptr: *mut u8,
-    bytes: usize,
-    /// Its address on the device (a kernel writes there, the host reads `ptr`).
-    dev_ptr: u64,
-}
-
-// SAFETY: a plain allocation; access is governed by its owner (a scratch held by one
-// caller at a time).
-unsafe impl Send for Host {}
-
-impl Host {
-    fn new(dev: &Arc<dyn Device>, bytes: usize) -> Result<Host> {
-        let ptr = dev.alloc_host(bytes)?;
-        let dev_ptr = match dev.host_device_ptr(ptr) {
-            Ok(p) => p,
-            Err(e) => {
-                // SAFETY: just allocated, unused.
-                unsafe { dev.free_host(ptr, bytes) };
-                return Err(e);
-            }
-        };
-        Ok(Host { dev: dev.clone(), ptr, bytes, dev_ptr })
-    }
-    fn slice_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
-        assert!(off + len <= self.bytes, "pinned buffer overrun: {off} + {len} > {}", self.bytes);
-        // SAFETY: in bounds; &mut self gives exclusive access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
-    }
-    fn u64s(&mut self, off: usize, n: usize) -> &mut [u64] {
-        assert!(off.is_multiple_of(8));
-        let b = self.slice_mut(off, n * 8);
-        // SAFETY: 8-aligned (the allocation is 256-aligned, off a multiple of 8).
-        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), n) }
-    }
-    fn u32s(&mut self, off: usize, n: usize) -> &mut [u32] {
-        assert!(off.is_multiple_of(4));
-        let b = self.slice_mut(off, n * 4);
-        // SAFETY: 4-aligned.
-        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), n) }
-    }
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        // SAFETY: ours; owners drop it only after the copies using it are done.
-        unsafe { self.dev.free_host(self.ptr, self.bytes) }
-    }
-}
-
-/// A grown-on-demand pair of device and pinned buffers, and the event after its last
-/// use on the device: whoever takes it next waits for that before writing to it.
-struct Scratch {
-    dev_buf: Buffer,
-    host: Host,
-    done: Event,
-    copied: Event,
-    /// The event after the scratch's last use on the device (`copied` or `done`).
-    last: Event,
-    /// Which of the payload's two miss counts the next find uses (it zeroes the other).
-    parity: u32,
-}
-
-impl Scratch {
-    fn new(dev: &Arc<dyn Device>, bytes: usize) -> Result<Scratch> {
-        let done = dev.event()?;
-        let mut s = Scratch {
-            dev_buf: Buffer::new(dev, bytes)?,
-            host: Host::new(dev, bytes)?,
-            done,
-            copied: dev.event()?,
-            last: done,
-            parity: 0,
-        };
-        s.zero_counts(dev)?;
-        Ok(s)
-    }
-    /// The payload's miss counts start at zero (the first user waits for `done`).
-    fn zero_counts(&mut self, dev: &Arc<dyn Device>) -> Result<()> {
-        dev.memset(self.dev_buf.ptr, 0, 8 * PAYLOAD_HEAD, 0)?;
-        dev.record(self.done, 0)?;
-        self.last = self.done;
-        Ok(())
-    }
-    /// Room for `bytes` on both sides (waits for the last use before growing).
-    fn reserve(&mut self, dev: &Arc<dyn Device>, bytes: usize) -> Result<()> {
-        if self.dev_buf.bytes >= bytes && self.host.bytes >= bytes {
-            return Ok(());
-        }
-        dev.wait(self.last)?;
-        let bytes = bytes.max(2 * self.dev_buf.bytes);
-        self.dev_buf = Buffer::new(dev, bytes)?;
-        self.host = Host::new(dev, bytes)?;
-        self.parity = 0;
-        self.zero_counts(dev)
-    }
-}
-
-fn align(x: usize, a: usize) -> usize {
-    x.div_ceil(a) * a
-}
-
-/// Where a lookup's find puts its misses in a scratch: the payload (two counts, then
-/// key, version, score a miss) and the misses' places.
-struct FindLayout {
-    payload: usize,
-    miss_at: usize,
-    miss_w: usize,
-    end: usize,
-}
-
-impl FindLayout {
-    fn new(n: usize) -> FindLayout {
-        let miss_at = 8 * (PAYLOAD_HEAD + 3 * n);
-        let miss_w = miss_at + 4 * n;
-        FindLayout { payload: 0, miss_at, miss_w, end: align(miss_w + 4 * n, 256) }
-    }
-}
-
-/// Where a fill's inputs go in a scratch (after `base`), in the order the host writes
-/// them: rows first (the table writes them straight there), then the arrays.
-struct FillLayout {
-    rows: usize,
-    row_of: usize,
-    keys: usize,
-    key_score: usize,
-    key_row: usize,
-    key_ver: usize,
-    groups: usize,
-    end: usize,
-}
-
-impl FillLayout {
-    /// For `answers` misses, `uniq` rows fetched, `ins` keys inserted in `groups` buckets.
-    fn new(base: usize, row_bytes: usize, answers: usize, uniq: usize, ins: usize, groups: usize) -> FillLayout {
-        let rows = base;
-        let keys = align(rows + uniq * row_bytes, 8);
-        let key_score = keys + 8 * ins;
-        let row_of = key_score + 8 * ins;
-        let key_row = row_of + 4 * answers;
-        let key_ver = key_row + 4 * ins;
-        let groups_at = key_ver + 4 * ins;
-        let end = align(groups_at + 4 * (groups + 1), 256);
-        FillLayout { rows, row_of, keys, key_score, key_row, key_ver, groups: groups_at, end }
-    }
-    fn most(base: usize, row_bytes: usize, n: usize) -> usize {
-        FillLayout::new(base, row_bytes, n, n, n, n).end
-    }
 }
 
 // ---- the cache ----
