@@ -965,7 +965,6 @@ impl Inner {
     /// inserted together on the side stream.
     fn insert_jobs(&self, jobs: Vec<Job>) -> Result<()> {
         let mut misses: Vec<u64> = Vec::new();
-        let mut answered = 0u64;
         let mut give = Vec::with_capacity(jobs.len());
         let mut first_err = None;
         for mut job in jobs {
@@ -992,7 +991,6 @@ impl Inner {
                     self.dev.wait(job.scratch.copied)?;
                 }
                 misses.extend_from_slice(job.scratch.host.u64s(8 * PAYLOAD_HEAD, 3 * m));
-                answered += m as u64;
                 self.record_window((job.n - counted) as u64, job.n as u64);
                 let mut stats = self.stats.lock();
                 stats.hits += (job.n - counted) as u64;
@@ -1005,7 +1003,6 @@ impl Inner {
             }
             give.push(job.scratch);
         }
-        let _ = answered;
         for s in give {
             self.give_scratch(s); // before the table is read: the lookups may reuse them
         }
