@@ -64,7 +64,7 @@ pub struct StoreOptions {
     /// Map the index and mmap-medium rows with transparent huge pages (`MADV_HUGEPAGE`,
     /// instead of `MADV_RANDOM`) where the kernel and the file system allow (ext4 and
     /// tmpfs on recent kernels back file mappings with 2 MiB folios): a random read then
-    /// walks far fewer page tables (ycsb-c 10 M x 128 read 1.17x faster, docs/BENCHMARKS.md).
+    /// walks far fewer page tables (ycsb-c 10 M x 128 read 1.54x faster, docs/BENCHMARKS.md).
     /// A row write dirties a whole 2 MiB folio, so this is for read-mostly stores (serving
     /// replicas). Default false.
     pub huge_pages: bool,
