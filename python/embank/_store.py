@@ -155,8 +155,8 @@ def decode_rows(stored: npt.ArrayLike, stored_dtype: str, dim: int) -> Rows:
     return out
 
 
-_DTYPE_NAMES = {"f32": "f32", "float32": "f32", "float": "f32", "f16": "f16", "float16": "f16", "half": "f16",
-                "int8": "int8", "uint8": "int8", "i8": "int8", "u8": "int8"}  # fmt: skip
+# The names create_table takes (the engine refuses any other, naming these).
+_DTYPE_NAMES = {"f32": "f32", "float32": "f32", "f16": "f16", "float16": "f16", "half": "f16", "int8": "int8"}
 
 
 def _spec(options: dict[str, Any]) -> str:
@@ -555,6 +555,8 @@ class Store:
                 rounded to nearest even: half the bytes, for training and serving) or
                 ``"int8"`` (row-wise 8-bit with an f32 scale and bias per row, about a
                 quarter of the bytes, for serving: no optimizer, no ``push_grad``).
+                ``"float32"``, ``"float16"`` and ``"half"`` are taken too; any other
+                name raises :class:`~embank.ConfigError`.
                 Every call still takes and returns float32; a stored row reads back
                 rounded (``docs/FORMAT.md`` states the formulas and error bounds).
             init: value of never-written rows (default :func:`embank.init.zeros`).

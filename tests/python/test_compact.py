@@ -81,6 +81,18 @@ def test_int8_refuses_training_and_says_why(store: embank.Store) -> None:
         store.create_table("bad", dim=4, dtype="bf16")
 
 
+def test_a_dtype_that_is_not_f32_f16_or_int8_is_refused(store: embank.Store) -> None:
+    """Names that mean another type elsewhere are refused, not mapped: ``uint8`` used to
+    give an int8 table silently (and numpy's ``float`` is 64-bit, its ``i8`` and ``u8``
+    8-byte integers). The unambiguous aliases stay."""
+    for name in ("uint8", "u8", "i8", "float", "float64", "bfloat16", ""):
+        with pytest.raises(errors.ConfigError, match=r"unknown dtype .*: expected f32, f16 or int8"):
+            store.create_table("bad", dim=4, dtype=name)
+    assert "bad" not in store.tables()
+    for name, stored in (("float32", "f32"), ("F16", "f16"), ("half", "f16"), ("INT8", "int8")):
+        assert store.create_table(f"t_{stored}_{name}", dim=4, dtype=name).stored_dtype == stored
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "embank", *args], capture_output=True, text=True, env=dict(os.environ)

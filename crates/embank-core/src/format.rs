@@ -162,13 +162,21 @@ impl DType {
         }
     }
 
-    /// Parses `f32`, `f16` or `int8` (also `float32`, `float16`/`half`, `uint8`).
+    /// Parses `f32`, `f16` or `int8` (also `float32`, `float16` and `half`, which name the
+    /// same types everywhere). Anything else is refused, naming the choices: numpy's
+    /// `float` is 64-bit and its `i8`/`u8` are 8-byte integers, and `uint8` would suggest
+    /// raw bytes where `int8` means rows quantized with a scale and bias.
     pub fn parse(s: &str) -> Result<Self> {
         match s.to_ascii_lowercase().as_str() {
-            "f32" | "float32" | "float" => Ok(DType::F32),
+            "f32" | "float32" => Ok(DType::F32),
             "f16" | "float16" | "half" => Ok(DType::F16),
-            "int8" | "uint8" | "i8" | "u8" => Ok(DType::Int8),
-            other => Err(Error::new(ErrorKind::Config, format!("unknown dtype {other:?}: expected f32, f16 or int8"))),
+            "int8" => Ok(DType::Int8),
+            _ => Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "unknown dtype {s:?}: expected f32, f16 or int8 (int8: 8-bit codes with an f32 scale and bias per row)"
+                ),
+            )),
         }
     }
 }

@@ -104,7 +104,7 @@ impl TableOptions {
         }
         let mut value = value;
         if let Some(d) = value.get("dtype").and_then(|v| v.as_str()) {
-            // Accept the aliases (`float16`, `uint8`, ...) and name the choices on a typo.
+            // Accept the aliases (`float32`, `float16`, `half`) and name the choices on a typo.
             let name = DType::parse(d)?.name();
             value["dtype"] = serde_json::Value::String(name.to_owned());
         }
