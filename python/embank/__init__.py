@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from . import errors, init, optim
 from ._native import __version__
-from ._open import connect, open
+from ._open import connect, open, shard_of
 from ._plan import plan
 from ._publisher import Publisher
 from ._store import Store, Table, Worker, decode_rows
@@ -59,4 +59,5 @@ __all__ = [
     "open",
     "optim",
     "plan",
+    "shard_of",
 ]

@@ -8,10 +8,14 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from . import _native
-from ._store import Store
+import numpy as np
+import numpy.typing as npt
 
-__all__ = ["connect", "open"]
+from . import _native
+from ._store import KeysLike, Store, _keys
+from .errors import InvalidInputError
+
+__all__ = ["connect", "open", "shard_of"]
 
 
 def open(
@@ -105,13 +109,40 @@ def open(
     return Store(_native.Store.open(os.fspath(path), json.dumps(options)))
 
 
-def _from_config(path: str) -> tuple[list[list[str]], dict[str, Any]]:
-    """Shards and settings of a client config file (see :func:`connect`)."""
-    c: dict[str, Any] = json.loads(_native.client_config_json(path))
+def _is_map_url(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def _is_map(addrs: str) -> bool:
+    """Whether ``connect``'s ``addrs`` string names a cluster file (the shard map) rather
+    than addresses: an ``http://`` URL, or the path of an existing file or of one ending
+    in ``.toml`` (its absence is then reported as such)."""
+    return _is_map_url(addrs) or addrs.endswith(".toml") or os.path.isfile(addrs)
+
+
+def _from_config(source: str) -> tuple[list[list[str]], dict[str, Any]]:
+    """Shards and settings of a cluster file, or of the ``http://`` URL serving one (see
+    :func:`connect`)."""
+    c: dict[str, Any] = json.loads(_native.client_config_json(source))
     groups = [[str(a) for a in s["replicas"]] for s in c.pop("shards")]
     c.pop("token_file", None)
-    c["map"] = os.path.abspath(path)  # the shard map: the client reloads it while it runs
+    # The shard map: the client reloads it while it runs.
+    c["map"] = source if _is_map_url(source) else os.path.abspath(source)
     return groups, {k: v for k, v in c.items() if v is not None}
+
+
+def shard_of(keys: KeysLike, shards: int) -> npt.NDArray[np.uint32]:
+    """The shard (0 to ``shards - 1``) each key goes to among ``shards`` shards, as
+    :func:`connect` routes keys: a jump consistent hash of the key's xxh3, the same in
+    every client and in ``embank reshard``. Growing from n to n + 1 shards moves a key
+    only onto the new shard. Returns a uint32 array (``shard_of([3, 14, 15, 92], 2)`` is
+    ``[1, 0, 0, 0]``); the GIL is released for large arrays.
+    """
+    if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)):
+        raise TypeError(f"shards must be an int, got {type(shards).__name__}")
+    if not 1 <= shards <= 0xFFFF_FFFF:
+        raise InvalidInputError(f"shards must be between 1 and 2**32 - 1, got {shards}")
+    return _native.shard_of(_keys(keys), int(shards))
 
 
 def connect(
@@ -129,7 +160,8 @@ def connect(
     min_checkpoint: int | None = None,
 ) -> Store:
     """Connects to a networked store: the ``embank serve`` processes at ``addrs``
-    (``"host:port"`` each; one shard per address, in the same order in every client).
+    (``"host:port"`` each; one shard per address, in the same order in every client),
+    or those a cluster file lists (see below).
 
     A shard may have several replicas: give it as a list of addresses (or
     ``"a:7070|b:7070"``), its primary first. Reads (``lookup``, and ``pull`` on
@@ -159,12 +191,18 @@ def connect(
             this batch id or later (see :meth:`Store.served`); per call with
             ``table.lookup(keys, min_checkpoint=...)``.
 
-    ``addrs`` may instead be the path of a TOML file (``cluster.toml``) with the shards
-    as ``[[shards]] replicas = ["a:7070", "b:7070"]`` and any of ``token`` (or
-    ``token_file``), ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``,
-    ``tls_server_name``, ``timeout_seconds``, ``connect_timeout_seconds``,
-    ``keys_per_request_max``, ``in_flight_per_shard``, ``min_checkpoint``; keyword
-    arguments given here win over the file.
+    ``addrs`` may instead be a cluster file: a path (a path object, a string ending in
+    ``.toml``, or the path of an existing file) or an ``http://`` URL serving one. The
+    cluster file is the **shard map**: the shards as ``[[shards]] replicas = ["a:7070",
+    "b:7070"]`` (or ``service = "name:7070"``, a DNS name resolving to the replicas),
+    ``version`` and ``reload_seconds``, and any of ``token`` (or ``token_file``),
+    ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``, ``tls_server_name``,
+    ``timeout_seconds``, ``connect_timeout_seconds``, ``keys_per_request_max``,
+    ``in_flight_per_shard``, ``min_checkpoint``; keyword arguments given here win over
+    the file. The store reloads the map every ``reload_seconds`` (default 2) while it is
+    open and switches to a higher ``version`` between calls (no call mixes two maps);
+    ``embank map switch`` writes the next version. Relative paths in a file are taken
+    from the file's directory, in a map read from a URL from the current directory.
 
     The TLS files default to the environment variables ``EMBANK_TLS_CA_FILE``,
     ``EMBANK_TLS_CERT_FILE`` and ``EMBANK_TLS_KEY_FILE`` when not given.
@@ -191,13 +229,16 @@ def connect(
     }
     # What is given here wins over the file, the file over the environment.
     options = {k: v for k, v in given.items() if v is not None}
-    if isinstance(addrs, os.PathLike) or (isinstance(addrs, str) and addrs.endswith(".toml")):
-        addrs, conf = _from_config(os.fspath(addrs))
+    listed: Sequence[str | Sequence[str]]
+    if isinstance(addrs, os.PathLike) or (isinstance(addrs, str) and _is_map(addrs)):
+        listed, conf = _from_config(os.fspath(addrs))
         options = {**conf, **options}
     elif isinstance(addrs, str):
-        addrs = [a for a in addrs.removeprefix("tcp://").split(",") if a]
+        listed = [a for a in addrs.removeprefix("tcp://").split(",") if a]
+    else:
+        listed = addrs
     groups: list[list[str]] = []
-    for a in addrs:
+    for a in listed:
         group = [x for x in a.split("|") if x] if isinstance(a, str) else [str(x) for x in a]
         if not group:
             from .errors import ConfigError

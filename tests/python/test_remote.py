@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import embank
 import numpy as np
@@ -259,3 +260,88 @@ def test_check_config_refuses_what_serve_refuses(tmp_path: Path) -> None:
         assert out.returncode != 0 and re.search(refusal, out.stderr), (body, out.stderr)
     out = check('listen = "127.0.0.1:7072"\n[[tables]]\nname = "items"\ndim = 4\n')
     assert out.returncode == 0 and out.stdout.startswith("config ok"), out.stderr
+
+
+def test_shard_of_is_where_the_client_routes_each_key(cluster: list[str]) -> None:
+    """``embank.shard_of`` answers what ``embank.connect`` does: keys written through two
+    shards are found on the shard it names, and on no other; the values are pinned (the
+    same as the Rust test ``shard_of_is_pinned``)."""
+    keys = np.arange(2_000, dtype=np.uint64)
+    with embank.connect(cluster) as both:
+        both.create_table("routed", dim=2).push(keys, np.ones((len(keys), 2), dtype=np.float32))
+    try:
+        want = embank.shard_of(keys, 2)
+        assert want.dtype == np.uint32 and want.shape == keys.shape
+        for i, addr in enumerate(cluster):
+            with embank.connect([addr]) as one:
+                _, found = one.table("routed").lookup(keys)
+            bad = np.flatnonzero(found != (want == i))
+            assert bad.size == 0, f"shard {i} ({addr}): keys {keys[bad][:5]} found={found[bad][:5]}"
+    finally:
+        with embank.connect(cluster) as both:
+            both.drop_table("routed")
+    pinned = np.array([0, 1, 3, 14, 15, 92, 2**64 - 1], dtype=np.uint64)
+    assert embank.shard_of(pinned, 2).tolist() == [0, 1, 1, 0, 0, 0, 1]
+    assert embank.shard_of(pinned, 1000).tolist() == [728, 649, 436, 217, 671, 53, 74]
+    assert embank.shard_of([3, 14, 15, 92], 2).tolist() == [1, 0, 0, 0]  # lists, as the docstring
+    many = np.arange(1 << 20, dtype=np.uint64)  # past the size that releases the GIL
+    np.testing.assert_array_equal(embank.shard_of(many, 3)[: len(keys)], embank.shard_of(keys, 3))
+    with pytest.raises(errors.InvalidInputError, match="shards must be between 1"):
+        embank.shard_of(keys, 0)
+    with pytest.raises(errors.InvalidInputError, match="non-negative"):
+        embank.shard_of(np.array([-1]), 2)
+
+
+def test_connect_reads_the_shard_map_from_an_http_url_or_any_file(tmp_path: Path, cluster: list[str]) -> None:
+    """A string that is an ``http://`` URL or the path of an existing file (whatever its
+    name) is a cluster file, reloaded as the client runs: from a URL, a higher version
+    is switched to as from a file. It used to be read as a file path ("cannot read client
+    config") or as an address list."""
+    import http.server
+    import threading
+
+    a, b = cluster
+    served = tmp_path / "www"
+    served.mkdir()
+    (served / "cluster.toml").write_text(
+        f'version = 1\nreload_seconds = 0.05\n[[shards]]\nreplicas = ["{a}"]\n'
+    )
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(served), **kwargs)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/cluster.toml"
+    with embank.connect(cluster) as both:
+        both.create_table("from_url", dim=2)
+    try:
+        with embank.connect(url) as s:
+            assert s.path == f"tcp://{a}"
+            t = s.table("from_url")
+            t.push([1, 2], np.ones((2, 2), dtype=np.float32))
+            shards = f'[[shards]]\nreplicas = ["{a}"]\n[[shards]]\nreplicas = ["{b}"]\n'
+            (served / "cluster.toml").write_text("version = 2\nreload_seconds = 0.05\n" + shards)
+            deadline = time.monotonic() + 10
+            while s.path != f"tcp://{a},{b}":
+                assert time.monotonic() < deadline, (
+                    f"still on {s.path} after 10 s; the map at {url} has 2 shards"
+                )
+                time.sleep(0.02)
+        with pytest.raises(errors.ShardUnavailableError, match="404"):
+            embank.connect(url.replace("cluster.toml", "missing.toml"))
+        # A file not named .toml is a cluster file too, not one address.
+        plain = tmp_path / "cluster"
+        plain.write_text(f'[[shards]]\nreplicas = ["{a}"]\n[[shards]]\nreplicas = ["{b}"]\n')
+        with embank.connect(str(plain)) as s:
+            assert s.path == f"tcp://{a},{b}" and "from_url" in s.tables()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        with embank.connect(cluster) as both:
+            both.drop_table("from_url")

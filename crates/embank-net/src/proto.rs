@@ -503,6 +503,18 @@ mod tests {
         }
     }
 
+    /// The routing is part of every stored cluster (and of `embank.shard_of`, whose
+    /// Python test pins the same values): a change would misroute every key written.
+    #[test]
+    fn shard_of_is_pinned() {
+        let keys = [0, 1, 3, 14, 15, 92, u64::MAX];
+        let of = |n| keys.map(|k| shard_of(k, n));
+        assert_eq!(of(1), [0; 7]);
+        assert_eq!(of(2), [0, 1, 1, 0, 0, 0, 1]);
+        assert_eq!(of(3), [2, 1, 1, 0, 2, 0, 1]);
+        assert_eq!(of(1000), [728, 649, 436, 217, 671, 53, 74]);
+    }
+
     #[test]
     fn shards_are_balanced() {
         let mut counts = [0u32; 4];

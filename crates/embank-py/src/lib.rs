@@ -685,14 +685,37 @@ impl Publisher {
     }
 }
 
-/// A client config file (`embank.connect("cluster.toml")`) as JSON, paths resolved.
+/// A client config file or the `http://` URL of one (`embank.connect("cluster.toml")`)
+/// as JSON, paths resolved.
 #[pyfunction]
-fn client_config_json(path: PathBuf) -> PyResult<String> {
-    let map = net::MapSource::File(path).load().map_err(to_py_err)?;
+fn client_config_json(py: Python<'_>, source: &str) -> PyResult<String> {
+    let source = net::MapSource::parse(source);
+    let map = detached(py, || source.load())?;
     let mut c = serde_json::to_value(&map.config).expect("config serializes");
     // The shards as they resolve now (a `service` names its replicas by DNS).
     c["shards"] = map.groups.iter().map(|g| serde_json::json!({ "replicas": g })).collect();
     Ok(c.to_string())
+}
+
+/// Keys at or above which `shard_of` releases the GIL (below, releasing costs more than
+/// hashing).
+const SHARD_OF_DETACHED_KEYS_MIN: usize = 4096;
+
+/// The shard of each key among `shards`, as `embank.connect` routes it
+/// ([`net::proto::shard_of`]).
+#[pyfunction]
+fn shard_of<'py>(
+    py: Python<'py>,
+    keys: PyReadonlyArray1<'py, u64>,
+    shards: u32,
+) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    if shards == 0 {
+        return Err(to_py_err(core::Error::new(ErrorKind::InvalidInput, "shard_of: shards must be at least 1")));
+    }
+    let keys = slice(&keys, "keys")?;
+    let route = || keys.iter().map(|&k| net::proto::shard_of(k, shards)).collect::<Vec<u32>>();
+    let out = if keys.len() >= SHARD_OF_DETACHED_KEYS_MIN { py.detach(route) } else { route() };
+    Ok(PyArray1::from_vec(py, out))
 }
 
 #[pymodule]
@@ -707,6 +730,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<gpu::GpuTable>()?;
     m.add_function(wrap_pyfunction!(gpu::gpu_emulator, m)?)?;
     m.add_function(wrap_pyfunction!(client_config_json, m)?)?;
+    m.add_function(wrap_pyfunction!(shard_of, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
