@@ -416,25 +416,6 @@ def test_cli_demo_small() -> None:
     assert "keys/s" in r.stdout and "reopened in" in r.stdout and "embank / hash map" in r.stdout
 
 
-def test_readme_example_runs(tmp_path: Path, cluster: list[str]) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    code = code.replace('"/data/model"', repr(str(tmp_path / "model")))
-    code = code.replace('"/nvme/model"', repr(str(tmp_path / "nvme")))
-    assert '["10.0.0.1:7070", "10.0.0.2:7070"]' in code
-    code = code.replace('["10.0.0.1:7070", "10.0.0.2:7070"]', repr(cluster))
-    # The test's shards listen on loopback in clear text.
-    assert 'tls_ca_file="tls/ca.pem"' in code
-    code = code.replace('tls_ca_file="tls/ca.pem"', "tls_ca_file=None")
-    with embank.connect(cluster) as remote:  # the shards' config would create it
-        remote.create_table("user", dim=64)
-    try:
-        exec(code, {"next_batch_keys": np.arange(1_000, dtype=np.uint64), "secret": None})
-    finally:
-        with embank.connect(cluster) as remote:
-            remote.drop_table("user")
-
-
 def test_package_docstring_example() -> None:
     import doctest
 
