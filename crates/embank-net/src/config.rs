@@ -417,6 +417,16 @@ pub struct ClientConfig {
     pub in_flight_per_shard: Option<usize>,
     #[serde(default)]
     pub min_checkpoint: Option<u64>,
+    /// The shortest deadline of a read a sibling replica could take over (default 0.1 s).
+    #[serde(default)]
+    pub deadline_min_seconds: Option<f64>,
+    /// The shortest deadline of a request no other replica can take (default 5 s).
+    #[serde(default)]
+    pub deadline_alone_min_seconds: Option<f64>,
+    /// How long a read waits before a copy goes to a sibling (default: the group's recent
+    /// p95; 0: never).
+    #[serde(default)]
+    pub hedge_delay_seconds: Option<f64>,
 }
 
 /// One shard of a [`ClientConfig`].

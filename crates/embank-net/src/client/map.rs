@@ -99,6 +99,9 @@ impl ShardMap {
             tls_key_file: c.tls_key_file.clone(),
             tls_server_name: c.tls_server_name.clone(),
             min_checkpoint: c.min_checkpoint,
+            deadline_min_seconds: c.deadline_min_seconds,
+            deadline_alone_min_seconds: c.deadline_alone_min_seconds,
+            hedge_delay_seconds: c.hedge_delay_seconds,
             version: c.version,
             reload_seconds: c.reload_seconds,
             map: None,
@@ -276,6 +279,7 @@ impl Client {
         }
         tracing::info!(version = map.version, groups = ?map.groups, "shard map switched");
         *self.inner.topo.write() = Arc::new(topo);
+        self.ensure_prober();
         Ok(true)
     }
 }

@@ -12,9 +12,17 @@
 //! picked up by the next call. A shard that cannot be reached fails the call with
 //! `Unavailable`, naming the shard.
 //!
-//! The parts: `pool` (the shards' replicas, their connections and health), `route`
-//! (which replica takes a request, sending, failing over), `table` (the remote table).
+//! A silent replica (a partition, a stopped process, a stuck disk) costs a read
+//! milliseconds: every request has a deadline from the latencies the client observes, a
+//! read not answered within its group's recent p95 is sent to a sibling too (the first
+//! answer wins), and a replica that misses a deadline is ejected from the rotation until
+//! a background probe finds it answering and current (see `route` and `health`).
+//!
+//! The parts: `pool` (the shards' replicas, their connections), `health` (latencies,
+//! counters, ejection and the prober), `route` (which replica takes a request, sending,
+//! waiting, hedging, failing over), `table` (the remote table), `map` (the shard map).
 
+mod health;
 mod map;
 mod pool;
 mod route;
@@ -43,9 +51,10 @@ pub struct ClientOptions {
     pub token: Option<String>,
     /// Most keys per request; a larger batch is split. Default 500.
     pub keys_per_request_max: usize,
-    /// Longest wait for a reply (or for a request to be taken). Default 30 s. For a shard
-    /// of n replicas each attempt gets `timeout / n`, so a read that fails over past
-    /// replicas that hang still ends within `timeout`.
+    /// Longest wait for a reply (or for a request to be taken): the ceiling of every
+    /// deadline, and the deadline of store-wide operations (checkpoint, flush, restore,
+    /// export pages; for a shard of n replicas a read's attempt gets `timeout / n`).
+    /// Default 30 s.
     pub timeout: Duration,
     /// Longest wait to connect. Default 5 s.
     pub connect_timeout: Duration,
@@ -58,8 +67,21 @@ pub struct ClientOptions {
     /// id, see [`Client::served`]); a shard with none fails the call, naming what each
     /// replica serves. Default none.
     pub min_checkpoint: Option<u64>,
-    /// A replica that failed a request is skipped by reads for this long. Default 1 s.
-    pub replica_retry_after: Duration,
+    /// The shortest deadline of a keyed request a sibling replica could take over (a
+    /// read of a group): it may take 10x its replica's recent p99, at least this. A
+    /// replica that misses it is ejected and the read goes to a sibling. Default 100 ms.
+    pub deadline_min: Duration,
+    /// The shortest deadline of a keyed request no other replica can take (a write, a
+    /// read of a single server): missing it fails the call, naming the shard and the
+    /// wait. Default 5 s.
+    pub deadline_alone_min: Duration,
+    /// How long a read waits before a copy goes to a sibling replica serving a checkpoint
+    /// at least as new (the first answer is taken): `None` the group's recent p95 (at
+    /// least 1 ms), zero never. Default `None`.
+    pub hedge_delay: Option<Duration>,
+    /// How often an ejected replica is probed (connect, hello, `SERVED`) to be readmitted.
+    /// Default 250 ms.
+    pub probe_every: Duration,
 }
 
 /// A client's options as settings give them (a cluster file's keys, [`crate::config::ClientConfig`], or
@@ -77,6 +99,10 @@ pub struct ClientSettings {
     pub tls_key_file: Option<std::path::PathBuf>,
     pub tls_server_name: Option<String>,
     pub min_checkpoint: Option<u64>,
+    pub deadline_min_seconds: Option<f64>,
+    pub deadline_alone_min_seconds: Option<f64>,
+    /// 0: no hedged reads.
+    pub hedge_delay_seconds: Option<f64>,
     /// The shard map's version these shards are (a cluster file's `version`).
     pub version: Option<u64>,
     /// How often to look for a new shard map (with `map`). Default 2 s.
@@ -133,6 +159,17 @@ impl ClientSettings {
             in_flight_per_shard: at_least_one("in_flight_per_shard", self.in_flight_per_shard, d.in_flight_per_shard)?,
             tls,
             min_checkpoint: self.min_checkpoint,
+            deadline_min: secs("deadline_min_seconds", self.deadline_min_seconds, d.deadline_min)?,
+            deadline_alone_min: secs(
+                "deadline_alone_min_seconds",
+                self.deadline_alone_min_seconds,
+                d.deadline_alone_min,
+            )?,
+            hedge_delay: match self.hedge_delay_seconds {
+                None => None,
+                Some(0.0) => Some(Duration::ZERO),
+                s => Some(secs("hedge_delay_seconds", s, Duration::ZERO)?),
+            },
             ..d
         })
     }
@@ -148,7 +185,10 @@ impl Default for ClientOptions {
             in_flight_per_shard: 8,
             tls: None,
             min_checkpoint: None,
-            replica_retry_after: Duration::from_secs(1),
+            deadline_min: Duration::from_millis(100),
+            deadline_alone_min: Duration::from_secs(5),
+            hedge_delay: None,
+            probe_every: Duration::from_millis(250),
         }
     }
 }
@@ -168,6 +208,8 @@ struct Inner {
     /// Where the shard map is reloaded from (a client connected to a map), and the
     /// thread that watches it.
     map: Mutex<Option<map::Watch>>,
+    /// The thread that readmits ejected replicas (clients with replica groups).
+    prober: Mutex<Option<health::Prober>>,
 }
 
 /// A connection to a set of shards; cheap to clone, usable from many threads.
@@ -206,11 +248,13 @@ impl Client {
                 next_id: AtomicU64::new(1),
                 closed: AtomicBool::new(false),
                 map: Mutex::new(None),
+                prober: Mutex::new(None),
             }),
         };
         let topo = client.topology_of(0, groups);
         client.check_reachable(&topo)?;
         *client.inner.topo.write() = Arc::new(topo);
+        client.ensure_prober();
         Ok(client)
     }
 
@@ -237,6 +281,7 @@ impl Client {
                         })
                         .collect(),
                     next: AtomicUsize::new(index),
+                    latency: Default::default(),
                 })
             })
             .collect();
@@ -252,10 +297,11 @@ impl Client {
                 if !shard.replicas[r].pool.lock().is_empty() {
                     continue;
                 }
-                match self.open_conn(shard, r) {
+                let budget = self.inner.opts.timeout / shard.replicas.len() as u32;
+                match self.open_conn(shard, r, budget) {
                     Ok(conn) => shard.replicas[r].pool.lock().push(conn),
-                    Err(e) if shard.replicas.len() > 1 && e.kind() == ErrorKind::Unavailable => {
-                        self.mark_down(shard, r);
+                    Err(e) if shard.replicas.len() > 1 && route::retryable(&e) => {
+                        self.eject(shard, r, &e.to_string());
                         errors.push(e);
                     }
                     Err(e) => return Err(e),
@@ -295,16 +341,35 @@ impl Client {
         self.topology().shards.iter().map(|s| s.replicas.iter().map(|r| r.addr.clone()).collect()).collect()
     }
 
-    /// Requests each replica of the current map answered since this client connected
-    /// (`[shard][replica]`: `{"address", "answered"}`): the share of reads a replica takes.
+    /// What each replica of the current map did since this client connected
+    /// (`[shard][replica]`): `{"address", "answered", "hedges_sent", "hedges_won",
+    /// "deadlines_missed", "ejections", "readmissions", "ejected", "why", "p99_ms"}` —
+    /// requests answered (the share of reads it takes), copies of slow reads sent to it
+    /// and those it answered first, requests it let pass their deadline, times it left
+    /// and rejoined the rotation, whether it is out now (and why), its recent p99.
     pub fn replica_counts(&self) -> Vec<Vec<serde_json::Value>> {
+        let n = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         self.topology()
             .shards
             .iter()
             .map(|s| {
                 s.replicas
                     .iter()
-                    .map(|e| serde_json::json!({"address": e.addr, "answered": e.answered.load(Ordering::Relaxed)}))
+                    .map(|e| {
+                        let c = &e.counters;
+                        serde_json::json!({
+                            "address": e.addr,
+                            "answered": n(&c.answered),
+                            "hedges_sent": n(&c.hedges_sent),
+                            "hedges_won": n(&c.hedges_won),
+                            "deadlines_missed": n(&c.deadlines_missed),
+                            "ejections": n(&c.ejections),
+                            "readmissions": n(&c.readmissions),
+                            "ejected": e.rotation.ejected.load(Ordering::Relaxed),
+                            "why": e.rotation.why.lock().clone(),
+                            "p99_ms": e.latency.lock().p99().map(|p| p.as_secs_f64() * 1e3),
+                        })
+                    })
                     .collect()
             })
             .collect()
@@ -467,6 +532,9 @@ impl Client {
         self.inner.closed.store(true, Ordering::Relaxed);
         if let Some(w) = self.inner.map.lock().take() {
             w.stop();
+        }
+        if let Some(p) = self.inner.prober.lock().take() {
+            p.stop();
         }
         for s in &self.topology().shards {
             for r in &s.replicas {

@@ -1,17 +1,18 @@
-//! The shards' replicas: their addresses, pooled connections, health (marked down after
-//! a failure) and the checkpoint each last said it serves; opening a connection (TLS,
-//! the hello and its token) and reading a reply frame.
+//! The shards' replicas: their addresses, pooled connections, health (see `health`) and
+//! the checkpoint each last said it serves; opening a connection (TLS, the hello and its
+//! token) within a deadline, and reading a reply frame, whole or as it arrives.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use embank_core::{Error, ErrorKind, Result};
 use parking_lot::Mutex;
 
+use super::health::{Counters, Latencies, Rotation};
 use super::Client;
 use crate::proto::{self, Header, Op, HEADER_BYTES, REPLY_BIT};
 use crate::server::write_all_vectored;
@@ -21,16 +22,22 @@ use crate::tls::Stream;
 pub(super) struct Endpoint {
     pub(super) addr: String,
     pub(super) pool: Mutex<Vec<Stream>>,
-    /// Reads skip it until then (it failed a request).
-    pub(super) down_until: Mutex<Option<Instant>>,
+    /// In or out of the rotation.
+    pub(super) rotation: Rotation,
+    /// Connections whose request lost to a hedge sent to a sibling: their replies are
+    /// read (and dropped) when the replica is next used, and a deadline they pass
+    /// ejects it.
+    pub(super) draining: Mutex<Vec<Draining>>,
+    /// Its recent latencies (keyed requests): its requests' deadlines.
+    pub(super) latency: Mutex<Latencies>,
     /// The checkpoint (batch id) it last said it serves.
     pub(super) served: Mutex<Option<u64>>,
     /// A read-only replica (its HELLO says so): pulls may go to any replica of the group.
     pub(super) read_only: AtomicBool,
     /// Tables' ids on this server, by name (learnt on first use; forgotten when it fails).
     pub(super) tables: Mutex<HashMap<String, u32>>,
-    /// Requests it answered (reads and writes), for the share of reads each replica takes.
-    pub(super) answered: AtomicU64,
+    /// Requests answered, hedges, deadlines missed, ejections.
+    pub(super) counters: Counters,
 }
 
 impl Endpoint {
@@ -38,11 +45,13 @@ impl Endpoint {
         Endpoint {
             addr: addr.trim().trim_start_matches("tcp://").to_string(),
             pool: Mutex::new(Vec::new()),
-            down_until: Mutex::new(None),
+            rotation: Rotation::default(),
+            draining: Mutex::new(Vec::new()),
+            latency: Mutex::new(Latencies::default()),
             served: Mutex::new(None),
             read_only: AtomicBool::new(false),
             tables: Mutex::new(HashMap::new()),
-            answered: AtomicU64::new(0),
+            counters: Counters::default(),
         }
     }
 }
@@ -55,6 +64,8 @@ pub(super) struct Shard {
     pub(super) replicas: Vec<Arc<Endpoint>>,
     /// Round-robin start of reads.
     pub(super) next: AtomicUsize,
+    /// The group's recent latencies (keyed requests, every replica): its hedging delay.
+    pub(super) latency: Mutex<Latencies>,
 }
 
 impl Shard {
@@ -105,14 +116,6 @@ pub(super) fn alive(s: &mut Stream) -> bool {
 }
 
 impl Client {
-    pub(super) fn mark_down(&self, shard: &Shard, r: usize) {
-        *shard.replicas[r].down_until.lock() = Some(Instant::now() + self.inner.opts.replica_retry_after);
-        shard.replicas[r].pool.lock().clear();
-        shard.replicas[r].tables.lock().clear();
-        // A replica that fails may have been retired: look for a new shard map.
-        self.hint_map();
-    }
-
     /// A new authenticated connection. A server closes connections that have not said
     /// hello yet when too many from one address (or in all) wait (`pending_per_peer_max`,
     /// `pending_max`): many trainer processes on one host that connect at once can lose a
@@ -120,12 +123,15 @@ impl Client {
     /// connection is therefore tried again on a new one (a hello changes nothing), up to
     /// 8 times, each pause drawn from a range that doubles (1-11 ms, ..., 1-1,281 ms). A
     /// hello that times out is not tried again: the server may hang, and the call has
-    /// its timeout. A server at `connections_max` answers BUSY, which is final.
-    pub(super) fn open_conn(&self, shard: &Shard, r: usize) -> Result<Stream> {
+    /// its timeout. A server at `connections_max` answers BUSY, which is final. Connecting
+    /// and the hello each wait at most `budget` (and connecting at most `connect_timeout`);
+    /// no retry starts past `budget`.
+    pub(super) fn open_conn(&self, shard: &Shard, r: usize, budget: Duration) -> Result<Stream> {
         let mut tries = 0;
+        let started = Instant::now();
         loop {
-            match self.open_conn_once(shard, r) {
-                Err((e, true)) if tries < HELLO_RETRIES => {
+            match self.open_conn_once(shard, r, budget) {
+                Err((e, true)) if tries < HELLO_RETRIES && started.elapsed() < budget => {
                     tries += 1;
                     // Full jitter: clients closed together must not come back together.
                     let nanos = std::time::SystemTime::now()
@@ -146,7 +152,12 @@ impl Client {
 
     /// One try of [`open_conn`](Self::open_conn); the flag says the server closed the
     /// connection before answering the hello.
-    pub(super) fn open_conn_once(&self, shard: &Shard, r: usize) -> std::result::Result<Stream, (Error, bool)> {
+    pub(super) fn open_conn_once(
+        &self,
+        shard: &Shard,
+        r: usize,
+        budget: Duration,
+    ) -> std::result::Result<Stream, (Error, bool)> {
         let closed = |e: &io::Error| {
             matches!(
                 e.kind(),
@@ -166,7 +177,7 @@ impl Client {
         let mut last = None;
         let mut stream = None;
         for a in &addrs {
-            match TcpStream::connect_timeout(a, opts.connect_timeout) {
+            match TcpStream::connect_timeout(a, opts.connect_timeout.min(budget)) {
                 Ok(s) => {
                     stream = Some(s);
                     break;
@@ -184,14 +195,11 @@ impl Client {
                 ));
             }
         };
-        // A shard of n replicas gives each attempt 1/n of the timeout, so a read that
-        // fails over past a replica that hangs (a stopped process still accepts) ends
-        // within the call's timeout.
-        let attempt = opts.timeout / shard.replicas.len() as u32;
+        // A stopped process still accepts: the hello is bounded by the budget too.
         let setup = |s: &TcpStream| -> io::Result<()> {
             s.set_nodelay(true)?;
-            s.set_read_timeout(Some(attempt))?;
-            s.set_write_timeout(Some(attempt))
+            s.set_read_timeout(Some(budget))?;
+            s.set_write_timeout(Some(budget))
         };
         setup(&tcp).map_err(|e| (shard.unavailable(r, "socket setup failed", &e), false))?;
         let mut s = match &opts.tls {
@@ -240,20 +248,130 @@ impl Client {
         Ok(s)
     }
 
-    pub(super) fn take_conn(&self, shard: &Shard, r: usize) -> Result<Stream> {
+    /// A connection to replica `r` whose reads and writes wait at most `budget`: a pooled
+    /// one whose server is still there, or a new one. Fails at once for a replica that
+    /// let a request lost to a hedge pass its deadline (and ejects it).
+    pub(super) fn take_conn(&self, shard: &Shard, r: usize, budget: Duration) -> Result<Stream> {
         if self.inner.closed.load(Ordering::Relaxed) {
             return Err(Error::new(ErrorKind::Closed, "the remote store is closed"));
         }
+        self.reap(shard, r)?;
         loop {
             let pooled = shard.replicas[r].pool.lock().pop();
             match pooled {
                 Some(mut s) => {
                     if alive(&mut s) {
+                        let tcp = s.tcp();
+                        tcp.set_read_timeout(Some(budget))
+                            .and_then(|()| tcp.set_write_timeout(Some(budget)))
+                            .map_err(|e| shard.unavailable(r, "socket setup failed", &e))?;
                         return Ok(s);
                     }
                     tracing::debug!(replica = %shard.replica_name(r), "dropping a dead pooled connection");
                 }
-                None => return self.open_conn(shard, r),
+                None => return self.open_conn(shard, r, budget),
+            }
+        }
+    }
+
+    /// Reads the replies of replica `r`'s draining connections that have come (pooling the
+    /// connections again); one past its deadline ejects the replica: `Err` then.
+    pub(super) fn reap(&self, shard: &Shard, r: usize) -> Result<()> {
+        let ep = &shard.replicas[r];
+        let mut draining = ep.draining.lock();
+        if draining.is_empty() {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let mut missed = None;
+        let mut i = 0;
+        while i < draining.len() {
+            let d = &mut draining[i];
+            match d.frame.read_from(&mut d.conn) {
+                Ok(None) if d.deadline > now => i += 1,
+                Ok(None) => {
+                    missed = Some(format!("did not answer a request within {} ms", d.allowed.as_millis()));
+                    draining.swap_remove(i);
+                }
+                Ok(Some(_)) => {
+                    let d = draining.swap_remove(i);
+                    if d.conn.tcp().set_nonblocking(false).is_ok() {
+                        ep.pool.lock().push(d.conn);
+                    }
+                }
+                Err(e) => {
+                    missed = Some(format!("failed a request: {e}"));
+                    draining.swap_remove(i);
+                }
+            }
+        }
+        drop(draining);
+        match missed {
+            None => Ok(()),
+            Some(why) => {
+                Counters::bump(&ep.counters.deadlines_missed);
+                self.eject(shard, r, &why);
+                // A single server has no sibling to go to: a new connection is tried.
+                if shard.replicas.len() == 1 {
+                    return Ok(());
+                }
+                Err(Error::new(ErrorKind::Timeout, format!("{} {why}", shard.replica_name(r))))
+            }
+        }
+    }
+}
+
+/// A connection whose request lost to a hedge: its reply is read and dropped.
+pub(super) struct Draining {
+    pub(super) conn: Stream,
+    pub(super) frame: Frame,
+    pub(super) deadline: Instant,
+    /// The request's deadline, as a duration (for the message).
+    pub(super) allowed: Duration,
+}
+
+/// Draining connections kept per replica (more are closed).
+pub(super) const DRAINING_MAX: usize = 64;
+
+/// A reply frame read as it arrives on a non-blocking connection.
+#[derive(Default)]
+pub(super) struct Frame {
+    head: [u8; HEADER_BYTES],
+    header: Option<Header>,
+    body: Vec<u8>,
+    got: usize,
+}
+
+impl Frame {
+    /// Reads what has arrived; the frame once whole (`Ok(None)` until then). The
+    /// connection must be non-blocking.
+    pub(super) fn read_from(&mut self, conn: &mut Stream) -> io::Result<Option<(Header, Vec<u8>)>> {
+        loop {
+            let buf = match &self.header {
+                None => &mut self.head[self.got..],
+                Some(h) if self.got == self.body.len() => {
+                    let h = *h;
+                    self.header = None;
+                    self.got = 0;
+                    return Ok(Some((h, std::mem::take(&mut self.body))));
+                }
+                Some(_) => &mut self.body[self.got..],
+            };
+            match conn.read(buf) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => {
+                    self.got += n;
+                    if self.header.is_none() && self.got == HEADER_BYTES {
+                        let h = Header::decode(&self.head)
+                            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+                        self.body = vec![0u8; h.body_len as usize];
+                        self.header = Some(h);
+                        self.got = 0;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
             }
         }
     }

@@ -1,21 +1,38 @@
 //! Routing a call: which replica of a shard takes each request (writes the primary,
-//! reads spread round-robin over healthy replicas serving the checkpoint asked for),
-//! sending, reading the replies in turn, and failing a read over to another replica.
-
-use std::io::IoSlice;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-use std::time::Instant;
+//! reads spread round-robin over the replicas in rotation serving the checkpoint asked
+//! for), sending, and waiting for the replies of all of a call's requests at once, each
+//! within its deadline: a read not answered within its group's hedging delay is sent to
+//! a sibling as well (the first answer is taken), and one that fails or passes its
+//! deadline ejects its replica and goes to another.
+//!
+//! Deadlines come from what the client observes: a keyed request may take
+//! `DEADLINE_P99_FACTOR` times its replica's recent p99, at least `deadline_min` when a
+//! sibling could take it over and `deadline_alone_min` when none could (a write, a
+//! single replica), at most `timeout`; store-wide operations (checkpoint, flush, restore,
+//! export pages, ...) get `timeout`, split over the replicas a read may try.
 
 use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use embank_core::{Error, ErrorKind, Result};
 
-use super::pool::{check_reply, read_reply, Shard};
+use super::health::Counters;
+use super::pool::{check_reply, read_reply, Draining, Frame, Shard, DRAINING_MAX};
 use super::Client;
 use crate::proto::{Header, Op};
 use crate::server::write_all_vectored;
 use crate::tls::Stream;
+
+/// A keyed request may take this many times its replica's recent p99.
+pub(super) const DEADLINE_P99_FACTOR: u32 = 10;
+/// The hedging delay is never shorter (a request answered in less is not worth a copy).
+pub(super) const HEDGE_DELAY_MIN: Duration = Duration::from_millis(1);
+/// The hedging delay of a group with too few latencies measured yet.
+pub(super) const HEDGE_DELAY_UNKNOWN: Duration = Duration::from_millis(20);
 
 /// A request sent and waiting for its reply.
 pub(super) struct Sent {
@@ -25,6 +42,14 @@ pub(super) struct Sent {
     pub(super) header: Header,
     /// The replica of its shard it went to.
     pub(super) replica: usize,
+    pub(super) sent_at: Instant,
+    pub(super) deadline: Instant,
+    /// The reply as it arrives.
+    pub(super) frame: Frame,
+    /// A copy sent because the first was slow.
+    pub(super) hedge: bool,
+    /// Readable (or failed) at the last poll.
+    pub(super) ready: bool,
 }
 
 /// One request of a call.
@@ -39,6 +64,53 @@ pub(super) struct Req {
     pub(super) body: Vec<u8>,
     /// Reads only: replicas serving at least this checkpoint.
     pub(super) min_checkpoint: Option<u64>,
+}
+
+/// Whether `op` is a keyed request of a table (its latency is measured and sets the
+/// deadlines), as opposed to a store-wide operation that may take long.
+fn keyed(op: Op) -> bool {
+    matches!(
+        op,
+        Op::Pull
+            | Op::Lookup
+            | Op::LookupAt
+            | Op::LookupStored
+            | Op::Push
+            | Op::Delete
+            | Op::PushGrad
+            | Op::PushGradHeld
+            | Op::Lookahead
+            | Op::Len
+            | Op::Served
+            | Op::SetLr
+    )
+}
+
+/// What a call's requests are doing: the replies awaited, and each request's copies.
+struct Call<'a> {
+    reqs: &'a [Req],
+    /// Replicas that failed each request (with why).
+    tried: Vec<Vec<(usize, Error)>>,
+    in_flight: Vec<Sent>,
+    /// Each request answered.
+    done: Vec<bool>,
+    /// A hedge was sent (or could not be) for each request.
+    hedged: Vec<bool>,
+}
+
+impl Call<'_> {
+    fn copies(&self, i: usize) -> usize {
+        self.in_flight.iter().filter(|s| s.req == i).count()
+    }
+
+    /// Replicas request i may not go to now: those that failed it, those it waits on.
+    fn busy(&self, i: usize) -> Vec<usize> {
+        self.tried[i]
+            .iter()
+            .map(|(r, _)| *r)
+            .chain(self.in_flight.iter().filter(|s| s.req == i).map(|s| s.replica))
+            .collect()
+    }
 }
 
 impl Client {
@@ -60,8 +132,33 @@ impl Client {
         }
     }
 
-    /// The replicas request `req` may try, in order: for a read, the healthy ones serving
-    /// `min_checkpoint`, round-robin, then those marked down; else the primary.
+    /// How long replica `r` may take to answer an `op` request.
+    pub(super) fn deadline(&self, shard: &Shard, r: usize, op: Op) -> Duration {
+        let o = &self.inner.opts;
+        let alone = !self.spreads(shard, op) || shard.replicas.len() == 1;
+        if !keyed(op) {
+            // A read may fail over past every replica within the timeout.
+            return if alone { o.timeout } else { o.timeout / shard.replicas.len() as u32 };
+        }
+        let floor = if alone { o.deadline_alone_min } else { o.deadline_min };
+        let observed = shard.replicas[r].latency.lock().p99().map_or(Duration::ZERO, |p| p * DEADLINE_P99_FACTOR);
+        observed.max(floor).min(o.timeout)
+    }
+
+    /// How long a read of `shard` waits before a copy goes to a sibling; `None`: never.
+    fn hedge_delay(&self, shard: &Shard) -> Option<Duration> {
+        if shard.replicas.len() < 2 {
+            return None;
+        }
+        match self.inner.opts.hedge_delay {
+            Some(d) if d.is_zero() => None,
+            Some(d) => Some(d),
+            None => Some(shard.latency.lock().p95().map_or(HEDGE_DELAY_UNKNOWN, |p| p.max(HEDGE_DELAY_MIN))),
+        }
+    }
+
+    /// The replicas request `req` may try, in order: for a read, those in rotation serving
+    /// `min_checkpoint`, round-robin, then the ejected ones; else the primary.
     pub(super) fn candidates(&self, req: &Req) -> Result<Vec<usize>> {
         let shard = &req.shard;
         let n = shard.replicas.len();
@@ -70,29 +167,35 @@ impl Client {
             return Ok(vec![0]);
         }
         let start = shard.next.fetch_add(1, Ordering::Relaxed);
-        let now = Instant::now();
-        let (mut up, mut down): (Vec<usize>, Vec<usize>) = (0..n)
-            .map(|i| (start + i) % n)
-            .partition(|&r| shard.replicas[r].down_until.lock().is_none_or(|t| t <= now));
+        let (mut up, mut down): (Vec<usize>, Vec<usize>) =
+            (0..n).map(|i| (start + i) % n).partition(|&r| !shard.replicas[r].rotation.ejected.load(Ordering::Relaxed));
         up.append(&mut down);
         let Some(min) = req.min_checkpoint else { return Ok(up) };
+        // Replicas whose cached checkpoint is older than asked: while another is known to
+        // serve it, the prober asks them in the background (the read does not wait);
+        // else they are asked now, all at once, each within a read's deadline (one that
+        // does not answer is ejected): those in rotation, then the ejected ones.
         let mut ok = Vec::new();
-        let mut seen = Vec::new();
+        let mut stale = Vec::new();
         for r in up {
-            let cached = *shard.replicas[r].served.lock();
-            let served = match cached {
-                Some(b) if b >= min => Some(b),
-                _ => self.served_by(shard, r).ok().flatten(),
-            };
-            if served.is_some_and(|b| b >= min) {
-                ok.push(r);
-            } else {
-                seen.push(format!(
-                    "{}: {}",
-                    shard.replica_name(r),
-                    served.map_or("none".to_string(), |b| b.to_string())
-                ));
+            match *shard.replicas[r].served.lock() {
+                Some(b) if b >= min => ok.push(r),
+                _ => stale.push(r),
             }
+        }
+        if !ok.is_empty() {
+            if !stale.is_empty() {
+                self.refresh_served();
+            }
+            return Ok(ok);
+        }
+        let (in_rotation, ejected): (Vec<usize>, Vec<usize>) =
+            stale.into_iter().partition(|&r| !shard.replicas[r].rotation.ejected.load(Ordering::Relaxed));
+        let (mut ok, mut seen) = self.ask_served(shard, &in_rotation, min);
+        if ok.is_empty() && !ejected.is_empty() {
+            let (more, said) = self.ask_served(shard, &ejected, min);
+            ok = more;
+            seen.extend(said);
         }
         if ok.is_empty() {
             return Err(Error::new(
@@ -107,14 +210,126 @@ impl Client {
         Ok(ok)
     }
 
-    /// Asks replica `r` which checkpoint it serves (and caches the answer).
-    pub(super) fn served_by(&self, shard: &Shard, r: usize) -> Result<Option<u64>> {
-        Ok(self.served_reply(shard, r)?["batch_id"].as_u64())
+    /// Asks `replicas` at once which checkpoint they serve (each within a read's
+    /// deadline; one that does not answer is ejected) until one serves `min` or later:
+    /// those that do, and what the others said (for a message). The rest drain.
+    fn ask_served(&self, shard: &Shard, replicas: &[usize], min: u64) -> (Vec<usize>, Vec<String>) {
+        let mut ok = Vec::new();
+        let mut said = Vec::new();
+        let mut waiting: Vec<(usize, Stream, Header, Frame, Instant, Instant)> = Vec::new();
+        let name = |r: usize, b: Option<u64>| {
+            format!("{}: {}", shard.replica_name(r), b.map_or("none".into(), |b| b.to_string()))
+        };
+        let failed = |r: usize, e: Error, said: &mut Vec<String>| {
+            if retryable(&e) && shard.replicas.len() > 1 {
+                self.eject(shard, r, &e.to_string());
+            }
+            said.push(format!("{}: {e}", shard.replica_name(r)));
+        };
+        for &r in replicas {
+            let allowed = self.deadline(shard, r, Op::Served);
+            let sent_at = Instant::now();
+            let sent = self.take_conn(shard, r, allowed).and_then(|mut conn| {
+                let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+                let h = Header::request(Op::Served, id, 0, 0, 0);
+                write_all_vectored(&mut conn, &mut [IoSlice::new(&h.encode())])
+                    .and_then(|()| conn.tcp().set_nonblocking(true))
+                    .map_err(|e| shard.unavailable(r, "refused served", &e))?;
+                Ok((conn, h))
+            });
+            match sent {
+                Ok((conn, h)) => waiting.push((r, conn, h, Frame::default(), sent_at, sent_at + allowed)),
+                Err(e) => failed(r, e, &mut said),
+            }
+        }
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        while !waiting.is_empty() && ok.is_empty() {
+            let now = Instant::now();
+            let wake = waiting.iter().map(|w| w.5).min().unwrap();
+            fds.clear();
+            fds.extend(waiting.iter().map(|w| libc::pollfd {
+                fd: w.1.tcp().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }));
+            if waiting.iter_mut().any(|w| w.1.buffered()) || wake <= now {
+                fds.iter_mut().for_each(|f| f.revents = libc::POLLIN);
+            } else {
+                poll(&mut fds, wake - now);
+            }
+            let ready: Vec<bool> = fds.iter().map(|f| f.revents != 0).collect();
+            let now = Instant::now();
+            let mut k = waiting.len();
+            while k > 0 {
+                k -= 1;
+                let w = &mut waiting[k];
+                let got = if ready[k] { w.3.read_from(&mut w.1) } else { Ok(None) };
+                match got {
+                    Ok(None) if w.5 > now => continue,
+                    Ok(None) => {
+                        let (r, _, _, _, sent_at, deadline) = waiting.swap_remove(k);
+                        Counters::bump(&shard.replicas[r].counters.deadlines_missed);
+                        let e = Error::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "{} did not answer served within {} ms",
+                                shard.replica_name(r),
+                                (deadline - sent_at).as_millis()
+                            ),
+                        );
+                        failed(r, e, &mut said);
+                    }
+                    Ok(Some((rh, body))) => {
+                        let (r, conn, h, _, _, _) = waiting.swap_remove(k);
+                        let served = check_reply(shard, r, &h, &rh, body).and_then(|body| {
+                            serde_json::from_slice::<serde_json::Value>(&body)
+                                .map_err(|e| Error::corrupt(format!("bad served reply: {e}")))
+                        });
+                        match served {
+                            Ok(v) => {
+                                if conn.tcp().set_nonblocking(false).is_ok() {
+                                    shard.replicas[r].pool.lock().push(conn);
+                                }
+                                let b = v["batch_id"].as_u64();
+                                *shard.replicas[r].served.lock() = b;
+                                if b.is_some_and(|b| b >= min) {
+                                    ok.push(r);
+                                } else {
+                                    said.push(name(r, b));
+                                }
+                            }
+                            Err(e) => failed(r, e, &mut said),
+                        }
+                    }
+                    Err(e) => {
+                        let (r, ..) = waiting.swap_remove(k);
+                        failed(r, shard.unavailable(r, "failed during served", &e), &mut said);
+                    }
+                }
+            }
+        }
+        for (r, conn, _, frame, sent_at, deadline) in waiting {
+            let mut d = shard.replicas[r].draining.lock();
+            if d.len() < DRAINING_MAX {
+                d.push(Draining { conn, frame, deadline, allowed: deadline - sent_at });
+            }
+        }
+        (ok, said)
+    }
+
+    /// Asks replica `r` which checkpoint it serves, waiting at most `budget` (and caches
+    /// the answer).
+    pub(super) fn served_within(&self, shard: &Shard, r: usize, budget: Duration) -> Result<Option<u64>> {
+        Ok(self.served_reply_within(shard, r, budget)?["batch_id"].as_u64())
     }
 
     /// Replica `r`'s whole answer to `Served` (its batch id cached).
     pub(super) fn served_reply(&self, shard: &Shard, r: usize) -> Result<serde_json::Value> {
-        let mut conn = self.take_conn(shard, r)?;
+        self.served_reply_within(shard, r, self.deadline(shard, r, Op::Served))
+    }
+
+    fn served_reply_within(&self, shard: &Shard, r: usize, budget: Duration) -> Result<serde_json::Value> {
+        let mut conn = self.take_conn(shard, r, budget)?;
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let h = Header::request(Op::Served, id, 0, 0, 0);
         write_all_vectored(&mut conn, &mut [IoSlice::new(&h.encode())])
@@ -128,25 +343,58 @@ impl Client {
         Ok(v)
     }
 
-    /// Sends request `i` to the first of its candidate replicas not in `tried` that takes it.
-    pub(super) fn dispatch(&self, reqs: &[Req], i: usize, tried: &mut Vec<(usize, Error)>) -> Result<Sent> {
+    /// Sends request `i` to the first of its candidate replicas not in `busy` that takes
+    /// it; a replica that cannot be reached is ejected and added to `tried`. `Ok(None)`: no
+    /// candidate is left but others wait on copies of it (`tried` then stays as it is).
+    fn dispatch(&self, call: &mut Call, i: usize, hedge: bool) -> Result<Option<Sent>> {
+        let reqs = call.reqs;
         let shard = &reqs[i].shard;
+        let busy = call.busy(i);
         for r in self.candidates(&reqs[i])? {
-            if tried.iter().any(|(t, _)| *t == r) {
+            if busy.contains(&r) || call.tried[i].iter().any(|(t, _)| *t == r) {
                 continue;
             }
-            let attempt = self.take_conn(shard, r).and_then(|conn| self.send(conn, &reqs[i], r));
+            let allowed = self.deadline(shard, r, reqs[i].op);
+            let sent_at = Instant::now();
+            let attempt = self.take_conn(shard, r, allowed).and_then(|conn| self.send(conn, &reqs[i], r));
             match attempt {
-                Ok((conn, header)) => return Ok(Sent { conn, req: i, header, replica: r }),
+                Ok((conn, header)) => {
+                    if let Err(e) = conn.tcp().set_nonblocking(true) {
+                        call.tried[i].push((r, shard.unavailable(r, "socket setup failed", &e)));
+                        continue;
+                    }
+                    if hedge {
+                        Counters::bump(&shard.replicas[r].counters.hedges_sent);
+                    }
+                    let deadline = sent_at + allowed;
+                    return Ok(Some(Sent {
+                        conn,
+                        req: i,
+                        header,
+                        replica: r,
+                        sent_at,
+                        deadline,
+                        frame: Frame::default(),
+                        hedge,
+                        ready: false,
+                    }));
+                }
                 Err(e) if retryable(&e) && self.spreads(shard, reqs[i].op) => {
-                    self.mark_down(shard, r);
-                    tried.push((r, e));
+                    self.eject(shard, r, &e.to_string());
+                    call.tried[i].push((r, e));
                 }
                 Err(e) => return Err(e),
             }
         }
-        let errors: Vec<Error> = tried.drain(..).map(|(_, e)| e).collect();
+        if hedge || call.copies(i) > 0 {
+            return Ok(None);
+        }
+        let errors: Vec<Error> = call.tried[i].drain(..).map(|(_, e)| e).collect();
         Err(match errors.len() {
+            0 => Error::new(
+                ErrorKind::Unavailable,
+                format!("no replica of shard {} to send {} to", shard.index, reqs[i].op.name()),
+            ),
             1 => errors.into_iter().next().unwrap(),
             _ => Error::new(
                 ErrorKind::Unavailable,
@@ -160,9 +408,32 @@ impl Client {
         })
     }
 
+    /// Sends request i again after its copy on replica `r` failed with `e` (a read:
+    /// ejecting `r` unless `keep`), unless another copy is still awaited; a write's
+    /// failure is the call's.
+    fn fail_over(&self, call: &mut Call, i: usize, r: usize, e: Error, eject: bool) -> Result<()> {
+        let shard = &call.reqs[i].shard;
+        if !self.spreads(shard, call.reqs[i].op) {
+            return Err(e);
+        }
+        if eject {
+            self.eject(shard, r, &e.to_string());
+        }
+        call.tried[i].push((r, e));
+        if call.copies(i) > 0 {
+            return Ok(());
+        }
+        if let Some(s) = self.dispatch(call, i, false)? {
+            call.in_flight.push(s);
+        }
+        Ok(())
+    }
+
     /// Sends every request and calls `on_reply(i, replica, header, body)` for request i's
-    /// reply (in no particular order across shards). A read whose replica fails is sent
-    /// to another replica of its shard.
+    /// reply (in no particular order across shards), once each. A read not answered
+    /// within its group's hedging delay is sent to a sibling too (the first reply is
+    /// taken; the other connection drains); one whose replica fails or passes its
+    /// deadline goes to another replica of its shard.
     pub(super) fn run(
         &self,
         reqs: &[Req],
@@ -173,68 +444,236 @@ impl Client {
         for (i, r) in reqs.iter().enumerate() {
             queues[r.shard.index].push_back(i);
         }
-        let mut tried: Vec<Vec<(usize, Error)>> = (0..reqs.len()).map(|_| Vec::new()).collect();
-        let mut in_flight: VecDeque<Sent> = VecDeque::new();
+        let mut call = Call {
+            reqs,
+            tried: (0..reqs.len()).map(|_| Vec::new()).collect(),
+            in_flight: Vec::new(),
+            done: vec![false; reqs.len()],
+            hedged: vec![false; reqs.len()],
+        };
         let mut pooled: Vec<(&Shard, usize, Stream)> = Vec::new();
+        let mut fds: Vec<libc::pollfd> = Vec::new();
         let result = (|| {
             for q in queues.iter_mut() {
                 for _ in 0..q.len().min(self.inner.opts.in_flight_per_shard) {
                     let i = q.pop_front().unwrap();
-                    in_flight.push_back(self.dispatch(reqs, i, &mut tried[i])?);
+                    if let Some(s) = self.dispatch(&mut call, i, false)? {
+                        call.in_flight.push(s);
+                    }
                 }
             }
-            while let Some(Sent { mut conn, req: i, header: h, replica: r }) = in_flight.pop_front() {
-                let shard = &*reqs[i].shard;
-                let (rh, body) = match read_reply(&mut conn) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        let e = shard.unavailable(r, &format!("failed during {}", reqs[i].op.name()), &e);
-                        if self.spreads(shard, reqs[i].op) {
-                            // Fail over: the request again, to another replica.
-                            self.mark_down(shard, r);
-                            tried[i].push((r, e));
-                            in_flight.push_back(self.dispatch(reqs, i, &mut tried[i])?);
-                            continue;
+            let hedge_delays: Vec<Option<Duration>> = {
+                let mut d = vec![None; shards];
+                for r in reqs {
+                    d[r.shard.index] = self.hedge_delay(&r.shard);
+                }
+                d
+            };
+            while !call.in_flight.is_empty() {
+                // Wait until a reply arrives, a deadline passes or a hedge is due.
+                let now = Instant::now();
+                let mut wake = call.in_flight.iter().map(|s| s.deadline).min().unwrap();
+                for s in &call.in_flight {
+                    if let Some(d) = hedge_delays[reqs[s.req].shard.index] {
+                        if !call.hedged[s.req] && self.spreads(&reqs[s.req].shard, reqs[s.req].op) {
+                            wake = wake.min(s.sent_at + d);
                         }
+                    }
+                }
+                fds.clear();
+                let mut ready_now = false;
+                for s in call.in_flight.iter_mut() {
+                    ready_now |= s.conn.buffered();
+                    fds.push(libc::pollfd { fd: s.conn.tcp().as_raw_fd(), events: libc::POLLIN, revents: 0 });
+                }
+                if !ready_now && wake > now {
+                    poll(&mut fds, wake - now);
+                } else {
+                    fds.iter_mut().for_each(|f| f.revents = libc::POLLIN);
+                }
+                for (s, f) in call.in_flight.iter_mut().zip(&fds) {
+                    s.ready = f.revents != 0;
+                }
+                // Replies (and failures) first, then deadlines, then hedges. Copies sent
+                // meanwhile wait for the next poll.
+                let mut k = 0;
+                while k < call.in_flight.len() {
+                    if !call.in_flight[k].ready {
+                        k += 1;
+                        continue;
+                    }
+                    let s = &mut call.in_flight[k];
+                    s.ready = false;
+                    match s.frame.read_from(&mut s.conn) {
+                        Ok(None) => k += 1,
+                        Ok(Some((rh, body))) => {
+                            let s = call.in_flight.swap_remove(k);
+                            self.on_answer(&mut call, &mut queues, &mut pooled, s, rh, body, &mut on_reply)?;
+                        }
+                        Err(e) => {
+                            let s = call.in_flight.swap_remove(k);
+                            let (i, r) = (s.req, s.replica);
+                            let shard = &*reqs[i].shard;
+                            let e = shard.unavailable(r, &format!("failed during {}", reqs[i].op.name()), &e);
+                            self.fail_over(&mut call, i, r, e, true)?;
+                        }
+                    }
+                }
+                let now = Instant::now();
+                let mut k = 0;
+                while k < call.in_flight.len() {
+                    if call.in_flight[k].deadline > now {
+                        k += 1;
+                        continue;
+                    }
+                    let s = call.in_flight.swap_remove(k);
+                    let (i, r) = (s.req, s.replica);
+                    let shard = &*reqs[i].shard;
+                    Counters::bump(&shard.replicas[r].counters.deadlines_missed);
+                    let allowed = s.deadline - s.sent_at;
+                    let e = Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "{} did not answer a {} request within {} ms ({}){}",
+                            shard.replica_name(r),
+                            reqs[i].op.name(),
+                            allowed.as_millis(),
+                            self.deadline_why(shard, r, reqs[i].op),
+                            if self.spreads(shard, reqs[i].op) {
+                                ""
+                            } else {
+                                "; the request may or may not have been applied"
+                            }
+                        ),
+                    );
+                    // Its state is unknown: the connection is dropped.
+                    drop(s);
+                    if self.spreads(shard, reqs[i].op) {
+                        self.fail_over(&mut call, i, r, e, true)?;
+                    } else {
+                        self.eject(shard, r, &e.to_string());
                         return Err(e);
                     }
-                };
-                let body = check_reply(shard, r, &h, &rh, body);
-                // A replica that takes no reads yet (it is copying a sibling's checkpoint)
-                // or no longer holds the checkpoint of an exact read: another of the group
-                // may answer (the error names what each holds if none does).
-                if self.spreads(shard, reqs[i].op) && shard.replicas.len() > 1 {
-                    if let Err(e) = &body {
-                        let exact = matches!(reqs[i].op, Op::LookupAt | Op::ExportAt);
-                        if e.kind() == ErrorKind::Unavailable || (exact && e.kind() == ErrorKind::NotFound) {
-                            pooled.push((shard, r, conn));
-                            if !exact {
-                                *shard.replicas[r].down_until.lock() =
-                                    Some(Instant::now() + self.inner.opts.replica_retry_after);
-                            }
-                            tried[i].push((r, body.unwrap_err()));
-                            in_flight.push_back(self.dispatch(reqs, i, &mut tried[i])?);
-                            continue;
-                        }
+                }
+                let mut k = 0;
+                while k < call.in_flight.len() {
+                    let (i, sent_at) = (call.in_flight[k].req, call.in_flight[k].sent_at);
+                    k += 1;
+                    if call.hedged[i] || !self.spreads(&reqs[i].shard, reqs[i].op) {
+                        continue;
+                    }
+                    let Some(d) = hedge_delays[reqs[i].shard.index] else { continue };
+                    if now < sent_at + d {
+                        continue;
+                    }
+                    call.hedged[i] = true;
+                    match self.dispatch(&mut call, i, true) {
+                        Ok(Some(s)) => call.in_flight.push(s),
+                        Ok(None) => {}
+                        Err(e) => tracing::debug!(error = %e, "no hedge sent"),
                     }
                 }
-                // An error reply leaves the connection in step: keep it.
-                match queues[shard.index].pop_front() {
-                    Some(next) if body.is_ok() => {
-                        pooled.push((shard, r, conn));
-                        in_flight.push_back(self.dispatch(reqs, next, &mut tried[next])?);
-                    }
-                    _ => pooled.push((shard, r, conn)),
-                }
-                shard.replicas[r].answered.fetch_add(1, Ordering::Relaxed);
-                on_reply(i, r, &rh, body?)?;
             }
             Ok(())
         })();
+        // What is still in flight (the call failed) drains.
+        for s in call.in_flight.drain(..) {
+            self.drain(&reqs[s.req].shard, s);
+        }
         for (s, r, conn) in pooled {
-            s.replicas[r].pool.lock().push(conn);
+            if conn.tcp().set_nonblocking(false).is_ok() {
+                s.replicas[r].pool.lock().push(conn);
+            }
         }
         result
+    }
+
+    /// Handles request i's reply from one of its copies.
+    #[allow(clippy::too_many_arguments)]
+    fn on_answer<'a>(
+        &self,
+        call: &mut Call<'a>,
+        queues: &mut [VecDeque<usize>],
+        pooled: &mut Vec<(&'a Shard, usize, Stream)>,
+        s: Sent,
+        rh: Header,
+        body: Vec<u8>,
+        on_reply: &mut impl FnMut(usize, usize, &Header, Vec<u8>) -> Result<()>,
+    ) -> Result<()> {
+        let reqs = call.reqs;
+        let Sent { conn, req: i, header: h, replica: r, sent_at, hedge, .. } = s;
+        let shard: &'a Shard = &reqs[i].shard;
+        let body = check_reply(shard, r, &h, &rh, body);
+        // A replica that takes no reads yet (it is copying a sibling's checkpoint) or no
+        // longer holds the checkpoint of an exact read: another of the group may answer
+        // (the error names what each holds if none does).
+        if self.spreads(shard, reqs[i].op) && shard.replicas.len() > 1 {
+            if let Err(e) = &body {
+                let exact = matches!(reqs[i].op, Op::LookupAt | Op::ExportAt);
+                if e.kind() == ErrorKind::Unavailable || (exact && e.kind() == ErrorKind::NotFound) {
+                    pooled.push((shard, r, conn));
+                    return self.fail_over(call, i, r, body.unwrap_err(), !exact);
+                }
+            }
+        }
+        // An error reply leaves the connection in step: keep it.
+        pooled.push((shard, r, conn));
+        let ep = &shard.replicas[r];
+        Counters::bump(&ep.counters.answered);
+        if keyed(reqs[i].op) && body.is_ok() {
+            let took = sent_at.elapsed();
+            ep.latency.lock().record(took);
+            shard.latency.lock().record(took);
+        }
+        if hedge {
+            Counters::bump(&ep.counters.hedges_won);
+        }
+        call.done[i] = true;
+        // The other copies lose: their connections drain.
+        let mut k = 0;
+        while k < call.in_flight.len() {
+            if call.in_flight[k].req == i {
+                let other = call.in_flight.swap_remove(k);
+                self.drain(shard, other);
+            } else {
+                k += 1;
+            }
+        }
+        if body.is_ok() {
+            if let Some(next) = queues[shard.index].pop_front() {
+                if let Some(s) = self.dispatch(call, next, false)? {
+                    call.in_flight.push(s);
+                }
+            }
+        }
+        on_reply(i, r, &rh, body?)
+    }
+
+    /// Hands a copy no one waits for any more to its replica's draining connections.
+    fn drain(&self, shard: &Shard, s: Sent) {
+        let mut d = shard.replicas[s.replica].draining.lock();
+        if d.len() < DRAINING_MAX {
+            d.push(Draining { conn: s.conn, frame: s.frame, deadline: s.deadline, allowed: s.deadline - s.sent_at });
+        }
+    }
+
+    /// How request deadlines of replica `r` are set, for a message.
+    fn deadline_why(&self, shard: &Shard, r: usize, op: Op) -> String {
+        let o = &self.inner.opts;
+        if !keyed(op) {
+            return "the timeout".to_string();
+        }
+        let alone = !self.spreads(shard, op) || shard.replicas.len() == 1;
+        let (floor, name) =
+            if alone { (o.deadline_alone_min, "deadline_alone_min") } else { (o.deadline_min, "deadline_min") };
+        match shard.replicas[r].latency.lock().p99() {
+            Some(p) => format!(
+                "{DEADLINE_P99_FACTOR}x its recent p99 of {:.1} ms, at least {name} {} ms, at most the timeout",
+                p.as_secs_f64() * 1e3,
+                floor.as_millis()
+            ),
+            None => format!("{name} {} ms: too few latencies measured yet", floor.as_millis()),
+        }
     }
 
     pub(super) fn send(&self, mut conn: Stream, req: &Req, r: usize) -> Result<(Stream, Header)> {
@@ -303,6 +742,17 @@ impl Client {
 
 /// One shard's answer to a broadcast: the shard, the replica that answered, its reply.
 pub(super) type Answer = (Arc<Shard>, usize, Header, Vec<u8>);
+
+/// Waits until one of `fds` is readable (or fails) or `wait` passes.
+fn poll(fds: &mut [libc::pollfd], wait: Duration) {
+    let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
+    // SAFETY: `fds` is a valid array of `fds.len()` pollfd; a null signal mask.
+    let n = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+    if n < 0 {
+        // EINTR: the loop looks again.
+        fds.iter_mut().for_each(|f| f.revents = 0);
+    }
+}
 
 /// Whether a failed attempt may be tried on another replica: the replica was unreachable
 /// or timed out (an error reply is the answer).
