@@ -158,6 +158,9 @@ def connect(
     tls_key_file: str | os.PathLike[str] | None = None,
     tls_server_name: str | None = None,
     min_checkpoint: int | None = None,
+    deadline_min: float | None = None,
+    deadline_alone_min: float | None = None,
+    hedge_delay: float | None = None,
 ) -> Store:
     """Connects to a networked store: the ``embank serve`` processes at ``addrs``
     (``"host:port"`` each; one shard per address, in the same order in every client),
@@ -190,6 +193,18 @@ def connect(
         min_checkpoint: reads only from replicas serving the training checkpoint of
             this batch id or later (see :meth:`Store.served`); per call with
             ``table.lookup(keys, min_checkpoint=...)``.
+        deadline_min: seconds, the shortest deadline of a read a sibling replica could
+            take over (default 0.1). Each keyed request may take 10x its replica's recent
+            p99, at least this, at most ``timeout``; a replica that misses it is ejected
+            from the rotation (a background probe readmits it once it answers in time and
+            is current) and the read goes to a sibling.
+        deadline_alone_min: seconds, the shortest deadline of a request no other replica
+            can take (a write, a read of a single server; default 5): missing it raises
+            ``EmbankTimeoutError`` naming the shard and the wait.
+        hedge_delay: seconds a read waits before a copy goes to a sibling replica serving
+            a checkpoint at least as new (the first answer is taken); default the group's
+            recent p95 (at least 1 ms); 0: no hedged reads. ``store.replica_counts()``
+            counts hedges, deadlines missed, ejections and readmissions per replica.
 
     ``addrs`` may instead be a cluster file: a path (a path object, a string ending in
     ``.toml``, or the path of an existing file) or an ``http://`` URL serving one. The
@@ -198,7 +213,8 @@ def connect(
     ``version`` and ``reload_seconds``, and any of ``token`` (or ``token_file``),
     ``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``, ``tls_server_name``,
     ``timeout_seconds``, ``connect_timeout_seconds``, ``keys_per_request_max``,
-    ``in_flight_per_shard``, ``min_checkpoint``; keyword arguments given here win over
+    ``in_flight_per_shard``, ``min_checkpoint``, ``deadline_min_seconds``,
+    ``deadline_alone_min_seconds``, ``hedge_delay_seconds``; keyword arguments given here win over
     the file. The store reloads the map every ``reload_seconds`` (default 2) while it is
     open and switches to a higher ``version`` between calls (no call mixes two maps);
     ``embank map switch`` writes the next version. Relative paths in a file are taken
@@ -226,6 +242,9 @@ def connect(
         "tls_key_file": path(tls_key_file),
         "tls_server_name": tls_server_name,
         "min_checkpoint": None if min_checkpoint is None else int(min_checkpoint),
+        "deadline_min_seconds": None if deadline_min is None else float(deadline_min),
+        "deadline_alone_min_seconds": None if deadline_alone_min is None else float(deadline_alone_min),
+        "hedge_delay_seconds": None if hedge_delay is None else float(hedge_delay),
     }
     # What is given here wins over the file, the file over the environment.
     options = {k: v for k, v in given.items() if v is not None}

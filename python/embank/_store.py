@@ -808,6 +808,16 @@ class Store:
         out: list[dict[str, Any]] = json.loads(self._s.served_json())
         return out
 
+    def replica_counts(self) -> list[list[dict[str, Any]]]:
+        """What each replica of a remote store did since :func:`connect` (``[shard][replica]``):
+        ``address``, requests ``answered``, copies of slow reads sent to it
+        (``hedges_sent``) and those it answered first (``hedges_won``),
+        ``deadlines_missed``, ``ejections`` and ``readmissions`` (out of and back into the
+        rotation), whether it is ``ejected`` now and ``why``, its recent ``p99_ms``.
+        ``[]`` for an embedded store."""
+        out: list[list[dict[str, Any]]] = json.loads(self._s.replica_counts_json())
+        return out
+
     def checkpoints(self) -> list[int]:
         """Batch ids of the retained checkpoints, oldest first (``keep_checkpoints`` of
         :func:`open` says how many are kept)."""

@@ -345,3 +345,52 @@ def test_connect_reads_the_shard_map_from_an_http_url_or_any_file(tmp_path: Path
         httpd.server_close()
         with embank.connect(cluster) as both:
             both.drop_table("from_url")
+
+
+def test_a_frozen_replica_costs_a_read_milliseconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group of two servers holding the same rows; one is frozen (SIGSTOP): every read
+    still answers, in far less than the timeout, from the other; the frozen one is
+    ejected, counted in replica_counts(), and readmitted once it runs again."""
+    for var in ("EMBANK_TLS_CA_FILE", "EMBANK_TLS_CERT_FILE", "EMBANK_TLS_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    procs, addrs = [], []
+    keys = np.arange(1000, dtype=np.uint64)
+    rows = np.arange(1000 * 4, dtype=np.float32).reshape(1000, 4)
+    for name in ("a", "b"):
+        config = tmp_path / f"{name}.toml"
+        config.write_text(f'store = "{tmp_path / name}"\nlisten = "127.0.0.1:0"\n')
+        p, addr = start_shard(config)
+        procs.append(p)
+        addrs.append(addr)
+        with embank.connect([addr]) as one:
+            one.create_table("t", dim=4).push(keys, rows)
+    try:
+        with embank.connect([addrs], timeout=30, deadline_min=0.1) as store:
+            t = store.table("t")
+            for _ in range(50):
+                t.lookup(keys[:200])
+            procs[0].send_signal(signal.SIGSTOP)
+            longest = 0.0
+            try:
+                until = time.monotonic() + 1.5
+                while time.monotonic() < until:
+                    started = time.monotonic()
+                    got, found = t.lookup(keys[:200])
+                    longest = max(longest, time.monotonic() - started)
+                    assert found.all() and np.array_equal(got, rows[:200])
+                a = store.replica_counts()[0][0]
+                assert a["ejected"] and a["ejections"] == 1, a
+            finally:
+                procs[0].send_signal(signal.SIGCONT)
+            assert longest < 2.0, f"a read took {longest:.2f} s with one replica frozen"
+            until = time.monotonic() + 10
+            while store.replica_counts()[0][0]["ejected"]:
+                assert time.monotonic() < until, store.replica_counts()
+                time.sleep(0.05)
+            counts = store.replica_counts()[0]
+            assert counts[0]["readmissions"] == 1 and counts[1]["ejections"] == 0, counts
+            assert sum(c["hedges_sent"] for c in counts) >= 0 and counts[1]["answered"] > 0
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=60)

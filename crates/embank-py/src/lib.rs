@@ -71,6 +71,8 @@ pub(crate) struct Store {
     inner: Arc<dyn StoreApi>,
     /// The same store when it is embedded (what a publisher reads from).
     pub(crate) embedded: Option<Arc<core::Store>>,
+    /// The same store when it is remote (its replicas' counters).
+    client: Option<net::Client>,
 }
 
 /// Runs a call on the store interface with the GIL released, mapping its error.
@@ -139,7 +141,7 @@ impl Store {
         if tier.is_some() {
             store.set_shared_tier(tier).map_err(to_py_err)?;
         }
-        Ok(Store { inner: store.clone(), embedded: Some(store) })
+        Ok(Store { inner: store.clone(), embedded: Some(store), client: None })
     }
 
     /// Connects to the shards of a remote store (`embank serve` processes): `addrs`, one
@@ -150,7 +152,7 @@ impl Store {
         let config: net::ClientSettings =
             serde_json::from_str(options_json).map_err(|e| to_py_err(core::Error::config(format!("connect: {e}"))))?;
         let client = detached(py, || config.connect(&addrs))?;
-        Ok(Store { inner: Arc::new(client), embedded: None })
+        Ok(Store { inner: Arc::new(client.clone()), embedded: None, client: Some(client) })
     }
 
     /// The store's directory, or `tcp://host:port,...` for a remote store.
@@ -206,6 +208,12 @@ impl Store {
     fn checkpoint(&self, py: Python<'_>, batch_id: u64, meta: Option<Vec<u8>>) -> PyResult<()> {
         let meta = meta.unwrap_or_default();
         detached(py, || self.inner.checkpoint(batch_id, &meta))
+    }
+
+    /// What each replica of a remote store did (`embank_net::Client::replica_counts`), as
+    /// JSON; `[]` for an embedded store.
+    fn replica_counts_json(&self) -> String {
+        self.client.as_ref().map_or_else(|| "[]".to_string(), |c| serde_json::json!(c.replica_counts()).to_string())
     }
 
     /// Which checkpoint each shard serves, as JSON.

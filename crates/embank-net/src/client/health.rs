@@ -9,8 +9,11 @@
 //! deadline) and readmits it when it answers in time and serves a checkpoint at least as
 //! new as its group's. It also asks the admitted read-only replicas once a second: one
 //! that does not answer in time is ejected, and so is one still below the checkpoint its
-//! group served a round before (a replica cut off from its update stream). Between rounds
-//! the thread holds the client only weakly: a dropped client ends it.
+//! group served a round before (a replica cut off from its update stream). Reads with
+//! `min_checkpoint` that find a replica's last-heard checkpoint too old while a sibling's
+//! is new enough read the sibling and ask the prober to refresh the others (at most every
+//! 20 ms), so no read waits on a replica's `SERVED`. Between rounds the thread holds the
+//! client only weakly: a dropped client ends it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
