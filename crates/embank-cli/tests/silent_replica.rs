@@ -16,7 +16,9 @@
 //! read may fail, and after each fault the replica must be back in the rotation within
 //! 5 s. Each window lasts 2 s (`EMBANK_SILENT_SECONDS` for longer: the results table of
 //! docs/BENCHMARKS.md is `EMBANK_SILENT_SECONDS=8 cargo test --release -p embank-cli
-//! --test silent_replica -- --nocapture --test-threads 1`).
+//! --test silent_replica -- --nocapture --test-threads 1`). `EMBANK_SILENT_FAULTS=none`
+//! measures the healthy group alone, `EMBANK_SILENT_HEDGE_DELAY=0` without hedged reads
+//! (what hedging costs a healthy group: alternate the two).
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -226,8 +228,10 @@ enum Fault {
 fn silent_replica(replicas: usize, faults: &[Fault], throughput_min: f64) {
     let dir = tempfile::tempdir().unwrap();
     let net = Net::namespaces(replicas);
+    let faults: Vec<Fault> =
+        if std::env::var("EMBANK_SILENT_FAULTS").is_ok_and(|v| v == "none") { Vec::new() } else { faults.to_vec() };
     let faults: Vec<Fault> = match &net {
-        Some(_) => faults.to_vec(),
+        Some(_) => faults,
         None => {
             eprintln!(
                 "silent replica: partition and broker cut skipped (they need root, `ip` and `iptables`); frozen and slow run on loopback"
@@ -258,9 +262,10 @@ fn silent_replica(replicas: usize, faults: &[Fault], throughput_min: f64) {
         children.push(c);
         addrs.push(a);
     }
-    let client =
-        Client::connect_groups(&[addrs.clone()], ClientOptions { token: Some(TOKEN.into()), ..Default::default() })
-            .unwrap();
+    let hedge_delay =
+        std::env::var("EMBANK_SILENT_HEDGE_DELAY").ok().map(|v| Duration::from_secs_f64(v.parse().unwrap()));
+    let opts = ClientOptions { token: Some(TOKEN.into()), hedge_delay, ..Default::default() };
+    let client = Client::connect_groups(&[addrs.clone()], opts).unwrap();
     let until = Instant::now() + Duration::from_secs(60);
     while !client.served_all()[0].iter().all(|v| v["batch_id"].as_u64() == Some(1)) {
         assert!(Instant::now() < until, "replicas never served checkpoint 1: {:?}", client.served_all());
