@@ -394,3 +394,37 @@ def test_a_frozen_replica_costs_a_read_milliseconds(tmp_path: Path, monkeypatch:
         for p in procs:
             p.send_signal(signal.SIGTERM)
             p.wait(timeout=60)
+
+
+def test_a_write_to_a_silent_primary_fails_at_its_deadline_naming_the_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write no other replica can take fails at its deadline (``deadline_alone_min``
+    here 0.5 s, 5 s by default), naming the shard and the wait, instead of hanging until
+    the 30 s timeout; the store works again once the server runs."""
+    for var in ("EMBANK_TLS_CA_FILE", "EMBANK_TLS_CERT_FILE", "EMBANK_TLS_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    config = tmp_path / "s.toml"
+    config.write_text(f'store = "{tmp_path / "s"}"\nlisten = "127.0.0.1:0"\n')
+    p, addr = start_shard(config)
+    try:
+        with embank.connect([addr], timeout=30, deadline_alone_min=0.5) as store:
+            t = store.create_table("t", dim=4)
+            keys = np.arange(100, dtype=np.uint64)
+            t.push(keys, np.ones((100, 4), dtype=np.float32))
+            p.send_signal(signal.SIGSTOP)
+            started = time.monotonic()
+            try:
+                with pytest.raises(errors.EmbankTimeoutError) as e:
+                    t.push(keys, np.zeros((100, 4), dtype=np.float32))
+            finally:
+                p.send_signal(signal.SIGCONT)
+            took = time.monotonic() - started
+            assert 0.4 < took < 3.0, took
+            message = str(e.value)
+            assert addr in message and "within 500 ms" in message and "deadline_alone_min" in message, message
+            rows, found = t.lookup(keys)
+            assert found.all() and (rows == 1).all()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
