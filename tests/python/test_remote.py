@@ -423,8 +423,9 @@ def test_a_write_to_a_silent_primary_fails_at_its_deadline_naming_the_shard(
             assert 0.4 < took < 3.0, took
             message = str(e.value)
             assert addr in message and "within 500 ms" in message and "deadline_alone_min" in message, message
+            # The timed-out push may or may not have been applied (or be being applied).
             rows, found = t.lookup(keys)
-            assert found.all() and (rows == 1).all()
+            assert found.all() and np.isin(rows, (0.0, 1.0)).all(), rows
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=60)
