@@ -229,8 +229,15 @@ class Table:
         Missing rows hold the table's ``missing`` default, or ``default`` if given
         (a number, or a vector of ``dim`` values). ``min_checkpoint`` (remote replicas
         fed by an update stream): only replicas serving the training checkpoint of
-        that batch id or a later one answer, so rows of different checkpoints are never
-        mixed unknowingly; raises ``ShardUnavailableError`` when a shard has none yet.
+        that batch id or a later one answer; raises ``ShardUnavailableError`` when a
+        shard has none yet.
+
+        What is atomic on replicas fed by an update stream: each shard's part of the
+        call is read at one checkpoint (a part of several requests at the newest
+        checkpoint a replica serves when the call begins); different shards, and
+        different tables, may answer at different checkpoints. For one checkpoint
+        across shards and tables, pass ``checkpoint=`` (the lowest ``batch_id`` of
+        :meth:`Store.served` is one every shard serves).
 
         ``checkpoint``: the rows exactly as they were at the training checkpoint of that
         batch id, on every shard, while later ones are applied — what a model reading

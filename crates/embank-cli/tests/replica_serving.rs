@@ -334,6 +334,24 @@ fn reads_see_one_checkpoint_whole_while_the_next_is_applied() {
             }
             reads
         });
+        // A whole call of 20,000 keys: 40 requests, read at one checkpoint (the client
+        // pins the shard's part of a call to the checkpoint its replicas serve when it
+        // begins).
+        let whole = scope.spawn(|| {
+            let (mut reads, mut seen) = (0u64, 1u64);
+            let mut rows = vec![0f32; keys.len() * DIM];
+            let mut found = vec![false; keys.len()];
+            while !stop.load(Ordering::Relaxed) {
+                for name in ["emb", "blk"] {
+                    client.table(name).unwrap().lookup(&keys, &mut rows, &mut found).unwrap();
+                    let b = one_checkpoint(&rows, &found, &format!("whole-call read {reads} of {name}"));
+                    assert!(b >= seen, "whole-call read {reads} of {name}: batch {b} after batch {seen}");
+                    seen = b;
+                }
+                reads += 1;
+            }
+            reads
+        });
         for b in 2..=last {
             write(b);
             std::thread::sleep(Duration::from_millis(100));
@@ -346,10 +364,13 @@ fn reads_see_one_checkpoint_whole_while_the_next_is_applied() {
             std::thread::sleep(Duration::from_millis(10));
         }
         stop.store(true, Ordering::Relaxed);
-        (in_process.join().unwrap(), served.join().unwrap())
+        (in_process.join().unwrap(), served.join().unwrap(), whole.join().unwrap())
     });
-    eprintln!("whole checkpoints: {reads:?} reads (in-process, served) of 2 x {ROWS} keys; {:?}", replica.status());
-    assert!(reads.0 > 5 && reads.1 > 5, "{reads:?}");
+    eprintln!(
+        "whole checkpoints: {reads:?} reads (in-process, served, whole calls) of 2 x {ROWS} keys; {:?}",
+        replica.status()
+    );
+    assert!(reads.0 > 5 && reads.1 > 5 && reads.2 > 5, "{reads:?}");
     assert_eq!(replica.status().checkpoints_not_atomic, 0);
     replica_equals_trainer(&replica, &replica_store, &store, "at the end");
     sigkill(&mut child);

@@ -213,7 +213,7 @@ impl Client {
     /// Asks `replicas` at once which checkpoint they serve (each within a read's
     /// deadline; one that does not answer is ejected) until one serves `min` or later:
     /// those that do, and what the others said (for a message). The rest drain.
-    fn ask_served(&self, shard: &Shard, replicas: &[usize], min: u64) -> (Vec<usize>, Vec<String>) {
+    pub(super) fn ask_served(&self, shard: &Shard, replicas: &[usize], min: u64) -> (Vec<usize>, Vec<String>) {
         let mut ok = Vec::new();
         let mut said = Vec::new();
         let mut waiting: Vec<(usize, Stream, Header, Frame, Instant, Instant)> = Vec::new();
@@ -315,6 +315,29 @@ impl Client {
             }
         }
         (ok, said)
+    }
+
+    /// The newest checkpoint (at least `min`) a replica of `shard` in rotation serves now,
+    /// asked (all at once; the first to serve `min` or later answers).
+    pub(super) fn serving_now(&self, shard: &Shard, min: u64) -> Result<u64> {
+        let n = shard.replicas.len();
+        let (mut in_rotation, ejected): (Vec<usize>, Vec<usize>) =
+            (0..n).partition(|&r| !shard.replicas[r].rotation.ejected.load(Ordering::Relaxed));
+        if in_rotation.is_empty() {
+            in_rotation = ejected;
+        }
+        let (ok, said) = self.ask_served(shard, &in_rotation, min);
+        let newest = ok.iter().filter_map(|&r| *shard.replicas[r].served.lock()).max();
+        newest.ok_or_else(|| {
+            Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "no replica of shard {} serves checkpoint {min} or later yet ({})",
+                    shard.index,
+                    said.join(", ")
+                ),
+            )
+        })
     }
 
     /// Asks replica `r` which checkpoint it serves, waiting at most `budget` (and caches

@@ -2,6 +2,7 @@
 //! the replies put back in the caller's order.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -160,6 +161,15 @@ impl RemoteTable {
     /// (the publisher's batch id): a model never mixes rows of different training
     /// checkpoints unknowingly. Fails if a shard has no such replica yet. `None`: the
     /// client's `min_checkpoint`.
+    ///
+    /// What is atomic: each shard's part of the call. On a shard of read-only replicas (fed
+    /// by an update stream) a part of more than one request (more keys than
+    /// `keys_per_request_max`) is read at one checkpoint, the newest a replica serves when
+    /// the call begins (each request an exact read of it, answered by any replica still
+    /// holding it); a part of one request is one checkpoint anyway. Different shards may
+    /// answer at different checkpoints: for one checkpoint across shards (and tables),
+    /// read with [`lookup_at`](Self::lookup_at) at a checkpoint every shard serves (the
+    /// lowest `batch_id` of [`Client::served`]).
     pub fn lookup_min(
         &self,
         keys: &[u64],
@@ -174,7 +184,43 @@ impl RemoteTable {
         let mut plan = self.plan(Op::Lookup, keys, None);
         let min_checkpoint = min_checkpoint.or(self.client.inner.opts.min_checkpoint);
         plan.reqs.iter_mut().for_each(|r| r.min_checkpoint = min_checkpoint);
+        self.pin_checkpoints(&mut plan, min_checkpoint)?;
         self.client.run(&plan.reqs, |i, _, _, body| self.read_mask(&body, &plan.positions[i], out, found))
+    }
+
+    /// Makes every shard of read-only replicas whose part of `plan` takes more than one
+    /// request read at one checkpoint: the newest one of its replicas serves now (at
+    /// least `min_checkpoint`), each request an exact read (`LOOKUP_AT`) of it.
+    fn pin_checkpoints(&self, plan: &mut Plan, min_checkpoint: Option<u64>) -> Result<()> {
+        let mut per_shard: Vec<usize> = Vec::new();
+        for r in &plan.reqs {
+            if per_shard.len() <= r.shard.index {
+                per_shard.resize(r.shard.index + 1, 0);
+            }
+            per_shard[r.shard.index] += 1;
+        }
+        let mut pinned: Vec<Option<u64>> = vec![None; per_shard.len()];
+        for req in plan.reqs.iter_mut() {
+            let shard = Arc::clone(&req.shard);
+            if per_shard[shard.index] < 2 || !shard.replicas.iter().all(|e| e.read_only.load(Ordering::Relaxed)) {
+                continue;
+            }
+            let n = match pinned[shard.index] {
+                Some(n) => n,
+                None => {
+                    let n = self.client.serving_now(&shard, min_checkpoint.unwrap_or(0))?;
+                    pinned[shard.index] = Some(n);
+                    n
+                }
+            };
+            let mut body = Vec::with_capacity(8 + req.body.len());
+            body.extend_from_slice(&n.to_le_bytes());
+            body.extend_from_slice(&req.body);
+            req.body = body;
+            req.op = Op::LookupAt;
+            req.min_checkpoint = Some(n);
+        }
+        Ok(())
     }
 
     /// Rows of `keys` as the table stores them (`row_bytes` bytes each, see
