@@ -129,14 +129,12 @@ def _ids64(t: Any, what: str) -> npt.NDArray[np.int64]:
 
 
 def _kjt_inputs(
-    kjt: Any, names: list[str], mode: str
-) -> (
-    tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[npt.NDArray[np.float32] | None]]
-    | None
-):
+    kjt: Any, names: list[str]
+) -> tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[torch.Tensor | None]] | None:
     """Every feature's ``(values, offsets, weights)`` straight from a TorchRec
-    ``KeyedJaggedTensor``'s flat values and offsets (no per-feature tensors); None for
-    anything else (or a KJT whose features have batches of different sizes)."""
+    ``KeyedJaggedTensor``'s flat values and offsets (no per-feature tensors; the weights
+    are slices of the KJT's own, so their gradient reaches it); None for anything else
+    (or a KJT whose features have batches of different sizes)."""
     if not (hasattr(kjt, "length_per_key") and hasattr(kjt, "offsets") and hasattr(kjt, "stride")):
         return None
     if getattr(kjt, "variable_stride_per_key", lambda: False)():
@@ -149,19 +147,16 @@ def _kjt_inputs(
     values = _ids64(kjt.values(), "values of the KeyedJaggedTensor")
     offsets = _ids64(kjt.offsets(), "offsets of the KeyedJaggedTensor")
     w = kjt.weights_or_none()
-    if w is not None and mode != "sum":
-        raise InvalidInputError('per_sample_weights need mode="sum" (as in torch.nn.EmbeddingBag)')
-    weights_all = None if w is None else np.ascontiguousarray(_np(w, torch.float32), np.float32)
     out_v: list[npt.NDArray[np.int64]] = []
     out_o: list[npt.NDArray[np.int64]] = []
-    out_w: list[npt.NDArray[np.float32] | None] = []
+    out_w: list[torch.Tensor | None] = []
     for name in names:
         f = position[name]
         o = offsets[f * stride : (f + 1) * stride + 1]
         lo, hi = int(o[0]), int(o[-1])
         out_v.append(values[lo:hi])
         out_o.append(o[:-1] - lo)
-        out_w.append(None if weights_all is None else weights_all[lo:hi])
+        out_w.append(None if w is None else w[lo:hi])
     return out_v, out_o, out_w
 
 

@@ -99,8 +99,16 @@ class EmbeddingBagConfig:
 
 
 def pooling_mode(config: Any) -> str:
-    """``"sum"`` or ``"mean"`` from a config's ``pooling`` (an enum of either kind or a string)."""
-    p = getattr(config, "pooling", "sum")
+    """``"sum"`` or ``"mean"`` from a config's ``pooling`` (an enum of either kind or a
+    string). A config without one (TorchRec's ``EmbeddingConfig``: an unpooled table,
+    one row per id) is refused: pooling it would be a different model."""
+    if not hasattr(config, "pooling"):
+        raise ConfigError(
+            f"table {getattr(config, 'name', '')!r}: a {type(config).__name__} has no pooling: it is an "
+            "unpooled table of TorchRec's EmbeddingCollection (one row per id, a JaggedTensor out), "
+            "not of an EmbeddingBagCollection (give EmbeddingBagConfigs)"
+        )
+    p = config.pooling
     name = str(getattr(p, "value", p)).lower()
     if name not in ("sum", "mean"):
         raise ConfigError(f"table {config.name!r}: pooling {p!r} is not supported (SUM or MEAN)")

@@ -386,7 +386,9 @@ class EmbeddingBagCollection(torch.nn.Module):
     (``push="backward"``: backward applies it). The results are the per-table
     modules' up to the order floats are summed in. ``fused=False``, a
     :class:`~embank.gpu.GpuCache` or ``pooled=True`` give one :class:`EmbeddingBag`
-    per feature instead. Gradients of ``per_sample_weights`` are not computed.
+    per feature instead. Weights that require grad get their gradient (the rows then
+    pool in torch); ``is_weighted=False`` ignores the input's weights, ``True`` requires
+    them (TorchRec's ``is_weighted``), ``None`` (default) uses them where given.
 
     :meth:`prefetch` wraps a batch iterator so each batch's rows are read into the
     store's row cache while the batch before it trains.
@@ -409,6 +411,7 @@ class EmbeddingBagCollection(torch.nn.Module):
         fused: bool | None = None,
         threads: int | None = None,
         output: str = "dict",
+        is_weighted: bool | None = None,
     ) -> None:
         super().__init__()
         if not features:
@@ -432,6 +435,8 @@ class EmbeddingBagCollection(torch.nn.Module):
             raise InvalidInputError("pooled=True pools bags per table in the store: use fused=False with it")
         self.feature_names = list(features)
         self.mode, self.push, self.fused = mode, push, fused
+        self.modes = [mode] * len(self.feature_names)  # each feature's pooling
+        self._is_weighted = is_weighted
         # Moved by ``module.to(device)`` with the model: where outputs go (not saved).
         self.register_buffer("_where", torch.empty(0), persistent=False)
         self.bags = torch.nn.ModuleDict()
@@ -494,9 +499,9 @@ class EmbeddingBagCollection(torch.nn.Module):
 
     def _inputs(
         self, features: Any
-    ) -> tuple[
-        list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[npt.NDArray[np.float32] | None]
-    ]:
+    ) -> tuple[list[npt.NDArray[np.int64]], list[npt.NDArray[np.int64]], list[torch.Tensor | None]]:
+        """Every feature's ids, bag starts and weights (as given: a tensor whose gradient
+        is wanted stays one), the weights as ``is_weighted`` says."""
         if isinstance(features, torch.Tensor):
             if features.dim() != 2 or features.shape[1] != len(self.feature_names):
                 raise InvalidInputError(
@@ -505,23 +510,41 @@ class EmbeddingBagCollection(torch.nn.Module):
                 )
             ids = _ids64(features, "ids").T.copy()  # one contiguous row per feature
             starts = np.arange(ids.shape[1], dtype=np.int64)
-            return list(ids), [starts] * len(ids), [None] * len(ids)
-        fast = _kjt_inputs(features, self.feature_names, self.mode)
+            return list(ids), [starts] * len(ids), self._weights([None] * len(ids))
+        fast = _kjt_inputs(features, self.feature_names)
         if fast is not None:
-            return fast
+            values, offsets, given = fast
+            return values, offsets, self._weights(given)
         jagged = self._jagged(features)
-        values: list[npt.NDArray[np.int64]] = []
-        offsets: list[npt.NDArray[np.int64]] = []
-        weights: list[npt.NDArray[np.float32] | None] = []
+        values, offsets, given = [], [], []
         for name in self.feature_names:
             v, o, *w = jagged[name]
             values.append(_ids64(v, f"values of {name!r}"))
             offsets.append(_ids64(o, f"offsets of {name!r}"))
             wt = w[0] if w else None
-            if wt is not None and self.mode != "sum":
-                raise InvalidInputError('per_sample_weights need mode="sum" (as in torch.nn.EmbeddingBag)')
-            weights.append(None if wt is None else np.ascontiguousarray(_np(wt, torch.float32), np.float32))
-        return values, offsets, weights
+            given.append(wt if wt is None or isinstance(wt, torch.Tensor) else torch.as_tensor(wt))
+        return values, offsets, self._weights(given)
+
+    def _weights(self, given: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The weights pooling uses: none with ``is_weighted=False`` (TorchRec's unweighted
+        collection ignores a KJT's weights), every feature's with ``is_weighted=True``."""
+        if self._is_weighted is False:
+            return [None] * len(given)
+        for name, mode, w in zip(self.feature_names, self.modes, given):
+            if w is None and self._is_weighted:
+                raise InvalidInputError(
+                    f"feature {name!r} has no weights: the collection is weighted (is_weighted=True)"
+                )
+            if w is not None and mode != "sum":
+                raise InvalidInputError(
+                    f'feature {name!r}: per_sample_weights need mode="sum" (as in torch.nn.EmbeddingBag)'
+                )
+        return given
+
+    def is_weighted(self) -> bool:
+        """Whether bags are pooled with their weights (TorchRec's ``is_weighted()``);
+        ``is_weighted=None`` at construction uses weights where the input has them."""
+        return bool(self._is_weighted)
 
     @classmethod
     def from_configs(
@@ -533,6 +556,7 @@ class EmbeddingBagCollection(torch.nn.Module):
         table_options: Mapping[str, Any] | None = None,
         push: str = "backward",
         threads: int | None = None,
+        is_weighted: bool = False,
     ) -> EmbeddingBagCollection:
         """A drop-in for ``torchrec.EmbeddingBagCollection(tables=...)`` with a fused
         optimizer: ``forward(kjt)`` takes a ``KeyedJaggedTensor`` and returns a
@@ -555,7 +579,11 @@ class EmbeddingBagCollection(torch.nn.Module):
         ``fused_params`` dict, or an :mod:`embank.optim` optimizer; ``None`` keeps an
         existing table's optimizer and gives a new table none (inference: training it
         raises :class:`~embank.errors.ConfigError`). ``push="step"`` instead
-        gathers gradients for :class:`SparseOptimizer` (delays, many trainers)."""
+        gathers gradients for :class:`SparseOptimizer` (delays, many trainers).
+
+        ``is_weighted`` as TorchRec's: ``False`` (default) pools ids unweighted and
+        ignores a KJT's weights, ``True`` pools with them (SUM tables only) and gives
+        them their gradient. TorchRec's ``EmbeddingConfig`` (unpooled) is refused."""
         if not tables:
             raise InvalidInputError("from_configs needs at least one table config")
         opt = None if optimizer is None else optimizer_from_spec(optimizer)
@@ -573,7 +601,10 @@ class EmbeddingBagCollection(torch.nn.Module):
                 features[f] = table
         if not features:
             raise InvalidInputError("the table configs name no feature_names")
-        made = cls(features, modes.pop(), push=push, threads=threads, output="keyed_tensor")
+        mode = modes.pop()
+        if is_weighted and mode != "sum":
+            raise InvalidInputError("is_weighted=True needs SUM pooling (as torch.nn.EmbeddingBag's weights)")
+        made = cls(features, mode, push=push, threads=threads, output="keyed_tensor", is_weighted=is_weighted)
         made._configs = list(tables)
         made.store = store
         return made
@@ -597,9 +628,12 @@ class EmbeddingBagCollection(torch.nn.Module):
                 length_per_key=[p.shape[1] for p in pooled],
                 values=torch.cat(pooled, 1),
             )
-        values, offsets, weights = self._inputs(features)
+        values, offsets, given = self._inputs(features)
         training = torch.is_grad_enabled() and self.training
-        if training:
+        weights = self._native_weights(given)
+        if training and any(w is not None and w.requires_grad for w in given):
+            flat = self._forward_weights_with_grad(values, offsets, given)
+        elif training:
             flat = _FusedStep.apply(self._anchor, self, self._native, values, offsets, weights)
         else:
             flat = torch.from_numpy(self._native_eval.forward(values, offsets, weights)[0])
@@ -613,6 +647,39 @@ class EmbeddingBagCollection(torch.nn.Module):
             side = torch.cat([p.view(bags, d) for p, d in zip(parts, self.dims)], 1)
             return self._keyed_tensor(keys=self.feature_names, length_per_key=self.dims, values=side)
         return {n: p.view(bags, d) for n, p, d in zip(self.feature_names, parts, self.dims)}
+
+    @staticmethod
+    def _native_weights(given: list[torch.Tensor | None]) -> list[npt.NDArray[np.float32] | None]:
+        return [None if w is None else np.ascontiguousarray(_np(w, torch.float32), np.float32) for w in given]
+
+    def _forward_weights_with_grad(
+        self,
+        values: list[npt.NDArray[np.int64]],
+        offsets: list[npt.NDArray[np.int64]],
+        given: list[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """The flat output when weights want their gradient: one native call pulls every
+        id's row (each id its own bag), torch pools them, so backward gives each weight
+        ``dot(row, gradient of its bag)`` (as ``torch.nn.EmbeddingBag`` and TorchRec do)
+        and the rows' gradients go to the store as on the fused path."""
+        sizes = [len(v) for v in values]
+        m = max(sizes)
+        singles = [np.minimum(np.arange(m, dtype=np.int64), n) for n in sizes]  # then empty bags
+        rows = _FusedStep.apply(self._anchor, self, self._native, values, singles, [None] * len(values))
+        pooled = []
+        for block, d, n, o, w, mode in zip(
+            torch.split(rows, [m * d for d in self.dims]), self.dims, sizes, offsets, given, self.modes
+        ):
+            weights = None if w is None else w.to("cpu", torch.float32)
+            bags = F.embedding_bag(
+                torch.arange(n),
+                block.view(m, d)[:n],
+                torch.from_numpy(o),
+                mode=mode,
+                per_sample_weights=weights,
+            )
+            pooled.append(bags.reshape(-1))
+        return torch.cat(pooled)
 
     def _output_device(self, features: Any) -> torch.device:
         """The ids' device when it is not the CPU, else the module's."""
@@ -633,10 +700,12 @@ class EmbeddingBagCollection(torch.nn.Module):
                 for j, name in enumerate(self.feature_names)
             }
         jagged = self._jagged(features)
+        given = [(list(jagged[n])[2:] or [None])[0] for n in self.feature_names]
+        weights = self._weights([None if w is None else torch.as_tensor(w) for w in given])
         out: dict[str, torch.Tensor] = {}
-        for name in self.feature_names:
-            values, offsets, *w = jagged[name]
-            out[name] = self.bags[name](values, offsets, w[0] if w else None)
+        for name, w in zip(self.feature_names, weights):
+            values, offsets, *_ = jagged[name]
+            out[name] = self.bags[name](values, offsets, w)
         return out
 
     def lookahead(self, features: Any) -> None:

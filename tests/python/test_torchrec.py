@@ -359,3 +359,81 @@ def test_torchrec_swap_example_learns_alike(tmp_path: Path) -> None:
     ftrl = run("--ebc", "embank", "--optimizer", "ftrl")
     assert ftrl["zero_share_of_trained_rows"] > 0.05, ftrl
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("store-")]  # removed after
+
+
+# --- issue 57: what TorchRec users bring along keeps its meaning ------------------------
+
+
+def with_weights(torchrec: Any, kjt: Any, seed: int) -> Any:
+    """``kjt`` with a weight per id (a leaf that requires grad)."""
+    weights = torch.from_numpy(
+        np.random.default_rng(seed).uniform(0.5, 2.0, len(kjt.values())).astype(np.float32)
+    )
+    return torchrec.KeyedJaggedTensor(
+        keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), weights=weights.requires_grad_(True)
+    )
+
+
+def test_unpooled_configs_are_refused(tmp_path: Path) -> None:
+    """TorchRec's EmbeddingConfig is a table of TorchRec's EmbeddingCollection (one row per
+    id): an EmbeddingBagCollection pooling it would be another model."""
+    torchrec = torchrec_or_skip()
+    unpooled = [torchrec.EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])]
+    with embank.open(tmp_path / "s") as store:
+        with pytest.raises(embank.errors.ConfigError, match="EmbeddingCollection"):
+            et.EmbeddingBagCollection.from_configs(store, unpooled, optimizer=("sgd", {"lr": 0.1}))
+        assert store.tables() == []
+
+
+def test_weights_given_to_an_unweighted_collection_are_ignored_as_torchrec_does(tmp_path: Path) -> None:
+    """TorchRec's EmbeddingBagCollection(is_weighted=False) pools a weighted KJT's ids
+    unweighted; so does from_configs by default, and is_weighted=True pools with them."""
+    torchrec = torchrec_or_skip()
+    plain = torchrec.EmbeddingBagCollection(tables=configs(torchrec), is_weighted=False)
+    weighted = torchrec.EmbeddingBagCollection(tables=configs(torchrec), is_weighted=True)
+    weighted.load_state_dict(plain.state_dict())
+    with embank.open(tmp_path / "s") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(store, configs(torchrec), optimizer=("sgd", {"lr": LR}))
+        wbc = et.EmbeddingBagCollection.from_configs(
+            store, configs(torchrec), optimizer=("sgd", {"lr": LR}), is_weighted=True
+        )
+        et.load_state_dict(store, plain.state_dict())
+        assert not ebc.is_weighted() and wbc.is_weighted()
+        for i, (kjt, _) in enumerate(batches(torchrec, 3)):
+            kjt = with_weights(torchrec, kjt, i)
+            for ours, theirs in ((ebc, plain), (wbc, weighted)):
+                got, want = ours(kjt).values(), theirs(kjt).values()
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+            with pytest.raises(embank.errors.InvalidInputError, match="no weights"):
+                wbc(batches(torchrec, 1, seed=i)[0][0])  # no weights
+
+
+def test_weight_gradients_and_rows_match_fbgemm(tmp_path: Path) -> None:
+    """A weighted collection trained 10 steps with SGD: every step the KJT weights'
+    gradients (dot(row, gradient of its bag)) equal FusedEmbeddingBagCollection's
+    (is_weighted=True, FBGEMM's fused SGD on the CPU), and the rows after each step too."""
+    torchrec = torchrec_or_skip()
+    modules = pytest.importorskip("torchrec.modules.fused_embedding_modules")
+    torch.manual_seed(0)
+    reference = modules.FusedEmbeddingBagCollection(
+        tables=configs(torchrec), is_weighted=True, optimizer_type=torch.optim.SGD,
+        optimizer_kwargs={"lr": LR}, device=torch.device("cpu"),
+    )  # fmt: skip
+    with embank.open(tmp_path / "s") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(
+            store, configs(torchrec), optimizer=("exact_sgd", {"lr": LR}), is_weighted=True
+        )
+        et.load_state_dict(store, reference.state_dict())
+        worst = 0.0
+        for i, (kjt, target) in enumerate(batches(torchrec, 10, seed=3)):
+            ours, theirs = with_weights(torchrec, kjt, i), with_weights(torchrec, kjt, i)
+            step(reference, theirs, target)
+            step(ebc, ours, target)
+            assert ours.weights().grad is not None, "no gradient reached the KJT's weights"
+            torch.testing.assert_close(ours.weights().grad, theirs.weights().grad, rtol=1e-5, atol=1e-6)
+            worst = max(worst, float((ours.weights().grad - theirs.weights().grad).abs().max()))
+            want = {k: v.detach() for k, v in reference.state_dict().items()}
+            got = et.export_state_dict(ebc, num_embeddings=SIZES)
+            for key in want:
+                assert_rows_close(got[key], want[key], f"after step {i + 1}: {key}")
+        assert worst < 1e-5, worst
