@@ -78,8 +78,11 @@ def test_the_cluster_file_names_every_shard() -> None:
     dns = f"{service}.default.svc.cluster.local:{port}"
     want = [[f"{name}-{i}.{dns}"] for i in range(sts["spec"]["replicas"])]
     assert [s["replicas"] for s in cluster["shards"]] == want
-    probe = sts["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]
-    assert probe["path"] == "/healthz"
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    # Readiness waits for a replica's first checkpoint; liveness must not (a replica
+    # waiting for it would be restarted over and over).
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
 
 
 def test_the_trainer_runs_what_exists() -> None:

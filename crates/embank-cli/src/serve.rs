@@ -32,7 +32,7 @@ pub struct ServeArgs {
     /// Protocol address (overrides `listen`); port 0 picks a free port, printed at start.
     #[arg(long)]
     pub listen: Option<String>,
-    /// Admin HTTP address for /metrics and /healthz (overrides `admin`).
+    /// Admin HTTP address for /metrics, /readyz and /livez (overrides `admin`).
     #[arg(long)]
     pub admin: Option<String>,
     /// Print a commented sample config and exit.

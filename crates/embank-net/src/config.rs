@@ -16,7 +16,7 @@ pub struct ServeConfig {
     /// Address of the protocol listener. Default `127.0.0.1:7070`.
     #[serde(default = "default_listen")]
     pub listen: String,
-    /// Address of `/metrics` and `/healthz` (HTTP). None: not served.
+    /// Address of `/metrics`, `/readyz` (also `/healthz`) and `/livez` (HTTP). None: not served.
     #[serde(default)]
     pub admin: Option<String>,
     /// Store directory (created if missing).

@@ -1,5 +1,12 @@
-//! Server counters and their Prometheus text rendering, plus the admin HTTP endpoint
-//! (`GET /metrics`, `GET /healthz`).
+//! Server counters and their Prometheus text rendering, plus the admin HTTP endpoint:
+//! `GET /metrics`; `GET /readyz` (readiness; `/healthz` is the same answer, its name
+//! before `/readyz`); `GET /livez` (liveness).
+//!
+//! Ready means "answers reads with data": a primary at once, a replica once it serves a
+//! checkpoint (one applied from the stream, one copied from a sibling, or its own from
+//! an earlier run), never while its store is closed (draining). Live means the process
+//! answers at all: a replica waiting for its first checkpoint, copying a sibling's or
+//! stopped at a bad message is live (restarting it would not help), only not ready.
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
@@ -308,7 +315,8 @@ fn render_store(o: &mut String, s: &embank_core::StoreStats) {
     let _ = writeln!(o, "embank_io_read_bytes_total {}", s.io.bytes_read);
 }
 
-/// Serves `GET /metrics` and `GET /healthz` on `listener` until `shutdown` is set.
+/// Serves `GET /metrics`, `/readyz` (also `/healthz`) and `/livez` on `listener` until
+/// `shutdown` is set.
 /// One request per connection, answered in the accepting thread (scrapes are rare).
 pub fn serve_admin(listener: TcpListener, store: Arc<Store>, metrics: Arc<Metrics>, shutdown: Arc<AtomicBool>) {
     let _ = listener.set_nonblocking(true);
@@ -325,6 +333,29 @@ pub fn serve_admin(listener: TcpListener, store: Arc<Store>, metrics: Arc<Metric
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
+    }
+}
+
+/// `/readyz`: 200 when the server answers reads with data, 503 (saying why) before.
+fn readiness(store: &Store, metrics: &Metrics) -> (&'static str, &'static str, String) {
+    const NOT_READY: &str = "503 Service Unavailable";
+    if store.is_closed() {
+        return (NOT_READY, "text/plain", "store closed\n".to_string());
+    }
+    let Some(f) = metrics.replica.get() else { return ("200 OK", "text/plain", "ok\n".to_string()) };
+    let r = f();
+    let json = serde_json::to_string(&r).expect("status serializes");
+    if r.state == "bootstrapping" {
+        // It refuses reads until it holds a sibling's checkpoint.
+        (NOT_READY, "text/plain", format!("replica bootstrapping: {json}\n"))
+    } else if r.checkpoint_seq.is_none() {
+        // It would answer every read with "not found": a DNS-named group must not take it
+        // as a replica yet.
+        (NOT_READY, "text/plain", format!("replica {} and serving no checkpoint yet: {json}\n", r.state))
+    } else {
+        // A replica serves what it has whatever the stream does (retrying, stopped):
+        // ready, with the ingest state for whoever looks.
+        ("200 OK", "text/plain", format!("replica {}: {json}\nok\n", r.state))
     }
 }
 
@@ -355,35 +386,13 @@ fn answer(mut stream: TcpStream, store: &Store, metrics: &Metrics) -> std::io::R
     let path = path.split('?').next().unwrap_or("");
     let (status, ctype, body) = match (method, path) {
         ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", metrics.render(Some(store))),
-        ("GET", "/healthz") => {
-            if store.is_closed() {
-                ("503 Service Unavailable", "text/plain", "store closed\n".to_string())
-            } else if let Some(r) = metrics.replica.get().map(|f| f()).filter(|r| r.state == "bootstrapping") {
-                // Not ready: it takes no reads until it holds a sibling's checkpoint.
-                let json = serde_json::to_string(&r).expect("status serializes");
-                (
-                    "503 Service Unavailable",
-                    "text/plain",
-                    format!(
-                        "replica bootstrapping: {json}
-"
-                    ),
-                )
-            } else if let Some(f) = metrics.replica.get() {
-                // A replica serves what it has whatever the stream does: 200, with the
-                // ingest state for whoever looks.
-                let r = f();
-                let json = serde_json::to_string(&r).expect("status serializes");
-                ("200 OK", "text/plain", format!("replica {}: {json}\nok\n", r.state))
-            } else {
-                ("200 OK", "text/plain", "ok\n".to_string())
-            }
-        }
-        ("GET", _) => ("404 Not Found", "text/plain", "not found: try /metrics or /healthz\n".to_string()),
+        ("GET", "/readyz" | "/healthz") => readiness(store, metrics),
+        ("GET", "/livez") => ("200 OK", "text/plain", "alive\n".to_string()),
+        ("GET", _) => ("404 Not Found", "text/plain", "not found: try /metrics, /readyz or /livez\n".to_string()),
         (m, _) if m.is_empty() || !m.bytes().all(|b| b.is_ascii_uppercase()) => (
             "400 Bad Request",
             "text/plain",
-            "this is embank's admin HTTP port (/metrics, /healthz); tables are served on the `listen` port\n"
+            "this is embank's admin HTTP port (/metrics, /readyz, /livez); tables are served on the `listen` port\n"
                 .to_string(),
         ),
         _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),

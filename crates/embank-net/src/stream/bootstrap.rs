@@ -5,7 +5,7 @@
 //! the copy costs the sibling one paged read of its tables.
 //!
 //! While it copies, the replica refuses reads with `Unavailable` (clients read its
-//! siblings; `/healthz` answers 503), so it starts taking reads only once it serves the
+//! siblings; `/readyz` answers 503), so it starts taking reads only once it serves the
 //! checkpoint its group served when it began, and then follows the stream as every
 //! replica does.
 

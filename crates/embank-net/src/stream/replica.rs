@@ -8,7 +8,7 @@
 //! effect. Messages of a checkpoint at or before the one applied (a publisher's retry)
 //! are skipped. A broker that is down is retried with backoff while the store serves
 //! what it has; a message that fails its checksum stops ingestion loudly (status and
-//! `/healthz`), since skipping it would leave the replica wrong.
+//! `/readyz`), since skipping it would leave the replica wrong.
 //!
 //! A full snapshot (a table's reset marker, then all its rows) is applied beside what is
 //! served, never by emptying the table first: its rows are upserts, and the keys the
@@ -152,7 +152,7 @@ impl ReplicaMeta {
     }
 }
 
-/// What a replica reports (`/metrics`, `/healthz`, stats).
+/// What a replica reports (`/metrics`, `/readyz`, stats).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct ReplicaStatus {
     pub stream: String,
