@@ -368,17 +368,44 @@ def state_dict_chunks(
         raise InvalidInputError("chunk_rows must be at least 1")
     for table, rows in _sources(source, tables, num_embeddings):
         key = f"{PREFIX}{table.name}.weight"
+        held = len(table)
+        if held > rows:
+            _refuse_beyond(table, rows)
+        found_total = 0
         for start in range(0, rows, chunk_rows):
             keys = np.arange(start, min(start + chunk_rows, rows), dtype=np.uint64)
             if not optimizer_state:
-                values, _ = table.lookup(keys)
+                values, found = table.lookup(keys)
+                found_total += int(np.count_nonzero(found))
                 yield key, start, torch.from_numpy(values)
                 continue
-            records, _ = table.lookup_with_state(keys)
+            records, found = table.lookup_with_state(keys)
+            found_total += int(np.count_nonzero(found))
             yield key, start, torch.from_numpy(np.ascontiguousarray(records[:, : table.dim]))
             momentum = _momentum(table, records)
             if momentum is not None:
                 yield f"{key}.momentum1", start, momentum
+        if found_total < held:
+            _refuse_beyond(table, rows)
+
+
+def _refuse_beyond(table: Table, rows: int) -> None:
+    """Raises for a table holding ids ``>= rows``, which TorchRec's layout has no row for
+    (a table trained with ``allow_ids_beyond_num_embeddings=True``): an export never
+    drops a trained row silently."""
+    beyond, top = 0, -1
+    for keys, _ in table.export(CHUNK_ROWS):  # the error path only: one scan for the count
+        over = keys[keys >= np.uint64(rows)]
+        beyond += len(over)
+        if len(over):
+            top = max(top, int(over.max()))
+    if beyond == 0:
+        return
+    raise InvalidInputError(
+        f"table {table.name!r} holds {beyond} rows with ids >= num_embeddings {rows} (up to id {top}), "
+        f"which TorchRec's layout has no row for: export with num_embeddings={{{table.name!r}: {top + 1}}} "
+        "to include them"
+    )
 
 
 def export_state_dict(

@@ -436,6 +436,8 @@ class EmbeddingBagCollection(torch.nn.Module):
         self.feature_names = list(features)
         self.mode, self.push, self.fused = mode, push, fused
         self.modes = [mode] * len(self.feature_names)  # each feature's pooling
+        # from_configs: each feature's num_embeddings (ids must be below it) and table name.
+        self._id_bounds: list[tuple[int, str]] | None = None
         self._is_weighted = is_weighted
         # Moved by ``module.to(device)`` with the model: where outputs go (not saved).
         self.register_buffer("_where", torch.empty(0), persistent=False)
@@ -510,11 +512,11 @@ class EmbeddingBagCollection(torch.nn.Module):
                 )
             ids = _ids64(features, "ids").T.copy()  # one contiguous row per feature
             starts = np.arange(ids.shape[1], dtype=np.int64)
-            return list(ids), [starts] * len(ids), self._weights([None] * len(ids))
+            return self._bounded(list(ids)), [starts] * len(ids), self._weights([None] * len(ids))
         fast = _kjt_inputs(features, self.feature_names)
         if fast is not None:
             values, offsets, given = fast
-            return values, offsets, self._weights(given)
+            return self._bounded(values), offsets, self._weights(given)
         jagged = self._jagged(features)
         values, offsets, given = [], [], []
         for name in self.feature_names:
@@ -523,7 +525,20 @@ class EmbeddingBagCollection(torch.nn.Module):
             offsets.append(_ids64(o, f"offsets of {name!r}"))
             wt = w[0] if w else None
             given.append(wt if wt is None or isinstance(wt, torch.Tensor) else torch.as_tensor(wt))
-        return values, offsets, self._weights(given)
+        return self._bounded(values), offsets, self._weights(given)
+
+    def _bounded(self, values: list[npt.NDArray[np.int64]]) -> list[npt.NDArray[np.int64]]:
+        """``values``, checked against the configs' ``num_embeddings`` (from_configs)."""
+        if self._id_bounds is None:
+            return values
+        for name, v, (bound, table) in zip(self.feature_names, values, self._id_bounds):
+            if len(v) and (top := int(v.max())) >= bound:
+                raise InvalidInputError(
+                    f"feature {name!r}: id {top} is not below num_embeddings {bound} of table {table!r} "
+                    "(TorchRec's collection refuses it too); from_configs(..., "
+                    "allow_ids_beyond_num_embeddings=True) lets the table grow past it"
+                )
+        return values
 
     def _weights(self, given: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """The weights pooling uses: none with ``is_weighted=False`` (TorchRec's unweighted
@@ -557,6 +572,7 @@ class EmbeddingBagCollection(torch.nn.Module):
         push: str = "backward",
         threads: int | None = None,
         is_weighted: bool = False,
+        allow_ids_beyond_num_embeddings: bool = False,
     ) -> EmbeddingBagCollection:
         """A drop-in for ``torchrec.EmbeddingBagCollection(tables=...)`` with a fused
         optimizer: ``forward(kjt)`` takes a ``KeyedJaggedTensor`` and returns a
@@ -566,8 +582,10 @@ class EmbeddingBagCollection(torch.nn.Module):
 
         ``tables``: ``torchrec.EmbeddingBagConfig`` objects, or
         :class:`embank.torch.EmbeddingBagConfig` without TorchRec. Each opens the table of
-        its ``name`` in ``store`` or creates it: ``num_embeddings`` as capacity (ids are
-        keys, so the table grows past it if ids do), ``embedding_dim``, TorchRec's
+        its ``name`` in ``store`` or creates it: ``num_embeddings`` as capacity (an id
+        ``>= num_embeddings`` raises :class:`~embank.errors.InvalidInputError`, as in
+        TorchRec; ``allow_ids_beyond_num_embeddings=True`` lets the table grow past it,
+        and an export then needs a larger ``num_embeddings``), ``embedding_dim``, TorchRec's
         uniform initializer (``weight_init_min``/``max``, default
         ``±sqrt(1 / num_embeddings)``), ``missing="init"``. A table with several
         ``feature_names`` serves each; their gradients make one update per step. Every
@@ -593,12 +611,14 @@ class EmbeddingBagCollection(torch.nn.Module):
                 f"tables pool differently ({sorted(modes)}): make one collection per pooling"
             )
         features: dict[str, Source | GpuCache] = {}
+        bounds: list[tuple[int, str]] = []
         for c in tables:
             table = table_for_config(store, c, opt, table_options or {})
             for f in c.feature_names:
                 if f in features:
                     raise InvalidInputError(f"feature {f!r} is in two table configs")
                 features[f] = table
+                bounds.append((int(c.num_embeddings), c.name))
         if not features:
             raise InvalidInputError("the table configs name no feature_names")
         mode = modes.pop()
@@ -606,6 +626,7 @@ class EmbeddingBagCollection(torch.nn.Module):
             raise InvalidInputError("is_weighted=True needs SUM pooling (as torch.nn.EmbeddingBag's weights)")
         made = cls(features, mode, push=push, threads=threads, output="keyed_tensor", is_weighted=is_weighted)
         made._configs = list(tables)
+        made._id_bounds = None if allow_ids_beyond_num_embeddings else bounds
         made.store = store
         return made
 

@@ -437,3 +437,36 @@ def test_weight_gradients_and_rows_match_fbgemm(tmp_path: Path) -> None:
             for key in want:
                 assert_rows_close(got[key], want[key], f"after step {i + 1}: {key}")
         assert worst < 1e-5, worst
+
+
+def test_ids_beyond_num_embeddings_are_refused_and_never_dropped_from_an_export(tmp_path: Path) -> None:
+    """TorchRec's collection raises for an id >= num_embeddings; so does embank, naming the
+    feature, the id and the bound. Grown past it on request, the table's export refuses
+    to leave the rows behind, and with a larger num_embeddings includes them."""
+    torchrec = torchrec_or_skip()
+    beyond = torchrec.KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1", "f2"], values=torch.tensor([3, 45, 1, 2]), lengths=torch.tensor([2, 0, 1, 0, 1, 0])
+    )
+    with pytest.raises(Exception, match="45"):
+        torchrec.EmbeddingBagCollection(tables=configs(torchrec))(beyond)
+    with embank.open(tmp_path / "s") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(store, configs(torchrec), optimizer=("sgd", {"lr": LR}))
+        with pytest.raises(embank.errors.InvalidInputError, match=r"feature 'f0': id 45 .*num_embeddings 40"):
+            ebc(beyond)
+        with pytest.raises(embank.errors.InvalidInputError, match="feature 'f0': id 45"):
+            ebc.lookahead(beyond)
+        assert len(store.table("t0")) == 0  # refused before anything was pulled
+        grown = et.EmbeddingBagCollection.from_configs(
+            store, configs(torchrec), optimizer=("sgd", {"lr": LR}), allow_ids_beyond_num_embeddings=True
+        )
+        grown(beyond).values().sum().backward()
+        trained = store.table("t0").pull([45])[0]
+        with pytest.raises(
+            embank.errors.InvalidInputError, match=r"'t0' holds 1 rows with ids >= .* 40.*'t0': 46"
+        ):
+            et.export_state_dict(grown)
+        with pytest.raises(embank.errors.InvalidInputError, match="'t0' holds 1 rows"):
+            list(et.state_dict_chunks(grown, optimizer_state=True))
+        out = et.export_state_dict(grown, num_embeddings={"t0": 46})
+        assert out["embedding_bags.t0.weight"].shape == (46, 8)
+        np.testing.assert_array_equal(out["embedding_bags.t0.weight"][45].numpy(), trained)
