@@ -107,26 +107,11 @@ where
     }
 }
 
-/// Pushes rows `0..rows` (`row_for` values) with a progress bar; returns the seconds taken.
+/// Pushes rows `0..rows` (`row_for` values) with a progress bar, as the bench loads;
+/// returns the seconds taken.
 pub(crate) fn load(table: &Table, rows: u64, dim: usize) -> Result<f64, String> {
-    let bar = progress(rows, "load");
     let t0 = Instant::now();
-    let chunk = 8192u64;
-    let mut keys = Vec::with_capacity(chunk as usize);
-    let mut data = vec![0f32; chunk as usize * dim];
-    let mut k = 0;
-    while k < rows {
-        let m = chunk.min(rows - k);
-        keys.clear();
-        keys.extend(k..k + m);
-        for (i, &key) in keys.iter().enumerate() {
-            row_for(key, &mut data[i * dim..(i + 1) * dim]);
-        }
-        table.push(&keys, &data[..m as usize * dim]).map_err(|e| e.to_string())?;
-        k += m;
-        bar.set_position(k);
-    }
-    bar.finish_and_clear();
+    crate::bench::load_rows(rows, dim, &mut |keys, data| table.push(keys, data).map_err(|e| e.to_string()))?;
     Ok(t0.elapsed().as_secs_f64())
 }
 
