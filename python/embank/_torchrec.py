@@ -175,10 +175,18 @@ _KINDS = {
     "adagrad": "adagrad",
     "exact_sgd": "sgd",
     "sgd": "sgd",
-    "adam": "adam",
     "adamw": "adamw",
     "ftrl": "ftrl",
 }
+#: FBGEMM's default ``eps`` (``SplitTableBatchedEmbeddingBagsCodegen(eps=1.0e-8)``), which
+#: its (row-wise) Adagrad uses when a spec gives none; embank.optim.Adagrad's own default
+#: is PyTorch's 1e-10.
+FBGEMM_EPS = 1e-8
+_SUPPORTED = (
+    "EmbOptimType.EXACT_ROWWISE_ADAGRAD (or ROWWISE_ADAGRAD), EXACT_ADAGRAD, EXACT_SGD (or SGD); "
+    'the names "adamw" and "ftrl"; or an embank.optim optimizer (SGD, Adagrad, RowWiseAdagrad, '
+    "Adam, AdamW, Ftrl)"
+)
 # fused_params keys that tune FBGEMM's kernels or caches, not the update rule.
 _NOT_OPTIMIZER = {
     "stochastic_rounding",
@@ -197,7 +205,6 @@ _PARAMETERS = {
     "sgd": {"lr"},
     "adagrad": {"lr", "eps", "initial_accumulator_value"},
     "rowwise_adagrad": {"lr", "eps", "initial_accumulator_value"},
-    "adam": {"lr", "beta1", "beta2", "eps"},
     "adamw": {"lr", "beta1", "beta2", "eps", "weight_decay"},
     "ftrl": {"lr", "beta", "l1", "l2", "initial_accumulator_value"},
 }
@@ -210,8 +217,15 @@ def _kind(name: Any) -> str:
     text = str(getattr(name, "value", name)).lower()
     text = text.rsplit(".", 1)[-1].replace("row_wise", "rowwise").replace("-", "_")
     text = {"rowwiseadagrad": "rowwise_adagrad"}.get(text, text)
+    if text == "adam":  # EmbOptimType.ADAM, torch.optim.Adam (FusedEmbeddingBagCollection's), "adam"
+        raise ConfigError(
+            f"optimizer {name!r} is FBGEMM's Adam, whose bias correction counts steps per table "
+            "(every row uses the table's step count); embank's Adam counts them per row, which "
+            "gives other rows. To train with embank's per-row Adam, pass "
+            "optimizer=embank.optim.Adam(lr, betas=(0.9, 0.999), eps=1e-8)"
+        )
     if text not in _KINDS:
-        raise ConfigError(f"optimizer {name!r} is not supported; use one of {sorted(_KINDS)}")
+        raise ConfigError(f"optimizer {name!r} is not supported by embank; use {_SUPPORTED}")
     return _KINDS[text]
 
 
@@ -220,16 +234,20 @@ def optimizer_from_spec(spec: Spec) -> optim.Optimizer:
 
     - an :class:`embank.optim.Optimizer`, returned as it is;
     - ``(EmbOptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.02, "eps": 1e-8})`` (the type may be
-      a name such as ``"exact_rowwise_adagrad"``, ``"adagrad"``, ``"sgd"``, ``"adam"``,
-      ``"adamw"``, ``"ftrl"``, or a torch optimizer class as ``FusedEmbeddingBagCollection``
-      takes);
+      a name such as ``"exact_rowwise_adagrad"``, ``"adagrad"``, ``"sgd"``, ``"adamw"``,
+      ``"ftrl"``, or a torch optimizer class as ``FusedEmbeddingBagCollection`` takes);
     - TorchRec's ``fused_params``: ``{"optimizer": EmbOptimType..., "learning_rate": 0.02,
       "eps": 1e-8}``.
 
-    ``lr``/``learning_rate``, ``eps``, ``beta1``/``beta2`` (or ``betas``),
-    ``weight_decay`` and FTRL's ``beta``, ``l1``, ``l2``, ``initial_accumulator_value``
-    are read; keys that tune FBGEMM's kernels (``stochastic_rounding``, ``cache_*``,
-    ``output_dtype``) are ignored; anything else raises :class:`~embank.errors.ConfigError`
+    ``lr``/``learning_rate``, ``eps`` (for Adagrad and row-wise Adagrad FBGEMM's default,
+    1e-8, when not given), ``beta1``/``beta2`` (or ``betas``), ``weight_decay`` and FTRL's
+    ``beta``, ``l1``, ``l2``, ``initial_accumulator_value`` are read; keys that tune
+    FBGEMM's kernels (``stochastic_rounding``, ``cache_*``, ``output_dtype``) are ignored;
+    anything else raises :class:`~embank.errors.ConfigError` rather than being dropped
+    silently (a ``weight_decay`` on Adagrad, say). FBGEMM's Adam (``EmbOptimType.ADAM``,
+    ``torch.optim.Adam``, ``"adam"``) is refused: its bias correction counts steps per
+    table, embank's :class:`~embank.optim.Adam` per row (pass that to use it); so are
+    optimizers embank does not implement (LAMB, PARTIAL_ROWWISE_ADAM, ...).
     rather than being dropped silently (a ``weight_decay`` on Adagrad, say)."""
     if isinstance(spec, optim.Optimizer):
         return spec
@@ -262,9 +280,11 @@ def optimizer_from_spec(spec: Spec) -> optim.Optimizer:
         raise ConfigError(f"{kind} optimizer: a learning rate (lr or learning_rate) is needed")
     lr = float(params.pop("lr"))
     args = {k: float(v) for k, v in params.items()}
-    if kind in ("adam", "adamw"):
+    if kind in ("adagrad", "rowwise_adagrad"):
+        args.setdefault("eps", FBGEMM_EPS)
+    if kind == "adamw":
         b1, b2 = args.pop("beta1", 0.9), args.pop("beta2", 0.999)
-        return optim.Adam(lr, betas=(b1, b2), **args) if kind == "adam" else optim.AdamW(lr, (b1, b2), **args)
+        return optim.AdamW(lr, (b1, b2), **args)
     cls = {
         "sgd": optim.SGD,
         "adagrad": optim.Adagrad,

@@ -266,15 +266,15 @@ def test_optimizer_specs() -> None:
     o = embank.optim
     assert spec(("exact_rowwise_adagrad", {"lr": 0.02, "eps": 1e-6})) == o.RowWiseAdagrad(0.02, eps=1e-6)
     assert spec({"optimizer": "EXACT_ROW_WISE_ADAGRAD", "learning_rate": 0.02}) == o.RowWiseAdagrad(0.02)
-    assert spec(("adagrad", {"lr": 0.1})) == o.Adagrad(0.1)
+    assert spec(("adagrad", {"lr": 0.1})) == o.Adagrad(0.1, eps=1e-8)  # FBGEMM's default eps
     assert spec(("exact_sgd", {"learning_rate": 0.1})) == o.SGD(0.1)
-    assert spec(("adam", {"lr": 0.1, "betas": (0.8, 0.9)})) == o.Adam(0.1, betas=(0.8, 0.9))
     assert spec(("adamw", {"lr": 0.1, "weight_decay": 0.1})) == o.AdamW(0.1, weight_decay=0.1)
     assert spec(("ftrl", {"lr": 0.1, "l1": 0.5})) == o.Ftrl(0.1, l1=0.5)
     assert spec({"optimizer": "sgd", "lr": 0.1, "stochastic_rounding": True, "weight_decay": 0.0}) == o.SGD(
         0.1
     )
-    assert spec((torch.optim.Adagrad, {"lr": 0.3})) == o.Adagrad(0.3)
+    assert spec((torch.optim.Adagrad, {"lr": 0.3})) == o.Adagrad(0.3, eps=1e-8)
+    assert spec((torch.optim.Adagrad, {"lr": 0.3, "eps": 1e-10})) == o.Adagrad(0.3, eps=1e-10)
     same = o.Ftrl(0.1)
     assert spec(same) is same
     with pytest.raises(embank.errors.ConfigError, match="weight_decay"):
@@ -291,7 +291,9 @@ def test_optimizer_specs_take_fbgemms_enum() -> None:
 
     spec = et.optimizer_from_spec
     assert spec((EmbOptimType.EXACT_ROWWISE_ADAGRAD, {"lr": 0.1})) == embank.optim.RowWiseAdagrad(0.1)
-    assert spec({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1}) == embank.optim.Adagrad(0.1)
+    assert spec({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1}) == embank.optim.Adagrad(
+        0.1, eps=1e-8
+    )
     assert spec((EmbOptimType.EXACT_SGD, {"lr": 0.1})) == embank.optim.SGD(0.1)
 
 
@@ -470,3 +472,80 @@ def test_ids_beyond_num_embeddings_are_refused_and_never_dropped_from_an_export(
         out = et.export_state_dict(grown, num_embeddings={"t0": 46})
         assert out["embedding_bags.t0.weight"].shape == (46, 8)
         np.testing.assert_array_equal(out["embedding_bags.t0.weight"][45].numpy(), trained)
+
+
+def test_exact_adagrad_without_eps_uses_fbgemms_default(tmp_path: Path) -> None:
+    """EmbOptimType.EXACT_ADAGRAD without eps: FBGEMM's default eps (1e-8), not PyTorch's
+    (1e-10). Gradients of about 1e-6 (a loss scaled down) make eps matter: 20 steps
+    against FusedEmbeddingBagCollection(torch.optim.Adagrad) (FBGEMM's CPU kernel), rows
+    and accumulators within 1e-6 relative."""
+    torchrec = torchrec_or_skip()
+    EmbOptimType = pytest.importorskip("fbgemm_gpu.split_embedding_configs").EmbOptimType
+    modules = pytest.importorskip("torchrec.modules.fused_embedding_modules")
+    torch.manual_seed(0)
+    reference = modules.FusedEmbeddingBagCollection(
+        tables=configs(torchrec), optimizer_type=torch.optim.Adagrad, optimizer_kwargs={"lr": LR},
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    with embank.open(tmp_path / "s") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(
+            store, configs(torchrec), optimizer=(EmbOptimType.EXACT_ADAGRAD, {"lr": LR})
+        )
+        et.load_state_dict(store, reference.state_dict())
+        for i, (kjt, target) in enumerate(batches(torchrec, 20, seed=7)):
+            for model in (reference, ebc):
+                (1e-6 * ((model(kjt).values() - target) ** 2).sum()).backward()
+            assert_state_close(ebc, fbgemm_state(reference), f"after step {i + 1}")
+
+
+def fbgemm_adam(
+    steps: list[tuple[list[int], Any]], w: Any, lr: float, b1: float, b2: float, eps: float
+) -> Any:
+    """FBGEMM's Adam (``EmbOptimType.ADAM``; its CUDA kernel, FBGEMM has none on the CPU)
+    on rows ``w``: one step count ``t`` for the whole table (``iter``, counted by every
+    training forward), each row's moments updated only when it has a gradient:
+    ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
+    ``w -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)``."""
+    w, m, v = w.clone(), torch.zeros_like(w), torch.zeros_like(w)
+    for t, (rows, g) in enumerate(steps, start=1):
+        for r, gr in zip(rows, g):
+            m[r] = b1 * m[r] + (1 - b1) * gr
+            v[r] = b2 * v[r] + (1 - b2) * gr * gr
+            w[r] -= lr * (m[r] / (1 - b1**t)) / (torch.sqrt(v[r] / (1 - b2**t)) + eps)
+    return w
+
+
+def test_fbgemms_adam_is_refused_for_embanks_per_row_adam(tmp_path: Path) -> None:
+    """FBGEMM's Adam corrects bias by the table's step count, embank.optim.Adam by each
+    row's: a row first trained at step 10 moves differently (here by more than 1e-2 after
+    20 steps). So a TorchRec Adam spec is refused, pointing to embank.optim.Adam."""
+    torchrec_or_skip()
+    EmbOptimType = pytest.importorskip("fbgemm_gpu.split_embedding_configs").EmbOptimType
+    rng = np.random.default_rng(0)
+    start = torch.from_numpy(rng.uniform(-0.1, 0.1, (4, 3)).astype(np.float32))
+    steps = []
+    for t in range(20):
+        rows = [0, 1] if t < 10 else [0, 1, 2]  # row 2 first trained at step 11
+        steps.append((rows, torch.from_numpy(rng.standard_normal((len(rows), 3)).astype(np.float32))))
+    want = fbgemm_adam(steps, start, lr=0.05, b1=0.9, b2=0.999, eps=1e-8)
+    with embank.open(tmp_path / "s") as store:
+        table = store.create_table("t", dim=3, optimizer=embank.optim.Adam(0.05))
+        table.push(np.arange(4, dtype=np.uint64), start.numpy())
+        for rows, g in steps:
+            table.push_grad(np.array(rows, np.uint64), g.numpy())
+        got = torch.from_numpy(table.pull(np.arange(4, dtype=np.uint64)))
+    torch.testing.assert_close(got[:2], want[:2], rtol=1e-5, atol=1e-6)  # trained from step 1: alike
+    assert float((got[2] - want[2]).abs().max()) > 1e-2  # the per-row step count differs
+    for spec in (
+        (EmbOptimType.ADAM, {"lr": 0.05}),
+        {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.05},
+        (torch.optim.Adam, {"lr": 0.05}),
+        ("adam", {"lr": 0.05}),
+    ):
+        with pytest.raises(embank.errors.ConfigError, match=r"steps per table.*embank\.optim\.Adam"):
+            et.optimizer_from_spec(spec)
+    for name in ("LAMB", "PARTIAL_ROWWISE_ADAM", "PARTIAL_ROWWISE_LAMB", "LARS_SGD"):
+        with pytest.raises(
+            embank.errors.ConfigError, match=r"not supported by embank; use EmbOptimType\.EXACT_ROW"
+        ):
+            et.optimizer_from_spec((EmbOptimType[name], {"lr": 0.05}))
