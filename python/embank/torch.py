@@ -375,6 +375,8 @@ class EmbeddingBagCollection(torch.nn.Module):
     ``KeyedJaggedTensor``, a mapping ``name -> (values, offsets[, per_sample_weights])``,
     or a ``(batch, features)`` integer tensor (one id per feature per example, features
     in the collection's order), and returns ``name -> (batch, dim)`` pooled rows.
+    ``mode``: ``"sum"`` or ``"mean"``, or a mapping feature name -> mode (features pooled
+    differently in one collection).
 
     Fused (the default when every feature is a table or worker): forward hands every
     feature's ids to the engine in one call, which deduplicates them per table, pulls
@@ -404,7 +406,7 @@ class EmbeddingBagCollection(torch.nn.Module):
     def __init__(
         self,
         features: Mapping[str, Source | GpuCache],
-        mode: str = "sum",
+        mode: str | Mapping[str, str] = "sum",
         *,
         push: str = "step",
         pooled: bool = False,
@@ -416,8 +418,12 @@ class EmbeddingBagCollection(torch.nn.Module):
         super().__init__()
         if not features:
             raise InvalidInputError("an EmbeddingBagCollection needs at least one feature")
-        if mode not in ("sum", "mean"):
-            raise InvalidInputError(f'mode must be "sum" or "mean", got {mode!r}')
+        given_modes = [mode.get(n) for n in features] if isinstance(mode, Mapping) else [mode] * len(features)
+        modes: list[str] = []
+        for name, m in zip(features, given_modes):
+            if m not in ("sum", "mean"):
+                raise InvalidInputError(f'feature {name!r}: mode must be "sum" or "mean", got {m!r}')
+            modes.append(str(m))
         if push not in ("step", "backward"):
             raise InvalidInputError(f'push must be "step" or "backward", got {push!r}')
         if output not in ("dict", "keyed_tensor"):
@@ -435,7 +441,10 @@ class EmbeddingBagCollection(torch.nn.Module):
             raise InvalidInputError("pooled=True pools bags per table in the store: use fused=False with it")
         self.feature_names = list(features)
         self.mode, self.push, self.fused = mode, push, fused
-        self.modes = [mode] * len(self.feature_names)  # each feature's pooling
+        self.modes = modes  # each feature's pooling
+        # Features pooling differently: the engine sums, MEAN bags weighted by 1 / length.
+        self._mixed = len(set(modes)) > 1
+        native_mode = "sum" if self._mixed else modes[0]
         # from_configs: each feature's num_embeddings (ids must be below it) and table name.
         self._id_bounds: list[tuple[int, str]] | None = None
         self._is_weighted = is_weighted
@@ -444,7 +453,10 @@ class EmbeddingBagCollection(torch.nn.Module):
         self.bags = torch.nn.ModuleDict()
         if not fused:
             self.bags.update(
-                {n: EmbeddingBag(s, mode, push=push, pooled=pooled) for n, s in features.items()}
+                {
+                    n: EmbeddingBag(s, m, push=push, pooled=pooled)
+                    for (n, s), m in zip(features.items(), modes)
+                }
             )
             return
         # One entry per distinct source object (modules sharing a Table share its update).
@@ -469,10 +481,10 @@ class EmbeddingBagCollection(torch.nn.Module):
         natives = [_table_of(s)._t for s in self._sources]
         workers = [s.id if isinstance(s, Worker) else None for s in self._sources]
         timeout = max([s.timeout for s in self._sources if isinstance(s, Worker)], default=60.0)
-        self._native = _native.Collection(natives, index, workers, mode, threads, timeout)
+        self._native = _native.Collection(natives, index, workers, native_mode, threads, timeout)
         # Evaluation pulls through the tables, never a worker's holds.
         self._native_eval = (
-            _native.Collection(natives, index, [None] * len(natives), mode, threads, timeout)
+            _native.Collection(natives, index, [None] * len(natives), native_mode, threads, timeout)
             if any(w is not None for w in workers)
             else self._native
         )
@@ -588,8 +600,9 @@ class EmbeddingBagCollection(torch.nn.Module):
         and an export then needs a larger ``num_embeddings``), ``embedding_dim``, TorchRec's
         uniform initializer (``weight_init_min``/``max``, default
         ``±sqrt(1 / num_embeddings)``), ``missing="init"``. A table with several
-        ``feature_names`` serves each; their gradients make one update per step. Every
-        config must pool alike (SUM or MEAN). ``table_options`` go to
+        ``feature_names`` serves each; their gradients make one update per step. Each
+        table pools as its config says (SUM or MEAN, mixed in one collection as in
+        TorchRec). ``table_options`` go to
         :meth:`~embank.Store.create_table` (``medium``, ``placement``, ``dtype``, ...).
 
         ``optimizer``: see :func:`optimizer_from_spec` — e.g.
@@ -605,11 +618,14 @@ class EmbeddingBagCollection(torch.nn.Module):
         if not tables:
             raise InvalidInputError("from_configs needs at least one table config")
         opt = None if optimizer is None else optimizer_from_spec(optimizer)
-        modes = {pooling_mode(c) for c in tables}
-        if len(modes) != 1:
+        pooling = {c.name: pooling_mode(c) for c in tables}
+        if is_weighted and "mean" in pooling.values():
+            means = sorted(n for n, m in pooling.items() if m == "mean")
             raise InvalidInputError(
-                f"tables pool differently ({sorted(modes)}): make one collection per pooling"
+                f"is_weighted=True needs SUM pooling (as torch.nn.EmbeddingBag's weights): "
+                f"tables {means} pool MEAN"
             )
+        modes: dict[str, str] = {}
         features: dict[str, Source | GpuCache] = {}
         bounds: list[tuple[int, str]] = []
         for c in tables:
@@ -618,12 +634,12 @@ class EmbeddingBagCollection(torch.nn.Module):
                 if f in features:
                     raise InvalidInputError(f"feature {f!r} is in two table configs")
                 features[f] = table
+                modes[f] = pooling[c.name]
                 bounds.append((int(c.num_embeddings), c.name))
         if not features:
             raise InvalidInputError("the table configs name no feature_names")
-        mode = modes.pop()
-        if is_weighted and mode != "sum":
-            raise InvalidInputError("is_weighted=True needs SUM pooling (as torch.nn.EmbeddingBag's weights)")
+        alike = set(modes.values())
+        mode: str | dict[str, str] = alike.pop() if len(alike) == 1 else modes
         made = cls(features, mode, push=push, threads=threads, output="keyed_tensor", is_weighted=is_weighted)
         made._configs = list(tables)
         made._id_bounds = None if allow_ids_beyond_num_embeddings else bounds
@@ -651,7 +667,7 @@ class EmbeddingBagCollection(torch.nn.Module):
             )
         values, offsets, given = self._inputs(features)
         training = torch.is_grad_enabled() and self.training
-        weights = self._native_weights(given)
+        weights = self._native_weights(values, offsets, given)
         if training and any(w is not None and w.requires_grad for w in given):
             flat = self._forward_weights_with_grad(values, offsets, given)
         elif training:
@@ -669,9 +685,22 @@ class EmbeddingBagCollection(torch.nn.Module):
             return self._keyed_tensor(keys=self.feature_names, length_per_key=self.dims, values=side)
         return {n: p.view(bags, d) for n, p, d in zip(self.feature_names, parts, self.dims)}
 
-    @staticmethod
-    def _native_weights(given: list[torch.Tensor | None]) -> list[npt.NDArray[np.float32] | None]:
-        return [None if w is None else np.ascontiguousarray(_np(w, torch.float32), np.float32) for w in given]
+    def _native_weights(
+        self,
+        values: list[npt.NDArray[np.int64]],
+        offsets: list[npt.NDArray[np.int64]],
+        given: list[torch.Tensor | None],
+    ) -> list[npt.NDArray[np.float32] | None]:
+        """The weights the engine pools with: the given ones, and in a collection whose
+        features pool differently (the engine sums) ``1 / length`` for each MEAN bag's ids."""
+        out: list[npt.NDArray[np.float32] | None] = []
+        for v, o, w, mode in zip(values, offsets, given, self.modes):
+            if self._mixed and mode == "mean":
+                lengths = np.diff(np.append(o, len(v)))
+                out.append(np.repeat(1 / np.maximum(lengths, 1), lengths).astype(np.float32))
+            else:
+                out.append(None if w is None else np.ascontiguousarray(_np(w, torch.float32), np.float32))
+        return out
 
     def _forward_weights_with_grad(
         self,

@@ -327,9 +327,14 @@ def test_look_alikes_without_torchrec(tmp_path: Path) -> None:
         et.EmbeddingBagCollection.from_configs(store, cfgs, optimizer=("sgd", {"lr": 0.1}))
         with pytest.raises(embank.errors.ConfigError, match="dim"):
             et.EmbeddingBagCollection.from_configs(store, [et.EmbeddingBagConfig(10, 4, "x", ["fx"])])
-        with pytest.raises(embank.errors.InvalidInputError, match="pool differently"):
-            mixed = [cfgs[0], et.EmbeddingBagConfig(10, 3, "z", ["fz"])]
-            et.EmbeddingBagCollection.from_configs(store, mixed)
+        mixed = et.EmbeddingBagCollection.from_configs(
+            store, [cfgs[0], et.EmbeddingBagConfig(10, 3, "z", ["fz"])]
+        )
+        assert mixed.modes == ["mean", "sum"]
+        with pytest.raises(
+            embank.errors.InvalidInputError, match=r"is_weighted=True needs SUM.*\['x', 'y'\]"
+        ):
+            et.EmbeddingBagCollection.from_configs(store, cfgs, is_weighted=True)
         with pytest.raises(embank.errors.ConfigError, match="optimizer"):
             et.EmbeddingBagCollection.from_configs(store, cfgs, optimizer=("adagrad", {"lr": 0.1}))
 
@@ -549,3 +554,40 @@ def test_fbgemms_adam_is_refused_for_embanks_per_row_adam(tmp_path: Path) -> Non
             embank.errors.ConfigError, match=r"not supported by embank; use EmbOptimType\.EXACT_ROW"
         ):
             et.optimizer_from_spec((EmbOptimType[name], {"lr": 0.05}))
+
+
+def mixed_configs(torchrec: Any) -> list[Any]:
+    """configs() with t1 (features f1, f2) pooling MEAN, t0 SUM."""
+    cfgs = configs(torchrec)
+    cfgs[1].pooling = torchrec.PoolingType.MEAN
+    return cfgs
+
+
+def test_sum_and_mean_tables_in_one_collection_match_torchrec(tmp_path: Path) -> None:
+    """SUM and MEAN tables in one collection: outputs equal TorchRec's
+    EmbeddingBagCollection (training and eval), and 30 steps equal FBGEMM's fused row-wise
+    Adagrad (FusedEmbeddingBagCollection) row for row."""
+    torchrec = torchrec_or_skip()
+    modules = pytest.importorskip("torchrec.modules.fused_embedding_modules")
+    torch.manual_seed(0)
+    reference = modules.FusedEmbeddingBagCollection(
+        tables=mixed_configs(torchrec), optimizer_type=torchrec.optim.RowWiseAdagrad,
+        optimizer_kwargs={"lr": LR, "eps": EPS}, device=torch.device("cpu"),
+    )  # fmt: skip
+    plain = torchrec.EmbeddingBagCollection(tables=mixed_configs(torchrec))
+    plain.load_state_dict(reference.state_dict())
+    with embank.open(tmp_path / "s") as store:
+        ebc = et.EmbeddingBagCollection.from_configs(
+            store, mixed_configs(torchrec), optimizer=("exact_rowwise_adagrad", {"lr": LR, "eps": EPS})
+        )
+        et.load_state_dict(store, reference.state_dict())
+        kjt, _ = batches(torchrec, 1)[0]
+        want = plain(kjt).values().detach()
+        torch.testing.assert_close(ebc(kjt).values().detach(), want, rtol=1e-6, atol=1e-7)
+        with torch.no_grad():
+            torch.testing.assert_close(ebc(kjt).values(), want, rtol=1e-6, atol=1e-7)
+        for i, (kjt, target) in enumerate(batches(torchrec, 30, seed=11)):
+            step(reference, kjt, target)
+            step(ebc, kjt, target)
+            if (i + 1) % 10 == 0:
+                assert_state_close(ebc, fbgemm_state(reference), f"after step {i + 1}")
