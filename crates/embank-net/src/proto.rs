@@ -16,6 +16,8 @@
 //! Bodies are documented per opcode in docs/FORMAT.md. Everything here is pure
 //! (no I/O): the decoder is what the fuzz/property tests hammer.
 
+use std::io::{self, IoSlice, Write};
+
 use embank_core::{Error, ErrorKind};
 
 pub const MAGIC: u32 = u32::from_le_bytes(*b"EMBN");
@@ -468,6 +470,32 @@ pub fn shard_of(key: u64, shards: u32) -> u32 {
 
 /// Seed of the routing hash: "embank" in ASCII.
 pub const ROUTE_SEED: u64 = 0x656d_6261_6e6b;
+
+/// Bit i of byte i/8 set when row i was found; padded to 8 bytes.
+pub fn found_mask(found: &[bool]) -> Vec<u8> {
+    let mut mask = vec![0u8; mask_bytes(found.len())];
+    for (i, &f) in found.iter().enumerate() {
+        if f {
+            mask[i / 8] |= 1 << (i % 8);
+        }
+    }
+    mask
+}
+
+/// Writes every byte of `parts` (the kernel may take fewer than asked, and at most
+/// IOV_MAX slices, per call).
+pub fn write_all_vectored(stream: &mut impl Write, mut parts: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut parts, 0);
+    while !parts.is_empty() {
+        match stream.write_vectored(parts) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "peer stopped taking bytes")),
+            Ok(n) => IoSlice::advance_slices(&mut parts, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
 
 #[cfg(test)]
 mod tests {

@@ -14,8 +14,7 @@ use parking_lot::Mutex;
 
 use super::health::{Counters, Latencies, Rotation};
 use super::Client;
-use crate::proto::{self, Header, Op, HEADER_BYTES, REPLY_BIT};
-use crate::server::write_all_vectored;
+use crate::proto::{self, write_all_vectored, Header, Op, HEADER_BYTES, REPLY_BIT};
 use crate::tls::Stream;
 
 /// One server of a shard's replica group.

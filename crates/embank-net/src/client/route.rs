@@ -23,8 +23,7 @@ use embank_core::{Error, ErrorKind, Result};
 use super::health::Counters;
 use super::pool::{check_reply, read_reply, Draining, Frame, Shard, DRAINING_MAX};
 use super::Client;
-use crate::proto::{Header, Op};
-use crate::server::write_all_vectored;
+use crate::proto::{write_all_vectored, Header, Op};
 use crate::tls::Stream;
 
 /// A keyed request may take this many times its replica's recent p99.

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use embank_core::{Error, ErrorKind, Table};
 
-use super::{write_all_vectored, Ctx};
+use super::Ctx;
+use crate::proto::write_all_vectored;
 use crate::proto::{self, as_bytes_mut, status, Header, Op, HEADER_BYTES};
 use crate::tls::Stream;
 

@@ -15,7 +15,7 @@
 //! reply and the connection goes on.
 
 use std::collections::HashMap;
-use std::io::{self, IoSlice, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -31,7 +31,6 @@ mod ops;
 use conn::Conn;
 
 use crate::metrics::Metrics;
-use crate::proto::mask_bytes;
 use crate::tls::{ServerTls, Stream};
 
 /// Limits and behaviour of a server.
@@ -338,30 +337,4 @@ impl Server {
             }
         }
     }
-}
-
-/// Bit i of byte i/8 set when row i was found; padded to 8 bytes.
-pub fn found_mask(found: &[bool]) -> Vec<u8> {
-    let mut mask = vec![0u8; mask_bytes(found.len())];
-    for (i, &f) in found.iter().enumerate() {
-        if f {
-            mask[i / 8] |= 1 << (i % 8);
-        }
-    }
-    mask
-}
-
-/// Writes every byte of `parts` (the kernel may take fewer than asked, and at most
-/// IOV_MAX slices, per call).
-pub fn write_all_vectored(stream: &mut impl Write, mut parts: &mut [IoSlice<'_>]) -> io::Result<()> {
-    IoSlice::advance_slices(&mut parts, 0);
-    while !parts.is_empty() {
-        match stream.write_vectored(parts) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "peer stopped taking bytes")),
-            Ok(n) => IoSlice::advance_slices(&mut parts, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }

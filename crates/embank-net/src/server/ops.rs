@@ -10,8 +10,8 @@ use embank_core::{Error, ErrorKind, ExportCursor, Table, TableOptions};
 use serde::Deserialize;
 
 use super::conn::{Conn, Failure, Handled, Refusal};
-use super::{found_mask, write_all_vectored};
 use crate::proto::{self, as_bytes, status, Header, Op, HEADER_BYTES};
+use crate::proto::{found_mask, write_all_vectored};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
