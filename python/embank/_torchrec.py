@@ -8,7 +8,8 @@ embedding of id ``i``. Its fused row-wise Adagrad keeps one accumulator per row,
 ``momentum1`` (shape ``(num_embeddings,)``); exact Adagrad's ``momentum1`` has the
 weight's shape. Here the flat keys are ``embedding_bags.t.weight`` and
 ``embedding_bags.t.weight.momentum1``; :func:`optimizer_state_dict` nests the latter as
-TorchRec's sharded fused optimizer does.
+TorchRec's sharded fused optimizer does. An EmbeddingCollection's (unpooled) tables are
+``embeddings.t.weight``, as in TorchRec.
 
 A key embank does not hold (never pulled or pushed) exports as what a pull would give
 it: the table's initializer row when the table was made by ``from_configs`` (``missing
@@ -50,6 +51,8 @@ from .errors import ConfigError, InvalidInputError
 
 __all__ = [
     "EmbeddingBagConfig",
+    "EmbeddingConfig",
+    "JaggedTensor",
     "KeyedTensor",
     "PoolingType",
     "export_state_dict",
@@ -63,6 +66,8 @@ __all__ = [
 #: of a table are in flight).
 CHUNK_ROWS = 65_536
 PREFIX = "embedding_bags."
+#: An EmbeddingCollection's (unpooled tables') state-dict prefix, as TorchRec's.
+PREFIX_UNPOOLED = "embeddings."
 
 
 class PoolingType(enum.Enum):
@@ -73,12 +78,13 @@ class PoolingType(enum.Enum):
 
 
 @dataclass
-class EmbeddingBagConfig:
-    """TorchRec's ``EmbeddingBagConfig`` with the fields embank reads, for use without
-    TorchRec: ``num_embeddings`` (ids ``0..num_embeddings-1``: the table's capacity and
-    the rows of its state dict), ``embedding_dim``, ``name``, ``feature_names``,
-    ``pooling`` (:class:`PoolingType` or ``"sum"``/``"mean"``) and the uniform
-    initializer's bounds (default, as TorchRec's: ``±sqrt(1 / num_embeddings)``)."""
+class EmbeddingConfig:
+    """TorchRec's ``EmbeddingConfig`` (an unpooled table, for
+    :class:`~embank.torch.EmbeddingCollection`) with the fields embank reads, for use
+    without TorchRec: ``num_embeddings`` (ids ``0..num_embeddings-1``: the table's
+    capacity and the rows of its state dict), ``embedding_dim``, ``name``,
+    ``feature_names`` and the uniform initializer's bounds (default, as TorchRec's:
+    ``±sqrt(1 / num_embeddings)``)."""
 
     num_embeddings: int
     embedding_dim: int
@@ -86,7 +92,6 @@ class EmbeddingBagConfig:
     feature_names: list[str] = field(default_factory=list)
     weight_init_max: float | None = None
     weight_init_min: float | None = None
-    pooling: PoolingType | str = PoolingType.SUM
 
     def get_weight_init_max(self) -> float:
         return math.sqrt(1 / self.num_embeddings) if self.weight_init_max is None else self.weight_init_max
@@ -98,6 +103,14 @@ class EmbeddingBagConfig:
         return len(self.feature_names)
 
 
+@dataclass
+class EmbeddingBagConfig(EmbeddingConfig):
+    """TorchRec's ``EmbeddingBagConfig``: :class:`EmbeddingConfig` and ``pooling``
+    (:class:`PoolingType` or ``"sum"``/``"mean"``)."""
+
+    pooling: PoolingType | str = PoolingType.SUM
+
+
 def pooling_mode(config: Any) -> str:
     """``"sum"`` or ``"mean"`` from a config's ``pooling`` (an enum of either kind or a
     string). A config without one (TorchRec's ``EmbeddingConfig``: an unpooled table,
@@ -106,7 +119,7 @@ def pooling_mode(config: Any) -> str:
         raise ConfigError(
             f"table {getattr(config, 'name', '')!r}: a {type(config).__name__} has no pooling: it is an "
             "unpooled table of TorchRec's EmbeddingCollection (one row per id, a JaggedTensor out), "
-            "not of an EmbeddingBagCollection (give EmbeddingBagConfigs)"
+            "not of an EmbeddingBagCollection: use embank.torch.EmbeddingCollection.from_configs"
         )
     p = config.pooling
     name = str(getattr(p, "value", p)).lower()
@@ -155,6 +168,39 @@ class KeyedTensor:
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._lengths})"
+
+
+class JaggedTensor:
+    """TorchRec's ``JaggedTensor`` for use without TorchRec: ``values`` (one row per id)
+    in bags of ``lengths``."""
+
+    def __init__(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        self._values, self._lengths = values, lengths
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        return torch.cat([self._lengths.new_zeros(1), torch.cumsum(self._lengths, 0)])
+
+    def weights_or_none(self) -> None:
+        return None
+
+    def to_dense(self) -> list[torch.Tensor]:
+        return list(torch.split(self._values, self._lengths.tolist()))
+
+    def __repr__(self) -> str:
+        return f"JaggedTensor(values={tuple(self._values.shape)}, lengths={self._lengths.tolist()})"
+
+
+def jagged_tensor_class() -> Any:
+    """TorchRec's ``JaggedTensor`` when TorchRec is installed, else :class:`JaggedTensor`."""
+    if importlib.util.find_spec("torchrec") is not None:
+        return importlib.import_module("torchrec.sparse.jagged_tensor").JaggedTensor
+    return JaggedTensor
 
 
 def keyed_tensor_class() -> Any:
@@ -338,12 +384,30 @@ def _momentum(table: Table, records: np.ndarray[Any, Any]) -> torch.Tensor | Non
     return torch.from_numpy(np.ascontiguousarray(state[:, 0] if opt["kind"] == "rowwise_adagrad" else state))
 
 
+def _configs_of(source: Any) -> list[Any] | None:
+    """A from_configs collection's table configs (pooled or not); None for anything else."""
+    if hasattr(source, "embedding_bag_configs"):
+        configs: list[Any] = source.embedding_bag_configs()
+        return configs
+    if hasattr(source, "embedding_configs") and hasattr(source, "store"):
+        configs = source.embedding_configs()
+        return configs
+    return None
+
+
+def _prefix_of(source: Any) -> str:
+    """``embeddings.`` for an EmbeddingCollection, ``embedding_bags.`` otherwise."""
+    return (
+        PREFIX if hasattr(source, "embedding_bag_configs") or isinstance(source, Store) else PREFIX_UNPOOLED
+    )
+
+
 def _sources(
     source: Any, tables: Sequence[str] | None, num_embeddings: Mapping[str, int] | None
 ) -> list[tuple[Table, int]]:
     """``(table, rows)`` of what to export: a collection's configs, or a store's tables
     with ``num_embeddings``."""
-    configs = source.embedding_bag_configs() if hasattr(source, "embedding_bag_configs") else None
+    configs = _configs_of(source)
     if configs is not None:
         store = source.store
         sizes = {c.name: int(c.num_embeddings) for c in configs}
@@ -357,7 +421,8 @@ def _sources(
         sizes = dict(num_embeddings)
     else:
         raise InvalidInputError(
-            "expected an embank Store or an EmbeddingBagCollection made by from_configs, "
+            "expected an embank Store, or an EmbeddingBagCollection or EmbeddingCollection made by "
+            "from_configs, "
             f"got {type(source).__name__}"
         )
     names = list(tables) if tables is not None else list(sizes)
@@ -387,7 +452,7 @@ def state_dict_chunks(
     if chunk_rows < 1:
         raise InvalidInputError("chunk_rows must be at least 1")
     for table, rows in _sources(source, tables, num_embeddings):
-        key = f"{PREFIX}{table.name}.weight"
+        key = f"{_prefix_of(source)}{table.name}.weight"
         held = len(table)
         if held > rows:
             _refuse_beyond(table, rows)
@@ -469,7 +534,9 @@ def _rows_of(source: Any, key: str, num_embeddings: Mapping[str, int] | None) ->
     return rows
 
 
-_KEY = re.compile(r"^(?:.*\.)?embedding_bags\.(?P<table>.+?)\.weight(?:\.(?P<state>momentum1|momentum_1))?$")
+_KEY = re.compile(
+    r"^(?:.*\.)?(?P<prefix>embedding_bags|embeddings)\.(?P<table>.+?)\.weight(?:\.(?P<state>momentum1|momentum_1))?$"
+)
 
 
 def _table_name(key: str) -> tuple[str, bool]:
@@ -477,7 +544,8 @@ def _table_name(key: str) -> tuple[str, bool]:
     m = _KEY.match(key)
     if m is None:
         raise InvalidInputError(
-            f"{key!r} is not a TorchRec embedding key (embedding_bags.<table>.weight[.momentum1])"
+            f"{key!r} is not a TorchRec embedding key (embedding_bags.<table>.weight[.momentum1], "
+            "or embeddings.<table>.weight of an EmbeddingCollection)"
         )
     return m.group("table"), m.group("state") is not None
 
@@ -485,12 +553,15 @@ def _table_name(key: str) -> tuple[str, bool]:
 def optimizer_state_dict(flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """The ``momentum1`` entries of an exported state dict nested as TorchRec's sharded
     fused optimizer's ``state_dict()`` has them:
-    ``{"state": {"embedding_bags.<t>.weight": {"<t>.momentum1": tensor}}}``."""
+    ``{"state": {"embedding_bags.<t>.weight": {"<t>.momentum1": tensor}}}`` (``embeddings.``
+    for an EmbeddingCollection's)."""
     state: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in flat.items():
         table, is_momentum = _table_name(key)
         if is_momentum:
-            state[f"{PREFIX}{table}.weight"] = {f"{table}.momentum1": tensor}
+            m = _KEY.match(key)
+            assert m is not None  # _table_name matched it
+            state[f"{m.group('prefix')}.{table}.weight"] = {f"{table}.momentum1": tensor}
     return {"state": state}
 
 
@@ -528,7 +599,7 @@ def load_state_dict(
     (its ``momentum1``/``momentum_1`` entries). Where a table's momentum is given (and
     its optimizer is row-wise Adagrad or Adagrad) rows are written with it; otherwise
     their optimizer state starts afresh."""
-    store = target.store if hasattr(target, "embedding_bag_configs") else target
+    store = target.store if _configs_of(target) is not None else target
     if not isinstance(store, Store):
         raise InvalidInputError(
             f"expected an embank Store or a from_configs collection, got {type(target).__name__}"

@@ -98,10 +98,13 @@ from ._torch_support import (
 )
 from ._torchrec import (
     EmbeddingBagConfig,
+    EmbeddingConfig,
+    JaggedTensor,
     KeyedTensor,
     PoolingType,
     Spec,
     export_state_dict,
+    jagged_tensor_class,
     keyed_tensor_class,
     load_state_dict,
     optimizer_from_spec,
@@ -110,7 +113,7 @@ from ._torchrec import (
     state_dict_chunks,
     table_for_config,
 )
-from .errors import InvalidInputError
+from .errors import ConfigError, InvalidInputError
 from .gpu import GpuCache
 
 __all__ = [
@@ -118,6 +121,9 @@ __all__ = [
     "EmbeddingBag",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
+    "JaggedTensor",
     "KeyedTensor",
     "PoolingType",
     "SparseOptimizer",
@@ -702,6 +708,20 @@ class EmbeddingBagCollection(torch.nn.Module):
                 out.append(None if w is None else np.ascontiguousarray(_np(w, torch.float32), np.float32))
         return out
 
+    def _rows_per_id(self, values: list[npt.NDArray[np.int64]], training: bool) -> tuple[torch.Tensor, int]:
+        """Every id's row, unpooled, in one native call (each id its own bag): flat
+        feature blocks of ``m x dim`` (``m`` the most ids of a feature; rows past a
+        feature's ids are empty bags, zeros), and ``m``. Training: backward sends the
+        rows' gradients to the store as the pooled path does."""
+        m = max(len(v) for v in values)
+        singles = [np.minimum(np.arange(m, dtype=np.int64), len(v)) for v in values]  # then empty bags
+        none: list[npt.NDArray[np.float32] | None] = [None] * len(values)
+        if training:
+            flat: torch.Tensor = _FusedStep.apply(self._anchor, self, self._native, values, singles, none)
+        else:
+            flat = torch.from_numpy(self._native_eval.forward(values, singles, none)[0])
+        return flat, m
+
     def _forward_weights_with_grad(
         self,
         values: list[npt.NDArray[np.int64]],
@@ -713,9 +733,7 @@ class EmbeddingBagCollection(torch.nn.Module):
         ``dot(row, gradient of its bag)`` (as ``torch.nn.EmbeddingBag`` and TorchRec do)
         and the rows' gradients go to the store as on the fused path."""
         sizes = [len(v) for v in values]
-        m = max(sizes)
-        singles = [np.minimum(np.arange(m, dtype=np.int64), n) for n in sizes]  # then empty bags
-        rows = _FusedStep.apply(self._anchor, self, self._native, values, singles, [None] * len(values))
+        rows, m = self._rows_per_id(values, training=True)
         pooled = []
         for block, d, n, o, w, mode in zip(
             torch.split(rows, [m * d for d in self.dims]), self.dims, sizes, offsets, given, self.modes
@@ -777,6 +795,109 @@ class EmbeddingBagCollection(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"features={len(self.feature_names)}, mode={self.mode!r}, fused={self.fused}"
+
+
+class EmbeddingCollection(torch.nn.Module):
+    """TorchRec's ``EmbeddingCollection`` over embank tables: unpooled (sequence)
+    embeddings, ``forward(kjt)`` returns ``{feature: JaggedTensor}`` whose values are
+    every id's row ``(ids, dim)`` and whose lengths are the KJT's. One native call pulls
+    every feature's rows; backward sums each distinct row's gradients and hands them to
+    the table's optimizer (``push="backward"``, as FBGEMM's fused backward) or gathers
+    them for :class:`SparseOptimizer` (``push="step"``).
+
+    ``features``: feature name -> :class:`~embank.Table` (or :class:`~embank.Worker`);
+    :meth:`from_configs` makes one from TorchRec's ``EmbeddingConfig``s. Input as
+    :class:`EmbeddingBagCollection` takes it (a KJT, or ``name -> (values, offsets)``);
+    weights are ignored (TorchRec's collection has none)."""
+
+    def __init__(
+        self,
+        features: Mapping[str, Source],
+        *,
+        push: str = "step",
+        threads: int | None = None,
+    ) -> None:
+        super().__init__()
+        self._rows = EmbeddingBagCollection(features, "sum", push=push, threads=threads, is_weighted=False)
+        if not self._rows.fused:
+            raise InvalidInputError("an EmbeddingCollection needs every feature on a Table or Worker")
+        self.feature_names = self._rows.feature_names
+        self._configs: list[Any] | None = None
+        self.store: Store | None = None
+        self._jagged_tensor: Any = jagged_tensor_class()
+
+    @property
+    def push(self) -> str:
+        return self._rows.push
+
+    @classmethod
+    def from_configs(
+        cls,
+        store: Store,
+        tables: Sequence[Any],
+        optimizer: Spec | None = None,
+        *,
+        table_options: Mapping[str, Any] | None = None,
+        push: str = "backward",
+        threads: int | None = None,
+        allow_ids_beyond_num_embeddings: bool = False,
+    ) -> EmbeddingCollection:
+        """A drop-in for ``torchrec.EmbeddingCollection(tables=...)`` with a fused
+        optimizer: ``tables`` are TorchRec's ``EmbeddingConfig``s (or
+        :class:`embank.torch.EmbeddingConfig`), each the embank table of its name, made
+        and checked as :meth:`EmbeddingBagCollection.from_configs` makes them (an id
+        ``>= num_embeddings`` raises unless ``allow_ids_beyond_num_embeddings``);
+        ``optimizer`` as there. A pooled config (``EmbeddingBagConfig``) is refused."""
+        if not tables:
+            raise InvalidInputError("from_configs needs at least one table config")
+        for c in tables:
+            if hasattr(c, "pooling"):
+                raise ConfigError(
+                    f"table {c.name!r}: a {type(c).__name__} pools ({c.pooling}); an EmbeddingCollection "
+                    "is unpooled (give EmbeddingConfigs, or use EmbeddingBagCollection.from_configs)"
+                )
+        opt = None if optimizer is None else optimizer_from_spec(optimizer)
+        features: dict[str, Source] = {}
+        bounds: list[tuple[int, str]] = []
+        for c in tables:
+            table = table_for_config(store, c, opt, table_options or {})
+            for f in c.feature_names or [c.name]:  # TorchRec's default: the table's name
+                if f in features:
+                    raise InvalidInputError(f"feature {f!r} is in two table configs")
+                features[f] = table
+                bounds.append((int(c.num_embeddings), c.name))
+        made = cls(features, push=push, threads=threads)
+        made._rows._id_bounds = None if allow_ids_beyond_num_embeddings else bounds
+        made._configs = list(tables)
+        made.store = store
+        return made
+
+    def embedding_configs(self) -> list[Any]:
+        """The table configs of :meth:`from_configs` (as TorchRec's collection has them)."""
+        if self._configs is None:
+            raise InvalidInputError("this collection was not made by from_configs: it has no table configs")
+        return self._configs
+
+    def forward(self, features: Any) -> dict[str, Any]:
+        rows = self._rows
+        values, offsets, _ = rows._inputs(features)
+        flat, m = rows._rows_per_id(values, training=torch.is_grad_enabled() and self.training)
+        flat = _to_device(flat, rows._output_device(features))
+        out: dict[str, Any] = {}
+        for name, block, d, v, o in zip(
+            self.feature_names, torch.split(flat, [m * d for d in rows.dims]), rows.dims, values, offsets
+        ):
+            lengths = torch.from_numpy(np.diff(np.append(o, len(v)))).to(flat.device)
+            out[name] = self._jagged_tensor(values=block.view(m, d)[: len(v)], lengths=lengths)
+        return out
+
+    def lookahead(self, features: Any) -> None:
+        """Starts reading these features' rows into the store's row cache (see
+        :meth:`EmbeddingBagCollection.lookahead`)."""
+        self._rows.lookahead(features)
+
+    def extra_repr(self) -> str:
+        return f"features={len(self.feature_names)}"
 
 
 def _lookups(modules: Iterable[torch.nn.Module]) -> list[_Lookup]:

@@ -591,3 +591,97 @@ def test_sum_and_mean_tables_in_one_collection_match_torchrec(tmp_path: Path) ->
             step(ebc, kjt, target)
             if (i + 1) % 10 == 0:
                 assert_state_close(ebc, fbgemm_state(reference), f"after step {i + 1}")
+
+
+def unpooled_configs(torchrec: Any, cls: Any = None) -> list[Any]:
+    """configs() as TorchRec's EmbeddingConfigs (tables of an EmbeddingCollection, which
+    TorchRec wants of one dim: 4), or as ``cls`` configs of the same tables."""
+    cls = cls or torchrec.EmbeddingConfig
+    return [
+        cls(name="t0", embedding_dim=4, num_embeddings=SIZES["t0"], feature_names=["f0"]),
+        cls(name="t1", embedding_dim=4, num_embeddings=SIZES["t1"], feature_names=["f1", "f2"]),
+    ]
+
+
+def test_embedding_collection_matches_torchrec_row_for_row_and_fbgemm_step_for_step(tmp_path: Path) -> None:
+    """embank.torch.EmbeddingCollection: every id's row and the lengths as TorchRec's
+    EmbeddingCollection gives them (training and eval), loaded from its state dict
+    (``embeddings.<t>.weight``); 20 steps of a squared loss on the rows equal FBGEMM's
+    fused row-wise Adagrad on the CPU (FusedEmbeddingBagCollection, each id its own bag:
+    FBGEMM's FusedEmbeddingCollection runs on CUDA only), rows and accumulators within
+    1e-6 relative, and the export is in TorchRec's EmbeddingCollection layout."""
+    torchrec = torchrec_or_skip()
+    EmbOptimType = pytest.importorskip("fbgemm_gpu.split_embedding_configs").EmbOptimType
+    modules = pytest.importorskip("torchrec.modules.fused_embedding_modules")
+    torch.manual_seed(0)
+    reference = modules.FusedEmbeddingBagCollection(
+        tables=unpooled_configs(torchrec, torchrec.EmbeddingBagConfig),
+        optimizer_type=torchrec.optim.RowWiseAdagrad, optimizer_kwargs={"lr": LR, "eps": EPS},
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    plain = torchrec.EmbeddingCollection(tables=unpooled_configs(torchrec))
+    plain.load_state_dict(
+        {k.replace("embedding_bags.", "embeddings."): v for k, v in reference.state_dict().items()}
+    )
+    names = ["f0", "f1", "f2"]
+    data = batches(torchrec, 20, seed=13)
+    with embank.open(tmp_path / "s") as store:
+        spec = (EmbOptimType.EXACT_ROWWISE_ADAGRAD, {"lr": LR, "eps": EPS})
+        ec = et.EmbeddingCollection.from_configs(store, unpooled_configs(torchrec), optimizer=spec)
+        assert et.load_state_dict(store, plain.state_dict()) == ["t0", "t1"]
+        want = plain(data[0][0])
+        for got in (ec(data[0][0]), ec.eval()(data[0][0])):
+            assert sorted(got) == sorted(want) == names
+            for f in names:
+                assert isinstance(got[f], torchrec.JaggedTensor)
+                torch.testing.assert_close(got[f].lengths(), want[f].lengths(), rtol=0, atol=0)
+                torch.testing.assert_close(
+                    got[f].values().detach(), want[f].values().detach(), rtol=0, atol=0
+                )
+        ec.train()
+        for i, (kjt, _) in enumerate(data):
+            rows = ec(kjt)
+            n = [len(rows[f].values()) for f in names]
+            rng = np.random.default_rng(i)
+            targets = [torch.from_numpy(rng.standard_normal((k, 4)).astype(np.float32)) for k in n]
+            sum(((rows[f].values() - t) ** 2).sum() for f, t in zip(names, targets)).backward()
+            # FBGEMM: each id its own bag, features padded with empty bags to one batch size.
+            m = max(n)
+            lengths = torch.cat([(torch.arange(m) < k).long() for k in n])
+            singles = torchrec.KeyedJaggedTensor.from_lengths_sync(
+                keys=names, values=kjt.values(), lengths=lengths
+            )
+            blocks = torch.split(reference(singles).values(), [4, 4, 4], dim=1)
+            sum(((b[:k] - t) ** 2).sum() for b, k, t in zip(blocks, n, targets)).backward()
+            if (i + 1) % 5 == 0:
+                want_state = {
+                    k.replace("embedding_bags.", "embeddings."): v for k, v in fbgemm_state(reference).items()
+                }
+                got_state = et.export_state_dict(ec, optimizer_state=True)
+                assert sorted(got_state) == sorted(want_state)
+                for key in want_state:
+                    assert_rows_close(got_state[key], want_state[key], f"after step {i + 1}: {key}")
+
+
+def test_embedding_collection_refuses_pooled_configs_and_ids_beyond(tmp_path: Path) -> None:
+    """Without TorchRec: embank's EmbeddingConfig; an EmbeddingBagConfig is refused, an
+    id >= num_embeddings raises, push="step" trains through SparseOptimizer."""
+    cfgs = [et.EmbeddingConfig(num_embeddings=10, embedding_dim=2, name="t", feature_names=["a", "b"])]
+    with embank.open(tmp_path / "s") as store:
+        with pytest.raises(embank.errors.ConfigError, match="EmbeddingBagCollection"):
+            et.EmbeddingCollection.from_configs(store, [et.EmbeddingBagConfig(10, 2, "u", ["c"])])
+        ec = et.EmbeddingCollection.from_configs(store, cfgs, optimizer=("sgd", {"lr": 1.0}), push="step")
+        ids = {
+            "a": (torch.tensor([1, 2, 2]), torch.tensor([0, 1])),
+            "b": (torch.tensor([3]), torch.tensor([0, 1])),
+        }
+        out = ec(ids)
+        assert out["a"].values().shape == (3, 2) and out["a"].lengths().tolist() == [1, 2]
+        assert out["b"].lengths().tolist() == [1, 0]
+        before = store.table("t").pull([2])[0].copy()
+        sparse = et.SparseOptimizer(ec)
+        (out["a"].values().sum() + out["b"].values().sum()).backward()
+        assert sparse.step() == 3
+        np.testing.assert_allclose(store.table("t").pull([2])[0], before - 2.0, rtol=1e-6)  # id 2 twice
+        with pytest.raises(embank.errors.InvalidInputError, match=r"feature 'b': id 10 .*num_embeddings 10"):
+            ec({"a": (torch.tensor([1]), torch.tensor([0])), "b": (torch.tensor([10]), torch.tensor([0]))})
