@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use embank_core::{Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex};
 
+use super::cluster::ClientConfig;
 use super::{Client, ClientSettings, Inner};
-use crate::config::ClientConfig;
 
 /// Where a shard map is read from.
 #[derive(Clone, Debug, PartialEq)]

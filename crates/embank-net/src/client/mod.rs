@@ -22,6 +22,7 @@
 //! counters, ejection and the prober), `route` (which replica takes a request, sending,
 //! waiting, hedging, failing over), `table` (the remote table), `map` (the shard map).
 
+mod cluster;
 mod health;
 mod map;
 mod pool;
@@ -39,6 +40,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::proto::Op;
 use crate::tls::ClientTls;
 
+pub use cluster::{ClientConfig, ShardEntry};
 pub use map::{served_range, switch_when_serving, MapSource, ShardMap};
 use pool::{Endpoint, Shard};
 use route::join_errors;
@@ -84,7 +86,7 @@ pub struct ClientOptions {
     pub probe_every: Duration,
 }
 
-/// A client's options as settings give them (a cluster file's keys, [`crate::config::ClientConfig`], or
+/// A client's options as settings give them (a cluster file's keys, [`ClientConfig`], or
 /// `embank.connect`'s keyword arguments): every field optional, the rest defaulted.
 #[derive(Clone, Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
