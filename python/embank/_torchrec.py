@@ -27,6 +27,13 @@ one process without a process group and writes each tensor as one item). Only Ad
 and row-wise Adagrad state crosses (``momentum1``, as FBGEMM keeps it); Adam's
 per-row step counts and FTRL's ``z``/``n`` have no FBGEMM counterpart and stay behind
 (a load starts them afresh).
+
+Tables served by ``embank serve`` (a store from :func:`embank.connect`) move the same
+way, their weights streamed ``chunk_rows`` ids a call through the shards (lookups and
+pushes routed as every call is). Their optimizer state does not cross the wire (reading
+and writing a row's state run where the store is): an export with
+``optimizer_state=True`` and a load with ``momentum1`` are refused before anything is
+read or written; a load of weights starts the served rows' state afresh.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ import torch
 from . import init as embank_init
 from . import optim
 from ._store import Store, Table
-from .errors import ConfigError, InvalidInputError
+from .errors import ConfigError, InvalidInputError, UnsupportedError
 
 __all__ = [
     "EmbeddingBagConfig",
@@ -376,12 +383,11 @@ def table_for_config(
 
 def _momentum(table: Table, records: np.ndarray[Any, Any]) -> torch.Tensor | None:
     """The FBGEMM-shaped ``momentum1`` of records, for optimizers both sides share."""
-    opt = table.optimizer
-    d = table.dim
-    if opt is None or opt["kind"] not in ("rowwise_adagrad", "adagrad"):
+    if not _has_momentum(table):
         return None
-    state = records[:, d:]
-    return torch.from_numpy(np.ascontiguousarray(state[:, 0] if opt["kind"] == "rowwise_adagrad" else state))
+    state = records[:, table.dim :]
+    rowwise = table.optimizer["kind"] == "rowwise_adagrad"  # type: ignore[index]
+    return torch.from_numpy(np.ascontiguousarray(state[:, 0] if rowwise else state))
 
 
 def _configs_of(source: Any) -> list[Any] | None:
@@ -432,6 +438,24 @@ def _sources(
     return [(store.table(n), sizes[n]) for n in names]
 
 
+def _has_momentum(table: Table) -> bool:
+    """Whether the table's optimizer keeps state TorchRec's layout has (``momentum1``)."""
+    opt = table.optimizer
+    return opt is not None and opt["kind"] in ("rowwise_adagrad", "adagrad")
+
+
+def _refuse_served_state(table: Table, doing: str) -> None:
+    """Raises for the ``momentum1`` of a table served by ``embank serve``, which this
+    client cannot read or write (only rows cross the wire)."""
+    if table._t.remote and _has_momentum(table):
+        raise UnsupportedError(
+            f"table {table.name!r} is served by embank serve: {doing} its optimizer state (momentum1) "
+            "is not possible over the wire (a row's optimizer state is read and written only where "
+            "the store is); move the weights alone (optimizer_state=False, no optimizer_state_dict "
+            "or momentum1): the served rows' optimizer state then starts afresh"
+        )
+
+
 def state_dict_chunks(
     source: Any,
     *,
@@ -448,18 +472,26 @@ def state_dict_chunks(
 
     ``source``: a collection made by :meth:`EmbeddingBagCollection.from_configs` (its
     configs give each table's ``num_embeddings``) or a :class:`~embank.Store` with
-    ``num_embeddings={table: rows}``."""
+    ``num_embeddings={table: rows}``; embedded or served by ``embank serve`` (weights
+    only: ``optimizer_state`` raises :class:`~embank.errors.UnsupportedError` for a
+    served table, before anything is read)."""
     if chunk_rows < 1:
         raise InvalidInputError("chunk_rows must be at least 1")
-    for table, rows in _sources(source, tables, num_embeddings):
+    sources = _sources(source, tables, num_embeddings)
+    if optimizer_state:
+        for table, _ in sources:
+            _refuse_served_state(table, "exporting")
+    for table, rows in sources:
         key = f"{_prefix_of(source)}{table.name}.weight"
         held = len(table)
         if held > rows:
             _refuse_beyond(table, rows)
         found_total = 0
+        # No momentum1 to give (SGD, Adam, FTRL, none): the rows alone, as for weights.
+        with_state = optimizer_state and _has_momentum(table)
         for start in range(0, rows, chunk_rows):
             keys = np.arange(start, min(start + chunk_rows, rows), dtype=np.uint64)
-            if not optimizer_state:
+            if not with_state:
                 values, found = table.lookup(keys)
                 found_total += int(np.count_nonzero(found))
                 yield key, start, torch.from_numpy(values)
@@ -468,8 +500,8 @@ def state_dict_chunks(
             found_total += int(np.count_nonzero(found))
             yield key, start, torch.from_numpy(np.ascontiguousarray(records[:, : table.dim]))
             momentum = _momentum(table, records)
-            if momentum is not None:
-                yield f"{key}.momentum1", start, momentum
+            assert momentum is not None  # with_state: the optimizer keeps momentum1
+            yield f"{key}.momentum1", start, momentum
         if found_total < held:
             _refuse_beyond(table, rows)
 
@@ -588,8 +620,9 @@ def load_state_dict(
 ) -> list[str]:
     """Writes TorchRec-layout tables into embank; returns the tables written.
 
-    ``target``: a :class:`~embank.Store` (the tables must exist: make them with
-    :meth:`EmbeddingBagCollection.from_configs`) or such a collection.
+    ``target``: a :class:`~embank.Store`, embedded or served by ``embank serve`` (the
+    tables must exist: make them with :meth:`EmbeddingBagCollection.from_configs`), or
+    such a collection.
     ``state_dict``: ``{"embedding_bags.<t>.weight": (rows, dim)}`` (a model prefix
     before ``embedding_bags.`` is allowed; other keys are refused with ``strict``,
     skipped without), optionally with ``"....weight.momentum1"``; or the chunks of
@@ -598,7 +631,8 @@ def load_state_dict(
     piece. ``optimizer_state_dict``: a TorchRec fused optimizer's ``state_dict()``
     (its ``momentum1``/``momentum_1`` entries). Where a table's momentum is given (and
     its optimizer is row-wise Adagrad or Adagrad) rows are written with it; otherwise
-    their optimizer state starts afresh."""
+    their optimizer state starts afresh. A momentum for a served table raises
+    :class:`~embank.errors.UnsupportedError` before anything is written."""
     store = target.store if _configs_of(target) is not None else target
     if not isinstance(store, Store):
         raise InvalidInputError(
@@ -623,6 +657,7 @@ def load_state_dict(
         for table in momenta:
             if table not in weights:
                 raise InvalidInputError(f"a momentum1 for table {table!r} without its weight")
+            _refuse_served_state(store.table(table), "loading")
         for name, weight in weights.items():
             t = store.table(name)
             for start in range(0, len(weight), chunk_rows):
@@ -650,14 +685,14 @@ def _write(table: Table, start: int, weight: torch.Tensor, momentum: torch.Tenso
             f"table {table.name!r} has dim {table.dim}; its weight has rows of shape {tuple(rows.shape[1:])}"
         )
     keys = np.arange(start, start + len(rows), dtype=np.uint64)
-    opt = table.optimizer
-    if momentum is None or opt is None or opt["kind"] not in ("rowwise_adagrad", "adagrad"):
+    if momentum is None or not _has_momentum(table):
         table.push(keys, rows)
         return
     m = momentum.detach().to("cpu", torch.float32).numpy().reshape(len(rows), -1)
     if m.shape[1] != table.state_len:
+        kind = table.optimizer["kind"]  # type: ignore[index]
         raise InvalidInputError(
-            f"table {table.name!r} ({opt['kind']}) keeps {table.state_len} state values a row; "
+            f"table {table.name!r} ({kind}) keeps {table.state_len} state values a row; "
             f"its momentum1 has {m.shape[1]}"
         )
     table.push_with_state(keys, np.ascontiguousarray(np.concatenate([rows, m], axis=1)))

@@ -241,6 +241,68 @@ def test_chunks_stream_and_load(tmp_path: Path) -> None:
         )
 
 
+def test_state_dict_through_two_served_shards(cluster: list[str]) -> None:
+    """TorchRec's state dict loaded into tables on two `embank serve` shards (rows spread
+    over both), streamed back in chunks equal to it, trained there and loaded into a
+    plain TorchRec collection with strict=True: its outputs are the served collection's.
+    Optimizer state does not cross the wire: asked for, it is refused before anything is
+    read or written."""
+    torchrec = torchrec_or_skip()
+    torch.manual_seed(3)
+    reference = torchrec.EmbeddingBagCollection(tables=configs(torchrec))
+    given = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    store = embank.connect(cluster)
+    try:
+        for name in SIZES:
+            if name in store:
+                store.drop_table(name)
+        ebc = et.EmbeddingBagCollection.from_configs(
+            store, configs(torchrec), optimizer=("exact_rowwise_adagrad", {"lr": LR, "eps": EPS})
+        )
+        assert et.load_state_dict(store, given, chunk_rows=7) == ["t0", "t1"]
+        for i, addr in enumerate(cluster):  # each shard holds a part of each table
+            with embank.connect([addr]) as shard:
+                held = {n: len(shard.table(n)) for n in SIZES}
+                assert all(0 < held[n] < SIZES[n] for n in SIZES), f"shard {i} holds {held} of {SIZES}"
+        chunks = list(et.state_dict_chunks(ebc, chunk_rows=16))
+        want = [
+            (f"embedding_bags.{n}.weight", s, min(16, SIZES[n] - s))
+            for n in SIZES
+            for s in range(0, SIZES[n], 16)
+        ]
+        assert [(k, s, len(r)) for k, s, r in chunks] == want
+        exported = et.export_state_dict(ebc, chunk_rows=16)
+        assert sorted(exported) == sorted(given)
+        for key in given:
+            torch.testing.assert_close(exported[key], given[key], rtol=0, atol=0, msg=key)
+
+        data = batches(torchrec, 10, seed=9)
+        for kjt, target in data:
+            step(ebc, kjt, target)  # trained on the shards
+        trained = et.export_state_dict(ebc, chunk_rows=16)
+        torch.manual_seed(4)
+        plain = torchrec.EmbeddingBagCollection(tables=configs(torchrec))
+        plain.load_state_dict(trained, strict=True)
+        ebc.eval()
+        with torch.no_grad():
+            for kjt, _ in data:
+                torch.testing.assert_close(plain(kjt).values(), ebc(kjt).values(), rtol=1e-6, atol=1e-7)
+
+        with pytest.raises(embank.errors.UnsupportedError, match=r"table 't0' is served by embank serve"):
+            list(et.state_dict_chunks(ebc, optimizer_state=True))
+        with pytest.raises(embank.errors.UnsupportedError, match=r"table 't1' is served .*momentum1"):
+            momentum = {"embedding_bags.t1.weight.momentum1": torch.ones(SIZES["t1"])}
+            et.load_state_dict(store, {**given, **momentum})
+        again = et.export_state_dict(ebc, chunk_rows=16)
+        for key in trained:  # nothing was written: t0 (before t1 in the dict) still as trained
+            torch.testing.assert_close(again[key], trained[key], rtol=0, atol=0, msg=key)
+    finally:
+        for name in SIZES:
+            if name in store:
+                store.drop_table(name)
+        store.close()
+
+
 def test_push_with_state_round_trips_and_refuses_bad_state(tmp_path: Path) -> None:
     with embank.open(tmp_path / "s") as store:
         t = store.create_table("t", dim=2, optimizer=embank.optim.RowWiseAdagrad(lr=0.1))
