@@ -51,7 +51,7 @@ test: DEVELOP_FLAGS = --features gpu-emulator
 
 lint: $(VENV)/.installed
 	cargo fmt --all --check
-	python3 tools/import_cycles.py crates/embank-core/src
+	python3 tools/import_cycles.py
 	$(BIN)/python tools/gpu_ptx.py --check
 	cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 	$(BIN)/ruff check python tests/python examples bench tools/newcomer.py

@@ -5,7 +5,7 @@ A module `a` depends on `b` when code in `a` (not its tests, not comments) names
 `crate::b`. Prints every circle (a strongly connected component of more than one
 module) and every source file over the line limit; exits 1 if there is any.
 
-    python3 tools/import_cycles.py [crates/embank-core/src] [--lines-max 800]
+    python3 tools/import_cycles.py [SRC ...] [--lines-max 800]     (default: every crate's src)
 """
 
 import argparse
@@ -85,21 +85,24 @@ def circles(deps: dict[str, set[str]]) -> list[list[str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("src", nargs="?", default="crates/embank-core/src")
+    parser.add_argument("src", nargs="*")
     parser.add_argument("--lines-max", type=int, default=800)
     args = parser.parse_args()
-    src = Path(args.src)
-    deps = dependencies(src)
+    srcs = [Path(s) for s in args.src] or sorted(Path("crates").glob("*/src"))
     failed = False
-    for component in circles(deps):
-        failed = True
-        edges = [f"{a} -> {b}" for a in component for b in sorted(deps[a]) if b in component]
-        print(f"{src}: import circle among {', '.join(component)}: {'; '.join(edges)}")
-    for file in sorted(src.rglob("*.rs")):
-        lines = len(file.read_text().splitlines())
-        if lines > args.lines_max:
+    for src in srcs:
+        deps = dependencies(src)
+        for component in circles(deps):
             failed = True
-            print(f"{file}: {lines} lines, over {args.lines_max}")
+            edges = [f"{a} -> {b}" for a in component for b in sorted(deps[a]) if b in component]
+            print(f"{src}: import circle among {', '.join(component)}: {'; '.join(edges)}")
+        for file in sorted(src.rglob("*.rs")):
+            lines = len(file.read_text().splitlines())
+            if lines > args.lines_max:
+                failed = True
+                print(f"{file}: {lines} lines, over {args.lines_max}")
+    if not failed:
+        print(f"import circles and file lengths: none in {', '.join(map(str, srcs))}")
     return 1 if failed else 0
 
 
