@@ -118,3 +118,50 @@ def test_a_checkpoint_that_fails_on_one_shard_fails_and_names_it(
         store.close()
     finally:
         shards.stop(tmp_path)
+
+
+DMP = ROOT / "tests" / "python" / "torchrec_dmp.py"
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+def test_torchrecs_dlrm_swapped_under_distributed_model_parallel_trains_as_one_process(
+    tmp_path: Path, cluster: list[str]
+) -> None:
+    """TorchRec's DLRM over embank.torch.EmbeddingBagCollection.from_configs, wrapped in
+    torchrec.distributed.DistributedModelParallel on two ranks (gloo, the tables on two
+    `embank serve` shards): DMP leaves embank's collection unsharded and the dense part
+    data-parallel; after 100 steps every step's loss, every row and every dense parameter
+    within 1e-6 of one process training on the whole batch with an embedded store."""
+    pytest.importorskip("fbgemm_gpu")
+    pytest.importorskip("torchrec")
+    with embank.connect(cluster) as store:
+        for name in ("dmp_t0", "dmp_t1"):
+            if name in store:
+                store.drop_table(name)
+    try:
+        one = subprocess.run(
+            [sys.executable, str(DMP), "--store", str(tmp_path / "one"), "--out", str(tmp_path / "one.pt")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert one.returncode == 0, one.stderr[-4000:]
+        two = subprocess.run(
+            [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(DMP), "--connect", ",".join(cluster),
+             "--out", str(tmp_path / "two.pt")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert two.returncode == 0, two.stderr[-4000:]
+    finally:
+        with embank.connect(cluster) as store:
+            for name in ("dmp_t0", "dmp_t1"):
+                if name in store:
+                    store.drop_table(name)
+    want, got = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert got["data_parallel"], "DMP did not wrap the dense part in DistributedDataParallel"
+    assert len(got["losses"]) == len(want["losses"]) == 100
+    assert want["losses"][-1] < want["losses"][0] - 0.1, want["losses"]  # it learned something
+    for i, (g, w) in enumerate(zip(got["losses"], want["losses"])):
+        assert abs(g - w) <= 1e-6, f"step {i}: loss {g} under DMP, {w} in one process"
+    for part in ("tables", "dense"):
+        assert sorted(got[part]) == sorted(want[part])
+        for key in want[part]:
+            torch.testing.assert_close(got[part][key], want[part][key], rtol=0, atol=1e-6, msg=key)
