@@ -39,7 +39,9 @@ class Publisher:
 
     def status(self) -> dict[str, Any]:
         """``published_batch_id``, ``published_seq``, ``pending``, counts of messages,
-        rows, deletes and bytes sent, ``full_snapshots``, ``last_error``, ..."""
+        rows, deletes and bytes sent, ``full_snapshots``, ``retention_snapshots``,
+        ``trims`` and ``messages_trimmed`` (see ``keep_checkpoints``), ``trimmed_to_seq``,
+        ``last_error``, ..."""
         out: dict[str, Any] = json.loads(self._p.status_json())
         return out
 

@@ -757,6 +757,7 @@ class Store:
         message_bytes: int = 1 << 20,
         tables: Sequence[str] | None = None,
         timeout: float = 10.0,
+        keep_checkpoints: int = 8,
         max_pending: int | None = None,
     ) -> Publisher:
         """Publishes this store's checkpoints to an update stream that serving replicas
@@ -782,6 +783,13 @@ class Store:
             message_bytes: bound of one message.
             tables: only these tables (default all).
             timeout: seconds one broker operation may take.
+            keep_checkpoints: checkpoints the stream keeps: a replica at most this many
+                behind goes on from its position, one further behind (or a new one) reads
+                the full snapshot the stream begins with. The publisher trims the stream
+                (Redis ``XTRIM MINID``, Kafka ``DeleteRecords``) only at a full snapshot,
+                and sends one after a checkpoint's changes once that many checkpoints
+                came since the last and their changes weigh as much as it. 0: never trim
+                (the stream grows forever).
             max_pending: the old name of ``checkpoints_pending_max`` (deprecated).
 
         Embedded stores only (a shard publishes with ``embank publish``).
@@ -800,6 +808,7 @@ class Store:
             "timeout_seconds": float(timeout),
             "partitions": int(partitions),
             "message_bytes": int(message_bytes),
+            "keep_checkpoints": int(keep_checkpoints),
             "checkpoints_pending_max": int(checkpoints_pending_max),
             "tables": None if tables is None else [str(t) for t in tables],
         }

@@ -256,6 +256,35 @@ def test_a_flush_before_the_first_checkpoint_returns_at_once(tmp_path: Path, red
             assert pub.status()["published_batch_id"] == 1
 
 
+def test_the_stream_is_trimmed_to_keep_checkpoints(tmp_path: Path, redis: Redis) -> None:
+    """keep_checkpoints reaches the publisher: the stream is trimmed to a full snapshot
+    with that many checkpoints after it, and stays short; 0 never trims."""
+    lengths, batch = {}, 0
+    with embank.open(tmp_path / "trainer") as trainer:
+        trainer.create_table("emb", dim=DIM, optimizer=embank.optim.SGD(lr=0.1))
+        for keep, topic in ((2, "kept"), (0, "all")):
+            with trainer.publisher("redis", redis.url, topic=topic, keep_checkpoints=keep) as pub:
+                for b in range(1, 21):
+                    # Every key rewritten: each checkpoint's changes weigh a snapshot.
+                    keys = np.arange(500, dtype=np.uint64)
+                    trainer.table("emb").push(keys, np.full((500, DIM), b, dtype=np.float32))
+                    batch += 1
+                    trainer.checkpoint(batch)
+                    pub.flush(timeout=30)
+                s = pub.status()
+            out = subprocess.run(
+                ["redis-cli", "-p", str(redis.port), "XLEN", f"{topic}.0"], capture_output=True, text=True
+            )
+            lengths[keep] = int(out.stdout)
+            if keep:
+                assert s["trims"] >= 5 and s["retention_snapshots"] >= 5 and s["trimmed_to_seq"], s
+            else:
+                assert s["trims"] == 0 and s["retention_snapshots"] == 0, s
+    # 20 checkpoints of 1 rows message + 1 commit (and the first's reset): trimmed, at
+    # most 2 checkpoints and 2 snapshots of 3 messages.
+    assert lengths[0] == 41 and lengths[2] <= 12, lengths
+
+
 def test_the_old_name_of_a_bound_still_works_and_warns(tmp_path: Path, redis: Redis) -> None:
     with embank.open(tmp_path / "trainer") as trainer:
         with pytest.warns(DeprecationWarning, match="max_pending= is deprecated: use checkpoints"):

@@ -37,6 +37,10 @@ pub struct PublishArgs {
     /// Only these tables (comma-separated; default all).
     #[arg(long, value_delimiter = ',')]
     pub tables: Option<Vec<String>>,
+    /// Checkpoints the stream keeps: the stream is trimmed to the newest full snapshot with
+    /// this many checkpoints published after it (0: never trimmed).
+    #[arg(long, default_value_t = 8)]
+    pub keep_checkpoints: usize,
     /// Give up after this many seconds without the broker's acknowledgement.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
@@ -50,6 +54,7 @@ pub fn run(a: PublishArgs) -> Result<(), String> {
     opts.partitions = a.partitions;
     opts.message_bytes = a.message_bytes;
     opts.tables = a.tables;
+    opts.keep_checkpoints = a.keep_checkpoints;
     let store = Arc::new(
         Store::open(&a.store, StoreOptions { create: false, ..Default::default() }).map_err(|e| e.to_string())?,
     );
@@ -74,7 +79,13 @@ pub fn run(a: PublishArgs) -> Result<(), String> {
         s.deletes,
         s.messages,
         s.bytes as f64 / 1e6,
-        if s.full_snapshots > 0 { " (full snapshot)" } else { "" },
+        if s.full_snapshots > 0 {
+            " (full snapshot)"
+        } else if s.retention_snapshots > 0 {
+            " (and a full snapshot for the stream to be trimmed to)"
+        } else {
+            ""
+        },
         started.elapsed().as_secs_f64()
     );
     drop(publisher);

@@ -14,6 +14,14 @@
 //!
 //! The replica's source reads its one partition from an offset it keeps itself (no
 //! consumer group, nothing committed to Kafka): its position lives in its own checkpoints.
+//!
+//! The publisher trims a partition with `DeleteRecords`, only ever at the first message
+//! of a full snapshot; a replica whose offset was trimmed away (the fetch answers
+//! `OffsetOutOfRange`) reads on from the partition's earliest offset, that snapshot. The
+//! topic's own retention (`retention.ms`, 7 days by default, and `retention.bytes`) cuts
+//! anywhere instead: set both to -1 on the topic (`kafka-configs.sh --alter --entity-type
+//! topics --entity-name <topic> --add-config retention.ms=-1,retention.bytes=-1`), as
+//! `rskafka` creates topics without configs (docs/serve.sample.toml).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -103,7 +111,12 @@ struct Lane {
     /// Messages sent and not yet in a request, with their bytes.
     pending: Vec<Record>,
     pending_bytes: usize,
-    in_flight: VecDeque<InFlight>,
+    /// Requests in flight, each with whether its first message is the marked one.
+    in_flight: VecDeque<(InFlight, bool)>,
+    /// Whether the next request's first message is to be marked (see [`Sink::mark`]), and
+    /// the offset of the marked message once acknowledged.
+    marking: bool,
+    marked: Option<i64>,
 }
 
 pub struct KafkaSink {
@@ -147,7 +160,14 @@ impl KafkaSink {
         for p in 0..partitions {
             let pc = client.partition_client(c.topic.clone(), p as i32, UnknownTopicHandling::Retry);
             let client = Arc::new(block_on(&rt, timeout, pc, || format!("cannot reach {what} partition {p}"))?);
-            lanes.push(Lane { client, pending: Vec::new(), pending_bytes: 0, in_flight: VecDeque::new() });
+            lanes.push(Lane {
+                client,
+                pending: Vec::new(),
+                pending_bytes: 0,
+                in_flight: VecDeque::new(),
+                marking: false,
+                marked: None,
+            });
         }
         Ok(KafkaSink { rt, lanes, topic: c.topic.clone(), timeout, what })
     }
@@ -165,16 +185,24 @@ impl KafkaSink {
         let records = std::mem::take(&mut lane.pending);
         lane.pending_bytes = 0;
         let client = Arc::clone(&lane.client);
-        lane.in_flight
-            .push_back(self.rt.spawn(async move { client.produce(records, Compression::NoCompression).await }));
+        let marks = std::mem::take(&mut lane.marking);
+        lane.in_flight.push_back((
+            self.rt.spawn(async move { client.produce(records, Compression::NoCompression).await }),
+            marks,
+        ));
         Ok(())
     }
 
     /// Waits for partition `p`'s oldest request in flight.
     fn wait_oldest(&mut self, p: usize) -> Result<()> {
-        let Some(h) = self.lanes[p].in_flight.pop_front() else { return Ok(()) };
+        let Some((h, marks)) = self.lanes[p].in_flight.pop_front() else { return Ok(()) };
         let r = match self.rt.block_on(async { tokio::time::timeout(self.timeout, h).await }) {
-            Ok(Ok(Ok(_))) => Ok(()),
+            Ok(Ok(Ok(offsets))) => {
+                if marks {
+                    self.lanes[p].marked = offsets.first().copied();
+                }
+                Ok(())
+            }
             Ok(Ok(Err(e))) => {
                 Err(unavailable(format!("messages to {} partition {p} were not delivered", self.what), e))
             }
@@ -204,7 +232,8 @@ impl KafkaSink {
         for lane in &mut self.lanes {
             lane.pending.clear();
             lane.pending_bytes = 0;
-            for h in lane.in_flight.drain(..) {
+            lane.marking = false;
+            for (h, _) in lane.in_flight.drain(..) {
                 h.abort();
             }
         }
@@ -267,6 +296,38 @@ impl Sink for KafkaSink {
     fn partitions(&self) -> u32 {
         self.lanes.len() as u32
     }
+
+    fn mark(&mut self) -> Result<()> {
+        for p in 0..self.lanes.len() {
+            // What is pending goes first, so the next message begins a request.
+            self.launch(p)?;
+            self.lanes[p].marking = true;
+            self.lanes[p].marked = None;
+        }
+        Ok(())
+    }
+
+    fn marked(&self) -> Vec<Option<String>> {
+        self.lanes.iter().map(|l| l.marked.map(|o| o.to_string())).collect()
+    }
+
+    /// `DeleteRecords` up to `place` (an offset): the partition's earliest offset becomes it.
+    fn trim(&mut self, partition: u32, place: &str) -> Result<Option<u64>> {
+        let offset: i64 = place.parse().map_err(|_| Error::invalid(format!("{place:?} is not a Kafka offset")))?;
+        let lane = self.lanes.get(partition as usize).ok_or_else(|| {
+            Error::invalid(format!(
+                "partition {partition} of Kafka topic {:?}: the sink has {}",
+                self.topic,
+                self.lanes.len()
+            ))
+        })?;
+        let ms = self.timeout.as_millis().min(i32::MAX as u128) as i32;
+        let client = Arc::clone(&lane.client);
+        block_on(&self.rt, self.timeout, async move { client.delete_records(offset, ms).await }, || {
+            format!("cannot trim {} partition {partition} (DeleteRecords)", self.what)
+        })?;
+        Ok(None)
+    }
 }
 
 pub struct KafkaSource {
@@ -318,8 +379,33 @@ impl Source for KafkaSource {
         if self.fetched.is_empty() {
             let wait_ms = wait.as_millis().min(i32::MAX as u128) as i32;
             let fetch = self.client.fetch_records(self.next, 1..FETCH_BYTES_MAX, wait_ms);
-            let (records, _high) =
-                block_on(&self.rt, self.timeout + wait, fetch, || format!("cannot read {}", self.what))?;
+            let fetched = self.rt.block_on(async { tokio::time::timeout(self.timeout + wait, fetch).await });
+            if let Ok(Err(KafkaError::ServerError { protocol_error: ProtocolError::OffsetOutOfRange, .. })) = fetched {
+                let earliest = self.offset(OffsetAt::Earliest)?;
+                if self.next < earliest {
+                    // Trimmed past this offset: the partition now begins with a full
+                    // snapshot (the publisher trims nowhere else), read from there.
+                    tracing::warn!(
+                        what = %self.what,
+                        offset = self.next,
+                        earliest,
+                        "the stream was trimmed past this replica's position: reading on from its \
+                         earliest offset, a full snapshot"
+                    );
+                    self.next = earliest;
+                    return Ok(Vec::new());
+                }
+            }
+            let (records, _high) = match fetched {
+                Ok(Ok(v)) => v,
+                Ok(Err(e)) => return Err(unavailable(format!("cannot read {}", self.what), e)),
+                Err(_) => {
+                    return Err(unavailable(
+                        format!("cannot read {}", self.what),
+                        format!("no answer within {:?}", self.timeout + wait),
+                    ))
+                }
+            };
             for r in records {
                 if r.offset >= self.next {
                     self.fetched.push_back((r.offset, r.record.value.unwrap_or_default()));

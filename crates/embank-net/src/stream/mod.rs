@@ -8,6 +8,10 @@
 //! keys `<topic>.<partition>`). Keys are routed to partitions by the shard hash of
 //! [`crate::proto::shard_of`], so serving shard `i` (a group of replicas) consumes
 //! partition `i` alone. Every partition gets every checkpoint's commit marker.
+//!
+//! Every partition begins with a full snapshot: the publisher trims it only there (see
+//! [`publisher`]), so a replica that reads it from its start, a new one or one whose
+//! position was trimmed away, gets every row.
 
 pub mod bootstrap;
 pub mod kafka;
@@ -135,6 +139,17 @@ pub trait Sink: Send {
     /// was not (then the caller sends them again: a replica applies repeats harmlessly).
     fn flush(&mut self) -> Result<()>;
     fn partitions(&self) -> u32;
+    /// Notes, in every partition, the place of the next message sent: [`marked`](Self::marked)
+    /// gives it once a [`flush`](Self::flush) returned. The publisher marks where each full
+    /// snapshot begins, the places it later [`trim`](Self::trim)s at.
+    fn mark(&mut self) -> Result<()>;
+    /// Per partition, the place of the first message sent after the last
+    /// [`mark`](Self::mark) (Redis: its entry id; Kafka: its offset); None where none was
+    /// sent since, or its acknowledgement has not come back.
+    fn marked(&self) -> Vec<Option<String>>;
+    /// Drops every message of `partition` before `place` (one [`marked`](Self::marked)
+    /// gave; that message stays). The number dropped, when the broker says.
+    fn trim(&mut self, partition: u32, place: &str) -> Result<Option<u64>>;
 }
 
 /// One message read from a stream, and the position just after it.

@@ -12,6 +12,17 @@
 //! checkpoint it published was restored away, or it gave up after `checkpoints_pending_max`
 //! failures), sends every table whole after a reset marker.
 //!
+//! Retention: the stream keeps what a replica may still need and no more. A replica up to
+//! `keep_checkpoints` checkpoints behind goes on from its position; one further behind, or
+//! a new one, reads the full snapshot the stream begins with. So the stream always begins
+//! at a full snapshot's first message: the publisher trims (Redis `XTRIM MINID`, Kafka
+//! `DeleteRecords`) only there, at the newest snapshot with `keep_checkpoints` checkpoints
+//! published after it. New snapshots come after a checkpoint's changes (with the same
+//! seq: a replica that applied the changes skips them as repeats) once the stream holds
+//! `keep_checkpoints` checkpoints since the newest one and their changes weigh as much as
+//! it, so the stream holds about two snapshots and what changed since the older one.
+//! Where the snapshots begin is kept in `PUBLISHED-<topic>.json` with the place.
+//!
 //! While the broker is down, checkpoints queue up (retained by the pin, retried with
 //! backoff). When more than `checkpoints_pending_max` are waiting, `notify` fails loudly — the
 //! caller's `checkpoint()` raises — and the publisher drops its pin so retention goes on:
@@ -51,6 +62,12 @@ pub struct PublishOptions {
     /// Tables to publish (default: all).
     #[serde(default)]
     pub tables: Option<Vec<String>>,
+    /// Checkpoints the stream keeps (default 8): a replica at most this many checkpoints
+    /// behind goes on from its position, one further behind (or a new one) reads the full
+    /// snapshot the stream begins with (see the module's doc). 0: never trim, and publish
+    /// a full snapshot only when the publisher lost its place (the stream grows forever).
+    #[serde(default = "default_keep_checkpoints")]
+    pub keep_checkpoints: usize,
 }
 
 fn one() -> u32 {
@@ -62,6 +79,9 @@ fn default_message_bytes() -> usize {
 fn default_checkpoints_pending_max() -> usize {
     4
 }
+fn default_keep_checkpoints() -> usize {
+    8
+}
 
 impl PublishOptions {
     pub fn new(stream: StreamConfig) -> PublishOptions {
@@ -71,6 +91,7 @@ impl PublishOptions {
             message_bytes: default_message_bytes(),
             checkpoints_pending_max: default_checkpoints_pending_max(),
             tables: None,
+            keep_checkpoints: default_keep_checkpoints(),
         }
     }
 
@@ -100,6 +121,35 @@ struct Published {
     batch_id: u64,
     tables: Vec<String>,
     partitions: u32,
+    /// Where the stream's full snapshots begin (absent in files of older publishers).
+    #[serde(default)]
+    retention: Retention,
+}
+
+/// What trimming the stream needs to know.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+struct Retention {
+    /// Checkpoints published to the stream so far.
+    published: u64,
+    /// The full snapshots the stream holds, oldest first.
+    snapshots: Vec<SnapshotPlace>,
+    /// Bytes of rows and deletes published since the newest snapshot.
+    bytes_since_snapshot: u64,
+    /// Seq of the snapshot the stream was last trimmed to (it begins there).
+    trimmed_to: Option<u64>,
+}
+
+/// A full snapshot in the stream.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+struct SnapshotPlace {
+    /// The checkpoint it holds.
+    seq: u64,
+    /// [`Retention::published`] once it was published.
+    number: u64,
+    /// Bytes of its rows.
+    bytes: u64,
+    /// Where it begins in each partition ([`Sink::marked`]).
+    places: Vec<Option<String>>,
 }
 
 /// What a publisher has done, for stats and tests.
@@ -112,7 +162,16 @@ pub struct PublisherStatus {
     /// Checkpoints taken and not yet published.
     pub pending: usize,
     pub checkpoints_published: u64,
+    /// Full snapshots sent because the publisher had no place (the first publish, and
+    /// after it lost its place).
     pub full_snapshots: u64,
+    /// Full snapshots sent after a checkpoint's changes, for the stream to be trimmed to.
+    pub retention_snapshots: u64,
+    /// Trims of the stream, and the messages they dropped (Redis says how many; Kafka not).
+    pub trims: u64,
+    pub messages_trimmed: u64,
+    /// Seq of the full snapshot the stream was last trimmed to (None: never trimmed).
+    pub trimmed_to_seq: Option<u64>,
     pub messages: u64,
     pub rows: u64,
     pub deletes: u64,
@@ -198,6 +257,7 @@ impl Publisher {
         if let Some((p, _)) = &published {
             status.published_batch_id = Some(p.batch_id);
             status.published_seq = Some(p.seq);
+            status.trimmed_to_seq = p.retention.trimmed_to;
         }
         let shared = Arc::new(Shared {
             store,
@@ -465,11 +525,14 @@ fn publish_newest(s: &Shared, sink: &mut dyn Sink) -> Result<()> {
     let Some(target) = store.checkpoints()?.last().cloned() else { return Ok(()) };
     // Keep the target retained while it is read (the place we publish from keeps it too).
     let target_pin = store.pin_checkpoint(target.seq)?;
-    let (from, resync, published_tables) = {
+    let (from, resync, published_tables, mut retention) = {
         let st = s.state.lock();
+        let retention = st.published.as_ref().map(|(p, _)| p.retention.clone()).unwrap_or_default();
         match &st.published {
-            Some((p, Some(_))) if !st.resync => (Some(p.seq), false, p.tables.iter().cloned().collect::<BTreeSet<_>>()),
-            _ => (None, true, BTreeSet::new()),
+            Some((p, Some(_))) if !st.resync => {
+                (Some(p.seq), false, p.tables.iter().cloned().collect::<BTreeSet<_>>(), retention)
+            }
+            _ => (None, true, BTreeSet::new(), retention),
         }
     };
     if from == Some(target.seq) {
@@ -484,14 +547,99 @@ fn publish_newest(s: &Shared, sink: &mut dyn Sink) -> Result<()> {
         }
         tables.retain(|t| only.contains(t));
     }
-    let ck = checkpoint_id(&target);
+    let mut status = PublisherStatus::default();
+    if resync {
+        sink.mark()?;
+    }
+    send_checkpoint(s, sink, &target, &tables, from, &published_tables, &mut status)?;
+    let changes_bytes = status.bytes;
+    // A full snapshot after the changes, for the stream to be trimmed to later.
+    let keep = s.opts.keep_checkpoints as u64;
+    let snapshot_due = !resync
+        && keep > 0
+        && retention.snapshots.last().is_none_or(|n| {
+            retention.published + 1 - n.number >= keep && retention.bytes_since_snapshot + changes_bytes >= n.bytes
+        });
+    if snapshot_due {
+        sink.mark()?;
+        send_checkpoint(s, sink, &target, &tables, None, &BTreeSet::new(), &mut status)?;
+    }
+    sink.flush()?;
+    retention.published += 1;
+    if resync || snapshot_due {
+        let bytes = if resync { changes_bytes } else { status.bytes - changes_bytes };
+        let places = sink.marked();
+        retention.snapshots.push(SnapshotPlace { seq: target.seq, number: retention.published, bytes, places });
+        retention.bytes_since_snapshot = 0;
+    } else {
+        retention.bytes_since_snapshot += changes_bytes;
+    }
+    // The broker has it: record the place, then move the pin.
+    let mut published = Published {
+        seq: target.seq,
+        batch_id: target.batch_id,
+        tables: tables.clone(),
+        partitions: sink.partitions(),
+        retention,
+    };
+    write_published(&s.path, &published)?;
+    // Then drop what no replica needs any more (on failure, after the next publish).
+    let trimmed = trim_to_snapshot(s, sink, &mut published.retention);
+    if let Some((_, true)) = trimmed {
+        if let Err(e) = write_published(&s.path, &published) {
+            tracing::warn!(error = %e, "the stream was trimmed; recording it failed (it is done again next time)");
+        }
+    }
+    let trimmed_to = published.retention.trimmed_to;
+    let mut st = s.state.lock();
+    st.published = Some((published, Some(target_pin)));
+    st.resync = false;
+    st.waiting.retain(|&q| q > target.seq);
+    let t = &mut st.status;
+    t.published_batch_id = Some(target.batch_id);
+    t.published_seq = Some(target.seq);
+    t.checkpoints_published += 1;
+    t.full_snapshots += resync as u64;
+    t.retention_snapshots += snapshot_due as u64;
+    t.messages += status.messages;
+    t.rows += status.rows;
+    t.deletes += status.deletes;
+    t.bytes += status.bytes;
+    if let Some((dropped, true)) = trimmed {
+        t.trims += 1;
+        t.messages_trimmed += dropped;
+        t.trimmed_to_seq = trimmed_to;
+    }
+    tracing::debug!(
+        seq = target.seq,
+        batch = target.batch_id,
+        rows = status.rows,
+        snapshot_due,
+        "checkpoint published"
+    );
+    Ok(())
+}
+
+/// Sends checkpoint `target`'s tables to every partition: after a reset, every table whole
+/// when `from` is None, and tables not in `seen`; the others' changes since `from`. Then a
+/// commit marker in every partition. Counts into `status`.
+fn send_checkpoint(
+    s: &Shared,
+    sink: &mut dyn Sink,
+    target: &CheckpointInfo,
+    tables: &[String],
+    from: Option<u64>,
+    seen: &BTreeSet<String>,
+    status: &mut PublisherStatus,
+) -> Result<()> {
+    let store = &s.store;
+    let ck = checkpoint_id(target);
     let parts = sink.partitions() as usize;
     let mut sent = vec![0u32; parts];
-    let mut status = PublisherStatus::default();
-    for name in &tables {
+    for name in tables {
         let dim = store.table(name)?.dim();
         // A table the stream has not seen whole yet goes whole, after a reset.
-        let whole = resync || !published_tables.contains(name);
+        let whole = from.is_none() || !seen.contains(name);
         if whole {
             for (p, n) in sent.iter_mut().enumerate() {
                 *n += 1;
@@ -510,7 +658,7 @@ fn publish_newest(s: &Shared, sink: &mut dyn Sink) -> Result<()> {
             rows: vec![Vec::new(); parts],
             deleted: vec![Vec::new(); parts],
             sent: &mut sent,
-            status: &mut status,
+            status: &mut *status,
         };
         let chunk = 8192;
         store.export_changes_between(name, if whole { None } else { from }, target.seq, chunk, |k, r, d| {
@@ -522,29 +670,50 @@ fn publish_newest(s: &Shared, sink: &mut dyn Sink) -> Result<()> {
         status.messages += 1;
         sink.send(p as u32, vec![message::encode_commit(ck, before)])?;
     }
-    sink.flush()?;
-    // The broker has it: record the place, then move the pin.
-    let published =
-        Published { seq: target.seq, batch_id: target.batch_id, tables: tables.clone(), partitions: parts as u32 };
-    let tmp = s.path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec(&published).expect("serializes"))
-        .and_then(|_| std::fs::rename(&tmp, &s.path))
-        .map_err(|e| Error::io(format!("cannot record the published checkpoint in {}", s.path.display()), e))?;
-    let mut st = s.state.lock();
-    st.published = Some((published, Some(target_pin)));
-    st.resync = false;
-    st.waiting.retain(|&q| q > target.seq);
-    let t = &mut st.status;
-    t.published_batch_id = Some(target.batch_id);
-    t.published_seq = Some(target.seq);
-    t.checkpoints_published += 1;
-    t.full_snapshots += resync as u64;
-    t.messages += status.messages;
-    t.rows += status.rows;
-    t.deletes += status.deletes;
-    t.bytes += status.bytes;
-    tracing::debug!(seq = target.seq, batch = target.batch_id, rows = status.rows, "checkpoint published");
     Ok(())
+}
+
+/// Trims the stream to the newest full snapshot with `keep_checkpoints` checkpoints
+/// published after it, unless it begins there already, and forgets the snapshots before
+/// it. Some((messages dropped, whether it trimmed)), None when a trim failed (logged).
+fn trim_to_snapshot(s: &Shared, sink: &mut dyn Sink, r: &mut Retention) -> Option<(u64, bool)> {
+    let keep = s.opts.keep_checkpoints as u64;
+    if keep == 0 {
+        return Some((0, false));
+    }
+    let Some(i) = r.snapshots.iter().rposition(|p| p.number + keep <= r.published) else { return Some((0, false)) };
+    let to = &r.snapshots[i];
+    if r.trimmed_to == Some(to.seq) {
+        return Some((0, false));
+    }
+    let mut dropped = 0;
+    for (p, place) in to.places.iter().enumerate().take(sink.partitions() as usize) {
+        // A partition whose place is unknown keeps everything.
+        let Some(place) = place else { continue };
+        match sink.trim(p as u32, place) {
+            Ok(n) => dropped += n.unwrap_or(0),
+            Err(e) => {
+                tracing::warn!(error = %e, partition = p, "cannot trim the stream; trying again after the next publish");
+                return None;
+            }
+        }
+    }
+    tracing::info!(
+        stream = %s.opts.stream.describe(),
+        snapshot_seq = to.seq,
+        dropped,
+        "trimmed the stream to a full snapshot"
+    );
+    r.trimmed_to = Some(to.seq);
+    r.snapshots.drain(..i);
+    Some((dropped, true))
+}
+
+fn write_published(path: &std::path::Path, published: &Published) -> Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(published).expect("serializes"))
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| Error::io(format!("cannot record the published checkpoint in {}", path.display()), e))
 }
 
 fn checkpoint_id(c: &CheckpointInfo) -> CheckpointId {

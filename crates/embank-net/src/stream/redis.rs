@@ -4,6 +4,11 @@
 //! `<last id>@<entries read>`: the count gives the lag against `XINFO STREAM`'s
 //! `entries-added`. Durability is the server's: run it with `appendonly yes`
 //! (and `appendfsync always` to lose nothing acknowledged on a power cut).
+//!
+//! The publisher trims a stream with `XTRIM <key> MINID <id>` (Redis 6.2 or later), only
+//! ever at the first entry of a full snapshot: a replica whose position was trimmed away
+//! (`XINFO STREAM`'s `max-deleted-entry-id` is past it) reads on from the stream's first
+//! entry, that snapshot, and an `XREAD` past a trim lands on one too.
 
 use std::time::Duration;
 
@@ -45,13 +50,25 @@ pub struct RedisSink {
     con: Option<redis::Connection>,
     partitions: u32,
     timeout: Duration,
+    /// Per partition: whether the next entry's id is to be noted (see [`Sink::mark`]),
+    /// and the id noted.
+    marking: Vec<bool>,
+    marked: Vec<Option<String>>,
 }
 
 impl RedisSink {
     pub fn connect(c: &StreamConfig, partitions: u32) -> Result<RedisSink> {
         let timeout = c.timeout()?;
         let con = connect(c, timeout)?;
-        Ok(RedisSink { config: c.clone(), con: Some(con), partitions, timeout })
+        let n = partitions as usize;
+        Ok(RedisSink {
+            config: c.clone(),
+            con: Some(con),
+            partitions,
+            timeout,
+            marking: vec![false; n],
+            marked: vec![None; n],
+        })
     }
 
     fn con(&mut self) -> Result<&mut redis::Connection> {
@@ -73,9 +90,21 @@ impl Sink for RedisSink {
                 pipe.cmd("XADD").arg(&key).arg("*").arg("m").arg(m.as_slice());
             }
             let r: redis::RedisResult<Vec<String>> = pipe.query(self.con()?);
-            if let Err(e) = r {
-                self.con = None; // reconnect next time
-                return Err(unavailable(format!("cannot append to Redis stream {key} at {}", self.config.brokers), e));
+            match r {
+                Ok(ids) => {
+                    let p = partition as usize;
+                    if self.marking.get(p) == Some(&true) {
+                        self.marking[p] = false;
+                        self.marked[p] = ids.into_iter().next();
+                    }
+                }
+                Err(e) => {
+                    self.con = None; // reconnect next time
+                    return Err(unavailable(
+                        format!("cannot append to Redis stream {key} at {}", self.config.brokers),
+                        e,
+                    ));
+                }
             }
         }
         Ok(())
@@ -87,6 +116,32 @@ impl Sink for RedisSink {
 
     fn partitions(&self) -> u32 {
         self.partitions
+    }
+
+    fn mark(&mut self) -> Result<()> {
+        self.marking.iter_mut().for_each(|m| *m = true);
+        self.marked.iter_mut().for_each(|m| *m = None);
+        Ok(())
+    }
+
+    fn marked(&self) -> Vec<Option<String>> {
+        self.marked.clone()
+    }
+
+    /// `XTRIM <key> MINID <place>`: exact (no `~`), so the stream begins at `place`.
+    fn trim(&mut self, partition: u32, place: &str) -> Result<Option<u64>> {
+        let key = format!("{}.{partition}", self.config.topic);
+        let r: redis::RedisResult<u64> = redis::cmd("XTRIM").arg(&key).arg("MINID").arg(place).query(self.con()?);
+        match r {
+            Ok(n) => Ok(Some(n)),
+            Err(e) => {
+                self.con = None;
+                Err(unavailable(
+                    format!("cannot trim Redis stream {key} at {} (XTRIM MINID: Redis 6.2+)", self.config.brokers),
+                    e,
+                ))
+            }
+        }
     }
 }
 
@@ -125,16 +180,16 @@ impl RedisSource {
         unavailable(format!("cannot {what} Redis stream {} at {}", self.key, self.config.brokers), e)
     }
 
-    /// `entries-added` and `last-generated-id` of the stream (0 and `0-0` if it is missing).
-    fn info(&mut self) -> Result<(u64, String)> {
+    /// What `XINFO STREAM` says of the stream (all zero if it is missing).
+    fn info(&mut self) -> Result<StreamInfo> {
         let key = self.key.clone();
         let r: redis::RedisResult<Value> = redis::cmd("XINFO").arg("STREAM").arg(&key).query(self.con()?);
+        let mut info = StreamInfo { added: 0, length: 0, last: "0-0".into(), max_deleted: "0-0".into() };
         let v = match r {
             Ok(v) => v,
-            Err(e) if e.to_string().contains("no such key") => return Ok((0, "0-0".into())),
+            Err(e) if e.to_string().contains("no such key") => return Ok(info),
             Err(e) => return Err(self.failed("inspect", e)),
         };
-        let (mut added, mut last) = (0, "0-0".to_string());
         let pairs: Vec<(Value, Value)> = match v {
             Value::Array(items) => items.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect(),
             Value::Map(m) => m,
@@ -142,13 +197,40 @@ impl RedisSource {
         };
         for (k, val) in pairs {
             match (text(&k).as_deref(), val) {
-                (Some("entries-added"), Value::Int(n)) => added = n.max(0) as u64,
-                (Some("last-generated-id"), v) => last = text(&v).unwrap_or(last),
+                (Some("entries-added"), Value::Int(n)) => info.added = n.max(0) as u64,
+                (Some("length"), Value::Int(n)) => info.length = n.max(0) as u64,
+                (Some("last-generated-id"), v) => info.last = text(&v).unwrap_or(info.last),
+                (Some("max-deleted-entry-id"), v) => info.max_deleted = text(&v).unwrap_or(info.max_deleted),
                 _ => {}
             }
         }
-        Ok((added, last))
+        Ok(info)
     }
+}
+
+/// The fields of `XINFO STREAM` a source uses.
+struct StreamInfo {
+    /// `entries-added`: entries ever appended.
+    added: u64,
+    /// `length`: entries there now (the others were trimmed).
+    length: u64,
+    /// `last-generated-id`.
+    last: String,
+    /// `max-deleted-entry-id` (Redis 7; `0-0` before): the newest entry trimmed.
+    max_deleted: String,
+}
+
+impl StreamInfo {
+    /// How many entries came before the first one still there.
+    fn first_index(&self) -> u64 {
+        self.added.saturating_sub(self.length)
+    }
+}
+
+/// A stream entry id (`<ms>-<seq>`) as a pair that orders as Redis orders ids.
+fn entry_id(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
 }
 
 fn text(v: &Value) -> Option<String> {
@@ -170,16 +252,30 @@ impl Source for RedisSource {
                 })?;
                 self.last = id.to_string();
                 self.read = n.parse().map_err(|_| Error::invalid(format!("bad Redis stream position {p:?}")))?;
+                let info = self.info()?;
+                if entry_id(&info.max_deleted) > entry_id(id) {
+                    // Entries after the position were trimmed: the stream now begins with
+                    // a full snapshot (the publisher trims nowhere else), read from there.
+                    tracing::warn!(
+                        key = %self.key,
+                        position = p,
+                        first = info.first_index(),
+                        "the stream was trimmed past this replica's position: reading on from its \
+                         first entry, a full snapshot"
+                    );
+                    self.last = "0-0".into();
+                    self.read = info.first_index();
+                }
             }
             None => match start {
                 Start::Earliest => {
                     self.last = "0-0".into();
-                    self.read = 0;
+                    self.read = self.info()?.first_index();
                 }
                 Start::Latest => {
-                    let (added, last) = self.info()?;
-                    self.last = last;
-                    self.read = added;
+                    let info = self.info()?;
+                    self.last = info.last;
+                    self.read = info.added;
                 }
             },
         }
@@ -232,7 +328,10 @@ impl Source for RedisSource {
     }
 
     fn lag(&mut self) -> Result<Option<u64>> {
-        let (added, _) = self.info()?;
-        Ok(Some(added.saturating_sub(self.read)))
+        let info = self.info()?;
+        // An XREAD past a trim skipped entries this count never saw: at most what the
+        // stream holds is unread.
+        self.read = self.read.max(info.first_index());
+        Ok(Some(info.added.saturating_sub(self.read)))
     }
 }
