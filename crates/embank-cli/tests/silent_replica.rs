@@ -18,7 +18,8 @@
 //! docs/BENCHMARKS.md is `EMBANK_SILENT_SECONDS=8 cargo test --release -p embank-cli
 //! --test silent_replica -- --nocapture --test-threads 1`). `EMBANK_SILENT_FAULTS=none`
 //! measures the healthy group alone, `EMBANK_SILENT_HEDGE_DELAY=0` without hedged reads
-//! (what hedging costs a healthy group: alternate the two).
+//! (what hedging costs a healthy group: alternate the two); `EMBANK_SILENT_LOOPBACK=1` runs
+//! on loopback even as root.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -51,13 +52,20 @@ fn window() -> Duration {
 struct Net {
     /// Namespace names, one per replica; empty on loopback.
     namespaces: Vec<String>,
+    /// This set's number in the test process (tests run at once: each its own names and
+    /// addresses).
+    set: usize,
 }
 
+/// Sets of namespaces made so far by this process.
+static SETS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 impl Net {
-    /// Namespaces `eb<pid>r<i>` with veth links 10.<k>.<i>.1 (host) <-> 10.<k>.<i>.2 (replica).
+    /// Namespaces `eb<pid>s<set>r<i>` with veth links 10.<k>.<i>.1 (host) <-> 10.<k>.<i>.2
+    /// (replica), `k` from the process and the set.
     fn namespaces(n: usize) -> Option<Net> {
         // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if unsafe { libc::geteuid() } != 0 || std::env::var("EMBANK_SILENT_LOOPBACK").is_ok_and(|v| v == "1") {
             return None;
         }
         let ok = |cmd: &str, args: &[&str]| {
@@ -67,11 +75,12 @@ impl Net {
             return None;
         }
         let pid = std::process::id();
-        let mut net = Net { namespaces: Vec::new() };
+        let set = SETS.fetch_add(1, Ordering::Relaxed);
+        let mut net = Net { namespaces: Vec::new(), set };
         for i in 0..n {
-            let ns = format!("eb{pid}r{i}");
-            let (host, peer) = (format!("eb{pid}h{i}"), format!("eb{pid}p{i}"));
-            let (host_ip, peer_ip) = (format!("{}/24", net.host_ip(i)), format!("{}/24", Self::ip(i, 2)));
+            let ns = format!("eb{pid}s{set}r{i}");
+            let (host, peer) = (format!("eb{pid}s{set}h{i}"), format!("eb{pid}s{set}p{i}"));
+            let (host_ip, peer_ip) = (format!("{}/24", net.host_ip(i)), format!("{}/24", net.ip(i, 2)));
             let steps: [&[&str]; 8] = [
                 &["netns", "add", &ns],
                 &["link", "add", &host, "type", "veth", "peer", "name", &peer],
@@ -92,13 +101,13 @@ impl Net {
         Some(net)
     }
 
-    fn ip(i: usize, end: u8) -> String {
-        format!("10.{}.{}.{end}", 200 + std::process::id() % 50, i + 1)
+    fn ip(&self, i: usize, end: u8) -> String {
+        format!("10.{}.{}.{end}", 100 + (std::process::id() as usize * 8 + self.set) % 150, i + 1)
     }
 
     /// The host's end of replica i's link.
     fn host_ip(&self, i: usize) -> String {
-        Self::ip(i, 1)
+        self.ip(i, 1)
     }
 
     /// The address replica i listens on.
@@ -106,7 +115,7 @@ impl Net {
         if self.namespaces.is_empty() {
             "127.0.0.1:0".into()
         } else {
-            format!("{}:0", Self::ip(i, 2))
+            format!("{}:0", self.ip(i, 2))
         }
     }
 
@@ -239,7 +248,7 @@ fn silent_replica(replicas: usize, faults: &[Fault], throughput_min: f64) {
             faults.iter().copied().filter(|f| matches!(f, Fault::Frozen | Fault::Slow)).collect()
         }
     };
-    let net = net.unwrap_or(Net { namespaces: Vec::new() });
+    let net = net.unwrap_or(Net { namespaces: Vec::new(), set: 0 });
     let redis = Redis::start(dir.path());
     let store = Arc::new(Store::open(dir.path().join("trainer"), StoreOptions::default()).unwrap());
     store.create_table("emb", TableOptions::new(DIM as u32)).unwrap();

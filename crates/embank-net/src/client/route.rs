@@ -49,6 +49,8 @@ pub(super) struct Sent {
     pub(super) hedge: bool,
     /// Readable (or failed) at the last poll.
     pub(super) ready: bool,
+    /// Its deadline was extended: no other replica was left to take it over.
+    pub(super) extended: bool,
 }
 
 /// One request of a call.
@@ -102,6 +104,18 @@ impl Call<'_> {
         self.in_flight.iter().filter(|s| s.req == i).count()
     }
 
+    /// Whether request i could still go to a replica of its shard other than `r`: one in
+    /// rotation that has not failed it and does not have a copy of it.
+    fn others_left(&self, i: usize, r: usize) -> bool {
+        let shard = &self.reqs[i].shard;
+        let busy = self.busy(i);
+        (0..shard.replicas.len()).any(|q| {
+            q != r
+                && !busy.contains(&q)
+                && !shard.replicas[q].rotation.ejected.load(std::sync::atomic::Ordering::Relaxed)
+        })
+    }
+
     /// Replicas request i may not go to now: those that failed it, those it waits on.
     fn busy(&self, i: usize) -> Vec<usize> {
         self.tried[i]
@@ -133,8 +147,12 @@ impl Client {
 
     /// How long replica `r` may take to answer an `op` request.
     pub(super) fn deadline(&self, shard: &Shard, r: usize, op: Op) -> Duration {
+        self.deadline_for(shard, r, op, !self.spreads(shard, op) || shard.replicas.len() == 1)
+    }
+
+    /// [`deadline`](Self::deadline), `alone`: when no other replica could take the request.
+    fn deadline_for(&self, shard: &Shard, r: usize, op: Op, alone: bool) -> Duration {
         let o = &self.inner.opts;
-        let alone = !self.spreads(shard, op) || shard.replicas.len() == 1;
         if !keyed(op) {
             // A read may fail over past every replica within the timeout.
             return if alone { o.timeout } else { o.timeout / shard.replicas.len() as u32 };
@@ -399,6 +417,7 @@ impl Client {
                         frame: Frame::default(),
                         hedge,
                         ready: false,
+                        extended: false,
                     }));
                 }
                 Err(e) if retryable(&e) && self.spreads(shard, reqs[i].op) => {
@@ -548,6 +567,22 @@ impl Client {
                         k += 1;
                         continue;
                     }
+                    // A read on the last replica it can go to: no sibling would answer
+                    // sooner, so it gets the deadline of a request no other can take.
+                    let (i, r) = (call.in_flight[k].req, call.in_flight[k].replica);
+                    if !call.in_flight[k].extended
+                        && self.spreads(&reqs[i].shard, reqs[i].op)
+                        && !call.others_left(i, r)
+                    {
+                        let longer = self.deadline_for(&reqs[i].shard, r, reqs[i].op, true);
+                        let s = &mut call.in_flight[k];
+                        s.extended = true;
+                        s.deadline = s.sent_at + longer;
+                        if s.deadline > now {
+                            k += 1;
+                            continue;
+                        }
+                    }
                     let s = call.in_flight.swap_remove(k);
                     let (i, r) = (s.req, s.replica);
                     let shard = &*reqs[i].shard;
@@ -560,7 +595,7 @@ impl Client {
                             shard.replica_name(r),
                             reqs[i].op.name(),
                             allowed.as_millis(),
-                            self.deadline_why(shard, r, reqs[i].op),
+                            self.deadline_why(shard, r, reqs[i].op, s.extended),
                             if self.spreads(shard, reqs[i].op) {
                                 ""
                             } else {
@@ -680,12 +715,12 @@ impl Client {
     }
 
     /// How request deadlines of replica `r` are set, for a message.
-    fn deadline_why(&self, shard: &Shard, r: usize, op: Op) -> String {
+    fn deadline_why(&self, shard: &Shard, r: usize, op: Op, extended: bool) -> String {
         let o = &self.inner.opts;
         if !keyed(op) {
             return "the timeout".to_string();
         }
-        let alone = !self.spreads(shard, op) || shard.replicas.len() == 1;
+        let alone = extended || !self.spreads(shard, op) || shard.replicas.len() == 1;
         let (floor, name) =
             if alone { (o.deadline_alone_min, "deadline_alone_min") } else { (o.deadline_min, "deadline_min") };
         match shard.replicas[r].latency.lock().p99() {
