@@ -176,7 +176,8 @@ impl Client {
 
     /// The replicas request `req` may try, in order: for a read, those in rotation serving
     /// `min_checkpoint`, round-robin, then the ejected ones; else the primary.
-    pub(super) fn candidates(&self, req: &Req) -> Result<Vec<usize>> {
+    /// Replicas in `skip` (those that failed the request, or have a copy of it) are left out.
+    pub(super) fn candidates(&self, req: &Req, skip: &[usize]) -> Result<Vec<usize>> {
         let shard = &req.shard;
         let n = shard.replicas.len();
         // Writes, and reads of a single server with no checkpoint to check: no choice.
@@ -184,8 +185,10 @@ impl Client {
             return Ok(vec![0]);
         }
         let start = shard.next.fetch_add(1, Ordering::Relaxed);
-        let (mut up, mut down): (Vec<usize>, Vec<usize>) =
-            (0..n).map(|i| (start + i) % n).partition(|&r| !shard.replicas[r].rotation.ejected.load(Ordering::Relaxed));
+        let (mut up, mut down): (Vec<usize>, Vec<usize>) = (0..n)
+            .map(|i| (start + i) % n)
+            .filter(|r| !skip.contains(r))
+            .partition(|&r| !shard.replicas[r].rotation.ejected.load(Ordering::Relaxed));
         up.append(&mut down);
         let Some(min) = req.min_checkpoint else { return Ok(up) };
         // Replicas whose cached checkpoint is older than asked: while another is known to
@@ -390,7 +393,18 @@ impl Client {
         let reqs = call.reqs;
         let shard = &reqs[i].shard;
         let busy = call.busy(i);
-        for r in self.candidates(&reqs[i])? {
+        let candidates = match self.candidates(&reqs[i], &busy) {
+            Ok(c) => c,
+            // A hedge, or a copy still awaited: nothing more to send now.
+            Err(_) if hedge || call.copies(i) > 0 => return Ok(None),
+            // Say what the replicas tried already said too.
+            Err(e) if !call.tried[i].is_empty() => {
+                let tried: Vec<Error> = call.tried[i].drain(..).map(|(_, e)| e).collect();
+                return Err(Error::new(e.kind(), format!("{e}; before: {}", join_errors(&tried))));
+            }
+            Err(e) => return Err(e),
+        };
+        for r in candidates {
             if busy.contains(&r) || call.tried[i].iter().any(|(t, _)| *t == r) {
                 continue;
             }
