@@ -27,6 +27,7 @@ mod health;
 mod map;
 mod pool;
 mod route;
+mod served;
 mod table;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
