@@ -33,7 +33,10 @@ demo: develop
 # One self-contained wheel (abi3: any CPython >= 3.9; manylinux_2_28: glibc >= 2.28),
 # stripped, in dist/: `pip install dist/embank-*.whl` needs no Rust, compiler or system
 # library.
-# Zig (from PyPI) links it against glibc 2.28's symbols, whatever this machine's glibc.
+# Zig (from PyPI) links it against glibc 2.28's symbols, whatever this machine's glibc:
+# tools/wheel_linker.sh is the linker of the extension's last link alone, so the wheel
+# reuses the crates `make demo` compiled (same target directory, flags and interpreter)
+# and builds in seconds after it. maturin still checks the symbols against the tag.
 WHEEL_COMPATIBILITY ?= manylinux_2_28
 $(VENV)/.wheel-installed: requirements-wheel.txt $(VENV)/.demo-installed
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements-wheel.txt
@@ -41,7 +44,9 @@ $(VENV)/.wheel-installed: requirements-wheel.txt $(VENV)/.demo-installed
 
 wheel: $(VENV)/.wheel-installed
 	rm -rf dist
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/maturin build --release --locked --zig --compatibility $(WHEEL_COMPATIBILITY) -o dist
+	EMBANK_WHEEL_VENV=$(abspath $(VENV)) EMBANK_WHEEL_GLIBC=$(subst _,.,$(patsubst manylinux_%,%,$(WHEEL_COMPATIBILITY))) \
+	  $(BIN)/maturin build --release --locked -i $(abspath $(BIN))/python --compatibility $(WHEEL_COMPATIBILITY) -o dist \
+	  -- -C linker=$(abspath tools/wheel_linker.sh)
 	@ls -l dist
 
 # Every check: formatting, lints with warnings denied, Rust tests, Python lint, types, tests,
