@@ -336,9 +336,9 @@ fn bootstrap_then(s: &Shared) -> Option<ReplicaMeta> {
         match copied {
             Ok(c) => {
                 tracing::info!(from = %c.from, batch_id = c.meta.batch_id, rows = c.rows, tables = c.tables, seconds = c.seconds, "copied a sibling's checkpoint; following the stream from its position");
+                let mut st = s.status.lock();
                 s.view.set_served(c.meta.batch_id);
                 s.view.set_bootstrapping(false);
-                let mut st = s.status.lock();
                 st.state = "ingesting".into();
                 st.last_error = None;
                 st.checkpoint_batch_id = Some(c.meta.batch_id);
@@ -605,8 +605,11 @@ fn apply_all(
                 let blob = serde_json::to_vec(&serde_json::json!({ "replica": meta })).expect("serializes");
                 s.store.checkpoint_with_meta(applied.next_batch, &blob)?;
                 applied.next_batch += 1;
-                s.view.commit(meta.batch_id);
+                // The status (what `SERVED` answers) changes with the view, under its lock:
+                // a client that read rows of this checkpoint and then asks what the replica
+                // serves is never told the one before.
                 let mut st = s.status.lock();
+                s.view.commit(meta.batch_id);
                 st.checkpoints_not_atomic = s.view.given_up_total.load(Ordering::Relaxed);
                 st.commits += 1;
                 st.checkpoint_batch_id = Some(meta.batch_id);
