@@ -70,21 +70,8 @@ pub(super) struct Req {
 /// Whether `op` is a keyed request of a table (its latency is measured and sets the
 /// deadlines), as opposed to a store-wide operation that may take long.
 fn keyed(op: Op) -> bool {
-    matches!(
-        op,
-        Op::Pull
-            | Op::Lookup
-            | Op::LookupAt
-            | Op::LookupStored
-            | Op::Push
-            | Op::Delete
-            | Op::PushGrad
-            | Op::PushGradHeld
-            | Op::Lookahead
-            | Op::Len
-            | Op::Served
-            | Op::SetLr
-    )
+    // A held pull waits for other workers by design: it keeps the timeout.
+    (op.has_keys() && op != Op::PullHeld) || matches!(op, Op::Len | Op::Served | Op::SetLr)
 }
 
 /// What a call's requests are doing: the replies awaited, and each request's copies.
