@@ -505,7 +505,7 @@ pub(crate) fn rollback(dir: &Path, index: &Index, to: u64) -> Result<()> {
             let h = index.hash(e.key);
             if e.old == 0 {
                 index.remove(e.key, h);
-            } else if index.replace(e.key, h, e.old).is_none() && !index.insert_new(e.key, h, e.old) {
+            } else if index.replace(e.key, h, e.old).is_none() && !index.insert_new(e.key, h, e.old)? {
                 return Err(Error::new(
                     ErrorKind::Recover,
                     format!("no index slot to return key {} to checkpoint {to}", e.key),

@@ -187,17 +187,29 @@ impl std::fmt::Display for DType {
     }
 }
 
-/// Bytes from one row record to the next for a record payload of `payload`
-/// bytes: header plus payload, rounded up to 16 bytes; `f32` records that fill a
-/// 64-byte cache line are rounded up to whole lines. Compact element types (`f16`,
-/// `int8`) stay packed to 16 bytes: density is what they are for (an `f16` row of
-/// dim 128 takes 272 bytes, not 320).
+/// Bytes from one row record to the next for a record payload of `payload` bytes (what
+/// a new table's rows file is created with; a file's header keeps its own, so tables
+/// made under another rule read as they are): header plus payload, rounded up to 16
+/// bytes. An `f32` record of a cache line or more that would then touch one line more
+/// than it needs wherever it starts (records start at every multiple of
+/// `gcd(stride, 64)` within a line) is rounded up to whole 64-byte lines instead: dim
+/// 16 takes 80 bytes, dim 64 272, dim 128 528 (2, 5 and 9 lines, as when line-aligned),
+/// dim 24 128 (packed to 112, a quarter of them would touch 3 lines). Compact element
+/// types (`f16`, `int8`) stay packed to 16 bytes: density is what they are for.
 pub fn record_stride(payload: usize, dtype: DType) -> u32 {
     let raw = (ROW_HEADER_BYTES + payload) as u32;
-    if raw >= 64 && dtype == DType::F32 {
-        raw.div_ceil(64) * 64
+    let packed = raw.div_ceil(16) * 16;
+    if raw < 64 || dtype != DType::F32 {
+        return packed;
+    }
+    let lines = raw.div_ceil(64);
+    // The latest a record starts within a line: 64 - gcd(packed, 64) (0 when packed
+    // records start on lines).
+    let start_latest = 64 - (1u32 << packed.trailing_zeros().min(6));
+    if start_latest + raw <= lines * 64 {
+        packed
     } else {
-        raw.div_ceil(16) * 16
+        lines * 64
     }
 }
 
@@ -334,11 +346,27 @@ mod tests {
     #[test]
     fn strides() {
         assert_eq!(record_stride(4, DType::F32), 32);
+        assert_eq!(record_stride(32, DType::F32), 48, "under a line: packed");
         assert_eq!(record_stride(48, DType::F32), 64);
-        assert_eq!(record_stride(512, DType::F32), 576);
-        assert_eq!(record_stride(16384, DType::F32), 16448);
+        assert_eq!(record_stride(64, DType::F32), 80, "dim 16: 2 lines either way");
+        assert_eq!(record_stride(80, DType::F32), 96, "dim 20: starts at 0 or 32, 2 lines");
+        assert_eq!(record_stride(96, DType::F32), 128, "dim 24: packed, one in four would touch 3 lines");
+        assert_eq!(record_stride(256, DType::F32), 272);
+        assert_eq!(record_stride(260, DType::F32), 288, "dim 64 with row-wise Adagrad's word");
+        assert_eq!(record_stride(512, DType::F32), 528);
+        assert_eq!(record_stride(16384, DType::F32), 16400);
         assert_eq!(record_stride(256, DType::F16), 272);
         assert_eq!(record_stride(136, DType::Int8), 160);
+        // No f32 record touches more lines than its bytes need, wherever it starts.
+        for payload in (4..4096).step_by(4) {
+            let stride = record_stride(payload, DType::F32) as usize;
+            let raw = ROW_HEADER_BYTES + payload;
+            assert!(stride >= raw && stride.is_multiple_of(16), "payload {payload}: stride {stride}");
+            if raw >= 64 {
+                let lines = (0..64).map(|k| (k * stride % 64 + raw).div_ceil(64)).max().unwrap();
+                assert_eq!(lines, raw.div_ceil(64), "payload {payload}: stride {stride} touches {lines} lines");
+            }
+        }
     }
 
     #[test]

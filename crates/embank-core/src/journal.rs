@@ -33,8 +33,12 @@ const HEADER: u64 = 64;
 const ENTRY: u64 = 32;
 /// Address space reserved per journal: 2^31 entries.
 const RESERVE: u64 = 64 << 30;
-/// The file grows by this much at a time.
-const GROW: u64 = 1 << 20;
+/// A new journal's size, and the least it grows by: a table whose checkpoints change
+/// few keys keeps small journals.
+const GROW_BYTES_MIN: u64 = 64 << 10;
+/// The most it grows by at a time; below that, it doubles.
+const GROW_BYTES_MAX: u64 = 16 << 20;
+const _: () = assert!(GROW_BYTES_MIN > HEADER && GROW_BYTES_MIN < GROW_BYTES_MAX && GROW_BYTES_MAX < RESERVE);
 
 /// A dropped checkpoint's journal up to this size becomes the next spare (see
 /// [`Journal::recycle`]); a larger one is deleted.
@@ -137,10 +141,10 @@ impl Journal {
             .truncate(true)
             .open(&tmp)
             .map_err(|e| io_at("cannot create undo journal", &tmp, e))?;
-        crate::fsutil::allocate(&file, &tmp, 0, GROW).inspect_err(|_| {
+        crate::fsutil::allocate(&file, &tmp, 0, GROW_BYTES_MIN).inspect_err(|_| {
             let _ = std::fs::remove_file(&tmp);
         })?;
-        let j = Self::map(path.clone(), seq, file, GROW)?;
+        let j = Self::map(path.clone(), seq, file, GROW_BYTES_MIN)?;
         // SAFETY: the header lies in the mapping.
         unsafe {
             let p = j.map.as_mut_ptr();
@@ -280,7 +284,7 @@ impl Journal {
                 if end > RESERVE {
                     return Err(Error::new(ErrorKind::Unsupported, "undo journal is full: take a checkpoint"));
                 }
-                let new = (end + GROW).min(RESERVE);
+                let new = (end + len.clamp(GROW_BYTES_MIN, GROW_BYTES_MAX)).min(RESERVE);
                 crate::fsutil::allocate(&self.file, &self.path, len, new)?;
                 self.len.store(new, Ordering::Release);
             }
@@ -334,8 +338,8 @@ impl Journal {
         let _g = self.grow.lock();
         self.next().store(0, Ordering::Release);
         self.file.set_len(HEADER).map_err(|e| io_at("cannot truncate undo journal", &self.path, e))?;
-        crate::fsutil::allocate(&self.file, &self.path, HEADER, GROW)?;
-        self.len.store(GROW, Ordering::Release);
+        crate::fsutil::allocate(&self.file, &self.path, HEADER, GROW_BYTES_MIN)?;
+        self.len.store(GROW_BYTES_MIN, Ordering::Release);
         Ok(())
     }
 
@@ -357,7 +361,7 @@ mod tests {
     fn entries_round_trip_grow_and_clear() {
         let dir = tempfile::tempdir().unwrap();
         let j = Journal::create(dir.path(), 3).unwrap();
-        let n = GROW / ENTRY + 100; // past the first size
+        let n = 3 * GROW_BYTES_MIN / ENTRY + 100; // past the first sizes
         for k in 0..n {
             j.append(k, k * 2).unwrap();
         }

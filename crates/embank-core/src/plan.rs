@@ -540,7 +540,7 @@ mod tests {
             medium: MediumKind::Mmap,
         };
         let b = tier_bytes(&shape, 1000);
-        assert_eq!(b.record_bytes, 128); // 16 + 64, rounded to 64 once past 64
+        assert_eq!(b.record_bytes, 80); // 16 + 64, packed to 16: 2 lines wherever it starts
         assert_eq!(b.cache_entry_bytes, 64 + ENTRY_OVERHEAD_BYTES);
         let block = tier_bytes(&TableShape { medium: MediumKind::Block, dtype: DType::Int8, ..shape }, 10);
         assert_eq!(block.record_bytes, 512);

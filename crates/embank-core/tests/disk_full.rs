@@ -3,7 +3,8 @@
 //! Each test mounts a small tmpfs (root only: elsewhere the test says so and passes
 //! without running), puts a ballast file and a store on it, and writes new rows until
 //! the file system is full: under the mmap medium, the block medium behind the row
-//! cache, and the undo journals of checkpoints. Each must end in an `Io` error that
+//! cache, the undo journals of checkpoints, and the chunks of a sparse index. Each must
+//! end in an `Io` error that
 //! says "no space left", with the process alive (SIGBUS would kill the test binary),
 //! every row flushed before intact, reads working, and `close` + reopen working while
 //! the disk is still full; once the ballast is deleted, writes succeed again.
@@ -76,10 +77,11 @@ fn is_disk_full(e: &embank_core::Error) -> bool {
 }
 
 /// Fills the disk with new rows of table `t` (created with `table`); `checkpoints`
-/// takes a checkpoint every few batches and rewrites old rows (journal entries).
-fn fill_and_recover(mount: &Mount, table: TableOptions, checkpoints: bool) {
+/// takes a checkpoint every few batches and rewrites old rows (journal entries). A
+/// ballast file of `ballast_mib` MiB is deleted at the end, to make room again.
+fn fill_and_recover(mount: &Mount, table: TableOptions, checkpoints: bool, ballast_mib: usize) {
     let ballast = mount.path.join("ballast");
-    std::fs::write(&ballast, vec![1u8; 8 << 20]).unwrap();
+    std::fs::write(&ballast, vec![1u8; ballast_mib << 20]).unwrap();
     let path = mount.path.join("store");
     let store = Store::open(&path, options()).unwrap();
     let t = store.create_table("t", table).unwrap();
@@ -149,13 +151,13 @@ fn table(medium: MediumKind, placement: Placement) -> TableOptions {
 #[test]
 fn mmap_medium_full_disk_is_an_error() {
     let Some(m) = Mount::new(40) else { return };
-    fill_and_recover(&m, table(MediumKind::Mmap, Placement::Auto), false);
+    fill_and_recover(&m, table(MediumKind::Mmap, Placement::Auto), false, 8);
 }
 
 #[test]
 fn block_medium_full_disk_is_an_error() {
     let Some(m) = Mount::new(40) else { return };
-    fill_and_recover(&m, table(MediumKind::Block, Placement::Cache), false);
+    fill_and_recover(&m, table(MediumKind::Block, Placement::Cache), false, 8);
 }
 
 #[test]
@@ -163,5 +165,18 @@ fn journals_on_a_full_disk_are_an_error() {
     let Some(m) = Mount::new(40) else { return };
     let mut o = table(MediumKind::Mmap, Placement::Auto);
     o.optimizer = Optimizer::Sgd { lr: 0.1 };
-    fill_and_recover(&m, o, true);
+    fill_and_recover(&m, o, true, 8);
+}
+
+/// An index of a large capacity is sparse (a chunk gets blocks before the first key is
+/// written into it): here the chunks fill the disk before the rows do, and the insert
+/// that needs one more is the call that fails.
+#[test]
+fn index_chunks_on_a_full_disk_are_an_error() {
+    let Some(m) = Mount::new(40) else { return };
+    let mut o = table(MediumKind::Mmap, Placement::Auto);
+    // A 64 MiB index file on a 40 MiB file system: a batch of 256 new keys backs about
+    // 200 of its 1,024 chunks at first (14 MiB); the ballast makes room for one more.
+    o.capacity = 2_000_000;
+    fill_and_recover(&m, o, false, 16);
 }

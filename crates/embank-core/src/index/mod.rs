@@ -17,6 +17,10 @@
 //! the *same key* (the table holds a striped lock per key), so a key is never
 //! inserted twice.
 //!
+//! Disk space: the file is as long as its bucket count asks, but a chunk of it gets
+//! blocks only when a key is first written there (`backing.rs`), so an index of a large
+//! capacity holding few keys takes little disk, and a full disk is an insert's error.
+//!
 //! Crash safety: every word is written in place in the shared mapping, so a
 //! killed process leaves its writes in the page cache. What a kill can leave
 //! behind is an odd version (a bucket update cut short) and overflow counts
@@ -42,9 +46,12 @@ use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::format::{self, IndexHeader, INDEX_HEADER_BYTES};
 use crate::hash::{fingerprint, home_bucket, key_hash, probe_step};
 
+mod backing;
 mod bucket;
 mod repair;
 
+use backing::Backing;
+pub use backing::CHUNK_BYTES as BACKING_CHUNK_BYTES;
 use bucket::{empty_slots, match_fp, MARK_SLOT_BITS};
 
 /// What the second stage of a pipelined lookup hands the third: the home bucket's
@@ -75,8 +82,10 @@ use repair::LazyRepair;
 /// The index of one table: a mapped file of buckets.
 pub struct Index {
     path: PathBuf,
-    _file: File,
+    file: File,
     map: MmapMut,
+    /// Which chunks of the file have blocks (see `backing.rs`).
+    backing: Backing,
     bucket_count: u64,
     bucket_mask: u64,
     seed: u64,
@@ -108,9 +117,14 @@ impl Index {
             .open(path)
             .map_err(|e| io_at("cannot create index file", path, e))?;
         let bytes = INDEX_HEADER_BYTES as u64 + bucket_count * BUCKET_BYTES as u64;
-        crate::fsutil::allocate(&file, path, 0, bytes).inspect_err(|_| {
-            let _ = std::fs::remove_file(path);
-        })?;
+        // Sparse: chunks get blocks as keys arrive (`backing.rs`); the header's now.
+        let backing = file
+            .set_len(bytes)
+            .map_err(|e| io_at("cannot size index file", path, e))
+            .and_then(|()| Backing::create(&file, path, bytes))
+            .inspect_err(|_| {
+                let _ = std::fs::remove_file(path);
+            })?;
         let mut map =
             unsafe { MmapOptions::new().map_mut(&file) }.map_err(|e| io_at("cannot map index file", path, e))?;
         let header = IndexHeader::new(bucket_count, seed);
@@ -120,8 +134,9 @@ impl Index {
         map[at..at + 16].copy_from_slice(&crate::fsutil::boot_id());
         let index = Index {
             path: path.to_owned(),
-            _file: file,
+            file,
             map,
+            backing,
             bucket_count,
             bucket_mask: bucket_count - 1,
             seed,
@@ -151,10 +166,12 @@ impl Index {
             return Err(Error::new(ErrorKind::Recover, format!("index file has {len} bytes, its header says {want}"))
                 .context(path.display().to_string()));
         }
+        let backing = Backing::open(&file, len);
         Ok(Index {
             path: path.to_owned(),
-            _file: file,
+            file,
             map,
+            backing,
             bucket_count: header.bucket_count,
             bucket_mask: header.bucket_count - 1,
             seed: header.seed,
@@ -188,6 +205,12 @@ impl Index {
 
     pub fn file_bytes(&self) -> u64 {
         self.map.len() as u64
+    }
+
+    /// Gives bucket `b`'s part of the file blocks before anything writes into it.
+    #[inline(always)]
+    fn back(&self, b: u64) -> Result<()> {
+        self.backing.back(&self.file, &self.path, b)
     }
 
     fn word(&self, offset: usize) -> &AtomicU64 {
@@ -497,8 +520,9 @@ impl Index {
     }
 
     /// Inserts a key the caller knows is absent (and holds the key's writer lock).
-    /// Returns `false` when no free slot lies within [`PROBE_BUCKETS_MAX`] buckets.
-    pub fn insert_new(&self, key: u64, hash: u64, ptr: u64) -> bool {
+    /// Returns `false` when no free slot lies within [`PROBE_BUCKETS_MAX`] buckets, an
+    /// `Io` error when the disk has no room for the part of the file it writes.
+    pub fn insert_new(&self, key: u64, hash: u64, ptr: u64) -> Result<bool> {
         strict_assert!(ptr != 0);
         strict_assert!(self.find(key, hash).is_none(), "key {key} inserted twice");
         let fp = fingerprint(hash);
@@ -507,6 +531,10 @@ impl Index {
         let mut b = home;
         let probes_max = PROBE_BUCKETS_MAX.min(self.bucket_count);
         for probe in 0..probes_max {
+            if let Err(e) = self.back(b) {
+                self.uncount(home, step, probe);
+                return Err(e);
+            }
             let bucket = self.bucket(b);
             let v = bucket.lock();
             let empty = empty_slots(bucket.fp_words());
@@ -520,7 +548,7 @@ impl Index {
                 }
                 bucket.unlock(v);
                 self.add_len(1);
-                return true;
+                return Ok(true);
             }
             // Count the key in every bucket it passes, before it lands further on.
             bucket.overflow.fetch_add(1, Ordering::Relaxed);
@@ -528,11 +556,11 @@ impl Index {
             if probe + 1 == probes_max {
                 // Give up: take back the counts.
                 self.uncount(home, step, probe + 1);
-                return false;
+                return Ok(false);
             }
             b = (b + step) & self.bucket_mask;
         }
-        false
+        Ok(false)
     }
 
     /// Decrements the overflow counters of the first `buckets` buckets of a probe sequence.

@@ -125,11 +125,26 @@ impl Index {
 
     /// The background pass of a lazy repair over buckets `[start, end)`, which must
     /// continue where the last call stopped: repairs each bucket, counts its keys and
-    /// calls `f(key, ptr)` for each, under the bucket's lock.
+    /// calls `f(key, ptr)` for each, under the bucket's lock. A part of the file without
+    /// blocks holds no key and is passed over untouched (locking a bucket writes it, and
+    /// a write there would give it blocks).
     pub fn repair_scan(&self, start: u64, end: u64, mut f: impl FnMut(u64, u64)) {
         let lazy = self.lazy.as_ref().expect("repair_scan without begin_lazy_repair");
         assert_eq!(start, lazy.cursor.load(Ordering::Acquire), "repair_scan must continue where it stopped");
-        for b in start..end.min(self.bucket_count) {
+        let end = end.min(self.bucket_count);
+        let mut b = start;
+        while b < end {
+            if !self.backing.is_backed(b) {
+                // No writer backs the chunk while this decides: one that backs it later
+                // finds the cursor past its bucket and counts its change in the delta.
+                let _hold = self.backing.hold();
+                if !self.backing.is_backed(b) {
+                    let next = super::Backing::next_chunk_bucket(b).min(end);
+                    lazy.cursor.store(next, Ordering::Release);
+                    b = next;
+                    continue;
+                }
+            }
             self.ensure_repaired(lazy, b);
             let bucket = self.raw_bucket(b);
             let v = bucket.lock();
@@ -143,6 +158,7 @@ impl Index {
             lazy.counted.fetch_add(n, Ordering::Relaxed);
             lazy.cursor.store(b + 1, Ordering::Release);
             bucket.unlock(v);
+            b += 1;
         }
     }
 
@@ -178,7 +194,11 @@ impl Index {
                 report.buckets_interrupted += 1;
                 bucket.version.store(v.wrapping_add(1), Ordering::Relaxed);
             }
-            bucket.overflow.store(0, Ordering::Relaxed);
+            // Only a word that changes is written: a write to a part of the file without
+            // blocks would give it blocks (see `backing.rs`).
+            if bucket.overflow.load(Ordering::Relaxed) != 0 {
+                bucket.overflow.store(0, Ordering::Relaxed);
+            }
             report.slots_dropped += self.clean_slots(bucket, |key, ptr| keep(key, ptr, interrupted));
         }
         // Recount overflow along each key's probe path.

@@ -29,15 +29,15 @@ fn a_bucket_changed_between_stages_is_read_again() {
     let index = new_index(&dir, 1);
     let (a, k, filler) = (1u64, 2u64, 3u64);
     for key in [a, k] {
-        assert!(index.insert_new(key, index.hash(key), 100 + key));
+        assert!(index.insert_new(key, index.hash(key), 100 + key).unwrap());
     }
     let hk = index.hash(k);
     index.probe_start(hk);
     let probe = index.probe_home(hk);
     // k leaves slot 1, a filler takes it, k comes back in slot 2 with a new pointer.
     assert_eq!(index.remove(k, hk), Some(102));
-    assert!(index.insert_new(filler, index.hash(filler), 103));
-    assert!(index.insert_new(k, hk, 202));
+    assert!(index.insert_new(filler, index.hash(filler), 103).unwrap());
+    assert!(index.insert_new(k, hk, 202).unwrap());
     assert_eq!(index.find(k, hk).unwrap().slot, 2);
     assert_eq!(index.probe_slots(k, hk, probe), Some(202));
     // Unchanged: the probe answers by itself.
@@ -59,7 +59,7 @@ fn staged_lookups_during_writes_see_only_stored_pointers() {
     let (stable, churned) = (0..100u64, 100..180u64);
     let ptr_of = |key: u64, generation: u64| key << 32 | (generation + 1);
     for key in stable.clone().chain(churned.clone()) {
-        assert!(index.insert_new(key, index.hash(key), ptr_of(key, 0)));
+        assert!(index.insert_new(key, index.hash(key), ptr_of(key, 0)).unwrap());
     }
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -74,7 +74,7 @@ fn staged_lookups_during_writes_see_only_stored_pointers() {
                         let h = index.hash(key);
                         if generation % 3 == 0 {
                             index.remove(key, h);
-                            assert!(index.insert_new(key, h, ptr_of(key, generation)));
+                            assert!(index.insert_new(key, h, ptr_of(key, generation)).unwrap());
                         } else {
                             index.replace(key, h, ptr_of(key, generation));
                         }
@@ -138,9 +138,9 @@ fn fills_a_tiny_index_completely() {
     let slots = index.slot_count();
     for key in 0..slots {
         let h = index.hash(key);
-        assert!(index.insert_new(key, h, key + 1), "key {key} of {slots}");
+        assert!(index.insert_new(key, h, key + 1).unwrap(), "key {key} of {slots}");
     }
-    assert!(!index.insert_new(slots, index.hash(slots), 7), "a full index took one more key");
+    assert!(!index.insert_new(slots, index.hash(slots), 7).unwrap(), "a full index took one more key");
     for key in 0..slots {
         assert_eq!(index.get(key, index.hash(key)), Some(key + 1));
     }
@@ -189,7 +189,7 @@ proptest! {
                 Op::Put(k, p) => {
                     let h = index.hash(k);
                     if index.replace(k, h, p).is_none() {
-                        prop_assert!(index.insert_new(k, h, p), "step {}: insert failed", i);
+                        prop_assert!(index.insert_new(k, h, p).unwrap(), "step {}: insert failed", i);
                     }
                     model.insert(k, p);
                 }
@@ -224,7 +224,7 @@ fn reopen_keeps_keys_and_recover_unlocks_interrupted_buckets() {
     {
         let index = Index::create(&path, 16, 3).unwrap();
         for key in 0..100 {
-            assert!(index.insert_new(key, index.hash(key), 1000 + key));
+            assert!(index.insert_new(key, index.hash(key), 1000 + key).unwrap());
         }
         // Simulate a writer killed inside bucket 5.
         index.bucket(5).version.fetch_add(1, Ordering::Relaxed);
@@ -250,4 +250,47 @@ fn open_rejects_truncated_file() {
     f.set_len(INDEX_HEADER_BYTES as u64 + 100).unwrap();
     let err = Index::open(&path).err().unwrap();
     assert_eq!(err.kind(), ErrorKind::Recover, "{err}");
+}
+
+/// An index of many buckets holding a few keys takes disk only where they are (a chunk
+/// each, and the header's), also after a reopen, the background repair's pass (which
+/// passes over the chunks without blocks untouched) and the full repair.
+#[test]
+fn an_index_takes_disk_only_where_its_keys_are() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("i");
+    let buckets = 1 << 16; // 16 MiB of buckets
+    let allocated = |p: &std::path::Path| std::fs::metadata(p).unwrap().blocks() * 512;
+    // The chunks, and a few blocks of the file system's own (an extent tree's).
+    let most = 5 * BACKING_CHUNK_BYTES + (16 << 10);
+    {
+        let index = Index::create(&path, buckets, 7).unwrap();
+        for key in 1..=4u64 {
+            assert!(index.insert_new(key, index.hash(key), 4096 * key).unwrap());
+        }
+        index.flush().unwrap();
+        let len = std::fs::metadata(&path).unwrap().len();
+        assert_eq!(len, INDEX_HEADER_BYTES as u64 + buckets * BUCKET_BYTES as u64, "the file's length");
+        assert!(index.backing.backed_chunks() <= 5, "{} chunks backed for 4 keys", index.backing.backed_chunks());
+        let bytes = allocated(&path);
+        assert!(bytes <= most, "{bytes} bytes allocated for 4 keys, expected at most {most}");
+    }
+    let mut index = Index::open(&path).unwrap();
+    let backed = index.backing.backed_chunks();
+    assert!((1..=5).contains(&backed), "{backed} chunks found backed at open, expected 1 to 5");
+    index.begin_lazy_repair();
+    let mut seen = Vec::new();
+    index.repair_scan(0, buckets / 2, |key, _| seen.push(key));
+    // A key inserted during the pass, into a chunk it has not reached or already passed.
+    let late = (100..).find(|&k| index.home_of(index.hash(k)) < buckets / 2).unwrap();
+    assert!(index.insert_new(late, index.hash(late), 4096 * 99).unwrap());
+    index.repair_scan(buckets / 2, buckets, |key, _| seen.push(key));
+    seen.sort_unstable();
+    assert_eq!(seen, [1, 2, 3, 4], "keys the background pass counted");
+    assert_eq!(index.finish_lazy_repair().keys, 5, "keys after the pass and the late insert");
+    assert_eq!(index.recover(|_, _, _| true).keys, 5, "keys after the full repair");
+    index.flush().unwrap();
+    let bytes = allocated(&path);
+    assert!(bytes <= most + BACKING_CHUNK_BYTES, "{bytes} bytes allocated after the repairs");
 }

@@ -19,8 +19,15 @@ use crate::format::{self, ROWS_HEADER_BYTES};
 /// queue at once (see `retire_at`).
 const RETIRE_FLUSH_RECORDS: usize = 256;
 
-/// Smallest step a rows file grows by.
-pub const GROW_BYTES_MIN: u64 = 16 << 20;
+/// Smallest step a rows file grows by: a table of a few rows takes a few pages.
+pub const GROW_BYTES_MIN: u64 = 64 << 10;
+/// Largest step a rows file grows by.
+pub const GROW_BYTES_MAX: u64 = 1 << 30;
+/// A rows file grows by this share of its size (between the two bounds), so the room it
+/// holds beyond its records stays under an eighth of it, and a large table grows in few
+/// steps (each one `fallocate` under the grow lock).
+pub const GROW_DIVISOR: u64 = 8;
+const _: () = assert!(GROW_BYTES_MIN < GROW_BYTES_MAX && GROW_DIVISOR >= 2);
 
 /// Free records, and how many retired records still wait for their grace period.
 #[derive(Default)]
@@ -187,8 +194,9 @@ impl RecordAlloc {
         if records <= have {
             return Ok(());
         }
-        let grow_records = (GROW_BYTES_MIN / self.stride).max(have / 4).max(1);
-        let want = records.max(have + grow_records);
+        let had = ROWS_HEADER_BYTES as u64 + have * self.stride;
+        let grow_bytes = (had / GROW_DIVISOR).clamp(GROW_BYTES_MIN, GROW_BYTES_MAX);
+        let want = records.max(have + (grow_bytes / self.stride).max(1));
         let bytes = ROWS_HEADER_BYTES as u64 + want * self.stride;
         if bytes > self.limit_bytes {
             return Err(Error::new(
@@ -196,7 +204,6 @@ impl RecordAlloc {
                 format!("rows file {} reached its limit of {} bytes", self.path.display(), self.limit_bytes),
             ));
         }
-        let had = ROWS_HEADER_BYTES as u64 + have * self.stride;
         crate::fsutil::allocate(&self.file, &self.path, had, bytes)?;
         self.file_records.store(want, Ordering::Release);
         Ok(())

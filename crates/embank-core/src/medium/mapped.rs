@@ -78,14 +78,16 @@ impl<'a> Mapped<'a> {
         self.each_line(ptr, crate::prefetch::prefetch_read)
     }
 
-    /// Calls `hint` with the address of each cache line of a record.
+    /// Calls `hint` with an address in each cache line a record's bytes touch (a record
+    /// need not start on a line: strides are multiples of 16 bytes).
     #[inline(always)]
     pub(super) fn each_line(&self, ptr: u64, hint: fn(*const u8)) {
         let p = self.record_ptr(ptr);
-        let stride = self.alloc.stride() as usize;
+        let last = ptr as usize + self.codec.record_bytes() - 1;
         let mut off = 0;
-        while off < stride {
-            // SAFETY: within the record.
+        while ptr as usize + off <= last | 63 {
+            // SAFETY: within the record, or in the last line it touches (a prefetch of an
+            // address in it does not fault).
             hint(unsafe { p.add(off) });
             off += 64;
         }

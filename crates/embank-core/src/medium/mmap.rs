@@ -376,14 +376,25 @@ mod tests {
     fn grows_the_file_and_reopens() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rows.ebr");
-        let n = (super::super::alloc::GROW_BYTES_MIN / record_stride(256, DType::F32) as u64) as usize + 10;
+        // Past the first few steps of growth, 16 records at a time.
+        let n = (4 * super::super::alloc::GROW_BYTES_MIN / record_stride(256, DType::F32) as u64) as usize + 10;
         {
             let m = MmapMedium::create(&path, f32s(64)).unwrap();
             let mut ptrs = Vec::new();
-            m.alloc().allocate(n, &mut ptrs).unwrap();
-            for (i, &p) in ptrs.iter().enumerate() {
-                m.write_row(p, i as u64, &[i as f32; 64]);
+            for first in (0..n).step_by(16) {
+                m.alloc().allocate(16.min(n - first), &mut ptrs).unwrap();
+                for (i, &p) in ptrs.iter().enumerate() {
+                    let key = (first + i) as u64;
+                    m.write_row(p, key, &[key as f32; 64]);
+                }
             }
+            // The file holds the records and at most one step more.
+            let needed = ROWS_HEADER_BYTES as u64 + n as u64 * m.stride();
+            let len = std::fs::metadata(&path).unwrap().len();
+            assert!(
+                len >= needed && len <= needed + super::super::alloc::GROW_BYTES_MIN,
+                "rows file of {len} bytes for {needed} bytes of records"
+            );
             m.flush().unwrap();
         }
         let m = MmapMedium::open(&path, f32s(64)).unwrap();
@@ -391,5 +402,37 @@ mod tests {
         let last = ROWS_HEADER_BYTES as u64 + (n as u64 - 1) * m.stride();
         assert_eq!(m.key_at(last), n as u64 - 1);
         assert!(m.checksum_ok(last));
+    }
+
+    /// A rows file of dim 64 written when f32 records were rounded to whole lines (320
+    /// bytes, not today's 272) opens with its own stride, and its records read back and
+    /// grow as they did.
+    #[test]
+    fn a_file_of_the_old_line_stride_reads_as_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rows.ebr");
+        assert_eq!(record_stride(256, DType::F32), 272);
+        let mut first = vec![0u8; ROWS_HEADER_BYTES];
+        RowsHeader { dim: 64, dtype: DType::F32, stride: 320 }.write(&mut first);
+        std::fs::write(&path, &first).unwrap();
+        let n = 1000;
+        {
+            let m = MmapMedium::open(&path, f32s(64)).unwrap();
+            assert_eq!(m.stride(), 320);
+            let mut ptrs = Vec::new();
+            m.alloc().allocate(n, &mut ptrs).unwrap();
+            for (i, &p) in ptrs.iter().enumerate() {
+                assert_eq!(p, ROWS_HEADER_BYTES as u64 + i as u64 * 320);
+                m.write_row(p, i as u64, &[i as f32; 64]);
+            }
+            m.flush().unwrap();
+        }
+        let m = MmapMedium::open(&path, f32s(64)).unwrap();
+        assert_eq!((m.stride(), m.alloc().next_record()), (320, n as u64));
+        for i in [0u64, 1, 517, n as u64 - 1] {
+            let p = ROWS_HEADER_BYTES as u64 + i * 320;
+            assert!(m.checksum_ok(p), "record {i}");
+            assert_eq!((m.key_at(p), row_at(&m, p)), (i, vec![i as f32; 64]), "record {i}");
+        }
     }
 }

@@ -96,23 +96,30 @@ impl Table {
         let index = loop {
             let _ = std::fs::remove_file(&path);
             let index = Index::create(&path, buckets, old.seed())?;
-            let mut ok = true;
+            // Every key inserted (`Ok(true)`), or one found no slot (`Ok(false)`: more
+            // buckets), or the disk is full.
+            let mut filled = Ok(true);
             for &key in first {
                 if let Some(ptr) = old.get(key, old.hash(key)) {
-                    if index.get(key, index.hash(key)).is_none() {
-                        ok = ok && index.insert_new(key, index.hash(key), ptr);
+                    if matches!(filled, Ok(true)) && index.get(key, index.hash(key)).is_none() {
+                        filled = index.insert_new(key, index.hash(key), ptr);
                     }
                 }
             }
             old.for_each(0, old.bucket_count(), |key, ptr| {
-                if !placed.contains(&key) {
-                    ok = ok && index.insert_new(key, index.hash(key), ptr);
+                if matches!(filled, Ok(true)) && !placed.contains(&key) {
+                    filled = index.insert_new(key, index.hash(key), ptr);
                 }
             });
-            if ok {
-                break index;
+            match filled {
+                Ok(true) => break index,
+                Ok(false) => buckets *= 2,
+                Err(e) => {
+                    drop(index);
+                    let _ = std::fs::remove_file(&path);
+                    return Err(e);
+                }
             }
-            buckets *= 2;
         };
         if index.len() != rows {
             let _ = std::fs::remove_file(&path);

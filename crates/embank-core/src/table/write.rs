@@ -208,7 +208,7 @@ impl<'a> RecordWriter<'a> {
             .map_err(|e| e.context(format!("table {:?}", self.table.shared.config.name)))?;
         let old = match change {
             Change::Create(ptr) => {
-                if !index.insert_new(key, h, ptr) {
+                if !index.insert_new(key, h, ptr)? {
                     self.unused.push(ptr);
                     return Ok(Outcome::NoRoom);
                 }
@@ -216,7 +216,7 @@ impl<'a> RecordWriter<'a> {
             }
             Change::Upsert(ptr) => match index.replace(key, h, ptr) {
                 Some(old) => Some(old),
-                None if self.table.has_room(index) && index.insert_new(key, h, ptr) => None,
+                None if self.table.has_room(index) && index.insert_new(key, h, ptr)? => None,
                 None => {
                     self.unused.push(ptr);
                     return Ok(Outcome::NoRoom);
