@@ -121,6 +121,16 @@ pub(super) fn empty_slots_portable(words: [u64; 2]) -> u32 {
 }
 
 impl Bucket {
+    /// True when every byte of the bucket is zero: it was never written (its version
+    /// moves on every lock).
+    pub(super) fn is_zero(&self) -> bool {
+        self.version.load(Ordering::Acquire) == 0
+            && self.overflow.load(Ordering::Relaxed) == 0
+            && self.fps.iter().all(|w| w.load(Ordering::Relaxed) == 0)
+            && self.slots.iter().flatten().all(|w| w.load(Ordering::Relaxed) == 0)
+            && self.marks.load(Ordering::Relaxed) == 0
+    }
+
     #[inline(always)]
     pub(super) fn fp_words(&self) -> [u64; 2] {
         [self.fps[0].load(Ordering::Relaxed), self.fps[1].load(Ordering::Relaxed)]

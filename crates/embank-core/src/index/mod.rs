@@ -166,7 +166,7 @@ impl Index {
             return Err(Error::new(ErrorKind::Recover, format!("index file has {len} bytes, its header says {want}"))
                 .context(path.display().to_string()));
         }
-        let backing = Backing::open(&file, len);
+        let backing = Backing::open(&file, path, len)?;
         Ok(Index {
             path: path.to_owned(),
             file,

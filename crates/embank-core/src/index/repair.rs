@@ -125,9 +125,11 @@ impl Index {
 
     /// The background pass of a lazy repair over buckets `[start, end)`, which must
     /// continue where the last call stopped: repairs each bucket, counts its keys and
-    /// calls `f(key, ptr)` for each, under the bucket's lock. A part of the file without
-    /// blocks holds no key and is passed over untouched (locking a bucket writes it, and
-    /// a write there would give it blocks).
+    /// calls `f(key, ptr)` for each, under the bucket's lock. Locking a bucket writes it,
+    /// so only buckets of backed chunks are locked (see `backing.rs`): a chunk without
+    /// data holds no key and is passed over; one with data and holes is backed first,
+    /// or, on a full disk, only its buckets that are not all zeros (written before,
+    /// so backed) are locked.
     pub fn repair_scan(&self, start: u64, end: u64, mut f: impl FnMut(u64, u64)) {
         let lazy = self.lazy.as_ref().expect("repair_scan without begin_lazy_repair");
         assert_eq!(start, lazy.cursor.load(Ordering::Acquire), "repair_scan must continue where it stopped");
@@ -135,31 +137,48 @@ impl Index {
         let mut b = start;
         while b < end {
             if !self.backing.is_backed(b) {
-                // No writer backs the chunk while this decides: one that backs it later
-                // finds the cursor past its bucket and counts its change in the delta.
-                let _hold = self.backing.hold();
-                if !self.backing.is_backed(b) {
-                    let next = super::Backing::next_chunk_bucket(b).min(end);
+                // No writer backs the chunk while this decides (an insert backs its
+                // bucket's chunk first): one that backs it later finds the cursor past
+                // its bucket and counts its change in the delta.
+                let held = self.backing.hold();
+                let next = super::Backing::next_chunk_bucket(b).min(end);
+                if !self.backing.is_partial(b) {
                     lazy.cursor.store(next, Ordering::Release);
                     b = next;
                     continue;
                 }
-            }
-            self.ensure_repaired(lazy, b);
-            let bucket = self.raw_bucket(b);
-            let v = bucket.lock();
-            let mut n = 0;
-            for slot in 0..SLOTS_PER_BUCKET {
-                if bucket.fp(slot) != 0 {
-                    n += 1;
-                    f(bucket.slots[slot][0].load(Ordering::Relaxed), bucket.slots[slot][1].load(Ordering::Relaxed));
+                if self.backing.back_held(&held, &self.file, &self.path, b).is_err() {
+                    while b < next {
+                        if !self.raw_bucket(b).is_zero() {
+                            self.scan_bucket(lazy, b, &mut f);
+                        } else {
+                            lazy.cursor.store(b + 1, Ordering::Release);
+                        }
+                        b += 1;
+                    }
+                    continue;
                 }
             }
-            lazy.counted.fetch_add(n, Ordering::Relaxed);
-            lazy.cursor.store(b + 1, Ordering::Release);
-            bucket.unlock(v);
+            self.scan_bucket(lazy, b, &mut f);
             b += 1;
         }
+    }
+
+    /// Repairs bucket `b` and counts its keys (the pass's cursor is at `b`).
+    fn scan_bucket(&self, lazy: &LazyRepair, b: u64, f: &mut impl FnMut(u64, u64)) {
+        self.ensure_repaired(lazy, b);
+        let bucket = self.raw_bucket(b);
+        let v = bucket.lock();
+        let mut n = 0;
+        for slot in 0..SLOTS_PER_BUCKET {
+            if bucket.fp(slot) != 0 {
+                n += 1;
+                f(bucket.slots[slot][0].load(Ordering::Relaxed), bucket.slots[slot][1].load(Ordering::Relaxed));
+            }
+        }
+        lazy.counted.fetch_add(n, Ordering::Relaxed);
+        lazy.cursor.store(b + 1, Ordering::Release);
+        bucket.unlock(v);
     }
 
     /// Ends a lazy repair once [`repair_scan`](Self::repair_scan) has passed every

@@ -259,6 +259,10 @@ fn open_rejects_truncated_file() {
 fn an_index_takes_disk_only_where_its_keys_are() {
     use std::os::unix::fs::MetadataExt;
     let dir = tempfile::tempdir().unwrap();
+    if !crate::fsutil::sparse_files_ok(&std::fs::File::open(dir.path()).unwrap()) {
+        eprintln!("{} is on a file system where the index is allocated whole; test not run", dir.path().display());
+        return;
+    }
     let path = dir.path().join("i");
     let buckets = 1 << 16; // 16 MiB of buckets
     let allocated = |p: &std::path::Path| std::fs::metadata(p).unwrap().blocks() * 512;
