@@ -189,6 +189,12 @@ impl Backing {
             return Ok(());
         }
         let (from, to) = (chunk * CHUNK_BYTES, ((chunk + 1) * CHUNK_BYTES).min(self.file_bytes));
+        if !self.partial.get(chunk) {
+            // No data at open, none written since (writes wait for this): zeros throughout.
+            crate::fsutil::zero_fill(file, path, from, to)?;
+            self.backed.set(chunk);
+            return Ok(());
+        }
         let mut bytes = vec![0u8; (to - from) as usize];
         file.read_exact_at(&mut bytes, from).map_err(|e| crate::error::io_at("cannot read", path, e))?;
         // Runs of pages that read as zeros, each rewritten with one write.
