@@ -197,8 +197,8 @@ fn journals_on_a_full_disk_are_an_error() {
 fn index_chunks_on_a_full_disk_are_an_error() {
     let Some(m) = Mount::ext4(48) else { return };
     let mut o = table(MediumKind::Mmap, Placement::Auto);
-    // A 64 MiB index file on a 40 MiB file system: a batch of 256 new keys backs about
-    // 200 of its 1,024 chunks at first (14 MiB); the ballast makes room for one more.
+    // A 64 MiB index file on a 48 MiB file system: each new key backs a page of it
+    // (4 KiB) beside its record (1 KiB), until the file system is full.
     o.capacity = 2_000_000;
-    fill_and_recover(&m, o, false, 16);
+    fill_and_recover(&m, o, false, 8);
 }

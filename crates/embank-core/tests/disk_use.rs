@@ -136,6 +136,32 @@ fn a_default_table_with_checkpoints_takes_under_a_megabyte() {
     }
 }
 
+/// 1,000 rows in a default table (capacity 1 Mi: a 32 MiB index of 8,192 pages) take a
+/// page of the index each, about: under 5 MB in all (the index's pages where keys landed,
+/// the rows, the journals of two checkpoints).
+#[test]
+fn a_thousand_rows_take_a_page_of_index_each() {
+    let dir = tempfile::tempdir().unwrap();
+    if !sparse_here(dir.path()) {
+        return;
+    }
+    let path = dir.path().join("store");
+    let store = Store::open(&path, StoreOptions::default()).unwrap();
+    let t = store.create_table("t", TableOptions::new(64)).unwrap();
+    let keys: Vec<u64> = (0..1000).map(|k| k * 7919).collect();
+    t.push(&keys, &vec![0.5; keys.len() * 64]).unwrap();
+    store.checkpoint(1).unwrap();
+    t.push(&keys, &vec![1.5; keys.len() * 64]).unwrap();
+    store.checkpoint(2).unwrap();
+    store.close().unwrap();
+    let bytes = allocated_bytes(&path);
+    assert!(
+        bytes < 5 * MB,
+        "a default table of 1,000 rows takes {bytes} bytes, expected under 5 MB:{}",
+        listing(&path)
+    );
+}
+
 /// 1 M rows of dim 64 `f32` take at most 1.3 times their bytes besides the index.
 #[test]
 fn a_million_rows_take_little_more_than_their_bytes() {
