@@ -175,29 +175,13 @@ pub fn sparse_files_ok(file: &File) -> bool {
     matches!(s.f_type as u64, EXT4 | XFS | BTRFS | F2FS | ZFS | BCACHEFS)
 }
 
-/// The byte ranges of `file` within `[from, to)` that hold data (`SEEK_DATA`,
-/// `SEEK_HOLE`), in order; all of it where the file system cannot say.
-pub fn data_ranges(file: &File, from: u64, to: u64) -> Vec<(u64, u64)> {
-    let fd = file.as_raw_fd();
-    let mut out = Vec::new();
-    let mut at = from;
-    while at < to {
-        // SAFETY: lseek on a descriptor we own.
-        let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
-        if data < 0 {
-            if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO) {
-                out.push((at, to)); // cannot say: count the rest as data
-            }
-            break; // ENXIO: no data after `at`
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-        let end = if hole <= data { to } else { (hole as u64).min(to) };
-        if (data as u64) >= to {
-            break;
-        }
-        out.push((data as u64, end));
-        at = end.max(data as u64 + 1);
+/// Where the first data of `file` at or after `from` and before `to` lies (`SEEK_DATA`);
+/// `None` when there is none, `from` itself where the file system cannot say.
+pub fn next_data(file: &File, from: u64, to: u64) -> Option<u64> {
+    // SAFETY: lseek on a descriptor we own.
+    let at = unsafe { libc::lseek(file.as_raw_fd(), from as libc::off_t, libc::SEEK_DATA) };
+    if at < 0 {
+        return if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) { None } else { Some(from) };
     }
-    out
+    ((at as u64) < to).then_some(at as u64)
 }

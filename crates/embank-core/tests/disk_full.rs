@@ -3,7 +3,7 @@
 //! Each test mounts a small tmpfs (root only: elsewhere the test says so and passes
 //! without running), puts a ballast file and a store on it, and writes new rows until
 //! the file system is full: under the mmap medium, the block medium behind the row
-//! cache, the undo journals of checkpoints, and the chunks of a sparse index. Each must
+//! cache, the undo journals of checkpoints, and the pages of a sparse index. Each must
 //! end in an `Io` error that
 //! says "no space left", with the process alive (SIGBUS would kill the test binary),
 //! every row flushed before intact, reads working, and `close` + reopen working while
@@ -52,7 +52,9 @@ impl Mount {
         std::fs::File::create(&image).unwrap().set_len(mib << 20).unwrap();
         let path = dir.path().join("fs");
         std::fs::create_dir(&path).unwrap();
-        let made = Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&image).status().is_ok_and(|s| s.success());
+        // No blocks reserved for root (the tests run as root): full means full.
+        let made =
+            Command::new("mkfs.ext4").args(["-q", "-F", "-m", "0"]).arg(&image).status().is_ok_and(|s| s.success());
         let ok = made
             && Command::new("mount").args(["-o", "loop"]).arg(&image).arg(&path).status().is_ok_and(|s| s.success());
         if !ok {
@@ -190,15 +192,50 @@ fn journals_on_a_full_disk_are_an_error() {
     fill_and_recover(&m, o, true, 8);
 }
 
-/// An index of a large capacity is sparse (a chunk gets blocks before the first key is
-/// written into it): here the chunks fill the disk before the rows do, and the insert
-/// that needs one more is the call that fails. On ext4: on tmpfs the index is whole.
+/// An index of a large capacity is sparse: a page gets blocks before the first key is
+/// written into it. Here the disk is full while the rows file still has room for new
+/// records: the insert that needs a new page of the index is the call that fails, and
+/// the repair's pass after a reopen on the full disk writes no page without blocks. On
+/// ext4 (on tmpfs the index is allocated whole).
 #[test]
-fn index_chunks_on_a_full_disk_are_an_error() {
+fn index_pages_on_a_full_disk_are_an_error() {
     let Some(m) = Mount::ext4(48) else { return };
+    let path = m.path.join("store");
+    let store = Store::open(&path, options()).unwrap();
     let mut o = table(MediumKind::Mmap, Placement::Auto);
-    // A 64 MiB index file on a 48 MiB file system: each new key backs a page of it
-    // (4 KiB) beside its record (1 KiB), until the file system is full.
-    o.capacity = 2_000_000;
-    fill_and_recover(&m, o, false, 8);
+    o.capacity = 2_000_000; // a 64 MiB index file on a 48 MiB file system
+    let t = store.create_table("t", o).unwrap();
+    // The rows file's first step holds 62 records of 1,040 bytes: 48 keys fit.
+    let first: Vec<u64> = (0..16).collect();
+    t.push(&first, &rows(&first, 0)).unwrap();
+    store.flush().unwrap();
+    let ballast = m.path.join("ballast");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&ballast).unwrap();
+        for block in [1 << 20, 4096, 1024] {
+            while f.write_all(&vec![1u8; block]).is_ok() {}
+        }
+        let _ = f.sync_all();
+    }
+    let keys: Vec<u64> = (1000..1032).collect();
+    let e = t.push(&keys, &rows(&keys, 0)).expect_err("new keys on a full disk");
+    assert!(is_disk_full(&e), "expected a disk-full Io error, got {:?}: {e}", e.kind());
+    assert!(e.to_string().contains("index.0.ebi"), "expected the index's page to be what lacked room: {e}");
+    check_rows(&store, &first, 0, "after the error");
+    drop(t);
+    let _ = store.close();
+    drop(store);
+    let store = Store::open(&path, options()).expect("reopen on a full disk");
+    check_rows(&store, &first, 0, "after reopening on the full disk");
+    store.wait_repaired().unwrap();
+    drop(store);
+    std::fs::remove_file(&ballast).unwrap();
+    let store = Store::open(&path, options()).unwrap();
+    let t = store.table("t").unwrap();
+    t.push(&keys, &rows(&keys, 3)).expect("new keys after space was freed");
+    store.flush().unwrap();
+    check_rows(&store, &keys, 3, "after space was freed");
+    check_rows(&store, &first, 0, "old rows after space was freed");
+    store.close().unwrap();
 }

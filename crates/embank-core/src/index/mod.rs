@@ -17,7 +17,7 @@
 //! the *same key* (the table holds a striped lock per key), so a key is never
 //! inserted twice.
 //!
-//! Disk space: the file is as long as its bucket count asks, but a chunk of it gets
+//! Disk space: the file is as long as its bucket count asks, but a page of it gets
 //! blocks only when a key is first written there (`backing.rs`), so an index of a large
 //! capacity holding few keys takes little disk, and a full disk is an insert's error.
 //!
@@ -51,7 +51,7 @@ mod bucket;
 mod repair;
 
 use backing::Backing;
-pub use backing::CHUNK_BYTES as BACKING_CHUNK_BYTES;
+pub use backing::PAGE_BYTES as BACKING_PAGE_BYTES;
 use bucket::{empty_slots, match_fp, MARK_SLOT_BITS};
 
 /// What the second stage of a pipelined lookup hands the third: the home bucket's

@@ -126,10 +126,8 @@ impl Index {
     /// The background pass of a lazy repair over buckets `[start, end)`, which must
     /// continue where the last call stopped: repairs each bucket, counts its keys and
     /// calls `f(key, ptr)` for each, under the bucket's lock. Locking a bucket writes it,
-    /// so only buckets of backed chunks are locked (see `backing.rs`): a chunk without
-    /// data holds no key and is passed over; one with data and holes is backed first,
-    /// or, on a full disk, only its buckets that are not all zeros (written before,
-    /// so backed) are locked.
+    /// so only buckets of pages with blocks are locked (see `backing.rs`): pages that are
+    /// holes, or read as zeros, hold no key and are passed over untouched.
     pub fn repair_scan(&self, start: u64, end: u64, mut f: impl FnMut(u64, u64)) {
         let lazy = self.lazy.as_ref().expect("repair_scan without begin_lazy_repair");
         assert_eq!(start, lazy.cursor.load(Ordering::Acquire), "repair_scan must continue where it stopped");
@@ -137,26 +135,27 @@ impl Index {
         let mut b = start;
         while b < end {
             if !self.backing.is_backed(b) {
-                // No writer backs the chunk while this decides (an insert backs its
-                // bucket's chunk first): one that backs it later finds the cursor past
+                // No writer backs the page while this decides (an insert backs its
+                // bucket's page first): one that backs it later finds the cursor past
                 // its bucket and counts its change in the delta.
                 let held = self.backing.hold();
-                let next = super::Backing::next_chunk_bucket(b).min(end);
-                if !self.backing.is_partial(b) {
-                    lazy.cursor.store(next, Ordering::Release);
-                    b = next;
-                    continue;
-                }
-                if self.backing.back_held(&held, &self.file, &self.path, b).is_err() {
-                    while b < next {
-                        if !self.raw_bucket(b).is_zero() {
-                            self.scan_bucket(lazy, b, &mut f);
-                        } else {
-                            lazy.cursor.store(b + 1, Ordering::Release);
-                        }
-                        b += 1;
+                if !self.backing.is_backed(b) {
+                    let data = self.backing.next_data_bucket(&self.file, b);
+                    let page_end = super::Backing::next_page_bucket(b);
+                    let skip_to = if data > b {
+                        Some(data) // holes up to there
+                    } else if (b..page_end.min(self.bucket_count)).all(|i| self.raw_bucket(i).is_zero()) {
+                        Some(page_end) // never written
+                    } else {
+                        self.backing.set_written(&held, b);
+                        None
+                    };
+                    if let Some(to) = skip_to {
+                        let to = to.min(end);
+                        lazy.cursor.store(to, Ordering::Release);
+                        b = to;
+                        continue;
                     }
-                    continue;
                 }
             }
             self.scan_bucket(lazy, b, &mut f);

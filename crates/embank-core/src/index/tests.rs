@@ -252,9 +252,10 @@ fn open_rejects_truncated_file() {
     assert_eq!(err.kind(), ErrorKind::Recover, "{err}");
 }
 
-/// An index of many buckets holding a few keys takes disk only where they are (a chunk
+/// An index of many buckets holding a few keys takes disk only where they are (a page
 /// each, and the header's), also after a reopen, the background repair's pass (which
-/// passes over the chunks without blocks untouched) and the full repair.
+/// passes over pages without blocks, or without keys, untouched) and the full repair.
+/// A page holding data but only zeros (a backing cut short) is passed over too.
 #[test]
 fn an_index_takes_disk_only_where_its_keys_are() {
     use std::os::unix::fs::MetadataExt;
@@ -266,8 +267,8 @@ fn an_index_takes_disk_only_where_its_keys_are() {
     let path = dir.path().join("i");
     let buckets = 1 << 16; // 16 MiB of buckets
     let allocated = |p: &std::path::Path| std::fs::metadata(p).unwrap().blocks() * 512;
-    // The chunks, and a few blocks of the file system's own (an extent tree's).
-    let most = 5 * BACKING_CHUNK_BYTES + (16 << 10);
+    // The pages, and a few blocks of the file system's own (an extent tree's).
+    let most = 5 * BACKING_PAGE_BYTES + (16 << 10);
     {
         let index = Index::create(&path, buckets, 7).unwrap();
         for key in 1..=4u64 {
@@ -276,25 +277,40 @@ fn an_index_takes_disk_only_where_its_keys_are() {
         index.flush().unwrap();
         let len = std::fs::metadata(&path).unwrap().len();
         assert_eq!(len, INDEX_HEADER_BYTES as u64 + buckets * BUCKET_BYTES as u64, "the file's length");
-        assert!(index.backing.backed_chunks() <= 5, "{} chunks backed for 4 keys", index.backing.backed_chunks());
+        assert!(index.backing.backed_pages() <= 5, "{} pages backed for 4 keys", index.backing.backed_pages());
         let bytes = allocated(&path);
         assert!(bytes <= most, "{bytes} bytes allocated for 4 keys, expected at most {most}");
     }
+    // Zeros written into a page no key uses, as a backing cut short by a full disk leaves.
+    let homes: Vec<u64> = {
+        let i = Index::open(&path).unwrap();
+        (1..=4u64).map(|k| i.home_of(i.hash(k)) / 16).collect()
+    };
+    let zeros_page = (1..buckets / 16).find(|p| !homes.contains(p)).unwrap();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(&[0u8; 4096], INDEX_HEADER_BYTES as u64 + zeros_page * 16 * BUCKET_BYTES as u64).unwrap();
+    }
     let mut index = Index::open(&path).unwrap();
-    let backed = index.backing.backed_chunks();
-    assert!((1..=5).contains(&backed), "{backed} chunks found backed at open, expected 1 to 5");
+    assert_eq!(index.backing.backed_pages(), 0, "pages seen backed at open");
     index.begin_lazy_repair();
     let mut seen = Vec::new();
     index.repair_scan(0, buckets / 2, |key, _| seen.push(key));
-    // A key inserted during the pass, into a chunk it has not reached or already passed.
+    // A key inserted during the pass, into a page it has already passed.
     let late = (100..).find(|&k| index.home_of(index.hash(k)) < buckets / 2).unwrap();
     assert!(index.insert_new(late, index.hash(late), 4096 * 99).unwrap());
     index.repair_scan(buckets / 2, buckets, |key, _| seen.push(key));
     seen.sort_unstable();
     assert_eq!(seen, [1, 2, 3, 4], "keys the background pass counted");
+    let written = index.backing.backed_pages();
+    assert!(
+        (4..=6).contains(&written),
+        "{written} pages the pass and the insert saw backed, expected the keys' 4 and the late key's"
+    );
     assert_eq!(index.finish_lazy_repair().keys, 5, "keys after the pass and the late insert");
     assert_eq!(index.recover(|_, _, _| true).keys, 5, "keys after the full repair");
     index.flush().unwrap();
     let bytes = allocated(&path);
-    assert!(bytes <= most + BACKING_CHUNK_BYTES, "{bytes} bytes allocated after the repairs");
+    assert!(bytes <= most + BACKING_PAGE_BYTES, "{bytes} bytes allocated after the repairs");
 }
