@@ -91,13 +91,22 @@ impl Table {
         st.medium.as_mapped().expect("tables without a mapped medium take the tiered path")
     }
 
-    /// Fast path: resolves every key (lock-free, prefetching), copying found records into
-    /// `out`. Returns the positions of keys that were not found; fills `found` if given.
-    fn gather(&self, st: &State, keys: &[u64], out: &mut [f32], found: Option<&mut [bool]>) -> Result<Vec<usize>> {
-        let w = self.shared.config.layout.elems();
+    /// Fast path: resolves every key (lock-free, prefetching) and hands each found record
+    /// to `copy(medium, ptr, i)` (key `i`'s record at `ptr`) while it is in cache, after
+    /// checking the record's key. Returns the positions of keys that were not found; fills
+    /// `found` if given. The one loop of [`gather`](Self::gather) and
+    /// [`gather_stored`](Self::gather_stored): generic over `copy`, so each is compiled
+    /// with its copy inlined.
+    #[inline(always)]
+    fn gather_with(
+        &self,
+        st: &State,
+        keys: &[u64],
+        found: Option<&mut [bool]>,
+        mut copy: impl FnMut(&Mapped<'_>, u64, usize),
+    ) -> Result<Vec<usize>> {
         let (index, medium) = (&st.index, self.mapped(st));
-        let n = keys.len();
-        let mut ptrs = vec![0u64; n];
+        let mut ptrs = vec![0u64; keys.len()];
         let mut missing = Vec::new();
         let mut corrupt = None;
         resolve(index, &medium, keys, &mut ptrs, &mut missing, |range, ptrs| {
@@ -110,7 +119,7 @@ impl Table {
                     corrupt = Some(i);
                     continue;
                 }
-                medium.read_into(ptr, &mut out[i * w..(i + 1) * w]);
+                copy(&medium, ptr, i);
             }
         });
         if let Some(found) = found {
@@ -127,6 +136,13 @@ impl Table {
         Ok(missing)
     }
 
+    /// Fast path: copies found records (decoded) into `out`. Returns the positions of keys
+    /// that were not found; fills `found` if given.
+    fn gather(&self, st: &State, keys: &[u64], out: &mut [f32], found: Option<&mut [bool]>) -> Result<Vec<usize>> {
+        let w = self.shared.config.layout.elems();
+        self.gather_with(st, keys, found, |medium, ptr, i| medium.read_into(ptr, &mut out[i * w..(i + 1) * w]))
+    }
+
     /// Fast path of [`lookup_stored`](Table::lookup_stored): like [`gather`](Self::gather)
     /// but copies each found record's stored row (`row_bytes` bytes, not decoded) into
     /// `out`. Returns the positions of keys that were not found and fills `found`.
@@ -138,31 +154,9 @@ impl Table {
         found: &mut [bool],
     ) -> Result<Vec<usize>> {
         let rb = self.shared.config.layout.row_bytes();
-        let (index, medium) = (&st.index, self.mapped(st));
-        let mut ptrs = vec![0u64; keys.len()];
-        let mut missing = Vec::new();
-        let mut corrupt = None;
-        resolve(index, &medium, keys, &mut ptrs, &mut missing, |range, ptrs| {
-            for i in range {
-                let ptr = ptrs[i];
-                found[i] = ptr != 0;
-                if ptr == 0 {
-                    continue;
-                }
-                if medium.key_at(ptr) != keys[i] {
-                    corrupt = Some(i);
-                    continue;
-                }
-                out[i * rb..(i + 1) * rb].copy_from_slice(medium.row_bytes(ptr));
-            }
-        });
-        if let Some(i) = corrupt {
-            return Err(Error::corrupt(format!(
-                "table {:?}: the index points key {} at a record of another key",
-                self.shared.config.name, keys[i]
-            )));
-        }
-        Ok(missing)
+        self.gather_with(st, keys, Some(found), |medium, ptr, i| {
+            out[i * rb..(i + 1) * rb].copy_from_slice(medium.row_bytes(ptr))
+        })
     }
 
     /// Tiered path: tiers, index, medium. Returns positions found nowhere; fills `found`
