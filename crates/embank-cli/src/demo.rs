@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use embank_core::{Initializer, Store, StoreOptions, Table, TableOptions};
+use embank_core::{human_bytes, Initializer, KeyStream, Store, StoreOptions, Table, TableOptions};
 use parking_lot::RwLock;
 
-use crate::tools::{human_bytes, progress};
-use crate::workload::{percentile, row_for, KeyStream};
+use crate::tools::progress;
+use crate::workload::{percentile, row_for};
 
 #[derive(Args, Debug, Clone)]
 pub struct DemoArgs {

@@ -11,7 +11,6 @@ pub mod brokers;
 pub mod cert;
 pub mod demo;
 pub mod map;
-pub mod npy;
 pub mod plan;
 pub mod publish;
 pub mod recovery;

@@ -20,10 +20,9 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use embank_core::{MediumKind, Store, StoreOptions, Table, TableOptions};
+use embank_core::{human_bytes, KeyStream, MediumKind, Store, StoreOptions, Table, TableOptions};
 
-use crate::tools::human_bytes;
-use crate::workload::{row_for, KeyStream};
+use crate::workload::row_for;
 
 #[derive(Args, Debug, Clone)]
 pub struct RecoveryArgs {

@@ -6,11 +6,11 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use embank_core::catalog::TableMeta;
-use embank_core::{CheckpointInfo, Placement, Store, StoreOptions, TableOptions};
+use embank_core::{human_bytes, CheckpointInfo, Placement, Store, StoreOptions, TableOptions};
 use embank_net::proto::shard_of;
 use indicatif::ProgressBar;
 
-use crate::tools::{human_bytes, progress};
+use crate::tools::progress;
 
 /// Keys per chunk of the export by default: a chunk of dim-128 Adagrad records is 64 MiB.
 pub const CHUNK_KEYS_DEFAULT: u64 = 65_536;

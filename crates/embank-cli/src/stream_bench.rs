@@ -22,11 +22,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use embank_core::{Optimizer, RowWrites, Store, StoreOptions, TableOptions};
+use embank_core::{KeyStream, Optimizer, RowWrites, Store, StoreOptions, TableOptions};
 use embank_net::stream::{PublishOptions, Publisher, Replica, ReplicaOptions, StreamConfig, TransportKind};
 
 use crate::brokers::{BrokerKind, LocalBroker};
-use crate::workload::{percentile, row_for, KeyStream};
+use crate::workload::{percentile, row_for};
 
 #[derive(Args, Debug, Clone)]
 #[command(after_help = "Starts a local broker in a temporary directory unless --brokers is given \

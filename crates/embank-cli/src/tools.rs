@@ -4,10 +4,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
-use embank_core::{Initializer, Store, StoreOptions, TableOptions};
+use embank_core::{human_bytes, Initializer, NpyReader, NpyWriter, Store, StoreOptions, TableOptions};
 use indicatif::{ProgressBar, ProgressStyle};
-
-use crate::npy::{NpyReader, NpyWriter};
 
 pub fn progress(total: u64, what: &str) -> ProgressBar {
     let bar = ProgressBar::new(total);
@@ -22,21 +20,6 @@ pub fn progress(total: u64, what: &str) -> ProgressBar {
 
 fn open_existing(path: &Path) -> Result<Store, String> {
     Store::open(path, StoreOptions { create: false, ..Default::default() }).map_err(|e| e.to_string())
-}
-
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
 }
 
 pub fn inspect(path: &Path, json: bool) -> Result<(), String> {

@@ -20,6 +20,7 @@ use pyo3::types::PyType;
 
 mod fused;
 mod gpu;
+mod plan;
 
 /// Maps an engine error to the matching class of `embank.errors`.
 pub(crate) fn to_py_err(e: core::Error) -> PyErr {
@@ -625,26 +626,6 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
     py.detach(|| embank_cli::run(argv))
 }
 
-/// `embank plan` through its API: `request_json` its options (a `PlanRequest`), the
-/// traces given as arrays (`names[i]` -> `traces[i]`); the plan as JSON.
-#[pyfunction]
-fn plan_json<'py>(
-    py: Python<'py>,
-    request_json: &str,
-    names: Vec<String>,
-    traces: Vec<PyReadonlyArray1<'py, u64>>,
-) -> PyResult<String> {
-    let keys = names
-        .into_iter()
-        .zip(&traces)
-        .map(|(n, t)| Ok((n, Arc::new(slice(t, "trace")?.to_vec()))))
-        .collect::<PyResult<Vec<_>>>()?;
-    let plan = py
-        .detach(|| embank_cli::plan::plan_request(request_json, keys))
-        .map_err(|e| to_py_err(core::Error::config(e)))?;
-    Ok(serde_json::to_string(&plan).expect("a plan serializes"))
-}
-
 /// A publisher of an embedded store's checkpoints to an update stream.
 ///
 /// The lock only guards the handle: it is held to clone or take it, never across a GIL
@@ -740,7 +721,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(client_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(shard_of, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
-    m.add_function(wrap_pyfunction!(plan_json, m)?)?;
+    m.add_function(wrap_pyfunction!(plan::plan_json, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -9,14 +9,14 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use embank_core::{MediumKind, Pooling, Store, StoreOptions, TableOptions};
+use embank_core::{KeyStream, MediumKind, Pooling, Store, StoreOptions, TableOptions};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Zipf};
 use serde::Serialize;
 
 use super::{load_rows, BenchArgs};
-use crate::workload::{percentile, KeyStream};
+use crate::workload::percentile;
 
 #[derive(Debug, Serialize)]
 pub struct BagsResult {
@@ -216,13 +216,13 @@ pub fn run(args: &BenchArgs, dir: &Path, threads: usize, zipf: f64, machine: Str
     for r in [&without, &with] {
         println!(
             "{:<22} {:>11.2}M {:>11.2}M {:>9.1} {:>9.1} {:>8} {:>10}",
-            if r.pooled_cache_bytes == 0 { "off".to_owned() } else { crate::tools::human_bytes(r.pooled_cache_bytes) },
+            if r.pooled_cache_bytes == 0 { "off".to_owned() } else { embank_core::human_bytes(r.pooled_cache_bytes) },
             r.bags_per_second / 1e6,
             r.ids_per_second / 1e6,
             r.latency_us_p50,
             r.latency_us_p99,
             r.hit_rate.map_or("-".into(), |h| format!("{:.1}%", h * 100.0)),
-            crate::tools::human_bytes(r.cache_bytes_used)
+            embank_core::human_bytes(r.cache_bytes_used)
         );
     }
     println!("speed-up with the pooled cache: {speedup:.2}x");

@@ -19,12 +19,12 @@ use report::print_table;
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
+use embank_core::{human_bytes, parse_bytes, KeyStream};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::tools::human_bytes;
-use crate::workload::{percentile, KeyStream};
+use crate::workload::percentile;
 use engines::Engine;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -214,25 +214,9 @@ pub struct BenchArgs {
     pub token: Option<String>,
 }
 
-/// `4G`, `512M`, `64K` or a plain number of bytes.
+/// An element type by name (`f32`, `f16`, `int8`), as a flag gives it.
 pub fn parse_dtype(s: &str) -> Result<embank_core::DType, String> {
     embank_core::DType::parse(s).map_err(|e| e.to_string())
-}
-
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mul) = match s.char_indices().last() {
-        Some((i, c)) if c.eq_ignore_ascii_case(&'k') => (&s[..i], 1u64 << 10),
-        Some((i, c)) if c.eq_ignore_ascii_case(&'m') => (&s[..i], 1 << 20),
-        Some((i, c)) if c.eq_ignore_ascii_case(&'g') => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    num.trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|v| *v >= 0.0)
-        .map(|v| (v * mul as f64) as u64)
-        .ok_or_else(|| format!("not a byte count: {s:?} (use e.g. 2G, 512M, 1048576)"))
 }
 
 #[derive(Debug, Serialize)]
@@ -316,7 +300,7 @@ pub struct Report {
     pub loopback_gb_per_second: Option<f64>,
     /// The device's random read and mixed read/write rates at the block medium's record
     /// size (measured when a block-medium engine runs).
-    pub device: Option<limits::DeviceLimits>,
+    pub device: Option<embank_core::DeviceLimits>,
     /// `train` with `--checkpoint-every`: the workload's memory pattern without a store,
     /// without checkpoints and with the old rows kept two ways (`bench::pattern`).
     pub checkpoint_pattern: Option<pattern::CheckpointPattern>,
@@ -528,7 +512,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
         println!("limits: skipped (--skip-limits)");
         (f64::NAN, f64::NAN, f64::NAN, 0.0, 0.0)
     } else {
-        let copy = limits::copy_bandwidth();
+        let copy = embank_core::copy_bandwidth();
         let copy_bound = copy * 1e9 / (2.0 * row_bytes);
         let (gather, g50, g99) = limits::gather(args.keys, dim, &streams.batches, args.batch, args.duration.min(3.0));
         println!(
@@ -578,7 +562,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
     } else {
         let stride = embank_core::format::block_stride(args.dtype.row_bytes(dim), 512);
         let bytes = (args.keys * stride as u64).clamp(64 << 20, 1 << 30);
-        let d = limits::device(&dir, stride, bytes, embank_core::store::IO_DEPTH_DEFAULT, args.duration.min(3.0))?;
+        let d = embank_core::device_limits(&dir, stride, bytes, embank_core::IO_DEPTH_DEFAULT, args.duration.min(3.0))?;
         println!(
             "limits: device random reads {:.0} k/s, mixed read/write {:.0} k ops/s ({} B each, depth {}, {} scratch file)",
             d.random_reads_per_second / 1e3,

@@ -2,7 +2,7 @@
 //! share of the limits measured in the same run.
 
 use super::Report;
-use crate::tools::human_bytes;
+use embank_core::human_bytes;
 
 /// A share of a limit as a percentage, or `-` when the limit was not measured (skipped
 /// limits leave NaN or infinity behind).

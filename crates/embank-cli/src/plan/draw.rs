@@ -2,8 +2,7 @@
 
 use plotters::prelude::*;
 
-use super::Plan;
-use crate::tools::human_bytes;
+use embank_core::{human_bytes, Plan};
 
 pub(super) fn draw(p: &Plan, path: &std::path::Path) -> Result<(), String> {
     crate::bench::plot::register_font()?;

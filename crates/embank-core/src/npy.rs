@@ -173,8 +173,8 @@ impl NpyReader {
     /// row-wise layout (`dim` quantized bytes, an `f32` scale, an `f32` bias: the layout
     /// of embank's `int8` rows and of common quantized embedding exports), de-quantized as `q * scale + bias`.
     pub fn read_rows(&mut self, n: usize, dim: usize, out: &mut Vec<f32>) -> Result<(), String> {
-        use embank_core::layout::RecordLayout;
-        use embank_core::DType;
+        use crate::format::DType;
+        use crate::layout::RecordLayout;
         let dtype = match self.descr.as_str() {
             "<f4" => return self.read_f32(n * dim, out),
             "<f2" => DType::F16,

@@ -16,6 +16,11 @@
 //! sampled and those it did goes to the smallest distance: a sample that drew a
 //! very hot key (or missed one) would otherwise skew small caches most. A cache
 //! of `C` rows is resolved by `C * rate` sampled rows: keep that above ~50.
+//!
+//! This file is the model; `simulate.rs` runs it over a plan's key streams (from
+//! `trace.rs`) into a [`Plan`], and `request.rs` reads a plan's options from JSON (the
+//! Python package's `embank.plan`). The command (`embank plan`) parses its flags into
+//! [`PlanOptions`], prints the plan and draws it.
 
 use std::collections::HashMap;
 
@@ -28,6 +33,13 @@ use crate::medium::MediumKind;
 use crate::optim::Optimizer;
 use crate::table::LOAD_FACTOR_TARGET;
 use crate::tier::dram::ENTRY_OVERHEAD_BYTES;
+
+mod request;
+mod simulate;
+mod trace;
+
+pub use request::plan_request;
+pub use simulate::{plan, CurvePoint, Limits, Plan, PlanOptions, PlanProgress, StorePlan, TablePlan};
 
 /// Stack-distance histogram of a (sampled) key stream.
 pub struct StackDistances {
