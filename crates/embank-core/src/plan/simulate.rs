@@ -393,7 +393,8 @@ pub fn plan(args: &PlanOptions, progress: &mut dyn PlanProgress) -> Result<Plan,
             .sum();
         let index: u64 = tables.iter().map(|t| t.bytes.index).sum();
         let limits = measured.map(|m| limits_of(m, args));
-        Some(store_plan(args, &features, lines, entry, distinct, index, limits.as_ref(), progress)?)
+        let input = StoreInput { features, lines, entry, distinct, index };
+        Some(store_plan(args, &input, limits.as_ref(), progress)?)
     };
     Ok(Plan {
         target_hit_rate: args.target_hit_rate,
@@ -408,19 +409,30 @@ pub fn plan(args: &PlanOptions, progress: &mut dyn PlanProgress) -> Result<Plan,
     })
 }
 
+/// What the store-wide plan takes from the tables' plans.
+struct StoreInput {
+    /// The Criteo features planned (1-based), a table each.
+    features: Vec<usize>,
+    /// Lines of the Criteo files.
+    lines: u64,
+    /// The largest row-cache entry of the tables.
+    entry: u64,
+    /// Distinct keys of all the tables.
+    distinct: f64,
+    /// Index bytes of all the tables.
+    index: u64,
+}
+
 /// The store-wide row cache over Criteo input: one more pass over the files, in batches
 /// of `--batch` lines, every table's distinct ids of a batch (tables keep apart: the
 /// table's number goes in the key's top bits) read as the training steps read them.
 fn store_plan(
     args: &PlanOptions,
-    features: &[usize],
-    lines: u64,
-    entry: u64,
-    distinct: f64,
-    index: u64,
+    input: &StoreInput,
     limits: Option<&Limits>,
     progress: &mut dyn PlanProgress,
 ) -> Result<StorePlan, String> {
+    let StoreInput { ref features, lines, entry, distinct, index } = *input;
     let per_id = 1 + args.training as u64 + args.lookahead as u64;
     let events = lines * features.len() as u64 * per_id;
     let rate = args.sample_rate.unwrap_or_else(|| (args.tracked_max as f64 / events.max(1) as f64).min(1.0));
