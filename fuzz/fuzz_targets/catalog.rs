@@ -7,8 +7,8 @@ mod common;
 
 fuzz_target!(|data: &[u8]| {
     let dir = common::scratch();
-    std::fs::write(dir.join(embank_core::catalog::CATALOG_FILE), data).unwrap();
-    if let Ok(c) = embank_core::catalog::Catalog::open(dir) {
+    std::fs::write(dir.join(embank_core::fuzzing::CATALOG_FILE), data).unwrap();
+    if let Ok(c) = embank_core::fuzzing::Catalog::open(dir) {
         let _ = c.snapshot();
     }
 });

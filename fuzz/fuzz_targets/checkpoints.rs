@@ -15,7 +15,7 @@ fuzz_target!(|data: &[u8]| {
     let Some((&which, rest)) = data.split_first() else { return };
     let name = ["CHECKPOINTS.0", "CHECKPOINTS.1", "CHECKPOINTS"][which as usize % 3];
     std::fs::write(dir.join(name), rest).unwrap();
-    if let Ok(list) = embank_core::checkpoint::load_checkpoints(dir) {
+    if let Ok(list) = embank_core::fuzzing::load_checkpoints(dir) {
         for c in list {
             assert!(c.meta.len() <= rest.len(), "a blob comes from the file");
         }

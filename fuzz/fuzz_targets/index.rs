@@ -9,7 +9,7 @@ mod common;
 fuzz_target!(|data: &[u8]| {
     let path = common::scratch().join("index.0.ebi");
     std::fs::write(&path, data).unwrap();
-    let Ok(index) = embank_core::index::Index::open(&path) else { return };
+    let Ok(index) = embank_core::fuzzing::Index::open(&path) else { return };
     // Accept pointers that are 16-aligned, as if records had that stride.
     index.recover(|_, ptr, _| ptr % 16 == 0 && ptr >= 4096);
     let mut pairs = Vec::new();

@@ -7,8 +7,8 @@ mod common;
 
 fuzz_target!(|data: &[u8]| {
     let dir = common::scratch();
-    std::fs::write(embank_core::journal::path_of(dir, 1), data).unwrap();
-    if let Ok(j) = embank_core::journal::Journal::open(dir, 1) {
+    std::fs::write(embank_core::fuzzing::journal_path_of(dir, 1), data).unwrap();
+    if let Ok(j) = embank_core::fuzzing::Journal::open(dir, 1) {
         for e in j.entries() {
             assert_eq!(e.seq, 1, "entries of another journal are never read as this one's");
         }

@@ -1,9 +1,8 @@
 //! A rows file of the mmap medium: any bytes open (or fail); reading any handed-out
 //! record checks its key and checksum without panicking.
 #![no_main]
-use embank_core::format::DType;
-use embank_core::layout::RecordLayout;
-use embank_core::medium::MmapMedium;
+use embank_core::fuzzing::MmapMedium;
+use embank_core::{DType, RecordLayout};
 use libfuzzer_sys::fuzz_target;
 
 #[path = "common.rs"]

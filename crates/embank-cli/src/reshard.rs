@@ -5,8 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use embank_core::catalog::TableMeta;
-use embank_core::{human_bytes, CheckpointInfo, Placement, Store, StoreOptions, TableOptions};
+use embank_core::{human_bytes, CheckpointInfo, Placement, Store, StoreOptions, TableMeta, TableOptions};
 use embank_net::proto::shard_of;
 use indicatif::ProgressBar;
 
@@ -88,9 +87,9 @@ pub fn run(args: ReshardArgs) -> Result<(), String> {
 }
 
 /// Most mmap-medium tables open in one process: each one's rows file reserves
-/// `embank_core::medium::mmap::RESERVE_BYTES` (1 TiB) of the 128 TiB of user address space.
+/// `embank_core::MMAP_RESERVE_BYTES` (1 TiB) of the 128 TiB of user address space.
 pub const OPEN_TABLES_MAX: usize = 120;
-const _: () = assert!(OPEN_TABLES_MAX as u64 * embank_core::medium::mmap::RESERVE_BYTES < 128 << 40);
+const _: () = assert!(OPEN_TABLES_MAX as u64 * embank_core::MMAP_RESERVE_BYTES < 128 << 40);
 
 /// What a reshard needs to know of a source, read with the store open, then closed.
 struct Survey {

@@ -89,10 +89,9 @@ fn check(config: &ServeConfig) -> Result<(), Error> {
     let opts = config.server_options_loaded()?;
     Server::check_listen(&config.listen, &opts)?;
     let declared = config.table_options()?;
-    if let Ok(catalog) = embank_core::catalog::Catalog::open(&config.store) {
-        let have = catalog.snapshot();
+    if let Ok(have) = embank_core::catalog_tables(&config.store) {
         for (name, options) in declared {
-            if let Some(m) = have.tables.iter().find(|m| m.name == name) {
+            if let Some(m) = have.iter().find(|m| m.name == name) {
                 if m.dim != options.dim {
                     return Err(Error::config(format!(
                         "table {name:?} exists in {} with dim {}, but the config says dim {}",

@@ -213,7 +213,7 @@ fn two_shards_match_a_model() {
 /// bytes a row in the replies, not 512.
 #[test]
 fn compact_rows_cross_the_wire_as_stored() {
-    use embank_core::layout::RecordLayout;
+    use embank_core::RecordLayout;
     use embank_core::{DType, MissingDefault};
     let dir = tempfile::tempdir().unwrap();
     let a = Shard::start(dir.path(), "a", "[limits]\nzero_copy_row_bytes_min = 0\n");

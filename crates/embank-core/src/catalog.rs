@@ -152,6 +152,13 @@ pub fn decode(bytes: &[u8]) -> Result<CatalogData> {
         .map_err(|e| Error::new(ErrorKind::Recover, "STORE file body is not valid").with_source(e))
 }
 
+/// The entries of the tables a store directory's catalog names, read as the file has
+/// them: without opening the store or taking its lock (what `embank serve` checks its
+/// declared tables against before it opens the store).
+pub fn catalog_tables(dir: &Path) -> Result<Vec<TableMeta>> {
+    Ok(Catalog::open(dir)?.snapshot().tables)
+}
+
 impl Catalog {
     pub fn create(dir: &Path) -> Result<Catalog> {
         let catalog = Catalog { path: dir.join(CATALOG_FILE), data: Mutex::new(CatalogData::default()) };

@@ -90,7 +90,8 @@ mod hex_bytes {
 }
 
 /// The retained checkpoints a store directory's checkpoint list holds, oldest first
-/// (tools, and the fuzz target of the list's parser).
+/// (the fuzz target of the list's parser).
+#[cfg(feature = "fuzzing")]
 pub fn load_checkpoints(dir: &Path) -> Result<Vec<CheckpointInfo>> {
     Ok(CheckpointFile::load(dir)?.checkpoints)
 }

@@ -116,7 +116,7 @@ impl IndexHeader {
 ///   65504 become infinities, tiny ones subnormals or zero).
 /// - `int8`: row-wise asymmetric 8-bit quantization (the "fused 8-bit rowwise"
 ///   layout of inference tables): `dim` unsigned bytes `q`, then an `f32` scale
-///   and an `f32` bias. See [`crate::layout`] for the exact formula.
+///   and an `f32` bias. See [`RecordLayout`](crate::RecordLayout) for the exact formula.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {

@@ -69,7 +69,7 @@ mod tests {
 }
 
 /// A fast `Hasher` for maps keyed by ids (a multiply and a fold; ids are not attacker
-/// input, and the store's own index uses its seeded [`key_hash`]).
+/// input, and the store's own index uses its seeded `key_hash`).
 #[derive(Default, Clone, Copy)]
 pub struct IdHasher(u64);
 

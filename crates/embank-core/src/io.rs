@@ -118,7 +118,8 @@ impl IoCounters {
 
 /// A batch I/O engine.
 pub trait IoEngine: Send + Sync {
-    /// `uring` or `pread` (wrappers report the engine they wrap).
+    /// `uring` or `pread` (wrappers report the engine they wrap): the tests' messages.
+    #[cfg(test)]
     fn name(&self) -> &'static str;
     /// Performs every request; fails if any fails or transfers fewer bytes than asked.
     fn submit(&self, fd: RawFd, dir: Dir, reqs: &[IoReq]) -> Result<()>;
@@ -235,6 +236,7 @@ impl UringEngine {
 }
 
 impl IoEngine for UringEngine {
+    #[cfg(test)]
     fn name(&self) -> &'static str {
         "uring"
     }
@@ -337,6 +339,7 @@ impl PreadEngine {
 }
 
 impl IoEngine for PreadEngine {
+    #[cfg(test)]
     fn name(&self) -> &'static str {
         "pread"
     }
@@ -443,6 +446,7 @@ pub struct FaultyEngine {
 }
 
 impl IoEngine for FaultyEngine {
+    #[cfg(test)]
     fn name(&self) -> &'static str {
         self.inner.name()
     }
@@ -487,14 +491,6 @@ impl AlignedBuf {
             std::alloc::handle_alloc_error(layout);
         }
         AlignedBuf { ptr, len }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     pub fn as_mut_ptr(&mut self) -> *mut u8 {

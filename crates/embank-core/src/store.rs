@@ -49,7 +49,7 @@ pub struct StoreOptions {
     pub pooled_cache_bytes: u64,
     /// Automatic hot placement: tables sample what their reads ask for and the
     /// maintenance thread places each table's hot set in its home index buckets now
-    /// and then ([`crate::hot`]). Default `None` (off): [`Table::place_hot`] places on demand.
+    /// and then (`hot.rs`). Default `None` (off): [`Table::place_hot`] places on demand.
     pub hot_placement: Option<crate::hot::HotOptions>,
     /// I/O engine of block media. Default `auto`: io_uring if the kernel allows, else pread.
     pub io_engine: IoChoice,
@@ -538,7 +538,7 @@ impl Store {
     }
 
     /// One page of table `name` as it was at retained checkpoint `batch_id`, by cursor
-    /// (start at [`ExportCursor::START`]; `None`: done): what a client pages through over
+    /// (start at [`ExportCursor::START`](crate::ExportCursor::START); `None`: done): what a client pages through over
     /// several requests while the store goes on changing (see `Table::export_page_at`; a
     /// key may come twice, with the same row). Fails with `NotFound` once the checkpoint
     /// is dropped (start again at a newer one).
@@ -727,7 +727,7 @@ impl Store {
 
     /// Puts a tier shared with other stores (a Redis Cluster that serving nodes share)
     /// between the row cache and the medium of every table that caches (placement
-    /// `cache`), or takes it away with `None`. See [`crate::tier::shared`].
+    /// `cache`), or takes it away with `None`. See [`SharedTier`](crate::SharedTier).
     pub fn set_shared_tier(&self, tier: Option<Arc<dyn crate::tier::SharedTier>>) -> Result<()> {
         let guard = self.inner.read();
         let inner = guard.as_ref().ok_or_else(|| self.closed())?;

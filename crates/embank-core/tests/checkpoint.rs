@@ -495,7 +495,7 @@ fn checkpoint_metadata_survives_reopen_and_is_bounded() {
         store.checkpoint_with_meta(1, b"offsets: p0=17 p1=4").unwrap();
         batch(&store, 2);
         store.checkpoint(2).unwrap();
-        let too_big = vec![7u8; embank_core::checkpoint::CHECKPOINT_META_BYTES_MAX + 1];
+        let too_big = vec![7u8; embank_core::CHECKPOINT_META_BYTES_MAX + 1];
         let e = store.checkpoint_with_meta(3, &too_big).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
         assert_eq!(store.checkpoints().unwrap().len(), 2, "a refused checkpoint is not recorded");

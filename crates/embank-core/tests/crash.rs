@@ -29,7 +29,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use embank_core::layout::RecordLayout;
+use embank_core::RecordLayout;
 use embank_core::{DType, MediumKind, Store, StoreOptions, TableOptions};
 
 mod common;

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use embank_core::io::FaultPlan;
+use embank_core::FaultPlan;
 use embank_core::{ErrorKind, IoChoice, MediumKind, Store, StoreOptions, Table, TableOptions};
 
 const DIM: usize = 16;

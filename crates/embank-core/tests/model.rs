@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 
-use embank_core::layout::RecordLayout;
+use embank_core::RecordLayout;
 use embank_core::{
     DType, ErrorKind, Initializer, IoChoice, MediumKind, MissingDefault, Placement, Store, StoreOptions, TableOptions,
 };

@@ -4,7 +4,7 @@
 //! member row is never served stale), and repeated bags must hit. Plus writers
 //! racing readers: once the writers stop, no bag is stale.
 
-use embank_core::pooled::pool;
+use embank_core::testing::pool;
 use embank_core::{MediumKind, Optimizer, Pooling, Store, StoreOptions, Table, TableOptions};
 use proptest::prelude::*;
 

@@ -192,7 +192,7 @@ fn truncated_files_are_refused_clearly() {
 /// int8 refuses an optimizer and `push_grad` with errors that say why, nothing written.
 #[test]
 fn compact_tables_checkpoint_restore_export_and_train_as_their_type_allows() {
-    use embank_core::layout::RecordLayout;
+    use embank_core::RecordLayout;
     use embank_core::{DType, MediumKind, Optimizer};
     const D: usize = 8;
     let rows_of = |v: f32, n: u64| -> Vec<f32> {
@@ -266,7 +266,7 @@ fn compact_tables_checkpoint_restore_export_and_train_as_their_type_allows() {
 /// the medium's records within 5 %, for both media and every type.
 #[test]
 fn planned_tier_bytes_match_a_loaded_table() {
-    use embank_core::plan::{tier_bytes, TableShape};
+    use embank_core::{tier_bytes, TableShape};
     use embank_core::{DType, MediumKind, Optimizer};
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
@@ -340,8 +340,7 @@ fn rows_read_ahead_survive_the_traffic_before_their_pull() {
 /// `(key, ptr)` pairs from byte 24 of each bucket: after its version, overflow counter
 /// and fingerprints).
 fn swap_row_pointers(index: &std::path::Path, a: u64, b: u64) {
-    use embank_core::format::INDEX_HEADER_BYTES;
-    use embank_core::index::{BUCKET_BYTES, SLOTS_PER_BUCKET};
+    use embank_core::testing::{BUCKET_BYTES, INDEX_HEADER_BYTES, SLOTS_PER_BUCKET};
     let mut bytes = std::fs::read(index).unwrap();
     let word = |bytes: &[u8], at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
     let slot_of = |bytes: &[u8], key: u64| {
@@ -413,7 +412,7 @@ fn an_index_pointing_a_key_at_another_keys_record_is_refused_by_every_read() {
 /// with an error that names them, and nothing is written.
 #[test]
 fn lookup_stored_decodes_to_exactly_what_lookup_returns() {
-    use embank_core::layout::RecordLayout;
+    use embank_core::RecordLayout;
     use embank_core::{DType, MediumKind, MissingDefault, Optimizer};
     const D: usize = 24;
     for dtype in [DType::F32, DType::F16, DType::Int8] {
@@ -466,7 +465,7 @@ fn lookup_stored_decodes_to_exactly_what_lookup_returns() {
             assert_eq!(got, want, "{ctx}: decoded stored rows");
             assert!(got[got.len() - 7 * D..got.len() - 2 * D].iter().any(|&v| v == -7.5), "{ctx}: the missing default");
             // Through the one table interface too.
-            let api: &dyn embank_core::api::TableApi = &t;
+            let api: &dyn embank_core::TableApi = &t;
             let mut again = vec![0u8; ask.len() * rb];
             api.lookup_stored(&ask, &mut again, &mut found).unwrap();
             assert_eq!(again, bytes, "{ctx}: TableApi");

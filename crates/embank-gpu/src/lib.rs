@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
-use embank_core::tier::{Changed, Listener};
+use embank_core::{Changed, Listener};
 use embank_core::{DType, Error, ErrorKind, Result, TableApi};
 use parking_lot::{Condvar, Mutex};
 

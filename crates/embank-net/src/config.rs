@@ -350,7 +350,7 @@ impl ServeConfig {
                 Some(_) => return Err(Error::config(format!("tables[{i}].name must be a string"))),
                 None => return Err(Error::config(format!("tables[{i}] has no `name`"))),
             };
-            embank_core::table::validate_name(&name).map_err(|e| e.context(format!("tables[{i}]")))?;
+            embank_core::validate_name(&name).map_err(|e| e.context(format!("tables[{i}]")))?;
             if !t.contains_key("dim") {
                 return Err(Error::config(format!("tables[{i}] ({name:?}) has no `dim`")));
             }

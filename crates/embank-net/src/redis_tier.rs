@@ -1,5 +1,5 @@
 //! A Redis Cluster as the shared tier of serving nodes (HugeCTR HPS's level 2): the
-//! implementation of [`embank_core::tier::SharedTier`] that `embank serve` installs
+//! implementation of [`embank_core::SharedTier`] that `embank serve` installs
 //! with a `[shared_tier]` section.
 //!
 //! Each record is one Redis string, `eb:<table>:<key>` holding the record encoded by
@@ -21,7 +21,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use embank_core::tier::{SharedTier, SharedTierStats};
+use embank_core::{SharedTier, SharedTierStats};
 use parking_lot::Mutex;
 use redis::cluster::{cluster_pipe, ClusterClient, ClusterClientBuilder, ClusterConnection};
 use serde::Deserialize;

@@ -1,11 +1,11 @@
-//! The collection-level training path (`embank_core::fused`) for
+//! The collection-level training path (`embank_core::Collection`) for
 //! `embank.torch.EmbeddingBagCollection`: one call per step each way, the GIL released.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use embank_core as core;
-use embank_core::fused::{Bags, CollectionTable};
+use embank_core::{Bags, CollectionTable};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -18,19 +18,19 @@ type KeysAndGrads<'py> = (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray2<f32>>);
 /// Features pooled from tables, trained with one native call per step each way.
 #[pyclass(module = "embank._native", frozen)]
 pub(crate) struct Collection {
-    inner: Arc<core::fused::Collection>,
+    inner: Arc<core::Collection>,
 }
 
 /// What a forward learned of its step (for the backward).
 #[pyclass(module = "embank._native", frozen)]
 pub(crate) struct Step {
-    inner: core::fused::Step,
+    inner: core::Step,
 }
 
 /// One step's per-row gradients of every table, waiting to be pushed.
 #[pyclass(module = "embank._native", frozen)]
 pub(crate) struct Grads {
-    inner: core::fused::Grads,
+    inner: core::Grads,
 }
 
 /// Keys of one feature as u64 (ids arrive as int64 tensors' arrays: negative ids refused).
@@ -121,7 +121,7 @@ impl Collection {
             .zip(workers)
             .map(|(t, worker)| CollectionTable { table: Arc::clone(&t.inner), worker })
             .collect();
-        let c = core::fused::Collection::new(tables, features, mode, threads)
+        let c = core::Collection::new(tables, features, mode, threads)
             .map_err(to_py_err)?
             .with_hold_timeout(Duration::from_secs_f64(hold_timeout));
         Ok(Collection { inner: Arc::new(c) })

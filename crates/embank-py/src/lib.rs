@@ -134,7 +134,7 @@ impl Store {
         let tier = match &o.shared_tier {
             Some(c) => {
                 let t = net::redis_tier::RedisClusterTier::new(c).map_err(|e| to_py_err(core::Error::config(e)))?;
-                Some(Arc::new(t) as Arc<dyn core::tier::SharedTier>)
+                Some(Arc::new(t) as Arc<dyn core::SharedTier>)
             }
             None => None,
         };

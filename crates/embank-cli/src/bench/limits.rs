@@ -42,7 +42,7 @@ pub fn gather_indexed(
     use embank_core::RecordLayout;
     let layout = RecordLayout::new(dim, 0, dtype);
     let payload = layout.payload_bytes();
-    let stride = embank_core::format::record_stride(payload, dtype) as usize;
+    let stride = embank_core::record_stride(payload, dtype) as usize;
     let mut records = huge_zeroed::<u8>(keys as usize * stride);
     let mut row = vec![0f32; dim];
     for (k, rec) in records.chunks_exact_mut(stride).enumerate() {

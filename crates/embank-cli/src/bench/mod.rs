@@ -560,7 +560,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
     let device = if args.skip_limits || !args.engines.iter().any(|e| e.starts_with("embank-block")) {
         None
     } else {
-        let stride = embank_core::format::block_stride(args.dtype.row_bytes(dim), 512);
+        let stride = embank_core::block_stride(args.dtype.row_bytes(dim), 512);
         let bytes = (args.keys * stride as u64).clamp(64 << 20, 1 << 30);
         let d = embank_core::device_limits(&dir, stride, bytes, embank_core::IO_DEPTH_DEFAULT, args.duration.min(3.0))?;
         println!(
@@ -735,7 +735,7 @@ pub fn run(mut args: BenchArgs) -> Result<(), String> {
 /// of embank's tables (`--dtype`), when it fits in half of the memory available.
 fn checkpoint_floor(args: &BenchArgs, threads: usize, streams: &Streams) -> Option<pattern::CheckpointPattern> {
     let dim = args.dim as usize;
-    let stride = embank_core::format::record_stride(args.dtype.row_bytes(dim), args.dtype) as usize;
+    let stride = embank_core::record_stride(args.dtype.row_bytes(dim), args.dtype) as usize;
     let need = pattern::bytes_needed(args.keys, stride, args.checkpoint_every, args.batch, threads);
     let available = mem_available_bytes().unwrap_or(u64::MAX);
     if need > available / 2 {

@@ -51,7 +51,8 @@ mod bucket;
 mod repair;
 
 use backing::Backing;
-pub use backing::PAGE_BYTES as BACKING_PAGE_BYTES;
+#[cfg(test)]
+use backing::PAGE_BYTES as BACKING_PAGE_BYTES;
 use bucket::{empty_slots, match_fp, MARK_SLOT_BITS};
 
 /// What the second stage of a pipelined lookup hands the third: the home bucket's
@@ -230,6 +231,7 @@ impl Index {
         self.word(format::INDEX_LEN_OFFSET).load(Ordering::Relaxed)
     }
 
+    #[cfg(any(test, feature = "fuzzing"))]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -391,6 +393,7 @@ impl Index {
     /// again: [`Bucket::read`]'s seqlock read spread over the stages (version with
     /// acquire, fingerprints, overflow and slots, a fence, the version). A key past its
     /// home bucket, or in a bucket a writer changed meanwhile, takes [`Index::get`].
+    #[cfg(test)]
     #[inline(always)]
     pub fn probe_slots(&self, key: u64, hash: u64, probe: Probe) -> Option<u64> {
         match self.probe_home_slots(key, hash, probe) {

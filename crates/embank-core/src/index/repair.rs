@@ -76,11 +76,6 @@ impl Index {
         self.repairing.store(true, Ordering::Release);
     }
 
-    /// True while a repair on first touch runs.
-    pub fn is_repairing(&self) -> bool {
-        self.repairing.load(Ordering::Acquire)
-    }
-
     /// Repairs bucket `b` unless that is done; waits while another thread repairs it.
     pub(super) fn ensure_repaired(&self, lazy: &LazyRepair, b: u64) {
         let state = &lazy.state[b as usize];

@@ -163,10 +163,6 @@ impl BlockMedium {
         self.align
     }
 
-    pub fn engine(&self) -> &Arc<dyn IoEngine> {
-        &self.io
-    }
-
     pub fn io_stats(&self) -> IoStats {
         self.io.stats()
     }

@@ -34,11 +34,6 @@ impl<'a> Mapped<'a> {
     }
 
     #[inline(always)]
-    pub fn codec(&self) -> &'a RecordCodec {
-        self.codec
-    }
-
-    #[inline(always)]
     pub(super) fn record_ptr(&self, ptr: u64) -> *mut u8 {
         debug_assert!(ptr + self.alloc.stride() <= self.alloc.file_bytes());
         // SAFETY: callers pass pointers of handed-out records, all inside the memory.

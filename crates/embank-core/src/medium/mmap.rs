@@ -158,8 +158,9 @@ impl MmapMedium {
         self.mapped().record(ptr)
     }
 
-    /// Writes a record. `ptr` must come from the allocator and not be published yet.
-    #[inline]
+    /// Writes a record. `ptr` must come from the allocator and not be published yet (the
+    /// tests'; the medium's writes go through `Medium::write`).
+    #[cfg(test)]
     pub fn write_row(&self, ptr: u64, key: u64, record: &[f32]) {
         // SAFETY: the record is ours alone until published; it holds header and payload.
         let out = unsafe { std::slice::from_raw_parts_mut(self.record_ptr(ptr), self.codec.record_bytes()) };
@@ -176,18 +177,6 @@ impl MmapMedium {
     #[inline(always)]
     pub fn read_into(&self, ptr: u64, out: &mut [f32]) {
         self.mapped().read_into(ptr, out)
-    }
-
-    /// The stored bytes of a published record's row (for zero-copy serving of `f32` rows).
-    #[inline(always)]
-    pub fn row_bytes(&self, ptr: u64) -> &[u8] {
-        self.mapped().row_bytes(ptr)
-    }
-
-    /// Hints the CPU to load a record.
-    #[inline(always)]
-    pub fn prefetch(&self, ptr: u64) {
-        self.mapped().prefetch(ptr)
     }
 
     /// Hints the CPU to fetch a record's lines for writing.

@@ -145,8 +145,6 @@ impl RowWrites {
 /// are copy-on-write (written only between allocation and publication).
 pub trait Medium: Send + Sync {
     fn kind(&self) -> MediumKind;
-    /// The layout its records were created with.
-    fn layout(&self) -> &RecordLayout;
     /// Allocation, free list and reclamation of records.
     fn alloc(&self) -> &RecordAlloc;
     /// Decodes the records at `items` into `out` (`items[i].pos * elems` each), checking
@@ -174,9 +172,6 @@ pub trait Medium: Send + Sync {
 impl Medium for MmapMedium {
     fn kind(&self) -> MediumKind {
         MediumKind::Mmap
-    }
-    fn layout(&self) -> &RecordLayout {
-        MmapMedium::layout(self)
     }
     fn alloc(&self) -> &RecordAlloc {
         MmapMedium::alloc(self)
@@ -211,9 +206,6 @@ impl Medium for MmapMedium {
 impl Medium for BlockMedium {
     fn kind(&self) -> MediumKind {
         MediumKind::Block
-    }
-    fn layout(&self) -> &RecordLayout {
-        BlockMedium::layout(self)
     }
     fn alloc(&self) -> &RecordAlloc {
         BlockMedium::alloc(self)
@@ -289,9 +281,6 @@ impl Medium for AnyMedium {
     fn kind(&self) -> MediumKind {
         delegate!(self, m => m.kind())
     }
-    fn layout(&self) -> &RecordLayout {
-        delegate!(self, m => Medium::layout(m))
-    }
     #[inline(always)]
     fn alloc(&self) -> &RecordAlloc {
         delegate!(self, m => Medium::alloc(m))
@@ -361,7 +350,7 @@ impl MediumKind {
     }
 
     /// True when the medium's records are byte-addressable memory
-    /// ([`Medium::as_mapped`]): reads then take the lock-free fast path unless the table
+    /// (`Medium::as_mapped`): reads then take the lock-free fast path unless the table
     /// caches rows, and `placement = auto` leaves the table uncached.
     pub fn is_mapped(self) -> bool {
         match self {

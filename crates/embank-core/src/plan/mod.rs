@@ -32,7 +32,6 @@ use crate::layout::RecordLayout;
 use crate::medium::MediumKind;
 use crate::optim::Optimizer;
 use crate::table::LOAD_FACTOR_TARGET;
-use crate::tier::dram::ENTRY_OVERHEAD_BYTES;
 
 mod request;
 mod simulate;
@@ -188,7 +187,9 @@ impl StackDistances {
         (expected, expected - self.counted as f64)
     }
 
-    /// The least rows giving hit rate `target` (None if the stream never reaches it).
+    /// The least rows giving hit rate `target` (None if the stream never reaches it;
+    /// the tests').
+    #[cfg(test)]
     pub fn rows_for(&self, target: f64) -> Option<f64> {
         let (expected, adjust) = self.adjusted();
         if expected <= 0.0 {
@@ -431,12 +432,10 @@ pub fn tier_bytes(shape: &TableShape, rows: u64) -> TierBytes {
     }
 }
 
-/// The entry overhead the cache model uses (re-exported for reports).
-pub const CACHE_ENTRY_OVERHEAD_BYTES: u64 = ENTRY_OVERHEAD_BYTES;
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tier::dram::ENTRY_OVERHEAD_BYTES;
 
     /// Brute-force LRU hit rate of a trace for a cache of `c` rows.
     fn lru(trace: &[u64], c: usize) -> f64 {

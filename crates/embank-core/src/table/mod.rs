@@ -62,7 +62,7 @@ pub use export::ExportCursor;
 pub use grow::PlaceReport;
 pub(crate) use options::RepairMode;
 pub(crate) use options::LOAD_FACTOR_TARGET;
-pub use options::{validate_name, RecoverStats, TableOptions, TableStats, DIM_MAX, NAME_BYTES_MAX};
+pub use options::{validate_name, RecoverStats, TableOptions, TableStats, DIM_MAX};
 
 /// Writer stripes per table: writers of keys in different stripes never wait on each other.
 const STRIPES: usize = 1024;
@@ -292,7 +292,7 @@ impl Table {
     /// Like [`lookup`](Self::lookup) but each row comes as stored: `row_bytes()` bytes
     /// a key (`RecordLayout::row_bytes`) in the table's element type, not decoded to
     /// `f32` (`f32`: the little-endian floats; `f16`: IEEE halves; `int8`: `dim` bytes,
-    /// then `scale` and `bias` as `f32`, see [`crate::layout`]). For a consumer that
+    /// then `scale` and `bias` as `f32`, see [`RecordLayout`](crate::RecordLayout)). For a consumer that
     /// decodes rows itself (a GPU kernel, after a copy of a quarter of the bytes):
     /// [`RecordLayout::decode_row`] gives exactly what [`lookup`](Self::lookup) returns.
     /// Missing keys get the missing default, encoded, and `found[i] = false`. Tables behind

@@ -54,7 +54,7 @@ pub struct TableOptions {
     pub placement: Placement,
     /// Server-side optimizer applied by `push_grad`. Default none.
     pub optimizer: Optimizer,
-    /// Bounded staleness of workers' pulls ([`Table::pull_held`]): `None` = ASP
+    /// Bounded staleness of workers' pulls ([`Table::pull_held`](crate::Table::pull_held)): `None` = ASP
     /// (default: nothing waits), `Some(0)` = BSP, `Some(k)` = SSP with bound k.
     pub staleness_bound: Option<u32>,
     /// A worker silent this long loses its holds. Default 60 s.

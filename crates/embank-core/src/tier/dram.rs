@@ -146,10 +146,6 @@ impl RowCache {
         }
     }
 
-    pub fn budget(&self) -> u64 {
-        self.budget
-    }
-
     /// Hash of a cached row's identity; picks its shard.
     #[inline(always)]
     pub fn hash(&self, table: u32, key: u64) -> u64 {

@@ -24,7 +24,7 @@ pub mod shared;
 #[cfg(test)]
 mod sketch;
 
-pub use dram::{CacheStats, DirtyRow, Locked, RowCache};
+pub use dram::{CacheStats, DirtyRow, RowCache};
 pub use shared::{SharedTier, SharedTierStats};
 
 use std::sync::Arc;

@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use embank_core::catalog::TableMeta;
+use embank_core::TableMeta;
 use embank_core::{Error, ErrorKind, Result, TableOptions};
 use parking_lot::{Mutex, RwLock};
 
@@ -386,7 +386,7 @@ impl Client {
 impl Client {
     /// Creates a table on every shard.
     pub fn create_table(&self, name: &str, options: TableOptions) -> Result<RemoteTable> {
-        embank_core::table::validate_name(name)?;
+        embank_core::validate_name(name)?;
         options.validate()?;
         let body = serde_json::json!({ "name": name, "options": options }).to_string();
         let replies = self.broadcast_from(Op::CreateTable, body.as_bytes(), None)?;
@@ -507,10 +507,10 @@ impl Client {
             .collect()
     }
 
-    pub fn checkpoints(&self) -> Result<Vec<embank_core::store::CheckpointInfo>> {
-        let mut common: Option<Vec<embank_core::store::CheckpointInfo>> = None;
+    pub fn checkpoints(&self) -> Result<Vec<embank_core::CheckpointInfo>> {
+        let mut common: Option<Vec<embank_core::CheckpointInfo>> = None;
         for (_, body) in self.broadcast(Op::Checkpoints, &[], None)? {
-            let list: Vec<embank_core::store::CheckpointInfo> =
+            let list: Vec<embank_core::CheckpointInfo> =
                 serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad checkpoint list: {e}")))?;
             common = Some(match common {
                 None => list,

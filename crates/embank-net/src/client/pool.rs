@@ -136,9 +136,8 @@ impl Client {
                     let nanos = std::time::SystemTime::now()
                         .duration_since(std::time::UNIX_EPOCH)
                         .map_or(0, |d| d.subsec_nanos());
-                    let seed = embank_core::hash::splitmix64(
-                        u64::from(nanos) ^ self.inner.next_id.fetch_add(1, Ordering::Relaxed),
-                    );
+                    let seed =
+                        embank_core::splitmix64(u64::from(nanos) ^ self.inner.next_id.fetch_add(1, Ordering::Relaxed));
                     let pause = Duration::from_micros(1_000 + seed % (5_000u64 << tries.min(8)));
                     tracing::debug!(replica = %shard.replica_name(r), tries, error = %e, "hello closed unanswered; connecting again");
                     std::thread::sleep(pause);

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use embank_core::catalog::TableMeta;
+use embank_core::TableMeta;
 use embank_core::{Error, ExportCursor, Result};
 
 use super::route::Req;
@@ -228,14 +228,7 @@ impl RemoteTable {
     /// rows cross the network as stored: an int8 row of dim 128 in 136 bytes, not 512.
     pub fn lookup_stored(&self, keys: &[u64], out: &mut [u8], found: &mut [bool]) -> Result<()> {
         let rb = self.meta.dtype.row_bytes(self.dim);
-        embank_core::layout::check_stored_lens(
-            &self.name,
-            self.meta.dtype,
-            self.dim,
-            keys.len(),
-            out.len(),
-            found.len(),
-        )?;
+        embank_core::check_stored_lens(&self.name, self.meta.dtype, self.dim, keys.len(), out.len(), found.len())?;
         let mut plan = self.plan(Op::LookupStored, keys, None);
         let min_checkpoint = self.client.inner.opts.min_checkpoint;
         plan.reqs.iter_mut().for_each(|r| r.min_checkpoint = min_checkpoint);
@@ -326,7 +319,7 @@ impl RemoteTable {
     pub fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
         self.check_rows("push_grad", keys.len(), grads.len())?;
         self.check_finite("push_grad", keys, grads)?;
-        let (ukeys, sums) = embank_core::optim::sum_duplicates(keys, grads, self.dim);
+        let (ukeys, sums) = embank_core::sum_duplicates(keys, grads, self.dim);
         let plan = self.plan(Op::PushGrad, &ukeys, Some(&sums));
         self.client.run(&plan.reqs, |_, _, _, _| Ok(()))
     }
@@ -364,7 +357,7 @@ impl RemoteTable {
     pub fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
         self.check_rows("push_grad", keys.len(), grads.len())?;
         self.check_finite("push_grad", keys, grads)?;
-        let (ukeys, sums) = embank_core::optim::sum_duplicates(keys, grads, self.dim);
+        let (ukeys, sums) = embank_core::sum_duplicates(keys, grads, self.dim);
         let plan = self.plan_with(Op::PushGradHeld, &[worker], &ukeys, Some(&sums));
         self.client.run(&plan.reqs, |_, _, _, _| Ok(()))
     }
@@ -651,7 +644,7 @@ impl embank_core::TableApi for RemoteTable {
     fn lookup_min(&self, keys: &[u64], out: &mut [f32], found: &mut [bool], min: Option<u64>) -> Result<()> {
         RemoteTable::lookup_min(self, keys, out, found, min)
     }
-    fn export(&self, chunk_keys: usize, f: embank_core::api::ChunkSink<'_>) -> Result<()> {
+    fn export(&self, chunk_keys: usize, f: embank_core::ChunkSink<'_>) -> Result<()> {
         RemoteTable::export(self, chunk_keys, f)
     }
 }

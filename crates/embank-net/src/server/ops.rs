@@ -293,7 +293,7 @@ impl Conn<'_> {
                         rows.clear();
                         rows.resize(n * dim, 0.0);
                         let read = v.lookup(table, keys, &mut rows, &mut found);
-                        embank_core::layout::encode_rows(table.meta().dtype, dim, &rows, &mut stored);
+                        embank_core::encode_rows(table.meta().dtype, dim, &rows, &mut stored);
                         self.rows = rows;
                         read
                     }

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::hash::Hasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use embank_core::hash::IdHasher;
+use embank_core::IdHasher;
 use embank_core::{Error, ErrorKind, Result, Store, Table};
 
 use super::replica::ReplicaMeta;
@@ -124,7 +124,7 @@ impl KeptIndex {
     #[inline]
     fn prefetch(&self, h: u64) {
         if !self.slots.is_empty() {
-            embank_core::prefetch::prefetch_read(&self.slots[self.home(h)] as *const KeptSlot as *const u8);
+            embank_core::prefetch_read(&self.slots[self.home(h)] as *const KeptSlot as *const u8);
         }
     }
 
