@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._store import Table, Worker
+from ._table import Table, Worker
 from .errors import EmbankError, InvalidInputError
 
 B = TypeVar("B")

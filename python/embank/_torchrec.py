@@ -53,7 +53,8 @@ import torch
 
 from . import init as embank_init
 from . import optim
-from ._store import Store, Table
+from ._store import Store
+from ._table import Table
 from .errors import ConfigError, InvalidInputError, UnsupportedError
 
 __all__ = [
@@ -447,7 +448,7 @@ def _has_momentum(table: Table) -> bool:
 def _refuse_served_state(table: Table, doing: str) -> None:
     """Raises for the ``momentum1`` of a table served by ``embank serve``, which this
     client cannot read or write (only rows cross the wire)."""
-    if table._t.remote and _has_momentum(table):
+    if table._remote and _has_momentum(table):
         raise UnsupportedError(
             f"table {table.name!r} is served by embank serve: {doing} its optimizer state (momentum1) "
             "is not possible over the wire (a row's optimizer state is read and written only where "

@@ -110,7 +110,7 @@ from ._gpu_support import (
     decode_rows,
     key_hash,
 )
-from ._store import Table
+from ._table import Table
 from .errors import InvalidInputError
 
 __all__ = ["GpuCache", "key_hash"]

@@ -79,7 +79,8 @@ except ImportError as e:  # the package installs without PyTorch
 import torch.nn.functional as F
 
 from . import _native
-from ._store import Store, Table, Worker
+from ._store import Store
+from ._table import Table, Worker
 from ._torch_support import (
     B,
     Jagged,
