@@ -1,6 +1,6 @@
 """One table and a training worker of it: the public Table API, a thin, typed layer over
 ``embank._native``; the row format as stored (sized, encoded and decoded by the store's
-own codec).
+own codec); several tables trained in one native call (:class:`FusedTables`).
 
 Inputs are checked here, with messages that say what was expected; the
 engine checks again.
@@ -26,7 +26,7 @@ from .errors import ConfigError, InvalidInputError
 KeysLike = Union[npt.NDArray[np.integer[Any]], Sequence[int]]
 Rows = npt.NDArray[np.float32]
 
-__all__ = ["Table", "Worker", "decode_rows", "row_bytes"]
+__all__ = ["FusedTables", "Table", "Worker", "decode_rows", "row_bytes"]
 
 
 def _keys(keys: KeysLike) -> npt.NDArray[np.uint64]:
@@ -438,3 +438,77 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<embank.Worker {self.id:#x} of {self.table.name!r}>"
+
+
+Source = Union[Table, Worker]
+
+
+def _table_of(source: Source) -> Table:
+    return source.table if isinstance(source, Worker) else source
+
+
+class FusedTables:
+    """Several tables pulled, pooled and trained in one native call each way (the core's
+    ``fused`` module): the store side of :class:`embank.torch.EmbeddingBagCollection`.
+
+    ``sources``: the distinct tables (a :class:`Worker`: its pulls hold keys until their
+    gradients are pushed); ``features``: each feature's index in ``sources``; ``mode``:
+    how the engine pools (``"sum"`` or ``"mean"``); ``threads``: tables read at once.
+    :meth:`forward` pulls and pools every feature's bags (training: through the workers;
+    evaluation: through the tables, never a worker's holds), :meth:`backward` reduces the
+    pooled gradient to one gradient per distinct row, :meth:`push` applies every table's
+    optimizer and tells each table's write listeners (a GpuCache over it) the rows."""
+
+    def __init__(
+        self, sources: Sequence[Source], features: list[int], mode: str, threads: int | None
+    ) -> None:
+        self.sources = list(sources)
+        tables = [_table_of(s) for s in self.sources]
+        if threads is None:
+            # Embedded tables are CPU work: one thread (more compete with torch's own
+            # threads, which spin between ops). Remote tables wait on round trips: overlap
+            # a few (4 ran as fast as 16 through 2 shards, with fewer connections: each
+            # thread may open one per shard at once, and a server closes unauthenticated
+            # ones past 16 per address, which clients then open again).
+            remote = any(t._remote for t in tables)
+            threads = min(len(self.sources), 4) if remote else 1
+        natives = [t._t for t in tables]
+        workers = [s.id if isinstance(s, Worker) else None for s in self.sources]
+        timeout = max([s.timeout for s in self.sources if isinstance(s, Worker)], default=60.0)
+        self._train = _native.Collection(natives, features, workers, mode, threads, timeout)
+        # Evaluation pulls through the tables, never a worker's holds.
+        self._eval = (
+            _native.Collection(natives, features, [None] * len(natives), mode, threads, timeout)
+            if any(w is not None for w in workers)
+            else self._train
+        )
+        self._listeners = [t._listeners for t in tables]
+
+    def forward(
+        self,
+        values: list[npt.NDArray[np.int64]],
+        offsets: list[npt.NDArray[np.int64]],
+        weights: list[npt.NDArray[np.float32] | None],
+        *,
+        training: bool,
+    ) -> tuple[npt.NDArray[np.float32], _native.Step]:
+        """Every feature's bags pooled, flat (feature blocks of ``bags x dim``), and the
+        step a :meth:`backward` of them needs."""
+        return (self._train if training else self._eval).forward(values, offsets, weights)
+
+    def backward(self, step: _native.Step, grad: npt.NDArray[np.float32]) -> _native.Grads:
+        """The flat pooled gradient of ``step`` as one gradient per distinct row of each table."""
+        return self._train.backward(step, grad)
+
+    def push(self, grads: _native.Grads) -> int:
+        """Applies every table's optimizer to ``grads`` in one call, then tells each table's
+        write listeners the rows pushed; returns the rows pushed."""
+        n = self._train.push(grads)
+        for t, listeners in enumerate(self._listeners):
+            if listeners:
+                listeners.notify(grads.table(t)[0])
+        return int(n)
+
+    def lookahead(self, values: list[npt.NDArray[np.int64]], offsets: list[npt.NDArray[np.int64]]) -> None:
+        """Starts reading these features' rows into the row cache in the background."""
+        self._train.lookahead(values, offsets)
