@@ -311,7 +311,6 @@ def main(argv: list[str] | None = None) -> int:
         sparse_opt = torch.optim.Adagrad([b.weight for b in embeddings.bags], lr=args.lr, eps=1e-10)
     else:
         sparse_opt = et.SparseOptimizer(model, delay=args.staleness or 0, distributed=ranks.world > 1)
-    train_model = ranks.parallel(model)
 
     def checkpoint(batch: int, epoch: int, in_epoch: int) -> None:
         dense = {
@@ -343,13 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.materialize and tables:
         materialize(tables, batches(train_files), quiet=args.quiet)
 
-    # --- training, timed ---
-    loss_fn = nn.BCEWithLogitsLoss()
-    history: list[dict[str, Any]] = []
-    batch_no, examples = 0, 0
-    t_start = time.perf_counter()
-    for epoch in range(args.epochs):
-        in_epoch = 0
+    # --- training, timed: examples/dlrm/train.py's loop ---
+    def train_batches(skip: int) -> Iterator[ds.Batch]:
         it: Iterator[ds.Batch] = batches(train_files)
         # Reading ahead pays where a row can be cold (a row cache over the block medium);
         # on the mmap medium every row is already in DRAM.
@@ -358,44 +352,14 @@ def main(argv: list[str] | None = None) -> int:
                 it = embeddings.prefetch(it, lambda b: torch.from_numpy(b.sparse))
             else:
                 it = et.lookahead(it, lambda b: {t: b.sparse[:, j] for j, t in enumerate(tables)})
-        for b in it:
-            logits = train_model(torch.from_numpy(b.dense), torch.from_numpy(b.sparse))
-            loss = loss_fn(logits, torch.from_numpy(b.labels))
-            dense_opt.zero_grad()
-            sparse_opt.zero_grad()
-            loss.backward()
-            dense_opt.step()
-            sparse_opt.step()
-            batch_no += 1
-            in_epoch += 1
-            examples += len(b)
-            if args.checkpoint_every and batch_no % args.checkpoint_every == 0:
-                checkpoint(batch_no, epoch, in_epoch)
-                if args.quiet and ranks.rank == 0:
-                    print(f"checkpoint {batch_no}", flush=True)
-            if args.eval_every and batch_no % args.eval_every == 0 and test_files:
-                if not args.baseline:
-                    sparse_opt.flush()
-                m = evaluate(model, batches(test_files), ranks)
-                history.append({"batch": batch_no, **m})
-                print(f"batch {batch_no}: auc {m['auc']:.4f} logloss {m['logloss']:.4f}", file=sys.stderr)
-    if not args.baseline:
-        sparse_opt.flush()
-    ranks.barrier()
-    elapsed = time.perf_counter() - t_start
-    examples = ranks.sum(examples)
+        return it
+
+    eval_batches = (lambda: batches(test_files)) if test_files else None
+    trained = train.epochs(args, ranks, model, dense_opt, sparse_opt, train_batches, checkpoint, eval_batches)
 
     # --- what it measured ---
-    result: dict[str, Any] = {
-        "mode": "torchrec" if args.torchrec else "baseline" if args.baseline else f"embank-{args.medium}",
-        "staleness": args.staleness,
-        "batches": batch_no,
-        "examples_trained": examples,
-        "seconds": elapsed,
-        "examples_per_s": examples / elapsed if elapsed > 0 else 0.0,
-        "history": history,
-        "world_size": ranks.world,
-    }
+    mode = "torchrec" if args.torchrec else "baseline" if args.baseline else f"embank-{args.medium}"
+    result: dict[str, Any] = {"mode": mode, **trained}
     if not args.baseline and not remote:
         result.update(store_counters(store, args))
     if remote:

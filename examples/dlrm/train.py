@@ -36,7 +36,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -267,17 +267,53 @@ def train(
         model.load_state_dict(state["model"])
         dense_opt.load_state_dict(state["dense_opt"])
         torch.set_rng_state(state["rng"])
+
+    def checkpoint(batch: int, epoch: int, in_epoch: int) -> None:
+        dense = {"model": model.state_dict(), "dense_opt": dense_opt.state_dict(), "batch": batch,
+                 "epoch": epoch, "in_epoch": in_epoch, "rng": torch.get_rng_state()}  # fmt: skip
+        # From every rank: a barrier, every table (on every shard) checkpointed at this
+        # batch id, then the dense part saved once.
+        et.checkpoint(store, batch, dense, args.work / "dense.pt", sparse=sparse_opt)
+
+    def train_batches(skip: int) -> Iterator[ds.Batch]:
+        it = batches(args, ranks, train_files, skip)
+        if args.medium == "block":  # rows can be cold: read the next batch's while this one trains
+            it = model.tables.prefetch(it, lambda b: torch.from_numpy(b.sparse))
+        return it
+
+    start = (int(state["batch"]), int(state["epoch"]), int(state["in_epoch"])) if state else (0, 0, 0)
+    eval_batches = (lambda: batches(args, ranks, test_files)) if test_files else None
+    result = epochs(args, ranks, model, dense_opt, sparse_opt, train_batches, checkpoint, eval_batches, start)
+    return {"mode": f"embank-{args.medium}", **result, "rows": store.stats()["rows"]}
+
+
+def epochs(
+    args: argparse.Namespace,
+    ranks: Ranks,
+    model: nn.Module,
+    dense_opt: torch.optim.Optimizer,
+    sparse_opt: Any,
+    train_batches: Callable[[int], Iterator[ds.Batch]],
+    checkpoint: Callable[[int, int, int], None],
+    eval_batches: Callable[[], Iterator[ds.Batch]] | None,
+    start: tuple[int, int, int] = (0, 0, 0),
+) -> dict[str, Any]:
+    """The training loop of ``args.epochs`` epochs (this one and ``bench/dlrm_compare.py``'s):
+    ``train_batches(skip)`` yields an epoch's batches from batch ``skip`` on, ``checkpoint(
+    batch, epoch, in_epoch)`` runs every ``--checkpoint-every`` batches, ``eval_batches()``
+    every ``--eval-every``. ``start`` is (batches trained, epoch, batches into it). A
+    ``sparse_opt`` with a ``flush`` (the store's) is flushed before each evaluation and at
+    the end. Returns the trained batches, examples and time, and the evaluations."""
+    flush = getattr(sparse_opt, "flush", lambda: None)
     train_model = ranks.parallel(model)  # several ranks: the dense gradients averaged
     loss_fn = nn.BCEWithLogitsLoss()
     history: list[dict[str, Any]] = []
-    batch_no, start_epoch = (int(state["batch"]), int(state["epoch"])) if state else (0, 0)
+    batch_no, start_epoch, skip = start
     examples, per_epoch = 0, None
     t_start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
-        in_epoch = int(state["in_epoch"]) if state and epoch == start_epoch else 0
-        it = batches(args, ranks, train_files, in_epoch)
-        if args.medium == "block":  # rows can be cold: read the next batch's while this one trains
-            it = model.tables.prefetch(it, lambda b: torch.from_numpy(b.sparse))
+        in_epoch = skip if epoch == start_epoch else 0
+        it = train_batches(in_epoch)
         bar = None
         if tqdm is not None and not args.quiet:
             it = bar = tqdm(it, f"epoch {epoch + 1}/{args.epochs}", per_epoch, unit="batch", initial=in_epoch)
@@ -294,26 +330,21 @@ def train(
                 rate = examples / max(time.perf_counter() - t_start, 1e-9)
                 bar.set_postfix(loss=f"{loss.item():.4f}", ex_per_s=f"{rate:,.0f}", refresh=False)
             if args.checkpoint_every and batch_no % args.checkpoint_every == 0:
-                dense = {"model": model.state_dict(), "dense_opt": dense_opt.state_dict(), "batch": batch_no,
-                         "epoch": epoch, "in_epoch": in_epoch, "rng": torch.get_rng_state()}  # fmt: skip
-                # From every rank: a barrier, every table (on every shard) checkpointed at
-                # this batch id, then the dense part saved once.
-                et.checkpoint(store, batch_no, dense, args.work / "dense.pt", sparse=sparse_opt)
+                checkpoint(batch_no, epoch, in_epoch)
                 if args.quiet and ranks.rank == 0:
                     print(f"checkpoint {batch_no}", flush=True)
             ranks.kill_hook(batch_no)
-            if args.eval_every and batch_no % args.eval_every == 0 and test_files:
-                sparse_opt.flush()
-                m = evaluate(model, batches(args, ranks, test_files), ranks)
+            if args.eval_every and batch_no % args.eval_every == 0 and eval_batches is not None:
+                flush()
+                m = evaluate(model, eval_batches(), ranks)
                 history.append({"batch": batch_no, **m})
                 print(f"batch {batch_no}: auc {m['auc']:.4f} logloss {m['logloss']:.4f}", file=sys.stderr)
         per_epoch = in_epoch
-    sparse_opt.flush()
+    flush()
     ranks.barrier()
     elapsed = time.perf_counter() - t_start
     examples = ranks.sum(examples)
     return {
-        "mode": f"embank-{args.medium}",
         "staleness": args.staleness,
         "batches": batch_no,
         "examples_trained": examples,
@@ -321,7 +352,6 @@ def train(
         "examples_per_s": examples / elapsed if elapsed > 0 else 0.0,
         "history": history,
         "world_size": ranks.world,
-        "rows": store.stats()["rows"],
     }
 
 

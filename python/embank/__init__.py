@@ -16,7 +16,8 @@ from ._native import __version__
 from ._open import connect, open, shard_of
 from ._plan import plan
 from ._publisher import Publisher
-from ._store import Store, Table, Worker, decode_rows
+from ._store import Store
+from ._table import Table, Worker, decode_rows
 from .errors import (
     ConfigError,
     CorruptStoreError,

@@ -12,8 +12,9 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _native
-from ._store import KeysLike, Store, _keys
-from .errors import InvalidInputError
+from ._store import Store
+from ._table import KeysLike, _keys
+from .errors import ConfigError, InvalidInputError
 
 __all__ = ["connect", "open", "shard_of"]
 
@@ -88,8 +89,6 @@ def open(
         FormatVersionError: the store was written by an unknown format version.
     """
     if cache_bytes < 0 or io_depth < 1 or pooled_cache_bytes < 0:
-        from .errors import ConfigError
-
         raise ConfigError("cache_bytes and pooled_cache_bytes must be >= 0, io_depth >= 1")
     options: dict[str, Any] = {
         "create": bool(create),
@@ -260,13 +259,9 @@ def connect(
     for a in listed:
         group = [x for x in a.split("|") if x] if isinstance(a, str) else [str(x) for x in a]
         if not group:
-            from .errors import ConfigError
-
             raise ConfigError("connect: a shard with no address")
         groups.append(group)
     if not groups:
-        from .errors import ConfigError
-
         raise ConfigError("connect: give at least one shard address")
     for key, var in (
         ("tls_ca_file", "EMBANK_TLS_CA_FILE"),

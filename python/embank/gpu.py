@@ -84,11 +84,9 @@ written elsewhere (another process, the update stream) reach the cache through
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -100,46 +98,41 @@ except ImportError as e:  # the package installs without PyTorch
     raise ImportError("embank.gpu needs PyTorch: pip install 'embank[torch]' (or torch itself)") from e
 import torch.nn.functional as F
 
+# What each part holds: _gpu_native (the native path), _gpu_buckets (the Python path's
+# structure and operations, Triton or PyTorch), _gpu_transfer (its host-device copies),
+# _gpu_insert (its inserts and the background inserter).
 from . import _native
-from ._gpu_support import (
-    _AsyncQueue,
-    _host_keys,
-    _insert_loop,
-    _Staging,
-    _triton_usable,
-    decode_rows,
-    key_hash,
-)
-from ._store import Table
+from ._gpu_buckets import EMPTY as EMPTY
+from ._gpu_buckets import KEEP as KEEP
+from ._gpu_buckets import LOCKED as LOCKED
+from ._gpu_buckets import ONES_CHUNK as ONES_CHUNK
+from ._gpu_buckets import _triton_usable, key_hash
+from ._gpu_insert import _AsyncQueue, _insert_loop, _Inserts
+from ._gpu_native import _NativeCache
+from ._gpu_transfer import _Staging
+from ._table import Table
 from .errors import InvalidInputError
 
 __all__ = ["GpuCache", "key_hash"]
 
-EMPTY = -1  # an empty slot's key: u64::MAX (never cached)
-LOCKED = -2  # a slot being written: u64::MAX - 1 (never cached)
-KEEP = -2  # a score meaning "leave it"
 SLOTS_DEFAULT = 128
 QUEUE_KEYS_MAX_DEFAULT = 1 << 20
 MISS_IDS_HINT_MIN = 1024  # miss ids a lookup copies to the host with the count, at least
-ONES_CHUNK = 1 << 16  # the outcome counter's ones: allocated once (a reallocation could be
-# freed while another stream still reads it)
 _POLICIES = {"lru": 0, "lfu": 1, "custom": 2}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _stream_getter(device: torch.device) -> Any:
-    """A function returning the handle of ``device``'s current stream (0 on the CPU):
-    PyTorch's raw getter where it has one (no Stream object made: ~0.3 us, not ~3)."""
-    if device.type != "cuda":
-        return lambda: 0
-    index = device.index
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return lambda: raw(index)
-    return lambda: torch.cuda.current_stream(device).cuda_stream
+def _host_keys(keys: Any) -> npt.NDArray[np.int64]:
+    """Keys given on the host (list, numpy, CPU tensor) as the int64 bits of u64 keys."""
+    a = np.asarray(keys)
+    if a.dtype.kind == "i" and a.size and a.min() < 0:
+        raise InvalidInputError(f"keys hold a negative value ({int(a.min())}); embank keys are u64")
+    if a.dtype.kind not in "iu" and a.size:
+        raise InvalidInputError(f"keys must be integers, got dtype {a.dtype}")
+    return np.ascontiguousarray(a.astype(np.uint64).reshape(-1)).view(np.int64)
 
 
-class GpuCache:
+class GpuCache(_NativeCache, _Inserts):
     """The rows of ``table`` most used, in ``device`` memory (see the module's text).
 
     Args:
@@ -246,6 +239,9 @@ class GpuCache:
         if kernels == "native":
             self._window_len = max(1, window)
             self._init_native(table, default_values, stored_rows)
+            self._remote = table._remote
+            if self._remote:  # an embedded table's writes reach the cache through the store's notices
+                table._write_listeners().add(self._on_write)
             self._stop = threading.Event()
             weakref.finalize(self, self._stop.set)
             self._refresher: threading.Thread | None = None
@@ -293,78 +289,6 @@ class GpuCache:
             self.start_refresh(refresh_every)
         table._write_listeners().add(self._on_write)
 
-    # ---- the native path (kernels="native": crates/embank-gpu) ----
-
-    def _init_native(self, table: Table, default_values: torch.Tensor, stored_rows: bool) -> None:
-        """The cache as one native object: every lookup is one call into Rust, which
-        launches the CUDA kernels of crates/embank-gpu/kernels/cache.cu itself (on the CPU:
-        their emulator, in a test build)."""
-        ordinal = self.device.index if self.device.type == "cuda" else -1
-        if self.device.type == "cuda":
-            torch.cuda.init()  # type: ignore[no-untyped-call]  # the primary context the native path shares with PyTorch
-        self._stream_of = _stream_getter(self.device)
-        self._n = _native.GpuTable(
-            table._t,
-            ordinal,
-            self.n_buckets,
-            self.slots,
-            str(self.dtype).replace("torch.", ""),
-            self.policy,
-            self.insert_mode,
-            self.threshold,
-            self._window_len,
-            [float(v) for v in default_values.tolist()],
-            stored_rows,
-            table._store,
-        )
-        self._insert_sent = self.insert_mode
-        self._remote = bool(table._t.remote)
-        if self._remote:  # an embedded table's writes reach the cache through the store's notices
-            table._write_listeners().add(self._on_write)
-
-    def _native_prelude(self, scores: torch.Tensor | None, n: int, shape: Any) -> tuple[int, Any]:
-        """The scores' address (custom policy; the tensor is returned to keep it alive)
-        and the insert mode sent to the native object if it changed."""
-        given, keep = 0, None
-        if self._policy == 2:
-            if scores is None:
-                raise InvalidInputError('policy="custom" needs the scores of the ids')
-            keep = scores.reshape(-1).to(self.device, torch.int64)
-            if len(keep) != n:
-                raise InvalidInputError(f"scores must have the shape of ids, got {scores.shape} for {shape}")
-            if len(keep) and int(keep.min()) < 0:
-                raise InvalidInputError("scores must be >= 0")
-            given = keep.data_ptr()
-        if self.insert_mode != self._insert_sent:  # the attribute is the switch, as for the other kernels
-            if self.insert_mode not in ("sync", "async", "auto"):
-                raise InvalidInputError(f'insert must be "sync", "async" or "auto", got {self.insert_mode!r}')
-            self._n.set_insert(self.insert_mode)
-            self._insert_sent = self.insert_mode
-        return given, keep
-
-    def _lookup_native(self, ids: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
-        # The common case (int64 ids on the cache's device, no scores) without a PyTorch
-        # call but the output's allocation: this is the host's whole share of a lookup.
-        if (
-            type(ids) is torch.Tensor
-            and ids.dtype is torch.int64
-            and ids.device == self.device
-            and ids.is_contiguous()
-            and scores is None
-            and self._policy != 2
-            and self.insert_mode == self._insert_sent
-        ):
-            n = ids.numel()
-            out = torch.empty((n, self.dim), dtype=torch.float32, device=self.device)
-            self._n.lookup(ids.data_ptr(), n, out.data_ptr(), self._stream_of(), 0)
-            return out if ids.dim() == 1 else out.view(*ids.shape, self.dim)
-        flat = self._device_ids(ids)
-        n = flat.numel()
-        given, _keep = self._native_prelude(scores, n, ids.shape)
-        out = torch.empty((n, self.dim), dtype=torch.float32, device=self.device)
-        self._n.lookup(flat.data_ptr(), n, out.data_ptr(), self._stream_of(), given)
-        return out.reshape(*ids.shape, self.dim)
-
     def lookup_pooled(
         self,
         ids: torch.Tensor,
@@ -410,290 +334,6 @@ class GpuCache:
             mode == "mean", out.data_ptr(), self._stream_of(), given,
         )  # fmt: skip
         return out
-
-    # ---- ordering and host buffers ----
-
-    @contextlib.contextmanager
-    def _ordered(self) -> Iterator[None]:
-        """Under the lock: this launch waits for the cache's previous one (on whatever
-        stream it ran) and the next waits for this one. No host wait."""
-        with self._lock:
-            if self._side is None:
-                yield
-                return
-            stream = torch.cuda.current_stream(self.device)
-            if stream.stream_id not in self._streams:  # the cache's tensors are used there too
-                self._streams.add(stream.stream_id)
-                for t in (self.keys, self.digests, self.scores, self.values, self.versions, self._counts,
-                          self._outcomes, self._ones):  # fmt: skip
-                    t.record_stream(stream)
-            if self._order is not None:
-                stream.wait_event(self._order)
-            try:
-                yield
-            finally:
-                self._order = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                self._order.record(stream)
-
-    def _take_staging(self) -> _Staging:
-        with self._lock:
-            return self._staging.pop() if self._staging else _Staging(self.device)
-
-    def _give_staging(self, staging: _Staging) -> None:
-        with self._lock:
-            self._staging.append(staging)
-
-    def _fetch(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
-        """Rows of ``keys`` (int64 bits of u64) from the table, for :meth:`_to_device`:
-        float32 rows, or the table's stored rows (uint8) where the cache decodes them."""
-        if self._stored is not None:
-            return self.table.lookup_stored(keys.view(np.uint64))
-        return self.table.lookup(keys.view(np.uint64))
-
-    def _to_device(
-        self, staging: _Staging, ids: npt.NDArray[np.int64], rows: npt.NDArray[Any] | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``ids`` (and ``rows``: float32, or stored rows from :meth:`_fetch`, decoded on the
-        device into float32) to the device through ``staging``'s buffers, on the current
-        stream, without waiting for the copy."""
-        staging.ready()
-        hid = staging.ids_of(len(ids))
-        hid.numpy()[:] = ids
-        dev_ids = hid.to(self.device, non_blocking=True)
-        dev_rows = None
-        if rows is not None and rows.dtype == np.uint8:
-            hb = staging.bytes_of(rows.size)
-            hb.numpy()[:] = rows.reshape(-1)
-            dev_bytes = hb.to(self.device, non_blocking=True)
-            assert self._stored is not None
-            dev_rows = decode_rows(dev_bytes, self._stored, self.dim, self.kernels)  # a new tensor
-        elif rows is not None:
-            hr = staging.rows_of(rows.size)
-            hr.numpy()[:] = rows.reshape(-1)
-            dev_rows = hr.to(self.device, non_blocking=True).view(-1, self.dim)
-            if self._side is None:
-                dev_rows = dev_rows.clone()
-        if self._side is not None:
-            staging.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            staging.copied.record(torch.cuda.current_stream(self.device))
-        else:
-            dev_ids = dev_ids.clone()
-        return dev_ids, dev_rows
-
-    def _to_host(self, staging: _Staging, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """``t`` (int64) into ``staging``'s host buffer, and the event to wait on (outside the
-        lock) before reading it (None on the CPU: nothing to wait for)."""
-        staging.ready()
-        h = staging.ids_of(len(t))
-        h.copy_(t, non_blocking=True)
-        if self._side is None:
-            return h, None
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record(torch.cuda.current_stream(self.device))
-        return h, done
-
-    # ---- the operations (Triton or PyTorch, same results) ----
-
-    def _bucket_digest(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = key_hash(ids)
-        return (h & 0x7FFFFFFFFFFFFFFF) % self.n_buckets, ((h >> 56) & 0xFF).to(torch.uint8)
-
-    def _find(
-        self, ids: torch.Tensor, given: torch.Tensor, *, touch: bool, gather: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows (float32; zeros where absent), flat slots (``-1 - bucket`` where absent:
-        negative, and the bucket an insert needs) and, for the ids absent, their buckets'
-        versions (0 for a hit: an insert checks misses only) of ``ids`` (duplicates
-        allowed; each hit touches its score)."""
-        if self.kernels == "triton":
-            from . import _triton
-
-            out, slots, vers, _, _ = _triton.find(
-                ids, given, self.keys, self.digests, self.scores, self.versions, self.values, self.clock,
-                self._policy, touch=touch, gather=gather,
-            )  # fmt: skip
-            return out, slots, vers
-        b, d = self._bucket_digest(ids)
-        usable = (ids != EMPTY) & (ids != LOCKED)
-        match = (self.digests[b] == d[:, None]) & (self.keys[b] == ids[:, None]) & usable[:, None]
-        found = match.any(1)
-        flat = torch.where(found, b * self.slots + match.to(torch.int8).argmax(1), -1 - b)
-        at = flat.clamp(min=0)
-        if touch:
-            scores = self.scores.view(-1)
-            if self._policy == 1:
-                scores.index_add_(0, at, found.to(torch.int64))
-            else:
-                given_score = given if self._policy == 2 else torch.full_like(at, self.clock)
-                scores.scatter_reduce_(0, at, torch.where(found, given_score, scores[at]), "amax")
-        if gather:
-            out = torch.where(found[:, None], self.values[at].to(torch.float32), 0.0)
-        else:
-            out = torch.zeros((len(ids), 1), dtype=torch.float32, device=ids.device)
-        return out, flat, torch.where(found, 0, self.versions[b])
-
-    def _lookup_find(
-        self, flat: torch.Tensor, given: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A lookup's find: rows, versions, ``payload`` (the miss count, then the miss
-        ids) and ``miss_at`` (the misses' places in the batch), both valid up to the
-        count. Triton compacts in the find's launch (misses in no fixed order); the
-        PyTorch path in batch order."""
-        if self.kernels == "triton":
-            from . import _triton
-
-            out, _, vers, payload, miss_at = _triton.find(
-                flat, given, self.keys, self.digests, self.scores, self.versions, self.values, self.clock,
-                self._policy, touch=True, gather=True, compact=True,
-            )  # fmt: skip
-            return out, vers, payload, miss_at
-        n = len(flat)
-        out, slots, vers = self._find(flat, given, touch=True, gather=True)
-        miss = slots < 0
-        at = torch.zeros(n + 1, dtype=torch.int64, device=flat.device)
-        at.scatter_(0, torch.where(miss, torch.cumsum(miss, 0) - 1, n), torch.arange(n, device=flat.device))
-        miss_at = at[:n]
-        payload = torch.cat([miss.sum().view(1), flat[miss_at.clamp(max=max(n - 1, 0))]])
-        return out, vers, payload, miss_at
-
-    def _choose(
-        self,
-        ids: torch.Tensor,
-        present: torch.Tensor,
-        rank: torch.Tensor,
-        given: torch.Tensor,
-        snap: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A new key's slot (-1: refused, present, reserved, or its version moved), the
-        key that slot holds, and the new key's score."""
-        if self.kernels == "triton":
-            from . import _triton
-
-            return _triton.choose(
-                ids,
-                present,
-                rank,
-                given,
-                snap,
-                self.keys,
-                self.scores,
-                self.versions,
-                self.clock,
-                self._policy,
-            )
-        s = self.slots
-        b, _ = self._bucket_digest(ids)
-        packed = torch.sort((self.scores[b] + 1) * s + torch.arange(s, device=ids.device), dim=1).values
-        pick = packed.gather(1, rank.clamp(max=s - 1)[:, None]).squeeze(1)
-        if self._policy == 0:
-            score = torch.full_like(ids, self.clock)
-        elif self._policy == 1:
-            score = torch.ones_like(ids)
-        else:
-            score = given.clone()
-        usable = (self.versions[b] == snap) & (ids != EMPTY) & (ids != LOCKED) & (present < 0)
-        admit = usable & (rank < s) & (score >= pick // s - 1)
-        slot = torch.where(admit, b * s + pick % s, -1)
-        expect = torch.where(slot >= 0, self.keys.view(-1)[slot.clamp(min=0)], LOCKED)
-        return slot, expect, score
-
-    def _write(
-        self,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        slot: torch.Tensor,
-        expect: torch.Tensor,
-        score: torch.Tensor,
-        snap: torch.Tensor,
-    ) -> torch.Tensor:
-        """Claims each slot holding ``expect`` where the bucket's version is ``snap``,
-        writes key, digest, score (unless KEEP) and row. Per key: 0 (not written), else
-        1 | 2 (the row changed) | 4 (another key was evicted)."""
-        if self.kernels == "triton":
-            from . import _triton
-
-            return _triton.write(
-                ids, rows, slot, expect, score, snap, self.keys, self.digests, self.scores, self.versions,
-                self.values,
-            )  # fmt: skip
-        at = slot.clamp(min=0)
-        keys_flat, values = self.keys.view(-1), self.values
-        claimed = (
-            (slot >= 0)
-            & (self.versions[at // self.slots] == snap)
-            & (expect != LOCKED)
-            & (keys_flat[at] == expect)
-        )
-        new = rows.to(self.dtype)
-        changed = (values[at] != new).any(1) & claimed
-        evicted = claimed & (expect != ids) & (expect != EMPTY)
-        done = torch.where(claimed, 1 + 2 * changed.to(torch.int64) + 4 * evicted.to(torch.int64), 0)
-        w = at[claimed]
-        _, d = self._bucket_digest(ids)
-        keys_flat[w] = ids[claimed]
-        self.digests.view(-1)[w] = d[claimed]
-        keep = claimed & (score != KEEP)
-        self.scores.view(-1)[at[keep]] = score[keep]
-        values[w] = new[claimed]
-        return done
-
-    def _invalidate(self, ids: torch.Tensor) -> torch.Tensor:
-        """Bumps the version of each key's bucket and empties its slot; 1 where emptied."""
-        if self.kernels == "triton":
-            from . import _triton
-
-            return _triton.invalidate(ids, self.keys, self.digests, self.scores, self.versions)
-        b, _ = self._bucket_digest(ids)
-        self.versions.index_add_(0, b, torch.ones_like(b))
-        _, flat, _ = self._find(ids, ids, touch=False, gather=False)
-        found = flat >= 0
-        first = torch.zeros_like(found)  # a key given twice is emptied once
-        if len(ids):
-            order = torch.argsort(flat, stable=True)
-            sf = flat[order]
-            first[order] = torch.cat([sf[:1] >= 0, (sf[1:] != sf[:-1]) & (sf[1:] >= 0)])
-        at = flat[first]
-        self.keys.view(-1)[at] = EMPTY
-        self.digests.view(-1)[at] = 0
-        self.scores.view(-1)[at] = -1
-        return first.to(torch.int64)
-
-    def _host_rank(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """Each of ``keys``' rank among the keys of its bucket, in order: what an insert
-        needs so that its keys take distinct slots (:meth:`_upsert`), computed on the host,
-        where the callers have the keys. On the device it took a sort and four more
-        launches: a fifth of a missing lookup's time on an H200 (docs/BENCHMARKS.md)."""
-        b = (key_hash(keys) & 0x7FFFFFFFFFFFFFFF) % self.n_buckets
-        order = np.argsort(b, kind="stable")
-        sorted_b = b[order]
-        rank = np.empty(len(keys), dtype=np.int64)
-        rank[order] = np.arange(len(keys)) - np.searchsorted(sorted_b, sorted_b)
-        return rank
-
-    def _upsert(
-        self,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        snap: torch.Tensor,
-        given: torch.Tensor,
-        rank: torch.Tensor,
-    ) -> torch.Tensor:
-        """Inserts unique ``ids`` not cached yet (a key cached meanwhile keeps its row,
-        as fresh as this one: the versions say so). A key of ``rank`` r in its bucket
-        (:meth:`_host_rank`) takes the bucket's r-th lowest-score slot, so a batch's keys
-        never take one slot twice."""
-        _, present, _ = self._find(ids, given, touch=False, gather=False)
-        slot, expect, score = self._choose(ids, present, rank, given, snap)
-        done = self._write(ids, rows, slot, expect, score, snap)
-        return done
-
-    def _count_inserts(self, done: torch.Tensor, which: int) -> None:
-        """Adds an insert's outcome to the device counters (no sync): evictions, keys
-        inserted (counter ``which``: 1 sync, 2 async), keys refused."""
-        at = done + 8 * which
-        for i in range(0, len(at), ONES_CHUNK):  # one launch but for inserts of > 64 k keys
-            part = at[i : i + ONES_CHUNK]
-            self._outcomes.view(-1).index_add_(0, part, self._ones[: len(part)])
 
     # ---- the public interface ----
 
@@ -778,103 +418,6 @@ class GpuCache:
             if len(self._window) > self._window_len:
                 self._window.pop(0)
         return out.reshape(*ids.shape, self.dim)
-
-    def _misses(
-        self,
-        staging: _Staging,
-        miss_ids: npt.NDArray[np.int64],
-        miss_at: torch.Tensor,
-        flat: torch.Tensor,
-        out: torch.Tensor,
-        vers: torch.Tensor,
-        given: torch.Tensor,
-        asynchronous: bool,
-        miss_scores: npt.NDArray[np.int64] | None,
-    ) -> None:
-        """Answers a lookup's misses (``miss_at``: their places in ``out``) and inserts them."""
-        if asynchronous:
-            with self._ordered():
-                out.index_copy_(0, miss_at, self.default_row.expand(len(miss_at), self.dim))
-            uniq, inverse = np.unique(miss_ids, return_inverse=True)
-            best = np.zeros_like(uniq)
-            if miss_scores is not None:  # a key given twice: the larger of its scores
-                best[:] = -1
-                np.maximum.at(best, inverse.reshape(-1), miss_scores)
-            self._queue.put(uniq, best)
-            with self._lock:
-                self._stats["default_answers"] += len(miss_ids)
-            return
-        uniq, first, inverse = np.unique(miss_ids, return_index=True, return_inverse=True)
-        rows, exists = self._fetch(uniq)
-        keep = exists & (uniq != EMPTY) & (uniq != LOCKED)
-        # One copy to the device: each miss's place among the unique keys, then for the
-        # keys kept (their rows inserted) their first occurrence among the misses, their
-        # ranks in their buckets, the keys themselves and their places among the unique
-        # keys. What the host knows goes with the copy, not computed by indexing there.
-        n_miss, n_uniq = len(miss_ids), len(uniq)
-        kept_at = np.flatnonzero(keep)
-        n_keep = len(kept_at)
-        kept_keys = uniq[kept_at]
-        packed = np.concatenate(
-            [inverse.reshape(-1), first[kept_at], self._host_rank(kept_keys), kept_keys, kept_at]
-        ).astype(np.int64)
-        with self._ordered():
-            idx, dev_rows = self._to_device(staging, packed, np.ascontiguousarray(rows))
-            assert dev_rows is not None
-            out.index_copy_(0, miss_at, dev_rows[idx[:n_miss]])
-            if n_keep:
-                kept, rank, keys, u_of = idx[n_miss:].view(4, n_keep)
-                at = miss_at[kept]  # the first occurrence's place in the batch
-                if self._policy == 2:  # a key given twice: the larger of its scores
-                    larger = torch.full((n_uniq,), -1, dtype=torch.int64, device=self.device)
-                    larger.scatter_reduce_(0, idx[:n_miss], given[miss_at], "amax")
-                    key_given = larger[u_of]
-                else:
-                    key_given = keys  # the lookup's ids stand for scores the policy ignores
-                kept_rows = dev_rows if n_keep == n_uniq else dev_rows[u_of]
-                done = self._upsert(keys, kept_rows, vers[at], key_given, rank)
-                self._count_inserts(done, 1)
-
-    def _async(self) -> bool:
-        if self.insert_mode != "auto":
-            return self.insert_mode == "async"
-        hits = sum(h for h, _ in self._window)
-        total = sum(n for _, n in self._window)
-        rate = hits / total if total else 0.0
-        return rate >= self.threshold
-
-    def _fill(self, keys: npt.NDArray[np.int64], scores: npt.NDArray[np.int64]) -> None:
-        """The background insert of ``keys`` (unique): those still missing are fetched
-        and inserted, on the cache's side stream (CUDA). Waits for the host: it is off
-        the lookup's path."""
-        stream = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
-        staging = self._take_staging()
-        try:
-            with stream:
-                with self._ordered():
-                    ids, _ = self._to_device(staging, keys, None)
-                    _, slots, vers = self._find(ids, ids, touch=False, gather=False)
-                    host, copied = self._to_host(staging, slots)
-                if copied is not None:
-                    copied.synchronize()  # outside the lock
-                missing = (host.numpy() < 0) & (keys != EMPTY) & (keys != LOCKED)
-                if not missing.any():
-                    return
-                rows, exists = self._fetch(keys[missing])
-                pick = np.flatnonzero(missing)[exists]
-                if not len(pick):
-                    return
-                with self._ordered():
-                    picked = keys[pick]
-                    ranks = self._host_rank(picked)
-                    packed = np.concatenate([pick, scores[pick], ranks, picked]).astype(np.int64)
-                    both, dev_rows = self._to_device(staging, packed, np.ascontiguousarray(rows[exists]))
-                    assert dev_rows is not None
-                    at, given, rank, picked_ids = both.view(4, len(pick))
-                    done = self._upsert(picked_ids, dev_rows, vers[at], given, rank)
-                    self._count_inserts(done, 2)
-        finally:
-            self._give_staging(staging)
 
     def wait(self) -> None:
         """Waits until the background inserts queued so far are done; raises the error
@@ -1039,22 +582,6 @@ class GpuCache:
         s["dtype"] = str(self.dtype).replace("torch.", "")
         if self.device.type == "cuda":
             s["cuda_memory_allocated"] = torch.cuda.memory_allocated(self.device)
-        return s
-
-    def _stats_native(self) -> dict[str, Any]:
-        s: dict[str, Any] = dict(self._n.stats())
-        total = s["hits"] + s["misses"]
-        s["hit_rate"] = s["hits"] / total if total else None
-        secs = s["refresh_seconds"]
-        s["refresh_gb_per_s"] = s["refresh_bytes"] / secs / 1e9 if secs else None
-        s["slots"] = self.slots
-        s["device"], s["kernels"], s["insert"], s["policy"] = (
-            str(self.device),
-            self.kernels,
-            self.insert_mode,
-            self.policy,
-        )
-        s["dtype"] = str(self.dtype).replace("torch.", "")
         return s
 
     def close(self) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Initializer:
@@ -36,8 +38,6 @@ def constant(value: float) -> Initializer:
 def uniform(low: float, high: float) -> Initializer:
     """Uniform in ``[low, high)``."""
     if not (math.isfinite(low) and math.isfinite(high) and low < high):
-        from .errors import ConfigError
-
         raise ConfigError(f"uniform initializer needs finite low < high, got low={low} high={high}")
     return Initializer("uniform", float(low), float(high))
 
@@ -45,8 +45,6 @@ def uniform(low: float, high: float) -> Initializer:
 def normal(mean: float = 0.0, std: float = 0.01) -> Initializer:
     """Normal with ``mean`` and standard deviation ``std``."""
     if not (math.isfinite(mean) and math.isfinite(std) and std >= 0):
-        from .errors import ConfigError
-
         raise ConfigError(f"normal initializer needs finite mean and std >= 0, got mean={mean} std={std}")
     return Initializer("normal", float(mean), float(std))
 

@@ -21,11 +21,11 @@ import json
 import math
 from dataclasses import dataclass
 
+from .errors import ConfigError
+
 
 def _check(name: str, ok: bool, what: str) -> None:
     if not ok:
-        from .errors import ConfigError
-
         raise ConfigError(f"{name} optimizer: {what}")
 
 

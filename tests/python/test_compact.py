@@ -70,6 +70,54 @@ def test_every_dtype_reads_back_its_rounding_embedded_and_remote(store: embank.S
         embank.decode_rows(stored[:, :-1], "int8", 24)
 
 
+def decode_reference(stored: npt.NDArray[np.uint8], dtype: str, dim: int) -> npt.NDArray[np.float32]:
+    """Stored rows decoded by the documented formulas (docs/FORMAT.md), in numpy: f32 and
+    f16 little-endian, int8 ``q * scale + bias`` (a float32 multiply, then a float32 add)."""
+    if dtype == "f32":
+        return stored.view("<f4").astype(np.float32)
+    if dtype == "f16":
+        return stored.view("<f2").astype(np.float32)
+    q = stored[:, :dim].astype(np.float32)
+    tail = np.ascontiguousarray(stored[:, dim:]).view("<f4").astype(np.float32)
+    out: npt.NDArray[np.float32] = q * tail[:, 0:1]
+    out += tail[:, 1:2]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
+def test_python_sizes_encodes_and_decodes_with_the_store_s_codec(store: embank.Store, dtype: str) -> None:
+    """``embank._native``'s ``row_bytes``, ``encode_rows`` and ``decode_rows`` are the
+    store's codec (crates/embank-core/src/layout.rs): the rows pushed encode to exactly
+    what ``lookup_stored`` returns, which decodes to exactly what ``lookup`` returns and
+    to what the format's formulas give."""
+    from embank import _native
+
+    rng = np.random.default_rng(11)
+    dim = 13  # odd: no row is a multiple of a vector
+    keys = np.arange(300, dtype=np.uint64)
+    rows = (rng.standard_normal((300, dim)) * rng.uniform(0.01, 100, (300, 1))).astype(np.float32)
+    rows[7] = 2.5  # a constant row: scale 0
+    t = store.create_table(f"codec_{dtype}", dim=dim, dtype=dtype)
+    t.push(keys, rows)
+    stored, found = t.lookup_stored(keys)
+    assert found.all()
+    assert _native.row_bytes(dtype, dim) == t.row_bytes == stored.shape[1], (dtype, stored.shape)
+    np.testing.assert_array_equal(_native.encode_rows(rows, dtype, dim), stored)
+    decoded = _native.decode_rows(stored, dtype, dim)
+    np.testing.assert_array_equal(decoded, t.lookup(keys)[0])
+    np.testing.assert_array_equal(decoded, decode_reference(stored, dtype, dim))
+    np.testing.assert_array_equal(embank.decode_rows(stored, dtype, dim), decoded)
+    if dtype == "int8":
+        plain = np.arange(300) != 7  # fused8 divides by the scale
+        np.testing.assert_array_equal(stored[plain], fused8(rows[plain]))
+    with pytest.raises(errors.InvalidInputError, match="stored dtype must be one of f32, f16, int8"):
+        _native.decode_rows(stored, "float16", dim)
+    shape = rf"\(n, {dim}\) float32, got shape \(300, {dim - 1}\)"
+    with pytest.raises(errors.InvalidInputError, match=shape):
+        _native.encode_rows(np.ascontiguousarray(rows[:, 1:]), dtype, dim)
+    assert _native.decode_rows(stored[:0], dtype, dim).shape == (0, dim)
+
+
 def test_int8_refuses_training_and_says_why(store: embank.Store) -> None:
     t = store.create_table("serve8", dim=4, dtype="int8")
     t.push(np.array([1], dtype=np.uint64), np.ones((1, 4), dtype=np.float32))

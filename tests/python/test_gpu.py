@@ -399,7 +399,7 @@ def test_triton_kernels_match_the_reference_in_the_interpreter(tmp_path: Path) -
 _STORED_SCRIPT = r"""
 import sys
 import embank, numpy as np, torch
-from embank import gpu, _gpu_support, _triton
+from embank import gpu, _gpu_transfer, _triton
 store = embank.open(sys.argv[1])
 dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 rng = np.random.default_rng(5)
@@ -414,7 +414,7 @@ for dim in (1, 3, 24, 128):
     want, _ = t.lookup(np.concatenate([keys, [10**6]]).astype(np.uint64))
     assert found[:-1].all() and not found[-1]
     for kernels in ("triton", "torch"):
-        got = _gpu_support.decode_rows(torch.from_numpy(stored.reshape(-1)).to(dev), "int8", dim, kernels)
+        got = _gpu_transfer.decode_rows(torch.from_numpy(stored.reshape(-1)).to(dev), "int8", dim, kernels)
         assert got.device.type == dev and torch.equal(got.cpu(), torch.from_numpy(want)), (dim, kernels)
     assert np.array_equal(embank.decode_rows(stored, "int8", dim), want), dim
 # The cache on compact tables: misses fetched as stored and decoded on the device; every

@@ -316,7 +316,7 @@ def test_the_background_inserter_gathers_a_few_lookups_misses(monkeypatch: pytes
     inserter now waits for more misses, up to a time or a count, before it takes them."""
     import time
 
-    from embank import _gpu_support as sup
+    from embank import _gpu_insert as sup
 
     monkeypatch.setattr(sup, "ASYNC_GATHER_S", 0.5)
     monkeypatch.setattr(sup, "ASYNC_GATHER_KEYS", 4)

@@ -207,12 +207,12 @@ def test_the_device_path_on_the_cpu_equals_the_cpu_path(
         monkeypatch.setattr(torch.cuda, attr, getattr(fake, attr))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.current)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    import embank._torch_support as support
+    import embank._device as host_device
 
-    transfer = support._Transfer(torch.device("cpu"))
+    transfer = host_device._Transfer(torch.device("cpu"))
     assert not transfer.pinned
     # The CPU takes the CUDA path.
-    monkeypatch.setattr(support, "_transfer_for", lambda device: transfer)
+    monkeypatch.setattr(host_device, "_transfer_for", lambda device: transfer)
     seen = _train(case, store, "device", batches, "cpu", read_ahead=True)
     monkeypatch.undo()
 

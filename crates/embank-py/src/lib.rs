@@ -21,6 +21,7 @@ use pyo3::types::PyType;
 mod fused;
 mod gpu;
 mod plan;
+mod rows;
 
 /// Maps an engine error to the matching class of `embank.errors`.
 pub(crate) fn to_py_err(e: core::Error) -> PyErr {
@@ -718,6 +719,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fused::Grads>()?;
     m.add_class::<gpu::GpuTable>()?;
     m.add_function(wrap_pyfunction!(gpu::gpu_emulator, m)?)?;
+    m.add_function(wrap_pyfunction!(rows::row_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(rows::encode_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(rows::decode_rows, m)?)?;
     m.add_function(wrap_pyfunction!(client_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(shard_of, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;

@@ -1,0 +1,84 @@
+"""Host-device transfers of the modules of :mod:`embank.torch`: a module's rows are pulled,
+pooled and updated on the host, and only its outputs go up to the device (and their
+gradient down), through pinned memory and a copy stream a device."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+
+class _Transfer:
+    """Copies between the host and one CUDA device, through pinned memory.
+
+    ``upload`` (forward): the host tensor is copied into pinned memory, then to the
+    device on the copy stream; the caller's stream waits for the copy's event, the host
+    does not. ``download`` (backward): the device tensor is copied into pinned memory on
+    the caller's stream, after the kernels that made it, and the host waits for that
+    copy's event (the gradient is needed on the host at once, so a second stream would
+    gain nothing). Pinned memory comes from torch's caching host allocator: reused
+    across calls, and a block is not handed out again before the copy that reads it has
+    finished (a ``non_blocking`` copy records an event for its block)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"  # the tests drive this class on the CPU
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=self.pinned)
+        staged.copy_(host)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            out = staged.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(self.stream)
+        compute.wait_event(copied)
+        out.record_stream(compute)  # allocated on the copy stream, used (and freed) on the caller's
+        return out
+
+    def download(self, device_tensor: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(device_tensor.shape, dtype=device_tensor.dtype, pin_memory=self.pinned)
+        host.copy_(device_tensor, non_blocking=True)
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copied.record(torch.cuda.current_stream(self.device))
+        copied.synchronize()
+        return host
+
+
+@functools.cache
+def _cuda_transfer(device: torch.device) -> _Transfer:
+    return _Transfer(device)  # one copy stream a device, shared by every module
+
+
+def _transfer_for(device: torch.device) -> _Transfer | None:
+    """The pinned, stream-ordered copies to ``device``; None for the CPU and for devices
+    other than CUDA (plain copies). The tests replace it to drive the CUDA code on the CPU."""
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _cuda_transfer(torch.device("cuda", index))
+
+
+class _ToDevice(torch.autograd.Function):
+    """A host tensor uploaded to a device; its gradient downloaded in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, host: torch.Tensor, transfer: _Transfer) -> torch.Tensor:
+        ctx.transfer = transfer
+        return transfer.upload(host)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.transfer.download(grad), None
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``, differentiable (the gradient comes back to the host)."""
+    transfer = _transfer_for(device)
+    if transfer is None:
+        return host.to(device)  # the CPU: the same tensor
+    out: torch.Tensor = _ToDevice.apply(host, transfer)
+    return out

@@ -1,0 +1,65 @@
+"""Gradients of the per-table modules of :mod:`embank.torch` gathered between steps:
+one list per table (or worker) object, so modules sharing it push the sum of all their
+lookups in one ``push_grad`` a step (:class:`embank.torch.SparseOptimizer`)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+import numpy.typing as npt
+
+from ._table import Source
+from .errors import InvalidInputError
+
+
+class _Pending:
+    """Gradients gathered for one source since the last step."""
+
+    def __init__(self, source: Source) -> None:
+        self._source = weakref.ref(source)
+        self.keys: list[npt.NDArray[np.uint64]] = []
+        self.grads: list[npt.NDArray[np.float32]] = []
+        self.lock = threading.Lock()
+
+    def add(self, keys: npt.NDArray[np.uint64], grads: npt.NDArray[np.float32]) -> None:
+        with self.lock:
+            self.keys.append(keys)
+            self.grads.append(grads)
+
+    def take(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]] | None:
+        with self.lock:
+            if not self.keys:
+                return None
+            keys, grads = self.keys, self.grads
+            self.keys, self.grads = [], []
+        if len(keys) == 1:
+            return keys[0], grads[0]
+        return np.concatenate(keys), np.concatenate(grads)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.keys, self.grads = [], []
+
+    @property
+    def source(self) -> Source:
+        s = self._source()
+        if s is None:
+            raise InvalidInputError("the table of this lookup was dropped")
+        return s
+
+
+# One pending list per source object: modules sharing a Table (or Worker) object share it,
+# so a step pushes the sum of all their lookups once. Weak: a dropped table takes its list.
+_pending_by_source: weakref.WeakKeyDictionary[Source, _Pending] = weakref.WeakKeyDictionary()
+_pending_lock = threading.Lock()
+
+
+def _pending_for(source: Source) -> _Pending:
+    with _pending_lock:
+        p = _pending_by_source.get(source)
+        if p is None:
+            p = _Pending(source)
+            _pending_by_source[source] = p
+        return p
