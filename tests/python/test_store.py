@@ -467,3 +467,35 @@ def test_paging_options_keep_rows_across_a_reopen(
 def test_a_bad_row_writes_is_refused(tmp_path: Path) -> None:
     with pytest.raises(errors.ConfigError, match="row_writes"):
         embank.open(tmp_path / "s", row_writes="mmap")
+
+
+def test_a_limited_address_space_opens_the_mmap_medium(tmp_path: Path) -> None:
+    """Under ``ulimit -v`` (or valgrind) the 1 TiB reservation of a rows mapping is
+    refused: the medium reserves less instead, and rows written there read back after a
+    reopen (before, ``open`` failed with "cannot map rows file: Cannot allocate memory")."""
+    import resource
+
+    script = (
+        "import numpy as np, embank, sys\n"
+        "k = np.arange(50_000, dtype=np.uint64)\n"
+        "with embank.open(sys.argv[1]) as st:\n"
+        "    t = st.create_table('t', dim=16, capacity=10_000_000)\n"
+        "    t.push(k, np.ones((len(k), 16), np.float32) * k[:, None].astype(np.float32))\n"
+        "with embank.open(sys.argv[1]) as st:\n"
+        "    rows, found = st['t'].lookup(k)\n"
+        "    assert found.all() and (rows[:, 0] == k.astype(np.float32)).all()\n"
+        "print('rows read back')\n"
+    )
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "s")],
+        preexec_fn=limit,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rows read back" in out.stdout

@@ -7,9 +7,9 @@
 //! sit in a DRAM free list, saved to `rows.free` at a clean close and rebuilt
 //! from the index after a crash.
 //!
-//! The mapping reserves address space for [`RESERVE_BYTES`] up front and the
-//! file grows under it with `ftruncate`, so growing never moves a row a
-//! reader may be copying.
+//! The mapping reserves address space for [`RESERVE_BYTES`] up front (less where the
+//! process may not, see [`reserve`]) and the file grows under it with `ftruncate`, so
+//! growing never moves a row a reader may be copying.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -28,6 +28,39 @@ use crate::layout::RecordLayout;
 
 /// Address space reserved per rows file (1 TiB); a table's rows cannot outgrow it.
 pub const RESERVE_BYTES: u64 = 1 << 40;
+
+/// Smallest reservation [`reserve`] falls back to (or twice the file, if larger).
+const RESERVE_BYTES_MIN: u64 = 1 << 30;
+
+/// Maps `file` with [`RESERVE_BYTES`] of address space, or, where the process may not
+/// reserve that much (a `ulimit -v`, an instrumenting tool such as valgrind), the most
+/// it can of halving steps down to twice the file's length (at least 1 GiB), with a
+/// warning: the rows file then cannot grow past that reservation (the allocator says so
+/// when it is reached). Returns the mapping and the bytes reserved.
+fn reserve(path: &Path, file: &File, len: u64) -> Result<(MmapRaw, u64)> {
+    let floor = len.saturating_mul(2).max(RESERVE_BYTES_MIN).min(RESERVE_BYTES);
+    let mut bytes = RESERVE_BYTES;
+    loop {
+        match MmapOptions::new().len(bytes as usize).map_raw(file) {
+            Ok(map) => {
+                if bytes < RESERVE_BYTES {
+                    tracing::warn!(
+                        path = %path.display(),
+                        reserved_bytes = bytes,
+                        "the rows mapping reserves less address space than 1 TiB (the process's address \
+                         space is limited: ulimit -v, or a tool like valgrind); the rows file cannot grow past it"
+                    );
+                }
+                return Ok((map, bytes));
+            }
+            Err(e) if bytes / 2 >= floor => {
+                tracing::debug!(error = %e, bytes, "rows mapping refused; trying half");
+                bytes /= 2;
+            }
+            Err(e) => return Err(io_at("cannot map rows file", path, e)),
+        }
+    }
+}
 
 pub struct MmapMedium {
     // `alloc` points into `map`: declared first so it is dropped first.
@@ -94,15 +127,12 @@ impl MmapMedium {
                 format!("rows file of {len} bytes exceeds the 1 TiB reservation"),
             ));
         }
-        let map = MmapOptions::new()
-            .len(RESERVE_BYTES as usize)
-            .map_raw(&file)
-            .map_err(|e| io_at("cannot map rows file", path, e))?;
+        let (map, reserved) = reserve(path, &file, len)?;
         // SAFETY: the word is in the header page of `map`, 8-aligned; `map` outlives `alloc`
         // (same struct, dropped after it).
         let alloc = unsafe {
             let next = map.as_ptr().add(format::ROWS_NEXT_RECORD_OFFSET) as *const AtomicU64;
-            RecordAlloc::new(path, file, header.stride as u64, RESERVE_BYTES, next)?
+            RecordAlloc::new(path, file, header.stride as u64, reserved, next)?
         };
         Ok(MmapMedium { alloc, map, codec: RecordCodec::new(layout), by_file: AtomicBool::new(false) })
     }
@@ -142,8 +172,8 @@ impl MmapMedium {
     /// The records as memory (the fast path's view).
     #[inline(always)]
     pub fn mapped(&self) -> Mapped<'_> {
-        // SAFETY: the mapping reserves `RESERVE_BYTES`, which holds every record the
-        // allocator hands out, and lives as long as `self`.
+        // SAFETY: the mapping reserves the allocator's limit, which holds every record
+        // the allocator hands out, and lives as long as `self`.
         unsafe { Mapped::new(self.map.as_mut_ptr(), &self.codec, &self.alloc) }
     }
 
