@@ -38,7 +38,7 @@ const RESERVE_BYTES_MIN: u64 = 1 << 30;
 /// warning: the rows file then cannot grow past that reservation (the allocator says so
 /// when it is reached). Returns the mapping and the bytes reserved.
 fn reserve(path: &Path, file: &File, len: u64) -> Result<(MmapRaw, u64)> {
-    let floor = len.saturating_mul(2).max(RESERVE_BYTES_MIN).min(RESERVE_BYTES);
+    let floor = len.saturating_mul(2).clamp(RESERVE_BYTES_MIN, RESERVE_BYTES);
     let mut bytes = RESERVE_BYTES;
     loop {
         match MmapOptions::new().len(bytes as usize).map_raw(file) {
