@@ -16,13 +16,13 @@
 //! client only weakly: a dropped client ends it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
+use super::background::Background;
 use super::pool::Shard;
-use super::{Client, Inner};
+use super::Client;
 
 /// Latency samples kept per replica and per group.
 const SAMPLES: usize = 256;
@@ -115,105 +115,71 @@ pub(super) struct Rotation {
 /// How often the admitted read-only replicas are asked what they serve.
 const CHECK_EVERY: Duration = Duration::from_secs(1);
 
+/// Signals to the prober's thread: probe the ejected replicas now (one was just ejected).
+const HINT: u32 = 1;
+/// Signals to the prober's thread: ask the replicas in rotation what they serve (see
+/// [`Client::refresh_served`]).
+const REFRESH: u32 = 2;
+
 /// The prober's thread: started once for a client with a group of two or more replicas.
 pub(super) struct Prober {
-    wake: Arc<(Mutex<ProberState>, Condvar)>,
-}
-
-#[derive(Default)]
-struct ProberState {
-    stop: bool,
-    hinted: bool,
-    /// Reads want fresher served checkpoints (see [`Client::refresh_served`]).
-    refresh: bool,
+    thread: Background,
 }
 
 impl Prober {
     pub(super) fn start(client: &Client) -> Prober {
-        let wake = Arc::new((Mutex::new(ProberState::default()), Condvar::new()));
-        let weak: Weak<Inner> = Arc::downgrade(&client.inner);
         let every = client.inner.opts.probe_every;
-        let w = Arc::clone(&wake);
-        let spawned = std::thread::Builder::new().name("embank-probe".into()).spawn(move || {
-            // The group's newest served checkpoint at the last check, per shard index.
-            let mut newest_before: Vec<Option<u64>> = Vec::new();
-            let mut checked = Instant::now();
-            let mut refreshed = Instant::now();
-            let mut refresh;
-            loop {
-                {
-                    let (m, cv) = &*w;
-                    let mut st = m.lock();
-                    let until = Instant::now() + every;
-                    while !st.stop && !st.hinted && !st.refresh && Instant::now() < until {
-                        cv.wait_until(&mut st, until);
+        let thread = Background::spawn(
+            "embank-probe",
+            client,
+            "cannot start the replica prober: ejected replicas come back only when every other fails",
+            move |sleeper| {
+                // The group's newest served checkpoint at the last check, per shard index.
+                let mut newest_before: Vec<Option<u64>> = Vec::new();
+                let mut checked = Instant::now();
+                let mut refreshed = Instant::now();
+                loop {
+                    let Some(raised) = sleeper.sleep_until(Instant::now() + every) else { return };
+                    let refresh = raised & REFRESH != 0;
+                    if refresh {
+                        // At most one refresh round per REFRESH_GAP_MIN.
+                        let since = refreshed.elapsed();
+                        if since < REFRESH_GAP_MIN {
+                            std::thread::sleep(REFRESH_GAP_MIN - since);
+                        }
+                        refreshed = Instant::now();
                     }
-                    if st.stop {
-                        return;
-                    }
-                    st.hinted = false;
-                    refresh = std::mem::take(&mut st.refresh);
-                }
-                if refresh {
-                    // At most one refresh round per REFRESH_GAP_MIN.
-                    let since = refreshed.elapsed();
-                    if since < REFRESH_GAP_MIN {
-                        std::thread::sleep(REFRESH_GAP_MIN - since);
-                    }
-                    refreshed = Instant::now();
-                }
-                let Some(inner) = weak.upgrade() else { return };
-                let client = Client { inner };
-                if client.is_closed() {
-                    return;
-                }
-                let check = checked.elapsed() >= CHECK_EVERY;
-                if check {
-                    checked = Instant::now();
-                }
-                let topo = client.topology();
-                newest_before.resize(topo.shards.len(), None);
-                for shard in topo.shards.iter().filter(|s| s.replicas.len() > 1) {
-                    let newest = client.probe_group(shard, check, refresh, newest_before[shard.index]);
+                    let Some(client) = sleeper.client() else { return };
+                    let check = checked.elapsed() >= CHECK_EVERY;
                     if check {
-                        newest_before[shard.index] = newest;
+                        checked = Instant::now();
+                    }
+                    let topo = client.topology();
+                    newest_before.resize(topo.shards.len(), None);
+                    for shard in topo.shards.iter().filter(|s| s.replicas.len() > 1) {
+                        let newest = client.probe_group(shard, check, refresh, newest_before[shard.index]);
+                        if check {
+                            newest_before[shard.index] = newest;
+                        }
                     }
                 }
-            }
-        });
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot start the replica prober: ejected replicas come back only when every other fails");
-        }
-        Prober { wake }
+            },
+        );
+        Prober { thread }
     }
 
     /// Probes at once (a replica was just ejected).
     pub(super) fn hint(&self) {
-        let (m, cv) = &*self.wake;
-        m.lock().hinted = true;
-        cv.notify_all();
+        self.thread.raise(HINT);
     }
 
     /// Asks the replicas in rotation what they serve, soon.
     fn refresh(&self) {
-        let (m, cv) = &*self.wake;
-        let mut st = m.lock();
-        if !st.refresh {
-            st.refresh = true;
-            cv.notify_all();
-        }
+        self.thread.raise(REFRESH);
     }
 
     pub(super) fn stop(&self) {
-        let (m, cv) = &*self.wake;
-        m.lock().stop = true;
-        cv.notify_all();
-    }
-}
-
-impl Drop for Prober {
-    fn drop(&mut self) {
-        self.stop();
+        self.thread.stop();
     }
 }
 

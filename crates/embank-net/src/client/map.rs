@@ -15,14 +15,14 @@
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use embank_core::{Error, ErrorKind, Result};
-use parking_lot::{Condvar, Mutex};
 
+use super::background::Background;
 use super::cluster::ClientConfig;
-use super::{Client, ClientSettings, Inner};
+use super::{Client, ClientSettings};
 
 /// Where a shard map is read from.
 #[derive(Clone, Debug, PartialEq)]
@@ -113,87 +113,60 @@ impl ShardMap {
 /// otherwise ask for one after every failed call).
 const RELOAD_GAP_MIN: Duration = Duration::from_millis(200);
 
+/// Signals to the watcher's thread: look for a new version now.
+const HINT: u32 = 1;
+
 /// The thread that watches a client's map source.
 pub(super) struct Watch {
     pub(super) source: MapSource,
-    wake: Arc<(Mutex<WatchState>, Condvar)>,
-}
-
-#[derive(Default)]
-struct WatchState {
-    stop: bool,
-    hinted: bool,
+    thread: Background,
 }
 
 impl Watch {
     /// Starts watching `source` for `client` every `every`.
     pub(super) fn start(client: &Client, source: MapSource, every: Duration) -> Watch {
-        let wake = Arc::new((Mutex::new(WatchState::default()), Condvar::new()));
-        let weak: Weak<Inner> = Arc::downgrade(&client.inner);
-        let w = Arc::clone(&wake);
         let src = source.clone();
-        let spawned = std::thread::Builder::new().name("embank-map".into()).spawn(move || {
-            let mut last_error = String::new();
-            let mut last = Instant::now();
-            loop {
-                {
-                    let (m, cv) = &*w;
-                    let mut st = m.lock();
-                    let deadline = last + every;
-                    while !st.stop && !st.hinted && Instant::now() < deadline {
-                        cv.wait_until(&mut st, deadline);
-                    }
-                    if st.stop {
+        let thread = Background::spawn(
+            "embank-map",
+            client,
+            "cannot start the shard map's watcher: the map is not reloaded",
+            move |sleeper| {
+                let mut last_error = String::new();
+                let mut last = Instant::now();
+                loop {
+                    if sleeper.sleep_until(last + every).is_none() {
                         return;
                     }
-                    st.hinted = false;
-                }
-                let since = last.elapsed();
-                if since < RELOAD_GAP_MIN {
-                    std::thread::sleep(RELOAD_GAP_MIN - since);
-                }
-                last = Instant::now();
-                let Some(inner) = weak.upgrade() else { return };
-                let client = Client { inner };
-                if client.is_closed() {
-                    return;
-                }
-                match client.reload_from(&src) {
-                    Ok(_) => last_error.clear(),
-                    Err(e) => {
-                        let e = e.to_string();
-                        if e != last_error {
-                            tracing::warn!(map = %src.describe(), error = %e, "cannot load the shard map; keeping the one in use");
-                            last_error = e;
+                    let since = last.elapsed();
+                    if since < RELOAD_GAP_MIN {
+                        std::thread::sleep(RELOAD_GAP_MIN - since);
+                    }
+                    last = Instant::now();
+                    let Some(client) = sleeper.client() else { return };
+                    match client.reload_from(&src) {
+                        Ok(_) => last_error.clear(),
+                        Err(e) => {
+                            let e = e.to_string();
+                            if e != last_error {
+                                tracing::warn!(map = %src.describe(), error = %e, "cannot load the shard map; keeping the one in use");
+                                last_error = e;
+                            }
                         }
                     }
                 }
-            }
-        });
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot start the shard map's watcher: the map is not reloaded");
-        }
-        Watch { source, wake }
+            },
+        );
+        Watch { source, thread }
     }
 
     /// Asks for a reload now.
     pub(super) fn hint(&self) {
-        let (m, cv) = &*self.wake;
-        m.lock().hinted = true;
-        cv.notify_all();
+        self.thread.raise(HINT);
     }
 
     /// Stops the thread (it ends at its next wake-up; nothing waits for it).
     pub(super) fn stop(&self) {
-        let (m, cv) = &*self.wake;
-        m.lock().stop = true;
-        cv.notify_all();
-    }
-}
-
-impl Drop for Watch {
-    fn drop(&mut self) {
-        self.stop();
+        self.thread.stop();
     }
 }
 

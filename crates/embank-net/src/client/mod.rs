@@ -22,6 +22,7 @@
 //! counters, ejection and the prober), `route` (which replica takes a request, sending,
 //! waiting, hedging, failing over), `table` (the remote table), `map` (the shard map).
 
+mod background;
 mod cluster;
 mod health;
 mod map;
