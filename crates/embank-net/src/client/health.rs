@@ -22,6 +22,7 @@ use parking_lot::Mutex;
 
 use super::background::Background;
 use super::pool::Shard;
+use super::transport::{Transport, Wire};
 use super::Client;
 
 /// Latency samples kept per replica and per group.
@@ -134,9 +135,7 @@ impl Prober {
             client,
             "cannot start the replica prober: ejected replicas come back only when every other fails",
             move |sleeper| {
-                // The group's newest served checkpoint at the last check, per shard index.
-                let mut newest_before: Vec<Option<u64>> = Vec::new();
-                let mut checked = Instant::now();
+                let mut rounds = ProbeRounds::new(Instant::now());
                 let mut refreshed = Instant::now();
                 loop {
                     let Some(raised) = sleeper.sleep_until(Instant::now() + every) else { return };
@@ -150,18 +149,7 @@ impl Prober {
                         refreshed = Instant::now();
                     }
                     let Some(client) = sleeper.client() else { return };
-                    let check = checked.elapsed() >= CHECK_EVERY;
-                    if check {
-                        checked = Instant::now();
-                    }
-                    let topo = client.topology();
-                    newest_before.resize(topo.shards.len(), None);
-                    for shard in topo.shards.iter().filter(|s| s.replicas.len() > 1) {
-                        let newest = client.probe_group(shard, check, refresh, newest_before[shard.index]);
-                        if check {
-                            newest_before[shard.index] = newest;
-                        }
-                    }
+                    rounds.run(&client, &Wire::default(), refresh);
                 }
             },
         );
@@ -183,6 +171,37 @@ impl Prober {
     }
 }
 
+/// What the prober keeps from round to round.
+pub(super) struct ProbeRounds {
+    /// The group's newest served checkpoint at the last check, per shard index.
+    newest_before: Vec<Option<u64>>,
+    /// When the admitted read-only replicas were last asked.
+    checked: Instant,
+}
+
+impl ProbeRounds {
+    pub(super) fn new(now: Instant) -> ProbeRounds {
+        ProbeRounds { newest_before: Vec::new(), checked: now }
+    }
+
+    /// One round over every group of the client's map (see [`Client::probe_group`]): a
+    /// check of the admitted replicas when [`CHECK_EVERY`] has passed since the last.
+    pub(super) fn run<T: Transport>(&mut self, client: &Client, t: &T, refresh: bool) {
+        let check = t.now().saturating_duration_since(self.checked) >= CHECK_EVERY;
+        if check {
+            self.checked = t.now();
+        }
+        let topo = client.topology();
+        self.newest_before.resize(topo.shards.len(), None);
+        for shard in topo.shards.iter().filter(|s| s.replicas.len() > 1) {
+            let newest = client.probe_group(t, shard, check, refresh, self.newest_before[shard.index]);
+            if check {
+                self.newest_before[shard.index] = newest;
+            }
+        }
+    }
+}
+
 impl Client {
     /// Reads with `min_checkpoint` found replicas whose served checkpoint, as last
     /// heard, is older than asked: the prober asks them again in the background.
@@ -197,7 +216,14 @@ impl Client {
     /// admitted replicas what they serve (ejecting one that does not answer in time and,
     /// with `check`, a read-only one still below `newest_before`, the group's newest a
     /// check before). Returns the newest checkpoint an admitted read-only replica serves.
-    fn probe_group(&self, shard: &Shard, check: bool, refresh: bool, newest_before: Option<u64>) -> Option<u64> {
+    pub(super) fn probe_group<T: Transport>(
+        &self,
+        t: &T,
+        shard: &Shard,
+        check: bool,
+        refresh: bool,
+        newest_before: Option<u64>,
+    ) -> Option<u64> {
         let budget = (self.inner.opts.deadline_min * 5).max(PROBE_BUDGET_MIN).min(self.inner.opts.timeout);
         let n = shard.replicas.len();
         if check || refresh {
@@ -208,20 +234,21 @@ impl Client {
                 {
                     continue;
                 }
-                match self.served_within(shard, r, budget) {
+                match self.served_within(t, shard, r, budget) {
                     Ok(Some(b))
                         if check
                             && ep.read_only.load(Ordering::Relaxed)
                             && newest_before.is_some_and(|want| b < want) =>
                     {
                         self.eject(
+                            t,
                             shard,
                             r,
                             &format!("serves checkpoint {b}, behind its group's {}", newest_before.unwrap()),
                         );
                     }
                     Ok(_) => {}
-                    Err(e) => self.eject(shard, r, &format!("did not answer the prober: {e}")),
+                    Err(e) => self.eject(t, shard, r, &format!("did not answer the prober: {e}")),
                 }
             }
         }
@@ -237,9 +264,9 @@ impl Client {
             if !ep.rotation.ejected.load(Ordering::Relaxed) {
                 continue;
             }
-            let probe = self.open_conn(shard, r, budget).and_then(|conn| {
-                ep.pool.lock().push(conn);
-                self.served_within(shard, r, budget)
+            let probe = t.open(self, shard, r, budget).and_then(|conn| {
+                t.keep(shard, r, conn);
+                self.served_within(t, shard, r, budget)
             });
             match probe {
                 Ok(served) => {
@@ -256,7 +283,7 @@ impl Client {
                     }
                 }
                 Err(e) => {
-                    ep.pool.lock().clear();
+                    t.clear_pool(shard, r);
                     tracing::debug!(replica = %shard.replica_name(r), error = %e, "ejected replica still does not answer");
                 }
             }
@@ -266,11 +293,11 @@ impl Client {
 
     /// Takes replica `r` out of the rotation (and drops its connections): reads go to its
     /// siblings until the prober readmits it.
-    pub(super) fn eject(&self, shard: &Shard, r: usize, why: &str) {
+    pub(super) fn eject<T: Transport>(&self, t: &T, shard: &Shard, r: usize, why: &str) {
         let ep = &shard.replicas[r];
-        ep.pool.lock().clear();
+        t.clear_pool(shard, r);
         ep.tables.lock().clear();
-        ep.draining.lock().clear();
+        t.draining(shard, r).clear();
         if !ep.rotation.ejected.swap(true, Ordering::Relaxed) {
             Counters::bump(&ep.counters.ejections);
             *ep.rotation.why.lock() = why.to_string();

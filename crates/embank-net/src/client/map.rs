@@ -22,6 +22,7 @@ use embank_core::{Error, ErrorKind, Result};
 
 use super::background::Background;
 use super::cluster::ClientConfig;
+use super::transport::{Transport, Wire};
 use super::{Client, ClientSettings};
 
 /// Where a shard map is read from.
@@ -216,13 +217,21 @@ impl Client {
 
     fn reload_from(&self, source: &MapSource) -> Result<bool> {
         let map = source.load()?;
+        let switched = self.switch_map(&Wire::default(), &map, &source.describe())?;
+        if switched {
+            self.ensure_prober();
+        }
+        Ok(switched)
+    }
+
+    /// Switches to `map` (loaded from `from`) if it is a new version whose shards answer
+    /// (see the module's doc); `Ok(true)` if it did.
+    pub(super) fn switch_map<T: Transport>(&self, t: &T, map: &ShardMap, from: &str) -> Result<bool> {
         let current = self.topology();
         if map.version < current.version {
             return Err(Error::config(format!(
                 "the map at {} has version {}, older than the version in use ({}): ignored",
-                source.describe(),
-                map.version,
-                current.version
+                from, map.version, current.version
             )));
         }
         let same = current.shards.len() == map.groups.len()
@@ -236,12 +245,11 @@ impl Client {
         if map.version == current.version && !map.resolved {
             return Err(Error::config(format!(
                 "the map at {} changed but kept version {}: give it a higher version to switch to it",
-                source.describe(),
-                map.version
+                from, map.version
             )));
         }
         let topo = self.topology_of(map.version, &map.groups);
-        self.check_reachable(&topo)?;
+        self.check_reachable(t, &topo)?;
         if current.shards.len() != topo.shards.len() {
             tracing::info!(
                 from = current.shards.len(),
@@ -252,7 +260,6 @@ impl Client {
         }
         tracing::info!(version = map.version, groups = ?map.groups, "shard map switched");
         *self.inner.topo.write() = Arc::new(topo);
-        self.ensure_prober();
         Ok(true)
     }
 }

@@ -30,6 +30,7 @@ mod pool;
 mod route;
 mod served;
 mod table;
+mod transport;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -47,6 +48,7 @@ pub use map::{served_range, switch_when_serving, MapSource, ShardMap};
 use pool::{Endpoint, Shard};
 use route::join_errors;
 pub use table::{merge_stats, RemoteTable};
+use transport::{Transport, Wire};
 
 /// How a client talks to its shards.
 #[derive(Clone, Debug)]
@@ -239,6 +241,13 @@ impl Client {
     /// timeout; writes go to the primary alone. At least one replica of every shard must
     /// answer now; one that does not is skipped until it does.
     pub fn connect_groups<S: AsRef<str>>(groups: &[Vec<S>], opts: ClientOptions) -> Result<Client> {
+        let client = Self::connect_over(&Wire::default(), groups, opts)?;
+        client.ensure_prober();
+        Ok(client)
+    }
+
+    /// [`connect_groups`](Self::connect_groups) over the transport `t`, without the prober.
+    fn connect_over<T: Transport, S: AsRef<str>>(t: &T, groups: &[Vec<S>], opts: ClientOptions) -> Result<Client> {
         if groups.is_empty() || groups.iter().any(|g| g.is_empty()) {
             return Err(Error::config("connect: give at least one shard, each with at least one address"));
         }
@@ -256,9 +265,8 @@ impl Client {
             }),
         };
         let topo = client.topology_of(0, groups);
-        client.check_reachable(&topo)?;
+        client.check_reachable(t, &topo)?;
         *client.inner.topo.write() = Arc::new(topo);
-        client.ensure_prober();
         Ok(client)
     }
 
@@ -294,18 +302,18 @@ impl Client {
 
     /// Connects to every replica of `topo` not yet connected: at least one of each shard
     /// must answer (one that does not is marked down and skipped until it does).
-    fn check_reachable(&self, topo: &Topology) -> Result<()> {
+    fn check_reachable<T: Transport>(&self, t: &T, topo: &Topology) -> Result<()> {
         for shard in &topo.shards {
             let mut errors = Vec::new();
             for r in 0..shard.replicas.len() {
-                if !shard.replicas[r].pool.lock().is_empty() {
+                if t.has_pooled(shard, r) {
                     continue;
                 }
                 let budget = self.inner.opts.timeout / shard.replicas.len() as u32;
-                match self.open_conn(shard, r, budget) {
-                    Ok(conn) => shard.replicas[r].pool.lock().push(conn),
+                match t.open(self, shard, r, budget) {
+                    Ok(conn) => t.keep(shard, r, conn),
                     Err(e) if shard.replicas.len() > 1 && route::retryable(&e) => {
-                        self.eject(shard, r, &e.to_string());
+                        self.eject(t, shard, r, &e.to_string());
                         errors.push(e);
                     }
                     Err(e) => return Err(e),

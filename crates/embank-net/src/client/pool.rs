@@ -13,6 +13,7 @@ use embank_core::{Error, ErrorKind, Result};
 use parking_lot::Mutex;
 
 use super::health::{Counters, Latencies, Rotation};
+use super::transport::Transport;
 use super::Client;
 use crate::proto::{self, write_all_vectored, Header, Op, HEADER_BYTES, REPLY_BIT};
 use crate::tls::Stream;
@@ -249,43 +250,31 @@ impl Client {
     /// A connection to replica `r` whose reads and writes wait at most `budget`: a pooled
     /// one whose server is still there, or a new one. Fails at once for a replica that
     /// let a request lost to a hedge pass its deadline (and ejects it).
-    pub(super) fn take_conn(&self, shard: &Shard, r: usize, budget: Duration) -> Result<Stream> {
+    pub(super) fn take_conn<T: Transport>(&self, t: &T, shard: &Shard, r: usize, budget: Duration) -> Result<T::Conn> {
         if self.inner.closed.load(Ordering::Relaxed) {
             return Err(Error::new(ErrorKind::Closed, "the remote store is closed"));
         }
-        self.reap(shard, r)?;
-        loop {
-            let pooled = shard.replicas[r].pool.lock().pop();
-            match pooled {
-                Some(mut s) => {
-                    if alive(&mut s) {
-                        let tcp = s.tcp();
-                        tcp.set_read_timeout(Some(budget))
-                            .and_then(|()| tcp.set_write_timeout(Some(budget)))
-                            .map_err(|e| shard.unavailable(r, "socket setup failed", &e))?;
-                        return Ok(s);
-                    }
-                    tracing::debug!(replica = %shard.replica_name(r), "dropping a dead pooled connection");
-                }
-                None => return self.open_conn(shard, r, budget),
-            }
+        self.reap(t, shard, r)?;
+        match t.pooled(shard, r, budget)? {
+            Some(conn) => Ok(conn),
+            None => t.open(self, shard, r, budget),
         }
     }
 
     /// Reads the replies of replica `r`'s draining connections that have come (pooling the
     /// connections again); one past its deadline ejects the replica: `Err` then.
-    pub(super) fn reap(&self, shard: &Shard, r: usize) -> Result<()> {
+    pub(super) fn reap<T: Transport>(&self, t: &T, shard: &Shard, r: usize) -> Result<()> {
         let ep = &shard.replicas[r];
-        let mut draining = ep.draining.lock();
+        let mut draining = t.draining(shard, r);
         if draining.is_empty() {
             return Ok(());
         }
-        let now = Instant::now();
+        let now = t.now();
         let mut missed = None;
         let mut i = 0;
         while i < draining.len() {
             let d = &mut draining[i];
-            match d.frame.read_from(&mut d.conn) {
+            match t.read(&mut d.conn, &mut d.frame) {
                 Ok(None) if d.deadline > now => i += 1,
                 Ok(None) => {
                     missed = Some(format!("did not answer a request within {} ms", d.allowed.as_millis()));
@@ -293,8 +282,8 @@ impl Client {
                 }
                 Ok(Some(_)) => {
                     let d = draining.swap_remove(i);
-                    if d.conn.tcp().set_nonblocking(false).is_ok() {
-                        ep.pool.lock().push(d.conn);
+                    if t.set_nonblocking(&d.conn, false).is_ok() {
+                        t.keep(shard, r, d.conn);
                     }
                 }
                 Err(e) => {
@@ -308,7 +297,7 @@ impl Client {
             None => Ok(()),
             Some(why) => {
                 Counters::bump(&ep.counters.deadlines_missed);
-                self.eject(shard, r, &why);
+                self.eject(t, shard, r, &why);
                 // A single server has no sibling to go to: a new connection is tried.
                 if shard.replicas.len() == 1 {
                     return Ok(());
@@ -320,8 +309,8 @@ impl Client {
 }
 
 /// A connection whose request lost to a hedge: its reply is read and dropped.
-pub(super) struct Draining {
-    pub(super) conn: Stream,
+pub(super) struct Draining<C = Stream> {
+    pub(super) conn: C,
     pub(super) frame: Frame,
     pub(super) deadline: Instant,
     /// The request's deadline, as a duration (for the message).

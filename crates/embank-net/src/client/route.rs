@@ -13,7 +13,6 @@
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,10 +20,10 @@ use std::time::{Duration, Instant};
 use embank_core::{Error, ErrorKind, Result};
 
 use super::health::Counters;
-use super::pool::{check_reply, read_reply, Draining, Frame, Shard, DRAINING_MAX};
+use super::pool::{check_reply, Draining, Frame, Shard, DRAINING_MAX};
+use super::transport::{Transport, Wire};
 use super::Client;
-use crate::proto::{write_all_vectored, Header, Op};
-use crate::tls::Stream;
+use crate::proto::{Header, Op};
 
 /// A keyed request may take this many times its replica's recent p99.
 pub(super) const DEADLINE_P99_FACTOR: u32 = 10;
@@ -34,8 +33,8 @@ pub(super) const HEDGE_DELAY_MIN: Duration = Duration::from_millis(1);
 pub(super) const HEDGE_DELAY_UNKNOWN: Duration = Duration::from_millis(20);
 
 /// A request sent and waiting for its reply.
-pub(super) struct Sent {
-    pub(super) conn: Stream,
+pub(super) struct Sent<C> {
+    pub(super) conn: C,
     /// Its index in the call's requests.
     pub(super) req: usize,
     pub(super) header: Header,
@@ -75,18 +74,18 @@ fn keyed(op: Op) -> bool {
 }
 
 /// What a call's requests are doing: the replies awaited, and each request's copies.
-struct Call<'a> {
+struct Call<'a, C> {
     reqs: &'a [Req],
     /// Replicas that failed each request (with why).
     tried: Vec<Vec<(usize, Error)>>,
-    in_flight: Vec<Sent>,
+    in_flight: Vec<Sent<C>>,
     /// Each request answered.
     done: Vec<bool>,
     /// A hedge was sent (or could not be) for each request.
     hedged: Vec<bool>,
 }
 
-impl Call<'_> {
+impl<C> Call<'_, C> {
     fn copies(&self, i: usize) -> usize {
         self.in_flight.iter().filter(|s| s.req == i).count()
     }
@@ -150,7 +149,7 @@ impl Client {
     }
 
     /// How long a read of `shard` waits before a copy goes to a sibling; `None`: never.
-    fn hedge_delay(&self, shard: &Shard) -> Option<Duration> {
+    pub(super) fn hedge_delay(&self, shard: &Shard) -> Option<Duration> {
         if shard.replicas.len() < 2 {
             return None;
         }
@@ -164,7 +163,7 @@ impl Client {
     /// The replicas request `req` may try, in order: for a read, those in rotation serving
     /// `min_checkpoint`, round-robin, then the ejected ones; else the primary.
     /// Replicas in `skip` (those that failed the request, or have a copy of it) are left out.
-    pub(super) fn candidates(&self, req: &Req, skip: &[usize]) -> Result<Vec<usize>> {
+    pub(super) fn candidates<T: Transport>(&self, t: &T, req: &Req, skip: &[usize]) -> Result<Vec<usize>> {
         let shard = &req.shard;
         let n = shard.replicas.len();
         // Writes, and reads of a single server with no checkpoint to check: no choice.
@@ -198,9 +197,9 @@ impl Client {
         }
         let (in_rotation, ejected): (Vec<usize>, Vec<usize>) =
             stale.into_iter().partition(|&r| !shard.replicas[r].rotation.ejected.load(Ordering::Relaxed));
-        let (mut ok, mut seen) = self.ask_served(shard, &in_rotation, min);
+        let (mut ok, mut seen) = self.ask_served(t, shard, &in_rotation, min);
         if ok.is_empty() && !ejected.is_empty() {
-            let (more, said) = self.ask_served(shard, &ejected, min);
+            let (more, said) = self.ask_served(t, shard, &ejected, min);
             ok = more;
             seen.extend(said);
         }
@@ -220,11 +219,17 @@ impl Client {
     /// Sends request `i` to the first of its candidate replicas not in `busy` that takes
     /// it; a replica that cannot be reached is ejected and added to `tried`. `Ok(None)`: no
     /// candidate is left but others wait on copies of it (`tried` then stays as it is).
-    fn dispatch(&self, call: &mut Call, i: usize, hedge: bool) -> Result<Option<Sent>> {
+    fn dispatch<T: Transport>(
+        &self,
+        t: &T,
+        call: &mut Call<T::Conn>,
+        i: usize,
+        hedge: bool,
+    ) -> Result<Option<Sent<T::Conn>>> {
         let reqs = call.reqs;
         let shard = &reqs[i].shard;
         let busy = call.busy(i);
-        let candidates = match self.candidates(&reqs[i], &busy) {
+        let candidates = match self.candidates(t, &reqs[i], &busy) {
             Ok(c) => c,
             // A hedge, or a copy still awaited: nothing more to send now.
             Err(_) if hedge || call.copies(i) > 0 => return Ok(None),
@@ -240,11 +245,11 @@ impl Client {
                 continue;
             }
             let allowed = self.deadline(shard, r, reqs[i].op);
-            let sent_at = Instant::now();
-            let attempt = self.take_conn(shard, r, allowed).and_then(|conn| self.send(conn, &reqs[i], r));
+            let sent_at = t.now();
+            let attempt = self.take_conn(t, shard, r, allowed).and_then(|conn| self.send(t, conn, &reqs[i], r));
             match attempt {
                 Ok((conn, header)) => {
-                    if let Err(e) = conn.tcp().set_nonblocking(true) {
+                    if let Err(e) = t.set_nonblocking(&conn, true) {
                         call.tried[i].push((r, shard.unavailable(r, "socket setup failed", &e)));
                         continue;
                     }
@@ -266,7 +271,7 @@ impl Client {
                     }));
                 }
                 Err(e) if retryable(&e) && self.spreads(shard, reqs[i].op) => {
-                    self.eject(shard, r, &e.to_string());
+                    self.eject(t, shard, r, &e.to_string());
                     call.tried[i].push((r, e));
                 }
                 Err(e) => return Err(e),
@@ -297,19 +302,27 @@ impl Client {
     /// Sends request i again after its copy on replica `r` failed with `e` (a read:
     /// ejecting `r` unless `keep`), unless another copy is still awaited; a write's
     /// failure is the call's.
-    fn fail_over(&self, call: &mut Call, i: usize, r: usize, e: Error, eject: bool) -> Result<()> {
+    fn fail_over<T: Transport>(
+        &self,
+        t: &T,
+        call: &mut Call<T::Conn>,
+        i: usize,
+        r: usize,
+        e: Error,
+        eject: bool,
+    ) -> Result<()> {
         let shard = &call.reqs[i].shard;
         if !self.spreads(shard, call.reqs[i].op) {
             return Err(e);
         }
         if eject {
-            self.eject(shard, r, &e.to_string());
+            self.eject(t, shard, r, &e.to_string());
         }
         call.tried[i].push((r, e));
         if call.copies(i) > 0 {
             return Ok(());
         }
-        if let Some(s) = self.dispatch(call, i, false)? {
+        if let Some(s) = self.dispatch(t, call, i, false)? {
             call.in_flight.push(s);
         }
         Ok(())
@@ -322,6 +335,16 @@ impl Client {
     /// deadline goes to another replica of its shard.
     pub(super) fn run(
         &self,
+        reqs: &[Req],
+        on_reply: impl FnMut(usize, usize, &Header, Vec<u8>) -> Result<()>,
+    ) -> Result<()> {
+        self.run_over(&Wire::default(), reqs, on_reply)
+    }
+
+    /// [`run`](Self::run) over the transport `t`.
+    pub(super) fn run_over<T: Transport>(
+        &self,
+        t: &T,
         reqs: &[Req],
         mut on_reply: impl FnMut(usize, usize, &Header, Vec<u8>) -> Result<()>,
     ) -> Result<()> {
@@ -337,13 +360,13 @@ impl Client {
             done: vec![false; reqs.len()],
             hedged: vec![false; reqs.len()],
         };
-        let mut pooled: Vec<(&Shard, usize, Stream)> = Vec::new();
-        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut pooled: Vec<(&Shard, usize, T::Conn)> = Vec::new();
+        let mut ready: Vec<bool> = Vec::new();
         let result = (|| {
             for q in queues.iter_mut() {
                 for _ in 0..q.len().min(self.inner.opts.in_flight_per_shard) {
                     let i = q.pop_front().unwrap();
-                    if let Some(s) = self.dispatch(&mut call, i, false)? {
+                    if let Some(s) = self.dispatch(t, &mut call, i, false)? {
                         call.in_flight.push(s);
                     }
                 }
@@ -357,7 +380,7 @@ impl Client {
             };
             while !call.in_flight.is_empty() {
                 // Wait until a reply arrives, a deadline passes or a hedge is due.
-                let now = Instant::now();
+                let now = t.now();
                 let mut wake = call.in_flight.iter().map(|s| s.deadline).min().unwrap();
                 for s in &call.in_flight {
                     if let Some(d) = hedge_delays[reqs[s.req].shard.index] {
@@ -366,19 +389,9 @@ impl Client {
                         }
                     }
                 }
-                fds.clear();
-                let mut ready_now = false;
-                for s in call.in_flight.iter_mut() {
-                    ready_now |= s.conn.buffered();
-                    fds.push(libc::pollfd { fd: s.conn.tcp().as_raw_fd(), events: libc::POLLIN, revents: 0 });
-                }
-                if !ready_now && wake > now {
-                    poll(&mut fds, wake - now);
-                } else {
-                    fds.iter_mut().for_each(|f| f.revents = libc::POLLIN);
-                }
-                for (s, f) in call.in_flight.iter_mut().zip(&fds) {
-                    s.ready = f.revents != 0;
+                t.wait(call.in_flight.iter_mut().map(|s| &mut s.conn), wake.saturating_duration_since(now), &mut ready);
+                for (s, &ready) in call.in_flight.iter_mut().zip(&ready) {
+                    s.ready = ready;
                 }
                 // Replies (and failures) first, then deadlines, then hedges. Copies sent
                 // meanwhile wait for the next poll.
@@ -390,22 +403,22 @@ impl Client {
                     }
                     let s = &mut call.in_flight[k];
                     s.ready = false;
-                    match s.frame.read_from(&mut s.conn) {
+                    match t.read(&mut s.conn, &mut s.frame) {
                         Ok(None) => k += 1,
                         Ok(Some((rh, body))) => {
                             let s = call.in_flight.swap_remove(k);
-                            self.on_answer(&mut call, &mut queues, &mut pooled, s, rh, body, &mut on_reply)?;
+                            self.on_answer(t, &mut call, &mut queues, &mut pooled, s, rh, body, &mut on_reply)?;
                         }
                         Err(e) => {
                             let s = call.in_flight.swap_remove(k);
                             let (i, r) = (s.req, s.replica);
                             let shard = &*reqs[i].shard;
                             let e = shard.unavailable(r, &format!("failed during {}", reqs[i].op.name()), &e);
-                            self.fail_over(&mut call, i, r, e, true)?;
+                            self.fail_over(t, &mut call, i, r, e, true)?;
                         }
                     }
                 }
-                let now = Instant::now();
+                let now = t.now();
                 let mut k = 0;
                 while k < call.in_flight.len() {
                     if call.in_flight[k].deadline > now {
@@ -451,9 +464,9 @@ impl Client {
                     // Its state is unknown: the connection is dropped.
                     drop(s);
                     if self.spreads(shard, reqs[i].op) {
-                        self.fail_over(&mut call, i, r, e, true)?;
+                        self.fail_over(t, &mut call, i, r, e, true)?;
                     } else {
-                        self.eject(shard, r, &e.to_string());
+                        self.eject(t, shard, r, &e.to_string());
                         return Err(e);
                     }
                 }
@@ -469,7 +482,7 @@ impl Client {
                         continue;
                     }
                     call.hedged[i] = true;
-                    match self.dispatch(&mut call, i, true) {
+                    match self.dispatch(t, &mut call, i, true) {
                         Ok(Some(s)) => call.in_flight.push(s),
                         Ok(None) => {}
                         Err(e) => tracing::debug!(error = %e, "no hedge sent"),
@@ -480,11 +493,11 @@ impl Client {
         })();
         // What is still in flight (the call failed) drains.
         for s in call.in_flight.drain(..) {
-            self.drain(&reqs[s.req].shard, s);
+            self.drain(t, &reqs[s.req].shard, s);
         }
         for (s, r, conn) in pooled {
-            if conn.tcp().set_nonblocking(false).is_ok() {
-                s.replicas[r].pool.lock().push(conn);
+            if t.set_nonblocking(&conn, false).is_ok() {
+                t.keep(s, r, conn);
             }
         }
         result
@@ -492,12 +505,13 @@ impl Client {
 
     /// Handles request i's reply from one of its copies.
     #[allow(clippy::too_many_arguments)]
-    fn on_answer<'a>(
+    fn on_answer<'a, T: Transport>(
         &self,
-        call: &mut Call<'a>,
+        t: &T,
+        call: &mut Call<'a, T::Conn>,
         queues: &mut [VecDeque<usize>],
-        pooled: &mut Vec<(&'a Shard, usize, Stream)>,
-        s: Sent,
+        pooled: &mut Vec<(&'a Shard, usize, T::Conn)>,
+        s: Sent<T::Conn>,
         rh: Header,
         body: Vec<u8>,
         on_reply: &mut impl FnMut(usize, usize, &Header, Vec<u8>) -> Result<()>,
@@ -514,7 +528,7 @@ impl Client {
                 let exact = matches!(reqs[i].op, Op::LookupAt | Op::ExportAt);
                 if e.kind() == ErrorKind::Unavailable || (exact && e.kind() == ErrorKind::NotFound) {
                     pooled.push((shard, r, conn));
-                    return self.fail_over(call, i, r, body.unwrap_err(), !exact);
+                    return self.fail_over(t, call, i, r, body.unwrap_err(), !exact);
                 }
             }
         }
@@ -523,7 +537,7 @@ impl Client {
         let ep = &shard.replicas[r];
         Counters::bump(&ep.counters.answered);
         if keyed(reqs[i].op) && body.is_ok() {
-            let took = sent_at.elapsed();
+            let took = t.now().saturating_duration_since(sent_at);
             ep.latency.lock().record(took);
             shard.latency.lock().record(took);
         }
@@ -536,14 +550,14 @@ impl Client {
         while k < call.in_flight.len() {
             if call.in_flight[k].req == i {
                 let other = call.in_flight.swap_remove(k);
-                self.drain(shard, other);
+                self.drain(t, shard, other);
             } else {
                 k += 1;
             }
         }
         if body.is_ok() {
             if let Some(next) = queues[shard.index].pop_front() {
-                if let Some(s) = self.dispatch(call, next, false)? {
+                if let Some(s) = self.dispatch(t, call, next, false)? {
                     call.in_flight.push(s);
                 }
             }
@@ -552,8 +566,8 @@ impl Client {
     }
 
     /// Hands a copy no one waits for any more to its replica's draining connections.
-    fn drain(&self, shard: &Shard, s: Sent) {
-        let mut d = shard.replicas[s.replica].draining.lock();
+    fn drain<T: Transport>(&self, t: &T, shard: &Shard, s: Sent<T::Conn>) {
+        let mut d = t.draining(shard, s.replica);
         if d.len() < DRAINING_MAX {
             d.push(Draining { conn: s.conn, frame: s.frame, deadline: s.deadline, allowed: s.deadline - s.sent_at });
         }
@@ -578,29 +592,42 @@ impl Client {
         }
     }
 
-    pub(super) fn send(&self, mut conn: Stream, req: &Req, r: usize) -> Result<(Stream, Header)> {
+    pub(super) fn send<T: Transport>(
+        &self,
+        t: &T,
+        mut conn: T::Conn,
+        req: &Req,
+        r: usize,
+    ) -> Result<(T::Conn, Header)> {
         let shard = &req.shard;
         let table_id = match &req.table {
             None => 0,
-            Some(t) => self.table_id(&mut conn, shard, r, t)?,
+            Some(name) => self.table_id(t, &mut conn, shard, r, name)?,
         };
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let h = Header::request(req.op, id, table_id, req.count, req.body.len() as u32);
-        write_all_vectored(&mut conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(&req.body)])
+        t.write(&mut conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(&req.body)])
             .map_err(|e| shard.unavailable(r, &format!("refused a {} request", req.op.name()), &e))?;
         Ok((conn, h))
     }
 
     /// The table's id on replica `r`, opened there by name on `conn` the first time.
-    pub(super) fn table_id(&self, conn: &mut Stream, shard: &Shard, r: usize, name: &str) -> Result<u32> {
+    pub(super) fn table_id<T: Transport>(
+        &self,
+        t: &T,
+        conn: &mut T::Conn,
+        shard: &Shard,
+        r: usize,
+        name: &str,
+    ) -> Result<u32> {
         if let Some(&id) = shard.replicas[r].tables.lock().get(name) {
             return Ok(id);
         }
         let rid = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let h = Header::request(Op::OpenTable, rid, 0, 0, name.len() as u32);
-        write_all_vectored(conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(name.as_bytes())])
+        t.write(conn, &mut [IoSlice::new(&h.encode()), IoSlice::new(name.as_bytes())])
             .map_err(|e| shard.unavailable(r, "refused open_table", &e))?;
-        let (rh, body) = read_reply(conn).map_err(|e| shard.unavailable(r, "failed during open_table", &e))?;
+        let (rh, body) = t.read_blocking(conn).map_err(|e| shard.unavailable(r, "failed during open_table", &e))?;
         check_reply(shard, r, &h, &rh, body)?;
         shard.replicas[r].tables.lock().insert(name.to_string(), rh.table_id);
         Ok(rh.table_id)
@@ -644,17 +671,6 @@ impl Client {
 
 /// One shard's answer to a broadcast: the shard, the replica that answered, its reply.
 pub(super) type Answer = (Arc<Shard>, usize, Header, Vec<u8>);
-
-/// Waits until one of `fds` is readable (or fails) or `wait` passes.
-pub(super) fn poll(fds: &mut [libc::pollfd], wait: Duration) {
-    let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
-    // SAFETY: `fds` is a valid array of `fds.len()` pollfd; a null signal mask.
-    let n = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
-    if n < 0 {
-        // EINTR: the loop looks again.
-        fds.iter_mut().for_each(|f| f.revents = 0);
-    }
-}
 
 /// Whether a failed attempt may be tried on another replica: the replica was unreachable
 /// or timed out (an error reply is the answer).

@@ -2,44 +2,49 @@
 //! at once until one serves the checkpoint a read asks for.
 
 use std::io::IoSlice;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use embank_core::{Error, ErrorKind, Result};
 
 use super::health::Counters;
-use super::pool::{check_reply, read_reply, Draining, Frame, Shard, DRAINING_MAX};
-use super::route::{poll, retryable};
+use super::pool::{check_reply, Draining, Frame, Shard, DRAINING_MAX};
+use super::route::retryable;
+use super::transport::{Transport, Wire};
 use super::Client;
-use crate::proto::{write_all_vectored, Header, Op};
-use crate::tls::Stream;
+use crate::proto::{Header, Op};
 
 impl Client {
     /// Asks `replicas` at once which checkpoint they serve (each within a read's
     /// deadline; one that does not answer is ejected) until one serves `min` or later:
     /// those that do, and what the others said (for a message). The rest drain.
-    pub(super) fn ask_served(&self, shard: &Shard, replicas: &[usize], min: u64) -> (Vec<usize>, Vec<String>) {
+    pub(super) fn ask_served<T: Transport>(
+        &self,
+        t: &T,
+        shard: &Shard,
+        replicas: &[usize],
+        min: u64,
+    ) -> (Vec<usize>, Vec<String>) {
         let mut ok = Vec::new();
         let mut said = Vec::new();
-        let mut waiting: Vec<(usize, Stream, Header, Frame, Instant, Instant)> = Vec::new();
+        let mut waiting: Vec<(usize, T::Conn, Header, Frame, Instant, Instant)> = Vec::new();
         let name = |r: usize, b: Option<u64>| {
             format!("{}: {}", shard.replica_name(r), b.map_or("none".into(), |b| b.to_string()))
         };
         let failed = |r: usize, e: Error, said: &mut Vec<String>| {
             if retryable(&e) && shard.replicas.len() > 1 {
-                self.eject(shard, r, &e.to_string());
+                self.eject(t, shard, r, &e.to_string());
             }
             said.push(format!("{}: {e}", shard.replica_name(r)));
         };
         for &r in replicas {
             let allowed = self.deadline(shard, r, Op::Served);
-            let sent_at = Instant::now();
-            let sent = self.take_conn(shard, r, allowed).and_then(|mut conn| {
+            let sent_at = t.now();
+            let sent = self.take_conn(t, shard, r, allowed).and_then(|mut conn| {
                 let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
                 let h = Header::request(Op::Served, id, 0, 0, 0);
-                write_all_vectored(&mut conn, &mut [IoSlice::new(&h.encode())])
-                    .and_then(|()| conn.tcp().set_nonblocking(true))
+                t.write(&mut conn, &mut [IoSlice::new(&h.encode())])
+                    .and_then(|()| t.set_nonblocking(&conn, true))
                     .map_err(|e| shard.unavailable(r, "refused served", &e))?;
                 Ok((conn, h))
             });
@@ -48,28 +53,17 @@ impl Client {
                 Err(e) => failed(r, e, &mut said),
             }
         }
-        let mut fds: Vec<libc::pollfd> = Vec::new();
+        let mut ready: Vec<bool> = Vec::new();
         while !waiting.is_empty() && ok.is_empty() {
-            let now = Instant::now();
+            let now = t.now();
             let wake = waiting.iter().map(|w| w.5).min().unwrap();
-            fds.clear();
-            fds.extend(waiting.iter().map(|w| libc::pollfd {
-                fd: w.1.tcp().as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            }));
-            if waiting.iter_mut().any(|w| w.1.buffered()) || wake <= now {
-                fds.iter_mut().for_each(|f| f.revents = libc::POLLIN);
-            } else {
-                poll(&mut fds, wake - now);
-            }
-            let ready: Vec<bool> = fds.iter().map(|f| f.revents != 0).collect();
-            let now = Instant::now();
+            t.wait(waiting.iter_mut().map(|w| &mut w.1), wake.saturating_duration_since(now), &mut ready);
+            let now = t.now();
             let mut k = waiting.len();
             while k > 0 {
                 k -= 1;
                 let w = &mut waiting[k];
-                let got = if ready[k] { w.3.read_from(&mut w.1) } else { Ok(None) };
+                let got = if ready[k] { t.read(&mut w.1, &mut w.3) } else { Ok(None) };
                 match got {
                     Ok(None) if w.5 > now => continue,
                     Ok(None) => {
@@ -93,8 +87,8 @@ impl Client {
                         });
                         match served {
                             Ok(v) => {
-                                if conn.tcp().set_nonblocking(false).is_ok() {
-                                    shard.replicas[r].pool.lock().push(conn);
+                                if t.set_nonblocking(&conn, false).is_ok() {
+                                    t.keep(shard, r, conn);
                                 }
                                 let b = v["batch_id"].as_u64();
                                 *shard.replicas[r].served.lock() = b;
@@ -115,7 +109,7 @@ impl Client {
             }
         }
         for (r, conn, _, frame, sent_at, deadline) in waiting {
-            let mut d = shard.replicas[r].draining.lock();
+            let mut d = t.draining(shard, r);
             if d.len() < DRAINING_MAX {
                 d.push(Draining { conn, frame, deadline, allowed: deadline - sent_at });
             }
@@ -132,7 +126,7 @@ impl Client {
         if in_rotation.is_empty() {
             in_rotation = ejected;
         }
-        let (ok, said) = self.ask_served(shard, &in_rotation, min);
+        let (ok, said) = self.ask_served(&Wire::default(), shard, &in_rotation, min);
         let newest = ok.iter().filter_map(|&r| *shard.replicas[r].served.lock()).max();
         newest.ok_or_else(|| {
             Error::new(
@@ -148,24 +142,35 @@ impl Client {
 
     /// Asks replica `r` which checkpoint it serves, waiting at most `budget` (and caches
     /// the answer).
-    pub(super) fn served_within(&self, shard: &Shard, r: usize, budget: Duration) -> Result<Option<u64>> {
-        Ok(self.served_reply_within(shard, r, budget)?["batch_id"].as_u64())
+    pub(super) fn served_within<T: Transport>(
+        &self,
+        t: &T,
+        shard: &Shard,
+        r: usize,
+        budget: Duration,
+    ) -> Result<Option<u64>> {
+        Ok(self.served_reply_within(t, shard, r, budget)?["batch_id"].as_u64())
     }
 
     /// Replica `r`'s whole answer to `Served` (its batch id cached).
     pub(super) fn served_reply(&self, shard: &Shard, r: usize) -> Result<serde_json::Value> {
-        self.served_reply_within(shard, r, self.deadline(shard, r, Op::Served))
+        self.served_reply_within(&Wire::default(), shard, r, self.deadline(shard, r, Op::Served))
     }
 
-    pub(super) fn served_reply_within(&self, shard: &Shard, r: usize, budget: Duration) -> Result<serde_json::Value> {
-        let mut conn = self.take_conn(shard, r, budget)?;
+    pub(super) fn served_reply_within<T: Transport>(
+        &self,
+        t: &T,
+        shard: &Shard,
+        r: usize,
+        budget: Duration,
+    ) -> Result<serde_json::Value> {
+        let mut conn = self.take_conn(t, shard, r, budget)?;
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let h = Header::request(Op::Served, id, 0, 0, 0);
-        write_all_vectored(&mut conn, &mut [IoSlice::new(&h.encode())])
-            .map_err(|e| shard.unavailable(r, "refused served", &e))?;
-        let (rh, body) = read_reply(&mut conn).map_err(|e| shard.unavailable(r, "failed during served", &e))?;
+        t.write(&mut conn, &mut [IoSlice::new(&h.encode())]).map_err(|e| shard.unavailable(r, "refused served", &e))?;
+        let (rh, body) = t.read_blocking(&mut conn).map_err(|e| shard.unavailable(r, "failed during served", &e))?;
         let body = check_reply(shard, r, &h, &rh, body)?;
-        shard.replicas[r].pool.lock().push(conn);
+        t.keep(shard, r, conn);
         let v: serde_json::Value =
             serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad served reply: {e}")))?;
         *shard.replicas[r].served.lock() = v["batch_id"].as_u64();
