@@ -29,7 +29,11 @@ mod map;
 mod pool;
 mod route;
 mod served;
+#[cfg(test)]
+mod sim;
 mod table;
+#[cfg(test)]
+mod tests;
 mod transport;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
