@@ -228,53 +228,58 @@ impl Client {
     ) -> Result<Option<Sent<T::Conn>>> {
         let reqs = call.reqs;
         let shard = &reqs[i].shard;
-        let busy = call.busy(i);
-        let candidates = match self.candidates(t, &reqs[i], &busy) {
-            Ok(c) => c,
-            // A hedge, or a copy still awaited: nothing more to send now.
-            Err(_) if hedge || call.copies(i) > 0 => return Ok(None),
-            // Say what the replicas tried already said too.
-            Err(e) if !call.tried[i].is_empty() => {
-                let tried: Vec<Error> = call.tried[i].drain(..).map(|(_, e)| e).collect();
-                return Err(Error::new(e.kind(), format!("{e}; before: {}", join_errors(&tried))));
-            }
-            Err(e) => return Err(e),
-        };
-        for r in candidates {
-            if busy.contains(&r) || call.tried[i].iter().any(|(t, _)| *t == r) {
-                continue;
-            }
-            let allowed = self.deadline(shard, r, reqs[i].op);
-            let sent_at = t.now();
-            let attempt = self.take_conn(t, shard, r, allowed).and_then(|conn| self.send(t, conn, &reqs[i], r));
-            match attempt {
-                Ok((conn, header)) => {
-                    if let Err(e) = t.set_nonblocking(&conn, true) {
-                        call.tried[i].push((r, shard.unavailable(r, "socket setup failed", &e)));
-                        continue;
-                    }
-                    if hedge {
-                        Counters::bump(&shard.replicas[r].counters.hedges_sent);
-                    }
-                    let deadline = sent_at + allowed;
-                    return Ok(Some(Sent {
-                        conn,
-                        req: i,
-                        header,
-                        replica: r,
-                        sent_at,
-                        deadline,
-                        frame: Frame::default(),
-                        hedge,
-                        ready: false,
-                        extended: false,
-                    }));
-                }
-                Err(e) if retryable(&e) && self.spreads(shard, reqs[i].op) => {
-                    self.eject(t, shard, r, &e.to_string());
-                    call.tried[i].push((r, e));
+        // Each round tries the candidates not tried yet; when they all fail to take it,
+        // the next round's may be replicas passed over as behind, asked now.
+        loop {
+            let busy = call.busy(i);
+            let candidates = match self.candidates(t, &reqs[i], &busy) {
+                Ok(c) => c,
+                // A hedge, or a copy still awaited: nothing more to send now.
+                Err(_) if hedge || call.copies(i) > 0 => return Ok(None),
+                // Say what the replicas tried already said too.
+                Err(e) if !call.tried[i].is_empty() => {
+                    let tried: Vec<Error> = call.tried[i].drain(..).map(|(_, e)| e).collect();
+                    return Err(Error::new(e.kind(), format!("{e}; before: {}", join_errors(&tried))));
                 }
                 Err(e) => return Err(e),
+            };
+            let fresh: Vec<usize> = candidates.into_iter().filter(|r| !busy.contains(r)).collect();
+            if fresh.is_empty() {
+                break;
+            }
+            for r in fresh {
+                let allowed = self.deadline(shard, r, reqs[i].op);
+                let sent_at = t.now();
+                let attempt = self.take_conn(t, shard, r, allowed).and_then(|conn| self.send(t, conn, &reqs[i], r));
+                match attempt {
+                    Ok((conn, header)) => {
+                        if let Err(e) = t.set_nonblocking(&conn, true) {
+                            call.tried[i].push((r, shard.unavailable(r, "socket setup failed", &e)));
+                            continue;
+                        }
+                        if hedge {
+                            Counters::bump(&shard.replicas[r].counters.hedges_sent);
+                        }
+                        let deadline = sent_at + allowed;
+                        return Ok(Some(Sent {
+                            conn,
+                            req: i,
+                            header,
+                            replica: r,
+                            sent_at,
+                            deadline,
+                            frame: Frame::default(),
+                            hedge,
+                            ready: false,
+                            extended: false,
+                        }));
+                    }
+                    Err(e) if retryable(&e) && self.spreads(shard, reqs[i].op) => {
+                        self.eject(t, shard, r, &e.to_string());
+                        call.tried[i].push((r, e));
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         }
         if hedge || call.copies(i) > 0 {

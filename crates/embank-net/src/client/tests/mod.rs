@@ -3,6 +3,7 @@
 //! routes by. No processes, no sockets, no sleeping; randomized runs are seeded and print
 //! their seed on failure.
 
+mod found;
 mod health;
 mod map;
 mod route;
