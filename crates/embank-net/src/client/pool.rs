@@ -249,12 +249,24 @@ impl Client {
 
     /// A connection to replica `r` whose reads and writes wait at most `budget`: a pooled
     /// one whose server is still there, or a new one. Fails at once for a replica that
-    /// let a request lost to a hedge pass its deadline (and ejects it).
-    pub(super) fn take_conn<T: Transport>(&self, t: &T, shard: &Shard, r: usize, budget: Duration) -> Result<T::Conn> {
+    /// let a request lost to a hedge pass its deadline (and ejects it), unless the
+    /// request is one no other replica can take (`alone`: a write).
+    pub(super) fn take_conn<T: Transport>(
+        &self,
+        t: &T,
+        shard: &Shard,
+        r: usize,
+        budget: Duration,
+        alone: bool,
+    ) -> Result<T::Conn> {
         if self.inner.closed.load(Ordering::Relaxed) {
             return Err(Error::new(ErrorKind::Closed, "the remote store is closed"));
         }
-        self.reap(t, shard, r)?;
+        if let Err(e) = self.reap(t, shard, r) {
+            if !alone {
+                return Err(e);
+            }
+        }
         match t.pooled(shard, r, budget)? {
             Some(conn) => Ok(conn),
             None => t.open(self, shard, r, budget),

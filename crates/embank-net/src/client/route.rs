@@ -250,7 +250,9 @@ impl Client {
             for r in fresh {
                 let allowed = self.deadline(shard, r, reqs[i].op);
                 let sent_at = t.now();
-                let attempt = self.take_conn(t, shard, r, allowed).and_then(|conn| self.send(t, conn, &reqs[i], r));
+                let alone = !self.spreads(shard, reqs[i].op);
+                let attempt =
+                    self.take_conn(t, shard, r, allowed, alone).and_then(|conn| self.send(t, conn, &reqs[i], r));
                 match attempt {
                     Ok((conn, header)) => {
                         if let Err(e) = t.set_nonblocking(&conn, true) {

@@ -40,7 +40,7 @@ impl Client {
         for &r in replicas {
             let allowed = self.deadline(shard, r, Op::Served);
             let sent_at = t.now();
-            let sent = self.take_conn(t, shard, r, allowed).and_then(|mut conn| {
+            let sent = self.take_conn(t, shard, r, allowed, false).and_then(|mut conn| {
                 let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
                 let h = Header::request(Op::Served, id, 0, 0, 0);
                 t.write(&mut conn, &mut [IoSlice::new(&h.encode())])
@@ -164,7 +164,7 @@ impl Client {
         r: usize,
         budget: Duration,
     ) -> Result<serde_json::Value> {
-        let mut conn = self.take_conn(t, shard, r, budget)?;
+        let mut conn = self.take_conn(t, shard, r, budget, false)?;
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let h = Header::request(Op::Served, id, 0, 0, 0);
         t.write(&mut conn, &mut [IoSlice::new(&h.encode())]).map_err(|e| shard.unavailable(r, "refused served", &e))?;

@@ -1,7 +1,13 @@
 //! Corner cases the seeded random runs over the simulated network found (`model`), each as
 //! the shortest run that shows it.
 
+use std::sync::atomic::Ordering;
+
 use super::*;
+
+fn ejected(s: &Shard, r: usize) -> bool {
+    s.replicas[r].rotation.ejected.load(Ordering::Relaxed)
+}
 
 /// Reads every replica of shard 0 once (their table ids known, a connection pooled each).
 fn warm(sim: &Sim, client: &Client) {
@@ -25,4 +31,19 @@ fn a_read_whose_known_replicas_refuse_asks_those_passed_over_as_behind() {
     *s.replicas[1].served.lock() = Some(3);
     sim.set(&addr(0, 0), |b| b.down = true);
     assert_eq!(run(&sim, &c, &[read(&c, 0, &[1], Some(5))]).unwrap(), [Some(1)]);
+}
+
+#[test]
+fn a_write_goes_to_a_primary_that_let_a_lost_hedge_pass_its_deadline() {
+    let sim = Sim::new(42);
+    let c = connect(&sim, &groups(1, 2), ClientOptions::default());
+    warm(&sim, &c);
+    let s = shard(&c, 0);
+    sim.set(&addr(0, 0), |b| b.latency = (ms(150), ms(150)));
+    s.next.store(0, Ordering::Relaxed);
+    assert_eq!(run(&sim, &c, &[read(&c, 0, &[1], None)]).unwrap(), [Some(1)], "the hedge wins");
+    // The primary's copy is past its 100 ms deadline, not yet answered.
+    sim.advance(ms(100));
+    run(&sim, &c, &[keyed(&c, 0, Op::Push, &[], &[1], None)]).expect("the write waits for the primary");
+    assert!(ejected(&s, 0), "reads still leave the slow primary to its siblings");
 }
