@@ -102,6 +102,17 @@ impl Shard {
     }
 }
 
+/// Whether `e` says the server closed the connection.
+fn closed(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+    )
+}
+
 /// Whether a pooled connection still has its server (no EOF, reset, or stray bytes waiting).
 pub(super) fn alive(s: &mut Stream) -> bool {
     if s.buffered() {
@@ -157,15 +168,6 @@ impl Client {
         r: usize,
         budget: Duration,
     ) -> std::result::Result<Stream, (Error, bool)> {
-        let closed = |e: &io::Error| {
-            matches!(
-                e.kind(),
-                io::ErrorKind::UnexpectedEof
-                    | io::ErrorKind::ConnectionReset
-                    | io::ErrorKind::ConnectionAborted
-                    | io::ErrorKind::BrokenPipe
-            )
-        };
         let opts = &self.inner.opts;
         let ep = &shard.replicas[r];
         let addrs: Vec<SocketAddr> = ep
@@ -297,6 +299,11 @@ impl Client {
                     if t.set_nonblocking(&d.conn, false).is_ok() {
                         t.keep(shard, r, d.conn);
                     }
+                }
+                // Its server closed it (a restart, a crash): dropped, as a dead pooled
+                // connection is; the next connection says whether the replica is back.
+                Err(e) if closed(&e) => {
+                    draining.swap_remove(i);
                 }
                 Err(e) => {
                     missed = Some(format!("failed a request: {e}"));

@@ -47,3 +47,19 @@ fn a_write_goes_to_a_primary_that_let_a_lost_hedge_pass_its_deadline() {
     run(&sim, &c, &[keyed(&c, 0, Op::Push, &[], &[1], None)]).expect("the write waits for the primary");
     assert!(ejected(&s, 0), "reads still leave the slow primary to its siblings");
 }
+
+#[test]
+fn a_replica_restarted_after_losing_a_hedge_takes_the_next_read() {
+    let sim = Sim::new(43);
+    let c = connect(&sim, &groups(1, 2), ClientOptions::default());
+    warm(&sim, &c);
+    let s = shard(&c, 0);
+    sim.set(&addr(0, 0), |b| b.latency = (ms(50), ms(50)));
+    s.next.store(0, Ordering::Relaxed);
+    assert_eq!(run(&sim, &c, &[read(&c, 0, &[1], None)]).unwrap(), [Some(1)], "the hedge wins");
+    sim.set(&addr(0, 0), |b| b.down = true);
+    sim.set(&addr(0, 0), |b| (b.down, b.latency) = (false, (ms(1), ms(1))));
+    s.next.store(0, Ordering::Relaxed);
+    assert_eq!(run(&sim, &c, &[read(&c, 0, &[2], None)]).unwrap(), [Some(0)]);
+    assert!(!ejected(&s, 0), "a connection its server closed says nothing of the server now");
+}
