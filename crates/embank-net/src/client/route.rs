@@ -408,21 +408,9 @@ impl Client {
                         k += 1;
                         continue;
                     }
-                    let s = &mut call.in_flight[k];
-                    s.ready = false;
-                    match t.read(&mut s.conn, &mut s.frame) {
-                        Ok(None) => k += 1,
-                        Ok(Some((rh, body))) => {
-                            let s = call.in_flight.swap_remove(k);
-                            self.on_answer(t, &mut call, &mut queues, &mut pooled, s, rh, body, &mut on_reply)?;
-                        }
-                        Err(e) => {
-                            let s = call.in_flight.swap_remove(k);
-                            let (i, r) = (s.req, s.replica);
-                            let shard = &*reqs[i].shard;
-                            let e = shard.unavailable(r, &format!("failed during {}", reqs[i].op.name()), &e);
-                            self.fail_over(t, &mut call, i, r, e, true)?;
-                        }
+                    call.in_flight[k].ready = false;
+                    if !self.read_copy(t, &mut call, &mut queues, &mut pooled, k, &mut on_reply)? {
+                        k += 1;
                     }
                 }
                 let now = t.now();
@@ -430,6 +418,11 @@ impl Client {
                 while k < call.in_flight.len() {
                     if call.in_flight[k].deadline > now {
                         k += 1;
+                        continue;
+                    }
+                    // A reply that came while the loop was busy (connecting for another
+                    // request, handling a reply) came in time: read before it is late.
+                    if self.read_copy(t, &mut call, &mut queues, &mut pooled, k, &mut on_reply)? {
                         continue;
                     }
                     // A read on the last replica it can go to: no sibling would answer
@@ -508,6 +501,38 @@ impl Client {
             }
         }
         result
+    }
+
+    /// Reads what copy `k` of `call.in_flight` has received: a whole reply is handled, a
+    /// failure fails the request over. Whether the copy is done (out of `in_flight`).
+    #[allow(clippy::too_many_arguments)]
+    fn read_copy<'a, T: Transport>(
+        &self,
+        t: &T,
+        call: &mut Call<'a, T::Conn>,
+        queues: &mut [VecDeque<usize>],
+        pooled: &mut Vec<(&'a Shard, usize, T::Conn)>,
+        k: usize,
+        on_reply: &mut impl FnMut(usize, usize, &Header, Vec<u8>) -> Result<()>,
+    ) -> Result<bool> {
+        let reqs = call.reqs;
+        let s = &mut call.in_flight[k];
+        match t.read(&mut s.conn, &mut s.frame) {
+            Ok(None) => Ok(false),
+            Ok(Some((rh, body))) => {
+                let s = call.in_flight.swap_remove(k);
+                self.on_answer(t, call, queues, pooled, s, rh, body, on_reply)?;
+                Ok(true)
+            }
+            Err(e) => {
+                let s = call.in_flight.swap_remove(k);
+                let (i, r) = (s.req, s.replica);
+                let shard = &*reqs[i].shard;
+                let e = shard.unavailable(r, &format!("failed during {}", reqs[i].op.name()), &e);
+                self.fail_over(t, call, i, r, e, true)?;
+                Ok(true)
+            }
+        }
     }
 
     /// Handles request i's reply from one of its copies.

@@ -3,6 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
+use super::super::transport::Transport;
 use super::*;
 
 fn ejected(s: &Shard, r: usize) -> bool {
@@ -62,4 +63,24 @@ fn a_replica_restarted_after_losing_a_hedge_takes_the_next_read() {
     s.next.store(0, Ordering::Relaxed);
     assert_eq!(run(&sim, &c, &[read(&c, 0, &[2], None)]).unwrap(), [Some(0)]);
     assert!(!ejected(&s, 0), "a connection its server closed says nothing of the server now");
+}
+
+#[test]
+fn a_reply_that_came_while_the_call_connected_elsewhere_is_in_time() {
+    let sim = Sim::new(44);
+    let c = connect(&sim, &groups(1, 3), ClientOptions { in_flight_per_shard: 2, ..options() });
+    warm(&sim, &c);
+    let s = shard(&c, 0);
+    // Replica 2 stops, its connections gone: the call's third request, sent when the
+    // first is answered, waits its deadline for a hello while the second's reply comes.
+    sim.set(&addr(0, 0), |b| b.latency = (ms(1), ms(1)));
+    sim.set(&addr(0, 1), |b| b.latency = (ms(2), ms(2)));
+    sim.set(&addr(0, 2), |b| b.silent = true);
+    sim.clear_pool(&s, 2);
+    s.next.store(0, Ordering::Relaxed);
+    let reqs: Vec<Req> = (1..4).map(|k| read(&c, 0, &[k], None)).collect();
+    let by = run(&sim, &c, &reqs).unwrap();
+    assert_eq!(by[..2], [Some(0), Some(1)], "{by:?}");
+    assert!(!ejected(&s, 1), "replica 1 answered in 2 ms");
+    assert!(ejected(&s, 2));
 }
