@@ -103,6 +103,8 @@ pub(super) struct Sim {
     replicas: RefCell<HashMap<String, Behaviour>>,
     /// Times each replica went down: a connection of an earlier life is closed.
     restarts: RefCell<HashMap<String, u64>>,
+    /// When each replica's behaviour last changed.
+    changed: RefCell<HashMap<String, Duration>>,
     /// Pooled and draining connections per replica of the client's maps (by its
     /// endpoint, as the client keeps them: a replica new to a map starts with none).
     pools: RefCell<HashMap<usize, Vec<SimConn>>>,
@@ -126,6 +128,7 @@ impl Sim {
             spins: Cell::new(0),
             replicas: RefCell::new(HashMap::new()),
             restarts: RefCell::new(HashMap::new()),
+            changed: RefCell::new(HashMap::new()),
             pools: RefCell::new(HashMap::new()),
             draining: RefCell::new(HashMap::new()),
             log: RefCell::new(Vec::new()),
@@ -139,6 +142,15 @@ impl Sim {
 
     pub(super) fn advance(&self, by: Duration) {
         self.clock.set(self.clock.get() + by);
+    }
+
+    /// Runs `f` as another thread would, beside a call: the time it takes (connecting to
+    /// silent replicas, say) does not pass for the call.
+    pub(super) fn aside<R>(&self, f: impl FnOnce() -> R) -> R {
+        let now = self.clock.get();
+        let r = f();
+        self.clock.set(now);
+        r
     }
 
     /// Tags the requests logged from now on (a test's call number, say).
@@ -160,7 +172,7 @@ impl Sim {
         }
         let silent = b.silent;
         self.replicas.borrow_mut().insert(addr.to_string(), b);
-
+        self.changed.borrow_mut().insert(addr.to_string(), self.clock.get());
         if !silent {
             let now = self.clock.get();
             for d in self.draining.borrow_mut().values_mut().flatten().filter(|d| d.conn.addr == addr) {
@@ -169,6 +181,11 @@ impl Sim {
                 }
             }
         }
+    }
+
+    /// How long `addr` has behaved as it does now.
+    pub(super) fn unchanged_for(&self, addr: &str) -> Duration {
+        self.clock.get() - self.changed.borrow().get(addr).copied().unwrap_or_default()
     }
 
     /// Every request written so far.

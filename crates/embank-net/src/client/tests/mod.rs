@@ -6,6 +6,7 @@
 mod found;
 mod health;
 mod map;
+mod model;
 mod route;
 
 use std::path::Path;
