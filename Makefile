@@ -23,7 +23,11 @@ $(VENV)/.installed: requirements-dev.txt requirements-torchrec.txt $(VENV)/.demo
 # Builds the Rust engine and installs the Python package (and the `embank` command) into .venv.
 # `make test` builds it with the CPU emulator of the GPU cache's kernels (g++ needed), so that
 # the native GPU path's Python tests run without a GPU; `make demo` builds it without.
+# The `embank` command is a program of its own (crates/embank-cli), linked into the package
+# as python/embank/bin/embank; the extension links no command line.
 develop: $(VENV)/.demo-installed
+	cargo build --release --locked -q -p embank-cli --bin embank
+	mkdir -p python/embank/bin && ln -sfn ../../../target/release/embank python/embank/bin/embank
 	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/maturin develop --release --locked -q $(DEVELOP_FLAGS)
 
 # The main job: build a store of a few million rows, pull from it, reopen it.
@@ -42,10 +46,12 @@ $(VENV)/.wheel-installed: requirements-wheel.txt $(VENV)/.demo-installed
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements-wheel.txt
 	touch $@
 
+WHEEL_ENV = EMBANK_WHEEL_VENV=$(abspath $(VENV)) EMBANK_WHEEL_GLIBC=$(subst _,.,$(patsubst manylinux_%,%,$(WHEEL_COMPATIBILITY)))
 wheel: $(VENV)/.wheel-installed
 	rm -rf dist
-	EMBANK_WHEEL_VENV=$(abspath $(VENV)) EMBANK_WHEEL_GLIBC=$(subst _,.,$(patsubst manylinux_%,%,$(WHEEL_COMPATIBILITY))) \
-	  $(BIN)/maturin build --release --locked -i $(abspath $(BIN))/python --compatibility $(WHEEL_COMPATIBILITY) -o dist \
+	$(WHEEL_ENV) cargo rustc --release --locked -q -p embank-cli --bin embank -- -C linker=$(abspath tools/wheel_linker.sh) -C strip=symbols
+	rm -f python/embank/bin/embank && install -D -m 755 target/release/embank python/embank/bin/embank
+	$(WHEEL_ENV) $(BIN)/maturin build --release --locked -i $(abspath $(BIN))/python --compatibility $(WHEEL_COMPATIBILITY) -o dist \
 	  -- -C linker=$(abspath tools/wheel_linker.sh)
 	@ls -l dist
 
@@ -121,7 +127,7 @@ bench:
 
 clean:
 	cargo clean
-	rm -rf $(VENV) dist
+	rm -rf $(VENV) dist python/embank/bin
 
 # The Kafka broker's jars (Maven Central) for the update-stream tests and bench-stream.
 # The Nations and UMLS graphs of examples/kge (read out of the pykeen wheel on PyPI).

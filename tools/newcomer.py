@@ -3,8 +3,9 @@
     python3 tools/newcomer.py dist/embank-*.whl
 
 installs the wheel into a fresh venv, with no Rust, no compiler and no cargo on PATH,
-checks that its extension links no library beyond the C runtime, times the way from
-`pip install` to the first pulled rows, then runs an embedded and a served round trip
+checks that its extension and its `embank` program link no library beyond the C runtime
+(and no glibc newer than the wheel's tag), times the way from `pip install` to the first
+pulled rows, then runs an embedded and a served round trip
 through the wheel's own `embank` command: `embank serve` as a primary, and as a replica
 fed through Redis Streams and through Kafka where a broker can be started here
 (`redis-server` on PATH; Kafka's jars from `make kafka-jars`), and a smoke run of every
@@ -47,21 +48,36 @@ def clean_env(venv: Path) -> dict[str, str]:
 
 
 def check_needed(wheel: Path, work: Path) -> None:
+    """The extension and the `embank` program in the wheel link only the C runtime."""
     with zipfile.ZipFile(wheel) as z:
-        sos = [n for n in z.namelist() if n.endswith(".so")]
+        names = z.namelist()
+        sos = [n for n in names if n.endswith(".so")]
         if len(sos) != 1:
             raise SystemExit(f"newcomer: expected one extension in {wheel.name}, found {sos}")
-        z.extract(sos[0], work)
-    so = work / sos[0]
+        if "embank/bin/embank" not in names:
+            raise SystemExit(f"newcomer: {wheel.name} has no embank/bin/embank (the embank command)")
+        binaries = [work / z.extract(n, work) for n in (sos[0], "embank/bin/embank")]
     if shutil.which("readelf") is None:
-        say("readelf missing: the extension's NEEDED list not checked")
+        say("readelf missing: the NEEDED lists not checked")
         return
-    out = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout
-    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
-    extra = [n for n in needed if not ALLOWED_NEEDED.match(n)]
-    if extra:
-        raise SystemExit(f"newcomer: {so.name} links system libraries a user must install: {extra}")
-    say(f"{so.name}: {so.stat().st_size / 2**20:.1f} MB, links only {', '.join(needed)}")
+    for binary in binaries:
+        readelf = ["readelf", "-d", str(binary)]
+        out = subprocess.run(readelf, capture_output=True, text=True, check=True).stdout
+        needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+        extra = [n for n in needed if not ALLOWED_NEEDED.match(n)]
+        if extra:
+            raise SystemExit(f"newcomer: {binary.name} links system libraries a user must install: {extra}")
+        # maturin checks the extension's symbol versions against the wheel's tag; the
+        # program it only packs, so it is checked here.
+        tag = re.search(r"manylinux_(\d+)_(\d+)", wheel.name)
+        versions = subprocess.run(["readelf", "-V", str(binary)], capture_output=True, text=True).stdout
+        glibc = max((tuple(map(int, v)) for v in re.findall(r"GLIBC_(\d+)\.(\d+)", versions)), default=(0, 0))
+        if tag and glibc > (int(tag[1]), int(tag[2])):
+            raise SystemExit(f"newcomer: {binary.name} needs glibc {glibc}, newer than the tag {tag[0]}")
+        say(
+            f"{binary.name}: {binary.stat().st_size / 2**20:.1f} MB, links only {', '.join(needed)}"
+            f" (glibc >= {glibc[0]}.{glibc[1]})"
+        )
 
 
 def free_port() -> int:

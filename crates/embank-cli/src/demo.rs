@@ -14,8 +14,8 @@ use clap::Args;
 use embank_core::{human_bytes, Initializer, KeyStream, Store, StoreOptions, Table, TableOptions};
 use parking_lot::RwLock;
 
-use crate::tools::progress;
-use crate::workload::{percentile, row_for};
+use embank_bench::progress;
+use embank_bench::workload::{percentile, row_for};
 
 #[derive(Args, Debug, Clone)]
 pub struct DemoArgs {
@@ -111,7 +111,7 @@ where
 /// returns the seconds taken.
 pub(crate) fn load(table: &Table, rows: u64, dim: usize) -> Result<f64, String> {
     let t0 = Instant::now();
-    crate::bench::load_rows(rows, dim, &mut |keys, data| table.push(keys, data).map_err(|e| e.to_string()))?;
+    embank_bench::load_rows(rows, dim, &mut |keys, data| table.push(keys, data).map_err(|e| e.to_string()))?;
     Ok(t0.elapsed().as_secs_f64())
 }
 

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
-pub mod bench;
 pub mod brokers;
 pub mod cert;
 pub mod demo;
@@ -19,7 +18,6 @@ pub mod serve;
 pub mod soak;
 pub mod stream_bench;
 pub mod tools;
-pub mod workload;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -43,7 +41,7 @@ enum Command {
     /// Run a serving or training workload (`--workload`: YCSB-like pulls and pushes, HPS-like
     /// skew, training steps, pooled bags) against embank and baseline engines side by side,
     /// next to the machine's physical limits measured in the same run (docs/BENCHMARKS.md).
-    Bench(bench::BenchArgs),
+    Bench(embank_bench::BenchArgs),
     /// Serve a store over TCP as one shard of a networked store (see docs/serve.sample.toml).
     Serve(serve::ServeArgs),
     /// Show a store's tables: rows, capacity, load factor, bytes, probe lengths.
@@ -108,7 +106,7 @@ where
         .try_init();
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => embank_bench::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Inspect { path, json } => tools::inspect(&path, json),
         Command::Export(args) => tools::export(args),

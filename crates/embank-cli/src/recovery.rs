@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use embank_core::{human_bytes, KeyStream, MediumKind, Store, StoreOptions, Table, TableOptions};
 
-use crate::workload::row_for;
+use embank_bench::workload::row_for;
 
 #[derive(Args, Debug, Clone)]
 pub struct RecoveryArgs {

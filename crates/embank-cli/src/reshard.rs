@@ -9,7 +9,7 @@ use embank_core::{human_bytes, CheckpointInfo, Placement, Store, StoreOptions, T
 use embank_net::proto::shard_of;
 use indicatif::ProgressBar;
 
-use crate::tools::progress;
+use embank_bench::progress;
 
 /// Keys per chunk of the export by default: a chunk of dim-128 Adagrad records is 64 MiB.
 pub const CHUNK_KEYS_DEFAULT: u64 = 65_536;

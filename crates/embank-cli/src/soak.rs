@@ -87,28 +87,11 @@ fn percentile(sorted: &[u64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize] as f64
 }
 
-/// Set by the Python entry point (`embank` from the wheel, `python -m embank`) to the
-/// interpreter that runs it, as Python names it (`sys.executable`).
-pub const PYTHON_ENV: &str = "EMBANK_PYTHON";
-
-/// A command that runs this program: the `embank` binary itself, or, when the CLI runs
-/// inside Python (the `embank` entry point of the wheel), `python -m embank` with the
-/// same interpreter. That interpreter is the one Python names, not the file
-/// `current_exe()` resolves it to: a venv's `python` is a link to the base interpreter,
-/// which does not see the venv's packages.
+/// A command that runs this program again (the `embank` binary, wherever it was started
+/// from: `target/release`, a venv's `embank` script execs it too).
 pub(crate) fn self_command() -> Result<Command, String> {
-    if let Some(python) = std::env::var_os(PYTHON_ENV).filter(|p| !p.is_empty()) {
-        let mut cmd = Command::new(python);
-        cmd.args(["-m", "embank"]);
-        return Ok(cmd);
-    }
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
-    let in_python = exe.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("python"));
-    let mut cmd = Command::new(&exe);
-    if in_python {
-        cmd.args(["-m", "embank"]);
-    }
-    Ok(cmd)
+    Ok(Command::new(exe))
 }
 
 struct Server {
@@ -306,7 +289,7 @@ pub fn run(args: SoakArgs) -> Result<(), String> {
 type Panel = (&'static str, fn(&Sample) -> f64);
 
 fn draw(samples: &[Sample], path: &Path) -> Result<(), String> {
-    crate::bench::plot::register_font()?;
+    embank_bench::plot::register_font()?;
     let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
     let root = BitMapBackend::new(path, (1200, 1200)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;

@@ -26,7 +26,7 @@ use embank_core::{KeyStream, Optimizer, RowWrites, Store, StoreOptions, TableOpt
 use embank_net::stream::{PublishOptions, Publisher, Replica, ReplicaOptions, StreamConfig, TransportKind};
 
 use crate::brokers::{BrokerKind, LocalBroker};
-use crate::workload::{percentile, row_for};
+use embank_bench::workload::{percentile, row_for};
 
 #[derive(Args, Debug, Clone)]
 #[command(after_help = "Starts a local broker in a temporary directory unless --brokers is given \
@@ -493,7 +493,7 @@ fn thread_cpu_seconds(name: &str) -> Option<f64> {
 
 /// CPU seconds the calling thread has run.
 fn own_cpu_seconds() -> f64 {
-    crate::bench::thread_cpu_ns() as f64 * 1e-9
+    embank_bench::thread_cpu_ns() as f64 * 1e-9
 }
 
 /// A read window's batch times, summed up.

@@ -4,19 +4,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
+use embank_bench::progress;
 use embank_core::{human_bytes, Initializer, NpyReader, NpyWriter, Store, StoreOptions, TableOptions};
-use indicatif::{ProgressBar, ProgressStyle};
-
-pub fn progress(total: u64, what: &str) -> ProgressBar {
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template("{msg:>10} [{bar:40}] {human_pos}/{human_len} ({per_sec}, {eta} left)")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    bar.set_message(what.to_owned());
-    bar
-}
 
 fn open_existing(path: &Path) -> Result<Store, String> {
     Store::open(path, StoreOptions { create: false, ..Default::default() }).map_err(|e| e.to_string())

@@ -621,12 +621,6 @@ impl Export {
     }
 }
 
-/// Runs the `embank` command line with `argv` (program name first); returns the exit code.
-#[pyfunction]
-fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
-    py.detach(|| embank_cli::run(argv))
-}
-
 /// A publisher of an embedded store's checkpoints to an update stream.
 ///
 /// The lock only guards the handle: it is held to clone or take it, never across a GIL
@@ -724,7 +718,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rows::decode_rows, m)?)?;
     m.add_function(wrap_pyfunction!(client_config_json, m)?)?;
     m.add_function(wrap_pyfunction!(shard_of, m)?)?;
-    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(plan::plan_json, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -5,7 +5,7 @@ use plotters::prelude::*;
 use embank_core::{human_bytes, Plan};
 
 pub(super) fn draw(p: &Plan, path: &std::path::Path) -> Result<(), String> {
-    crate::bench::plot::register_font()?;
+    embank_bench::plot::register_font()?;
     let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
     let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;

@@ -13,7 +13,7 @@ use clap::Args;
 use embank_core::{human_bytes, parse_bytes, plan, CurvePoint, DType, PlanOptions, PlanProgress};
 use indicatif::ProgressBar;
 
-use crate::bench::parse_dtype;
+use embank_bench::parse_dtype;
 
 mod draw;
 
@@ -155,7 +155,7 @@ struct Bars(Option<ProgressBar>);
 
 impl PlanProgress for Bars {
     fn begin(&mut self, what: &str, total: u64) {
-        self.0 = Some(crate::tools::progress(total, what));
+        self.0 = Some(embank_bench::progress(total, what));
     }
 
     fn advance(&mut self, done: u64) {

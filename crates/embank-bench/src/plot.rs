@@ -10,7 +10,7 @@ use super::Report;
 const FONT_PATHS: [&str; 2] =
     ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", "/usr/share/fonts/TTF/DejaVuSans.ttf"];
 
-pub(crate) fn register_font() -> Result<(), String> {
+pub fn register_font() -> Result<(), String> {
     use std::sync::OnceLock;
     static DONE: OnceLock<Result<(), String>> = OnceLock::new();
     DONE.get_or_init(|| {

@@ -1,5 +1,10 @@
 //! `embank bench`: the serving and training workloads against real baselines, side by side
 //! in one run, next to the physical limits of the machine measured in the same run.
+//!
+//! A crate of its own so that what links the engine without the command line (the Python
+//! extension) links neither the benchmark's plotting nor its baseline engines. The `embank`
+//! command (embank-cli) parses `embank bench`'s arguments as [`BenchArgs`] and calls [`run`];
+//! its other measuring commands share [`workload`], [`progress`] and [`plot`].
 
 pub mod bags;
 #[cfg(feature = "baselines")]
@@ -11,8 +16,9 @@ mod measure;
 pub mod pattern;
 pub mod plot;
 mod report;
+pub mod workload;
 
-pub(crate) use measure::load_rows;
+pub use measure::load_rows;
 use measure::{cpu_figures, load, measure};
 use report::print_table;
 
@@ -20,12 +26,25 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 use embank_core::{human_bytes, parse_bytes, KeyStream};
+use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use crate::workload::percentile;
 use engines::Engine;
+
+/// A progress bar on stderr in the command's one style: `what [=====>   ] 1,000/4,000 (rate, eta left)`.
+pub fn progress(total: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>10} [{bar:40}] {human_pos}/{human_len} ({per_sec}, {eta} left)")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(what.to_owned());
+    bar
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -336,7 +355,7 @@ fn skipped(engine: &str, why: String) -> EngineResult {
 }
 
 /// CPU time the calling thread has run, in nanoseconds.
-pub(crate) fn thread_cpu_ns() -> u64 {
+pub fn thread_cpu_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: a valid clock id and a valid out pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::engines::Engine;
 use super::{thread_cpu_ns, BenchArgs, Streams, Workload};
-use crate::tools::progress;
+use crate::progress;
 use crate::workload::{percentile, row_for};
 
 pub(super) fn load(engine: &dyn Engine, keys: u64, dim: usize) -> Result<f64, String> {
@@ -17,10 +17,10 @@ pub(super) fn load(engine: &dyn Engine, keys: u64, dim: usize) -> Result<f64, St
 }
 
 /// Where a load writes a chunk of keys and their rows.
-pub(crate) type RowSink<'a> = &'a mut dyn FnMut(&[u64], &[f32]) -> Result<(), String>;
+pub type RowSink<'a> = &'a mut dyn FnMut(&[u64], &[f32]) -> Result<(), String>;
 
 /// Writes every key's `row_for` row through `push`, in chunks, with a progress bar.
-pub(crate) fn load_rows(keys: u64, dim: usize, push: RowSink<'_>) -> Result<(), String> {
+pub fn load_rows(keys: u64, dim: usize, push: RowSink<'_>) -> Result<(), String> {
     let bar = progress(keys, "load");
     let chunk = 10_000u64;
     let mut ks = Vec::with_capacity(chunk as usize);
