@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export CARGO_TERM_PROGRESS_WHEN = never
 
-.PHONY: demo wheel test test-rust test-python lint develop test-long bench clean fuzz fuzz-smoke fuzz-tools kafka-jars kge-data
+.PHONY: demo wheel test test-rust test-python lint lint-layers develop test-long bench clean fuzz fuzz-smoke fuzz-tools kafka-jars kge-data
 
 # The demo's tools alone (maturin, numpy): what a newcomer's `make demo` installs.
 $(VENV)/.demo-installed: requirements-demo.txt
@@ -63,12 +63,19 @@ test: DEVELOP_FLAGS = --features gpu-emulator
 lint: $(VENV)/.installed
 	cargo fmt --all --check
 	python3 tools/import_cycles.py
+	$(MAKE) -s lint-layers
 	$(BIN)/python tools/gpu_ptx.py --check
 	cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 	$(BIN)/ruff check python tests/python examples bench tools/newcomer.py
 	$(BIN)/ruff format --check python tests/python examples bench tools/newcomer.py
 	$(BIN)/mypy
 	$(BIN)/mypy --strict tools/newcomer.py
+
+# The Python extension links the engine only: the command line, plots and baselines are the
+# embank program's (crates/embank-cli, crates/embank-bench).
+lint-layers:
+	@tree=$$(cargo tree --locked -p embank-py -e normal --prefix none) && ! echo "$$tree" | grep -E '^(embank-cli|embank-bench|clap|plotters|rcgen|heed|rocksdb) ' \
+	  || { echo "make lint: embank-py (the extension) links the crates above; only the embank program may" >&2; exit 1; }
 
 test-rust: kafka-jars
 	cargo test --workspace --exclude embank-py --locked
