@@ -197,26 +197,37 @@ impl<'a> Conn<'a> {
     }
 
     /// Fills `buf`. Between frames (`at_start` and nothing read yet) a shutdown or a
-    /// closed peer ends the connection quietly; inside a frame the frame timeout applies.
+    /// closed peer ends the connection quietly; inside a frame the frame timeout applies,
+    /// counted from the frame's first byte and checked after every read, so a peer that
+    /// trickles bytes cannot keep a frame (or a connection that has not authenticated)
+    /// open past its time.
     fn read_exact(&mut self, buf: &mut [u8], at_start: bool, shutdown: &AtomicBool) -> io::Result<ReadEnd> {
         let mut n = 0;
-        let started = Instant::now();
+        let called = Instant::now();
+        // When the frame's first byte came (a body's: when its header was whole).
+        let mut begun = if at_start { None } else { Some(called) };
         while n < buf.len() {
             match self.stream.read(&mut buf[n..]) {
                 Ok(0) => {
-                    return if n == 0 && at_start {
+                    return if begun.is_none() {
                         Ok(ReadEnd::Closed)
                     } else {
                         Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed inside a frame"))
                     }
                 }
-                Ok(r) => n += r,
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    if n == 0 && at_start {
+                Ok(r) => {
+                    n += r;
+                    let begun = *begun.get_or_insert_with(Instant::now);
+                    if n < buf.len() {
+                        self.frame_late(begun)?;
+                    }
+                }
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => match begun {
+                    None => {
                         if shutdown.load(Ordering::Relaxed) {
                             return Ok(ReadEnd::Closed);
                         }
-                        if started.elapsed() > self.ctx.opts.idle_timeout {
+                        if called.elapsed() > self.ctx.opts.idle_timeout {
                             tracing::debug!(peer = %self.peer, "closing idle connection");
                             return Ok(ReadEnd::Closed);
                         }
@@ -224,20 +235,26 @@ impl<'a> Conn<'a> {
                             tracing::info!(peer = %self.peer, "closing a connection that did not authenticate in time");
                             return Ok(ReadEnd::Closed);
                         }
-                    } else if self.auth_expired() {
-                        return Err(io::Error::new(io::ErrorKind::TimedOut, "no authentication within auth_timeout"));
-                    } else if started.elapsed() > self.ctx.opts.frame_timeout {
-                        return Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            "frame not completed within frame_timeout",
-                        ));
                     }
-                }
+                    Some(begun) => self.frame_late(begun)?,
+                },
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
         }
         Ok(ReadEnd::Frame)
+    }
+
+    /// An error once a frame begun at `begun` is past its time: the connection's time to
+    /// authenticate while it is pending, else the frame timeout.
+    fn frame_late(&self, begun: Instant) -> io::Result<()> {
+        if self.auth_expired() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "no authentication within auth_timeout"));
+        }
+        if begun.elapsed() > self.ctx.opts.frame_timeout {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "frame not completed within frame_timeout"));
+        }
+        Ok(())
     }
 
     fn refuse(&mut self, h: &Header, r: Refusal) -> io::Result<()> {

@@ -24,11 +24,11 @@ impl Conn<'_> {
     /// Runs one request: checks the token, the connection limit and read-only, then
     /// hands it to its family.
     pub(super) fn handle(&mut self, h: &Header, body: &[u64]) -> Handled {
-        let Some(op) = Op::from_u16(h.opcode) else {
-            return Err(Failure::from(Refusal::frame(status::UNKNOWN_OPCODE, format!("unknown opcode {}", h.opcode))));
-        };
+        // An unknown opcode is answered as unknown only once the token is presented: before,
+        // every frame but a HELLO is refused and its connection closed.
+        let known = Op::from_u16(h.opcode);
         let raw = &as_bytes(body)[..h.body_len as usize];
-        if op == Op::Hello && !raw.is_empty() && self.ctx.opts.token.is_none() {
+        if known == Some(Op::Hello) && !raw.is_empty() && self.ctx.opts.token.is_none() {
             // A client that sends a token believes the server checks it: say it does not,
             // rather than let a misconfigured cluster run without the auth it was meant to have.
             return Err(Failure::Refused(Refusal {
@@ -38,7 +38,7 @@ impl Conn<'_> {
             }));
         }
         if !self.authed {
-            if op != Op::Hello {
+            if known != Some(Op::Hello) {
                 return Err(Failure::Refused(Refusal {
                     status: status::UNAUTHORIZED,
                     message: "this server requires a token: send HELLO with it first".into(),
@@ -60,6 +60,9 @@ impl Conn<'_> {
             }
             self.authed = true;
         }
+        let Some(op) = known else {
+            return Err(Failure::from(Refusal::frame(status::UNKNOWN_OPCODE, format!("unknown opcode {}", h.opcode))));
+        };
         if !self.established {
             self.establish()?;
         }
