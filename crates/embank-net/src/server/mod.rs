@@ -27,6 +27,8 @@ use parking_lot::{Mutex, RwLock};
 
 mod conn;
 mod ops;
+#[cfg(test)]
+mod tests;
 
 use conn::Conn;
 
