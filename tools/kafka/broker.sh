@@ -28,6 +28,11 @@ auto.create.topics.enable=false
 message.max.bytes=8388608
 replica.fetch.max.bytes=8388608
 log.retention.hours=-1
+# The publisher trims a partition with DeleteRecords; Kafka frees a segment once all of it
+# lies before the new start, checked every log.retention.check.interval.ms. Segments of a
+# few checkpoints (not the default 1 GiB) make a trimmed stream's disk flat.
+log.segment.bytes=8388608
+log.retention.check.interval.ms=30000
 log.flush.interval.messages=9223372036854775807
 PROPS
 cat > "$dir/log4j.properties" <<PROPS

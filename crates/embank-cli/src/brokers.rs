@@ -105,6 +105,16 @@ impl LocalBroker {
         Ok(())
     }
 
+    /// The broker's process id (Kafka: the JVM's; broker.sh execs it), while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// Where its data lives (Kafka: the partitions' logs under `logs/`).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// SIGKILLs the broker (its data stays).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -209,3 +209,205 @@ fn redis_used_memory_with_and_without_trimming() {
         );
     }
 }
+
+/// Resident memory of process `pid` in bytes (`VmRSS`).
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb << 10)
+}
+
+/// Bytes of the files under `dir`.
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+/// Redis `used_memory`.
+fn redis_used(broker: &LocalBroker) -> u64 {
+    let out = Command::new("redis-cli").args(["-p", &broker.port.to_string(), "INFO", "memory"]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The soak of days in minutes: a trainer publishing a checkpoint every 0.5 s to Redis and
+/// Kafka at once (default retention, `keep_checkpoints` 8) for `EMBANK_SOAK_SECONDS`
+/// (default 1800), an `embank serve` replica on each broker read by a client throughout.
+/// Sampled every `seconds / 360`: Redis `used_memory` and its streams' length, the Kafka
+/// broker's resident memory and the topic's bytes on disk, the replicas' resident memory.
+/// Passes when every read succeeded and no broker figure drifts: its mean over the last
+/// sixth of the run within 10 % of its mean over the sixth before. Writes `soak.csv` into `EMBANK_SOAK_OUT` if set.
+///
+/// `EMBANK_SOAK_SECONDS=1800 cargo test --release -p embank-cli --test stream_retention -- --ignored --nocapture broker_memory`
+#[test]
+#[ignore]
+fn broker_memory_stays_flat_over_a_soak_with_replicas_serving() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let seconds: f64 = std::env::var("EMBANK_SOAK_SECONDS").ok().and_then(|v| v.parse().ok()).unwrap_or(1800.0);
+    let dir = tempfile::tempdir().unwrap();
+    let store = trainer(&dir.path().join("trainer"));
+    let kinds = [BrokerKind::Redis, BrokerKind::Kafka];
+    let brokers: Vec<LocalBroker> =
+        kinds.iter().map(|&k| LocalBroker::start(k, &dir.path().join(format!("{k:?}"))).unwrap()).collect();
+    let publishers: Vec<Publisher> = kinds
+        .iter()
+        .zip(&brokers)
+        .map(|(&k, b)| {
+            let mut opts = PublishOptions::new(stream(k, b, "soak"));
+            opts.partitions = PARTS;
+            Publisher::start(Arc::clone(&store), opts).unwrap()
+        })
+        .collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(30);
+    // A first checkpoint, so the replicas start on a stream with data.
+    step(&store, 1, &mut rng);
+    store.checkpoint(1).unwrap();
+    for p in &publishers {
+        p.notify().unwrap();
+        p.flush(Duration::from_secs(120)).unwrap();
+    }
+    let replicas: Vec<(Child, String)> = kinds
+        .iter()
+        .zip(&brokers)
+        .map(|(&k, b)| start_replica(&replica_config(dir.path(), &format!("replica-{k:?}"), k, b, "soak")))
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = replicas
+        .iter()
+        .map(|(_, addr)| {
+            let (addr, stop) = (addr.clone(), Arc::clone(&stop));
+            let keys: Vec<u64> = (0..KEYS).filter(|&k| embank_net::proto::shard_of(k, PARTS) == 1).take(500).collect();
+            let counts = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+            let c = Arc::clone(&counts);
+            let handle = std::thread::spawn(move || {
+                let client = embank_net::Client::connect(&[addr], embank_net::ClientOptions::default()).unwrap();
+                // Reads count from the replica's first checkpoint on (`/readyz`'s moment).
+                let deadline = Instant::now() + Duration::from_secs(120);
+                let table = loop {
+                    match client.table("emb") {
+                        Ok(t) => break t,
+                        Err(e) => assert!(Instant::now() < deadline, "the replica serves no table after 120 s: {e}"),
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                };
+                let (mut out, mut found) = (vec![0f32; keys.len() * DIM], vec![false; keys.len()]);
+                while !stop.load(Ordering::Relaxed) {
+                    match table.lookup(&keys, &mut out, &mut found) {
+                        Ok(()) => c.0.fetch_add(1, Ordering::Relaxed),
+                        Err(e) => {
+                            eprintln!("a read failed: {e}");
+                            c.1.fetch_add(1, Ordering::Relaxed)
+                        }
+                    };
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            });
+            (handle, counts)
+        })
+        .collect();
+    let kafka_logs = brokers[1].dir().join("logs");
+    let topic_bytes = || -> u64 {
+        std::fs::read_dir(&kafka_logs)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("soak-"))
+                    .map(|e| dir_bytes(&e.path()))
+                    .sum()
+            })
+            .unwrap_or(0)
+    };
+    let started = Instant::now();
+    let (mut c, mut next) = (1u64, 0.0);
+    let mut csv = String::from("seconds,checkpoint,redis_used_mb,redis_entries,kafka_rss_mb,kafka_topic_mb,replica_redis_rss_mb,replica_kafka_rss_mb\n");
+    let mut samples: Vec<[f64; 4]> = Vec::new();
+    while started.elapsed().as_secs_f64() < seconds {
+        c += 1;
+        step(&store, c, &mut rng);
+        store.checkpoint(c).unwrap();
+        for p in &publishers {
+            p.notify().unwrap();
+        }
+        let t = started.elapsed().as_secs_f64();
+        if t >= next {
+            let mb = |b: u64| b as f64 / 1e6;
+            let row = [
+                mb(redis_used(&brokers[0])),
+                mb(rss(brokers[1].pid().unwrap())),
+                mb(topic_bytes()),
+                (xlen(&brokers[0], "soak.0") + xlen(&brokers[0], "soak.1")) as f64,
+            ];
+            let line = format!(
+                "{t:.0},{c},{:.2},{},{:.1},{:.2},{:.1},{:.1}",
+                row[0],
+                row[3],
+                row[1],
+                row[2],
+                mb(rss(replicas[0].0.id())),
+                mb(rss(replicas[1].0.id()))
+            );
+            eprintln!("soak: {line}");
+            csv.push_str(&line);
+            csv.push('\n');
+            samples.push(row);
+            next += seconds / 360.0;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    for p in &publishers {
+        p.flush(Duration::from_secs(120)).unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut reads = Vec::new();
+    for (h, counts) in readers {
+        h.join().unwrap();
+        reads.push((counts.0.load(Ordering::Relaxed), counts.1.load(Ordering::Relaxed)));
+    }
+    let statuses: Vec<_> = publishers.iter().map(|p| p.status()).collect();
+    eprintln!(
+        "soak: {c} checkpoints in {seconds} s; reads (ok, failed) Redis replica {:?}, Kafka replica {:?}",
+        reads[0], reads[1]
+    );
+    for (k, s) in kinds.iter().zip(&statuses) {
+        eprintln!(
+            "soak: {k:?} publisher: {} trims, {} retention snapshots, {:.1} MB published",
+            s.trims,
+            s.retention_snapshots,
+            s.bytes as f64 / 1e6
+        );
+    }
+    if let Some(out) = std::env::var_os("EMBANK_SOAK_OUT") {
+        std::fs::write(std::path::Path::new(&out).join("soak.csv"), &csv).unwrap();
+    }
+    for mut r in replicas {
+        sigkill(&mut r.0);
+    }
+    assert!(reads.iter().all(|&(ok, failed)| ok > 0 && failed == 0), "reads (ok, failed): {reads:?}");
+    // Trimming at snapshots makes each figure a sawtooth (it grows between two trims):
+    // flat means no drift, the mean of the last sixth of the run within 10 % of the sixth
+    // before it (the last 10 minutes of 30, in two halves).
+    let n = samples.len();
+    let (before, last) = (&samples[n * 4 / 6..n * 5 / 6], &samples[n * 5 / 6..]);
+    for (i, what) in ["Redis used_memory", "Kafka broker RSS", "Kafka topic bytes"].iter().enumerate() {
+        let mean = |w: &[[f64; 4]]| w.iter().map(|s| s[i]).sum::<f64>() / w.len() as f64;
+        let (lo, hi) = last.iter().fold((f64::MAX, 0f64), |(lo, hi), s| (lo.min(s[i]), hi.max(s[i])));
+        let (a, b) = (mean(before), mean(last));
+        eprintln!(
+            "soak: {what}: mean {a:.2} MB then {b:.2} MB ({:+.1} %), last sixth {lo:.2}-{hi:.2}",
+            (b / a - 1.0) * 100.0
+        );
+        assert!((b / a - 1.0).abs() <= 0.1, "{what} drifts: mean {a:.2} MB, then {b:.2} MB");
+    }
+}
