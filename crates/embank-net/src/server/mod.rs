@@ -218,6 +218,16 @@ impl Server {
     /// Binds `addr`. Anything but a loopback address needs `opts.token`.
     pub fn bind(addr: &str, store: Arc<Store>, opts: ServerOptions) -> Result<Server> {
         let addrs = Server::check_listen(addr, &opts)?;
+        // The accept loop evicts from the pending set: it must hold at least one.
+        for (name, v) in [
+            ("connections_max", opts.connections_max),
+            ("pending_max", opts.pending_max),
+            ("pending_per_peer_max", opts.pending_per_peer_max),
+        ] {
+            if v == 0 {
+                return Err(Error::config(format!("server option {name} must be at least 1, got 0")));
+            }
+        }
         let listener = TcpListener::bind(&addrs[..]).map_err(|e| Error::io(format!("cannot listen on {addr}"), e))?;
         Ok(Server {
             listener,

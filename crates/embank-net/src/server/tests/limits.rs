@@ -152,3 +152,20 @@ fn frame_timeout_counts_from_a_frames_first_byte_and_trickled_bytes_do_not_exten
     assert!(q.closed(), "a frame trickled over twice frame_timeout was answered");
     kept(&s, t, "after a trickled frame");
 }
+
+#[test]
+fn a_bound_of_zero_is_refused_when_the_server_binds() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(dir.path(), StoreOptions::default()).unwrap());
+    for (name, opts) in [
+        ("connections_max", ServerOptions { connections_max: 0, ..ServerOptions::default() }),
+        ("pending_max", ServerOptions { pending_max: 0, ..ServerOptions::default() }),
+        ("pending_per_peer_max", ServerOptions { pending_per_peer_max: 0, ..ServerOptions::default() }),
+    ] {
+        let Err(e) = Server::bind("127.0.0.1:0", Arc::clone(&store), opts) else {
+            panic!("a server with {name} 0 was bound (its accept loop would panic)")
+        };
+        assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+        assert!(e.to_string().contains(name), "{e}");
+    }
+}
