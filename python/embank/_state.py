@@ -31,11 +31,9 @@ per-row step counts and FTRL's ``z``/``n`` have no FBGEMM counterpart and stay b
 (a load starts them afresh).
 
 Tables served by ``embank serve`` (a store from :func:`embank.connect`) move the same
-way, their weights streamed ``chunk_rows`` ids a call through the shards (lookups and
-pushes routed as every call is). Their optimizer state does not cross the wire (reading
-and writing a row's state run where the store is): an export with
-``optimizer_state=True`` and a load with ``momentum1`` are refused before anything is
-read or written; a load of weights starts the served rows' state afresh.
+way, rows and optimizer state streamed ``chunk_rows`` ids a call through the shards
+(``LOOKUP_WITH_STATE`` and ``PUSH_WITH_STATE``, routed as every call is, answered by each
+shard's primary: a replica keeps no optimizer state where reads see it and refuses).
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ import torch
 
 from ._store import Store
 from ._table import Table
-from .errors import EmbankError, InvalidInputError, UnsupportedError
+from .errors import EmbankError, InvalidInputError
 
 if TYPE_CHECKING:
     from ._sparse import SparseOptimizer
@@ -180,18 +178,6 @@ def _has_momentum(table: Table) -> bool:
     return opt is not None and opt["kind"] in ("rowwise_adagrad", "adagrad")
 
 
-def _refuse_served_state(table: Table, doing: str) -> None:
-    """Raises for the ``momentum1`` of a table served by ``embank serve``, which this
-    client cannot read or write (only rows cross the wire)."""
-    if table._remote and _has_momentum(table):
-        raise UnsupportedError(
-            f"table {table.name!r} is served by embank serve: {doing} its optimizer state (momentum1) "
-            "is not possible over the wire (a row's optimizer state is read and written only where "
-            "the store is); move the weights alone (optimizer_state=False, no optimizer_state_dict "
-            "or momentum1): the served rows' optimizer state then starts afresh"
-        )
-
-
 def state_dict_chunks(
     source: Any,
     *,
@@ -208,15 +194,10 @@ def state_dict_chunks(
 
     ``source``: a collection made by :meth:`EmbeddingBagCollection.from_configs` (its
     configs give each table's ``num_embeddings``) or a :class:`~embank.Store` with
-    ``num_embeddings={table: rows}``; embedded or served by ``embank serve`` (weights
-    only: ``optimizer_state`` raises :class:`~embank.errors.UnsupportedError` for a
-    served table, before anything is read)."""
+    ``num_embeddings={table: rows}``; embedded or served by ``embank serve``."""
     if chunk_rows < 1:
         raise InvalidInputError("chunk_rows must be at least 1")
     sources = _sources(source, tables, num_embeddings)
-    if optimizer_state:
-        for table, _ in sources:
-            _refuse_served_state(table, "exporting")
     for table, rows in sources:
         key = f"{_prefix_of(source)}{table.name}.weight"
         held = len(table)
@@ -367,8 +348,7 @@ def load_state_dict(
     piece. ``optimizer_state_dict``: a TorchRec fused optimizer's ``state_dict()``
     (its ``momentum1``/``momentum_1`` entries). Where a table's momentum is given (and
     its optimizer is row-wise Adagrad or Adagrad) rows are written with it; otherwise
-    their optimizer state starts afresh. A momentum for a served table raises
-    :class:`~embank.errors.UnsupportedError` before anything is written."""
+    their optimizer state starts afresh."""
     store = target.store if _configs_of(target) is not None else target
     if not isinstance(store, Store):
         raise InvalidInputError(
@@ -393,7 +373,6 @@ def load_state_dict(
         for table in momenta:
             if table not in weights:
                 raise InvalidInputError(f"a momentum1 for table {table!r} without its weight")
-            _refuse_served_state(store.table(table), "loading")
         for name, weight in weights.items():
             t = store.table(name)
             for start in range(0, len(weight), chunk_rows):

@@ -301,15 +301,15 @@ class Table:
         """Like :meth:`lookup`, with each row's optimizer state after it:
         ``(records, found)`` where ``records`` is ``(n, dim + state_len)``. A missing key
         gets the missing default and the optimizer's initial state; nothing is created.
-        Embedded stores only."""
+        A served table reads them from each shard's primary (a replica refuses)."""
         return self._t.lookup_with_state(_keys(keys))
 
     def push_with_state(self, keys: KeysLike, records: Rows) -> None:
         """Writes rows together with their optimizer state (``(n, dim + state_len)``
         float32, laid out as :meth:`lookup_with_state` returns them); :meth:`push` starts
         the state afresh instead. A non-finite value, or a state the optimizer cannot
-        reach (a negative accumulator), is refused with nothing written. Embedded stores
-        only; on a table with a lifecycle, rows are admitted at once and room is made
+        reach (a negative accumulator), is refused with nothing written. On a table with a
+        lifecycle, rows are admitted at once and room is made
         under ``rows_max`` first, as :meth:`push` does."""
         k = _keys(keys)
         width = self.dim + self.state_len

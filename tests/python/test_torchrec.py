@@ -241,12 +241,13 @@ def test_chunks_stream_and_load(tmp_path: Path) -> None:
         )
 
 
-def test_state_dict_through_two_served_shards(cluster: list[str]) -> None:
+def test_state_dict_through_two_served_shards(cluster: list[str], tmp_path: Path) -> None:
     """TorchRec's state dict loaded into tables on two `embank serve` shards (rows spread
     over both), streamed back in chunks equal to it, trained there and loaded into a
     plain TorchRec collection with strict=True: its outputs are the served collection's.
-    Optimizer state does not cross the wire: asked for, it is refused before anything is
-    read or written."""
+    Optimizer state crosses the wire too: the served tables' weights and momentum1 after
+    training equal an embedded twin's trained alike, and a momentum1 loaded into them is
+    what an export gives back."""
     torchrec = torchrec_or_skip()
     torch.manual_seed(3)
     reference = torchrec.EmbeddingBagCollection(tables=configs(torchrec))
@@ -277,8 +278,20 @@ def test_state_dict_through_two_served_shards(cluster: list[str]) -> None:
             torch.testing.assert_close(exported[key], given[key], rtol=0, atol=0, msg=key)
 
         data = batches(torchrec, 10, seed=9)
-        for kjt, target in data:
-            step(ebc, kjt, target)  # trained on the shards
+        with embank.open(tmp_path / "twin") as twin_store:
+            twin = et.EmbeddingBagCollection.from_configs(
+                twin_store, configs(torchrec), optimizer=("exact_rowwise_adagrad", {"lr": LR, "eps": EPS})
+            )
+            et.load_state_dict(twin_store, given)
+            for kjt, target in data:
+                step(ebc, kjt, target)  # trained on the shards
+                step(twin, kjt, target)  # and embedded
+            served_state = et.export_state_dict(ebc, optimizer_state=True, chunk_rows=16)
+            twin_state = et.export_state_dict(twin, optimizer_state=True, chunk_rows=16)
+        assert sorted(served_state) == sorted(twin_state)
+        assert any(k.endswith("momentum1") for k in served_state)
+        for key in twin_state:
+            torch.testing.assert_close(served_state[key], twin_state[key], rtol=1e-6, atol=1e-7, msg=key)
         trained = et.export_state_dict(ebc, chunk_rows=16)
         torch.manual_seed(4)
         plain = torchrec.EmbeddingBagCollection(tables=configs(torchrec))
@@ -288,14 +301,13 @@ def test_state_dict_through_two_served_shards(cluster: list[str]) -> None:
             for kjt, _ in data:
                 torch.testing.assert_close(plain(kjt).values(), ebc(kjt).values(), rtol=1e-6, atol=1e-7)
 
-        with pytest.raises(embank.errors.UnsupportedError, match=r"table 't0' is served by embank serve"):
-            list(et.state_dict_chunks(ebc, optimizer_state=True))
-        with pytest.raises(embank.errors.UnsupportedError, match=r"table 't1' is served .*momentum1"):
-            momentum = {"embedding_bags.t1.weight.momentum1": torch.ones(SIZES["t1"])}
-            et.load_state_dict(store, {**given, **momentum})
-        again = et.export_state_dict(ebc, chunk_rows=16)
-        for key in trained:  # nothing was written: t0 (before t1 in the dict) still as trained
-            torch.testing.assert_close(again[key], trained[key], rtol=0, atol=0, msg=key)
+        momentum = {"embedding_bags.t1.weight.momentum1": torch.full((SIZES["t1"],), 0.25)}
+        et.load_state_dict(store, {**given, **momentum})
+        again = et.export_state_dict(ebc, optimizer_state=True, chunk_rows=16)
+        key = "embedding_bags.t1.weight.momentum1"
+        torch.testing.assert_close(again[key], momentum[key], rtol=0, atol=0)
+        for key in given:
+            torch.testing.assert_close(again[key], given[key], rtol=0, atol=0, msg=key)
     finally:
         for name in SIZES:
             if name in store:

@@ -96,11 +96,11 @@ pub trait TableApi: Send + Sync {
     fn home_fraction(&self, _keys: &[u64]) -> Result<(f64, u64)> {
         Err(Error::new(ErrorKind::Unsupported, "home_fraction runs where the store is"))
     }
-    /// Rows with their optimizer state ([`Table::lookup_with_state`]). Embedded tables only.
+    /// Rows with their optimizer state ([`Table::lookup_with_state`]).
     fn lookup_with_state(&self, _keys: &[u64], _out: &mut [f32], _found: &mut [bool]) -> Result<()> {
         Err(Error::new(ErrorKind::Unsupported, "reading optimizer state runs where the store is"))
     }
-    /// Writes rows with their optimizer state ([`Table::push_with_state`]). Embedded tables only.
+    /// Writes rows with their optimizer state ([`Table::push_with_state`]).
     fn push_with_state(&self, _keys: &[u64], _records: &[f32]) -> Result<()> {
         Err(Error::new(ErrorKind::Unsupported, "writing optimizer state runs where the store is"))
     }

@@ -100,6 +100,13 @@ pub enum Op {
     /// them (`RecordLayout::row_bytes` each: f32 floats, f16 halves, or int8 `dim` bytes
     /// then f32 scale and bias), not decoded; never creates rows.
     LookupStored = 36,
+    /// Body: keys. Reply: found mask as `Lookup`'s, then `count` records of `dim +
+    /// state_len` f32 (the row, then the optimizer's state: `Table::lookup_with_state`);
+    /// never creates rows. Answered by a store's own tables (a primary), not a replica's
+    /// served view.
+    LookupWithState = 37,
+    /// Body: keys, then `count` records of `dim + state_len` f32 (`Table::push_with_state`).
+    PushWithState = 38,
 }
 
 impl Op {
@@ -134,6 +141,8 @@ impl Op {
             34 => LookupAt,
             35 => ExportAt,
             36 => LookupStored,
+            37 => LookupWithState,
+            38 => PushWithState,
             _ => return None,
         })
     }
@@ -170,10 +179,12 @@ impl Op {
             LookupAt => "lookup_at",
             ExportAt => "export_at",
             LookupStored => "lookup_stored",
+            LookupWithState => "lookup_with_state",
+            PushWithState => "push_with_state",
         }
     }
 
-    pub const ALL: [Op; 28] = [
+    pub const ALL: [Op; 30] = [
         Op::Hello,
         Op::ListTables,
         Op::OpenTable,
@@ -202,6 +213,8 @@ impl Op {
         Op::LookupAt,
         Op::ExportAt,
         Op::LookupStored,
+        Op::LookupWithState,
+        Op::PushWithState,
     ];
 
     /// Whether the op changes rows, tables or checkpoints (refused by a read-only replica).
@@ -211,6 +224,7 @@ impl Op {
             Op::CreateTable
                 | Op::DropTable
                 | Op::Push
+                | Op::PushWithState
                 | Op::Delete
                 | Op::PushGrad
                 | Op::SetLr
@@ -231,7 +245,9 @@ impl Op {
                 | Op::Lookup
                 | Op::LookupAt
                 | Op::LookupStored
+                | Op::LookupWithState
                 | Op::Push
+                | Op::PushWithState
                 | Op::Delete
                 | Op::PushGrad
                 | Op::Lookahead
@@ -242,7 +258,7 @@ impl Op {
 
     /// Whether the body carries `count` rows after the keys.
     pub fn has_rows(self) -> bool {
-        matches!(self, Op::Push | Op::PushGrad | Op::PushGradHeld)
+        matches!(self, Op::Push | Op::PushWithState | Op::PushGrad | Op::PushGradHeld)
     }
 
     /// u64 words before the keys (worker id, timeout; a checkpoint).
@@ -409,10 +425,12 @@ pub fn row_bytes(dim: usize) -> usize {
 }
 
 /// Body length a keyed request of `count` keys must have for a table of `dim`.
-pub fn keyed_body_len(op: Op, count: u32, dim: usize) -> u64 {
+/// `width`: f32 elements a row of the body has (the table's dim; `dim + state_len` for
+/// `PushWithState`).
+pub fn keyed_body_len(op: Op, count: u32, width: usize) -> u64 {
     let keys = op.prefix_words() as u64 * 8 + count as u64 * 8;
     if op.has_rows() {
-        keys + count as u64 * row_bytes(dim) as u64
+        keys + count as u64 * row_bytes(width) as u64
     } else {
         keys
     }

@@ -182,6 +182,7 @@ impl Conn<'_> {
                 match op {
                     Op::Pull | Op::Lookup | Op::LookupAt | Op::LookupStored => self.read_op(op, h, &table, body),
                     Op::Push | Op::PushGrad | Op::Delete | Op::Lookahead => self.write_op(op, h, &table, body),
+                    Op::LookupWithState | Op::PushWithState => self.state_op(op, h, &table, body),
                     Op::PullHeld | Op::PushGradHeld | Op::Release => self.held_op(op, h, &table, body),
                     _ => self.table_admin_op(op, h, &table, body),
                 }
@@ -203,7 +204,8 @@ impl Conn<'_> {
                     ),
                 ));
             }
-            let want = proto::keyed_body_len(op, h.count, dim);
+            let width = if op == Op::PushWithState { dim + table.state_len() } else { dim };
+            let want = proto::keyed_body_len(op, h.count, width);
             if want != h.body_len as u64 {
                 return Err(Refusal::frame(
                     status::BAD_FRAME,
@@ -356,6 +358,38 @@ impl Conn<'_> {
                 self.answer(h, 0, &(queued as u64).to_le_bytes())
             }
             _ => unreachable!("write_op takes {}", op.name()),
+        }
+    }
+
+    /// Rows with their optimizer state, read or written (state dicts of served tables).
+    /// A replica serves rows through its view, which keeps no state: refused there.
+    fn state_op(&mut self, op: Op, h: &Header, table: &Table, body: &[u64]) -> Handled {
+        if self.ctx.view.get().is_some() {
+            return Err(Failure::from(embank_core::Error::new(
+                embank_core::ErrorKind::Unsupported,
+                format!(
+                    "{}: a replica serves rows without their optimizer state; read it from the trainer's store",
+                    op.name()
+                ),
+            )));
+        }
+        let (n, w) = (h.count as usize, table.dim() + table.state_len());
+        match op {
+            Op::LookupWithState => {
+                let keys = &body[..n];
+                let mut records = vec![0f32; n * w];
+                let mut found = vec![false; n];
+                table.lookup_with_state(keys, &mut records, &mut found)?;
+                let mask = found_mask(&found);
+                let head = h.reply(h.count, mask.len() + records.len() * proto::ROW_ELEMENT_BYTES, status::OK).encode();
+                self.answer_parts(&mut [IoSlice::new(&head), IoSlice::new(&mask), IoSlice::new(as_bytes(&records))])
+            }
+            Op::PushWithState => {
+                let (keys, records) = proto::split_keyed(&body[..n + (n * w).div_ceil(2)], n);
+                table.push_with_state(keys, &records[..n * w])?;
+                self.answer(h, 0, &[])
+            }
+            _ => unreachable!("state_op takes {}", op.name()),
         }
     }
 

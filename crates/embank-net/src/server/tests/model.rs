@@ -75,13 +75,18 @@ fn run(seed: u64, name: &str, opts: ServerOptions) {
     let served = Served::start(opts);
     let twin_dir = tempfile::tempdir().unwrap();
     let twin_store = Store::open(twin_dir.path(), StoreOptions::default()).unwrap();
-    let twin = twin_store.create_table("t", options()).unwrap();
+    // Adagrad: records carry state, so the state requests move more than rows.
+    let opts_t = TableOptions {
+        optimizer: Optimizer::Adagrad { lr: 0.5, eps: 1e-8, initial_accumulator_value: 0.1 },
+        ..options()
+    };
+    let twin = twin_store.create_table("t", opts_t.clone()).unwrap();
     let mut p = served.peer();
-    let t = p.create("t", &options());
+    let t = p.create("t", &opts_t);
     for step in 0..STEPS {
         let ks = keys(&mut rng);
         let n = ks.len();
-        match rng.random_range(0..8) {
+        match rng.random_range(0..10) {
             0 => {
                 let r = p.keyed(Op::Pull, t, &[], &ks, &[]).ok(&at(step, "pull"));
                 let mut want = vec![0f32; n * DIM];
@@ -120,6 +125,26 @@ fn run(seed: u64, name: &str, opts: ServerOptions) {
             6 => {
                 let len = p.call(Op::Len, t, 0, &[]).ok(&at(step, "len")).u64();
                 assert_eq!(len, twin.len().unwrap(), "{}", at(step, "len"));
+            }
+            7 => {
+                let r = p.keyed(Op::LookupWithState, t, &[], &ks, &[]).ok(&at(step, "lookup_with_state"));
+                let w = DIM + twin.state_len();
+                let (mut want, mut want_found) = (vec![0f32; n * w], vec![false; n]);
+                twin.lookup_with_state(&ks, &mut want, &mut want_found).unwrap();
+                let mask = proto::found_mask(&want_found);
+                assert_eq!(r.body[..mask.len()], mask[..], "{}: found of {ks:?}", at(step, "lookup_with_state"));
+                assert_eq!(floats(&r.body[mask.len()..]), want, "{}: records of {ks:?}", at(step, "lookup_with_state"));
+            }
+            8 => {
+                // Records the optimizer can reach: the twin's own, rows moved.
+                let w = DIM + twin.state_len();
+                let (mut recs, mut found) = (vec![0f32; n * w], vec![false; n]);
+                twin.lookup_with_state(&ks, &mut recs, &mut found).unwrap();
+                for r in recs.chunks_mut(w) {
+                    r[..DIM].iter_mut().for_each(|x| *x += rng.random_range(-1.0..1.0));
+                }
+                p.keyed(Op::PushWithState, t, &[], &ks, &recs).ok(&at(step, "push_with_state"));
+                twin.push_with_state(&ks, &recs).unwrap();
             }
             _ => {
                 let queued = p.keyed(Op::Lookahead, t, &[], &ks, &[]).ok(&at(step, "lookahead")).u64();

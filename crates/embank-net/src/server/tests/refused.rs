@@ -105,7 +105,7 @@ fn a_body_of_the_wrong_length_is_refused_and_the_connection_goes_on() {
 #[test]
 fn an_unknown_opcode_or_table_is_refused_and_the_connection_goes_on() {
     let (s, mut p, t) = with_rows(ServerOptions::default());
-    for opcode in [0, 8, 15, 37, 0x7fff, REPLY_BIT | Op::Lookup as u16] {
+    for opcode in [0, 8, 15, 39, 0x7fff, REPLY_BIT | Op::Lookup as u16] {
         let message = p.call_raw(opcode, t, 0, &[]).refused(status::UNKNOWN_OPCODE, "an unknown opcode");
         assert!(message.contains(&opcode.to_string()), "{message}");
     }
