@@ -294,7 +294,8 @@ class Table:
         """``float32`` values of optimizer state kept with each row: 0 without an
         optimizer (or SGD), 1 for row-wise Adagrad, ``dim`` for Adagrad, ``2 * dim`` for
         FTRL (``z`` then ``n``), ``2 * dim + 1`` for Adam and AdamW (moments, then the
-        step count)."""
+        step count), ``2 * dim`` for FbgemmAdam and Lamb (moments; their step is the
+        table's), ``dim + 1`` for their partial row-wise forms (m, then one v)."""
         return self._t.state_len
 
     def lookup_with_state(self, keys: KeysLike) -> tuple[Rows, npt.NDArray[np.bool_]]:

@@ -156,7 +156,9 @@ impl Optimizer {
             Optimizer::PartialRowWiseAdam { lr, beta1, beta2, eps, weight_decay } => {
                 (lr, beta1, beta2, eps, weight_decay, true, false)
             }
-            Optimizer::Lamb { lr, beta1, beta2, eps, weight_decay } => (lr, beta1, beta2, eps, weight_decay, false, true),
+            Optimizer::Lamb { lr, beta1, beta2, eps, weight_decay } => {
+                (lr, beta1, beta2, eps, weight_decay, false, true)
+            }
             Optimizer::PartialRowWiseLamb { lr, beta1, beta2, eps, weight_decay } => {
                 (lr, beta1, beta2, eps, weight_decay, true, true)
             }

@@ -423,11 +423,8 @@ impl Store {
         let unix_seconds =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         // Batches wait at the gate: no table's step moves while it is read.
-        let steps = inner
-            .tables
-            .values()
-            .filter_map(|t| Some((t.id(), t.optimizer_step())).filter(|&(_, s)| s > 0))
-            .collect();
+        let steps =
+            inner.tables.values().filter_map(|t| Some((t.id(), t.optimizer_step())).filter(|&(_, s)| s > 0)).collect();
         file.checkpoints.push(CheckpointInfo { batch_id, seq, unix_seconds, meta: meta.to_vec(), steps });
         file.next_seq = seq + 1;
         let mut dropped = Vec::new();
