@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ._device import _to_device
 from ._embedding import EmbeddingBag
+from ._gradients import _StepCounter
 from ._jagged import Features
 from ._lookahead import B, lookahead
 from ._store import Store
@@ -77,15 +78,15 @@ class _FusedPending:
                 out.append((src, (keys, np.ascontiguousarray(np.concatenate([g for _, g in parts])))))
         return out
 
-    def push(self, got: list[Any]) -> int:
-        """Pushes one step's gradients: one native call for every table, or (several
-        forwards in the step) one ``push_grad`` per table of their sum."""
+    def push(self, got: list[Any], step: int) -> int:
+        """Pushes training step ``step``'s gradients: one native call for every table, or
+        (several forwards in the step) one ``push_grad`` per table of their sum."""
         c = self.collection
         if len(got) == 1:
-            return c._tables.push(got[0])
+            return c._tables.push(got[0], step)
         n = 0
         for src, (keys, grads) in self.per_table(got):
-            src.push_grad(keys, grads)
+            src.push_grad(keys, grads, step)
             n += len(np.unique(keys))
         return n
 
@@ -221,11 +222,13 @@ class EmbeddingBagCollection(torch.nn.Module):
         # Every table pulled, pooled and trained in one native call each way (the store's side).
         self._tables = FusedTables(self._sources, index, native_mode, threads)
         self.pending = _FusedPending(self)
+        # push="backward": each backward is a training step (FBGEMM's fused backward).
+        self._steps = _StepCounter()
         self._anchor = torch.zeros(0, requires_grad=True)
 
     def _gathered(self, grads: Any) -> None:
         if self.push == "backward":
-            self.pending.push([grads])
+            self.pending.push([grads], self._steps.next(self._sources))
         else:
             self.pending.add(grads)
 

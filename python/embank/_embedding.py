@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ._device import _to_device
-from ._gradients import _pending_for
+from ._gradients import _pending_for, _StepCounter
 from ._jagged import _to_keys
 from ._table import Source, Table, Worker, _table_of
 from .errors import InvalidInputError
@@ -41,6 +41,8 @@ class _Lookup(torch.nn.Module):
         self.table = _table_of(source)
         self.dim = self.table.dim
         self.pending = _pending_for(source)
+        # push="backward": each backward is a training step (FBGEMM's fused backward).
+        self._steps = _StepCounter()
         # Moved by ``module.to(device)`` with the model: where outputs go (not saved).
         self.register_buffer("_where", torch.empty(0), persistent=False)
 
@@ -76,7 +78,7 @@ class _Lookup(torch.nn.Module):
         def hook(grad: torch.Tensor) -> None:
             g = np.ascontiguousarray(grad.detach().to("cpu", torch.float32).numpy())
             if self.push == "backward":
-                self.source.push_grad(keys, g)
+                self.source.push_grad(keys, g, self._steps.next([self.source]))
             else:
                 self.pending.add(keys, g)
 

@@ -6,12 +6,32 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 
 import numpy as np
 import numpy.typing as npt
 
-from ._table import Source
+from ._table import Source, Table, _table_of
 from .errors import InvalidInputError
+
+
+class _StepCounter:
+    """The training step whose gradients a module or optimizer pushes (``push_grad``'s
+    ``step``): FBGEMM's optimizers bias-correct every row of a step with it, however many
+    calls or ranks the step takes, and tables a step skips still reach it at their next
+    push. Counts from the tables' own step (the largest), read at the first push: a
+    store restored to a checkpoint continues from the checkpoint's step."""
+
+    def __init__(self) -> None:
+        self._last: int | None = None
+
+    def next(self, sources: Iterable[Source]) -> int:
+        """The next step of the gradients of ``sources``."""
+        if self._last is None:
+            tables: list[Table] = [_table_of(s) for s in sources]
+            self._last = max((t.optimizer_step for t in tables), default=0)
+        self._last += 1
+        return self._last
 
 
 class _Pending:

@@ -12,7 +12,7 @@ import torch
 
 from ._collection import EmbeddingBagCollection, _FusedPending
 from ._embedding import _Lookup
-from ._gradients import _Pending
+from ._gradients import _Pending, _StepCounter
 from ._table import Source, _table_of
 from .errors import InvalidInputError
 
@@ -49,6 +49,13 @@ class SparseOptimizer:
     modulo world size), then waits at a barrier: every row gets one update per step
     with the whole global batch's gradient, whatever the ranks' timing, so a run is
     reproducible and matches one process training on the global batch.
+
+    Each step is numbered, from the tables' own :attr:`~embank.Table.optimizer_step` at
+    the first one: every push of step t carries t, which FBGEMM's optimizers
+    (:class:`~embank.optim.FbgemmAdam`, :class:`~embank.optim.Lamb`, ...) bias-correct
+    every row of the step with, tables the step skips included. After
+    ``store.restore(batch)``, make a new ``SparseOptimizer``: it counts on from the
+    checkpoint's step.
     """
 
     def __init__(
@@ -86,22 +93,29 @@ class SparseOptimizer:
         for lk in lookups:
             if lk.push == "step" and lk.pending not in self._pending:
                 self._pending.append(lk.pending)
-        self._late: list[list[tuple[Any, Any]]] = []
+        self._late: list[tuple[int, list[tuple[Any, Any]]]] = []
+        self._steps = _StepCounter()
 
     def step(self) -> int:
         """One ``push_grad`` per table of everything gathered since the last step (or,
         with a delay, since the step ``delay`` steps ago); returns how many keys were pushed."""
+        # Every rank numbers the step before the gather: none pushes before all have.
+        step = self._steps.next(self._sources())
         if self.distributed:
-            return self._step_distributed()
+            return self._step_distributed(step)
         gathered: list[tuple[Any, Any]] = [(p, got) for p in self._pending if (got := p.take()) is not None]
         gathered += [(f, fg) for f in self._fused if (fg := f.take()) is not None]
-        self._late.append(gathered)
+        self._late.append((step, gathered))
         n = 0
         while len(self._late) > self.delay:
-            n += self._push(self._late.pop(0))
+            n += self._push(*self._late.pop(0))
         return n
 
-    def _step_distributed(self) -> int:
+    def _sources(self) -> list[Source]:
+        """Every table source this optimizer pushes to."""
+        return [p.source for p in self._pending] + [s for f in self._fused for s in f.collection._sources]
+
+    def _step_distributed(self, step: int) -> int:
         import torch.distributed as dist
 
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -126,7 +140,7 @@ class SparseOptimizer:
             grads = np.concatenate([g for _, g in parts]) / np.float32(world)
             own = (keys % np.uint64(world)) == np.uint64(rank)
             if own.any():
-                source.push_grad(keys[own], np.ascontiguousarray(grads[own]))
+                source.push_grad(keys[own], np.ascontiguousarray(grads[own]), step)
                 n += int(own.sum())
         dist.barrier()  # no rank pulls the next batch before every row is updated
         return n
@@ -135,18 +149,18 @@ class SparseOptimizer:
         """Pushes every delayed step now; returns how many keys were pushed."""
         n = 0
         while self._late:
-            n += self._push(self._late.pop(0))
+            n += self._push(*self._late.pop(0))
         return n
 
     @staticmethod
-    def _push(gathered: list[tuple[Any, Any]]) -> int:
+    def _push(step: int, gathered: list[tuple[Any, Any]]) -> int:
         n = 0
         for p, got in gathered:
             if isinstance(p, _FusedPending):
-                n += p.push(got)
+                n += p.push(got, step)
                 continue
             keys, grads = got
-            p.source.push_grad(keys, grads)
+            p.source.push_grad(keys, grads, step)
             n += len(keys)
         return n
 

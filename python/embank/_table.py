@@ -294,7 +294,8 @@ class Table:
         """``float32`` values of optimizer state kept with each row: 0 without an
         optimizer (or SGD), 1 for row-wise Adagrad, ``dim`` for Adagrad, ``2 * dim`` for
         FTRL (``z`` then ``n``), ``2 * dim + 1`` for Adam and AdamW (moments, then the
-        step count)."""
+        step count), ``2 * dim`` for FbgemmAdam and Lamb (moments; their step is the
+        table's), ``dim + 1`` for their partial row-wise forms (m, then one v)."""
         return self._t.state_len
 
     def lookup_with_state(self, keys: KeysLike) -> tuple[Rows, npt.NDArray[np.bool_]]:
@@ -333,16 +334,30 @@ class Table:
         finally:
             self._listeners.notify(k)
 
-    def push_grad(self, keys: KeysLike, grads: Rows) -> None:
+    def push_grad(self, keys: KeysLike, grads: Rows, step: int | None = None) -> None:
         """Applies the table's optimizer to the rows of ``keys`` with gradients ``grads``
         (``(n, dim)`` float32). Gradients of duplicate keys are summed first, so each row
         gets one update per call; missing rows are created with the initializer, then
-        updated. Raises :class:`~embank.errors.ConfigError` if the table has no optimizer."""
+        updated. Raises :class:`~embank.errors.ConfigError` if the table has no optimizer.
+
+        ``step``: the training step (from 1) the gradients belong to. FBGEMM's optimizers
+        (:class:`~embank.optim.FbgemmAdam`, :class:`~embank.optim.Lamb`, their partial
+        row-wise forms) bias-correct every row of a step with it, however many calls
+        (workers, ranks) the step makes, and the table's :attr:`optimizer_step` becomes it
+        if later. Without one, the call is a step of its own (the table's step + 1). Other
+        optimizers ignore it."""
         k = _keys(keys)
         try:
-            self._t.push_grad(k, _rows(grads, len(k), self.dim, self.name))
+            self._t.push_grad(k, _rows(grads, len(k), self.dim, self.name), step)
         finally:
             self._listeners.notify(k)
+
+    @property
+    def optimizer_step(self) -> int:
+        """The training step of the table's last update, for FBGEMM's optimizers (0 before
+        the first, and always for the others). Kept by checkpoints: after
+        ``store.restore(batch)`` it is the checkpoint's."""
+        return self._t.optimizer_step()
 
     def worker(self, timeout: float = 60.0) -> Worker:
         """A training worker's view of this table, for bounded staleness.
@@ -416,11 +431,12 @@ class Worker:
         """Like :meth:`Table.pull`, holding each key until :meth:`push_grad`."""
         return self.table._t.pull_held(self.id, _keys(keys), self.timeout)
 
-    def push_grad(self, keys: KeysLike, grads: Rows) -> None:
+    def push_grad(self, keys: KeysLike, grads: Rows, step: int | None = None) -> None:
         """Like :meth:`Table.push_grad`, then gives back this worker's holds of ``keys``."""
         k = _keys(keys)
         try:
-            self.table._t.push_grad_held(self.id, k, _rows(grads, len(k), self.table.dim, self.table.name))
+            rows = _rows(grads, len(k), self.table.dim, self.table.name)
+            self.table._t.push_grad_held(self.id, k, rows, step)
         finally:
             self.table._listeners.notify(k)
 
@@ -500,10 +516,11 @@ class FusedTables:
         """The flat pooled gradient of ``step`` as one gradient per distinct row of each table."""
         return self._train.backward(step, grad)
 
-    def push(self, grads: _native.Grads) -> int:
-        """Applies every table's optimizer to ``grads`` in one call, then tells each table's
-        write listeners the rows pushed; returns the rows pushed."""
-        n = self._train.push(grads)
+    def push(self, grads: _native.Grads, step: int | None = None) -> int:
+        """Applies every table's optimizer to ``grads`` in one call (as part of training
+        ``step``, see :meth:`Table.push_grad`), then tells each table's write listeners the
+        rows pushed; returns the rows pushed."""
+        n = self._train.push(grads, step)
         for t, listeners in enumerate(self._listeners):
             if listeners:
                 listeners.notify(grads.table(t)[0])

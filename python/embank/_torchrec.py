@@ -187,15 +187,21 @@ _KINDS = {
     "sgd": "sgd",
     "adamw": "adamw",
     "ftrl": "ftrl",
+    # FBGEMM's, bias-corrected with the table's step (EmbOptimType.ADAM is "adam").
+    "adam": "fbgemm_adam",
+    "partial_rowwise_adam": "partial_rowwise_adam",
+    "lamb": "lamb",
+    "partial_rowwise_lamb": "partial_rowwise_lamb",
 }
 #: FBGEMM's default ``eps`` (``SplitTableBatchedEmbeddingBagsCodegen(eps=1.0e-8)``), which
-#: its (row-wise) Adagrad uses when a spec gives none; embank.optim.Adagrad's own default
-#: is PyTorch's 1e-10.
+#: its (row-wise) Adagrad, Adam and LAMB use when a spec gives none; embank.optim.Adagrad's
+#: own default is PyTorch's 1e-10.
 FBGEMM_EPS = 1e-8
 _SUPPORTED = (
-    "EmbOptimType.EXACT_ROWWISE_ADAGRAD (or ROWWISE_ADAGRAD), EXACT_ADAGRAD, EXACT_SGD (or SGD); "
-    'the names "adamw" and "ftrl"; or an embank.optim optimizer (SGD, Adagrad, RowWiseAdagrad, '
-    "Adam, AdamW, Ftrl)"
+    "EmbOptimType.EXACT_ROWWISE_ADAGRAD (or ROWWISE_ADAGRAD), EXACT_ADAGRAD, EXACT_SGD (or SGD), "
+    'ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB; the names "adamw" and "ftrl"; or an '
+    "embank.optim optimizer (SGD, Adagrad, RowWiseAdagrad, Adam, AdamW, Ftrl, FbgemmAdam, "
+    "PartialRowWiseAdam, Lamb, PartialRowWiseLamb)"
 )
 # fused_params keys that tune FBGEMM's kernels or caches, not the update rule.
 _NOT_OPTIMIZER = {
@@ -217,7 +223,20 @@ _PARAMETERS = {
     "rowwise_adagrad": {"lr", "eps", "initial_accumulator_value"},
     "adamw": {"lr", "beta1", "beta2", "eps", "weight_decay"},
     "ftrl": {"lr", "beta", "l1", "l2", "initial_accumulator_value"},
+    **{
+        k: {"lr", "beta1", "beta2", "eps", "weight_decay", "weight_decay_mode"}
+        for k in ("fbgemm_adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
+    },
 }
+_TABLE_STEP = {
+    "fbgemm_adam": optim.FbgemmAdam,
+    "partial_rowwise_adam": optim.PartialRowWiseAdam,
+    "lamb": optim.Lamb,
+    "partial_rowwise_lamb": optim.PartialRowWiseLamb,
+}
+# FBGEMM's Adam and LAMB kernels take weight decay one way, decoupled, whatever the mode
+# says; the modes that change other things (counters, global decay) are refused.
+_WEIGHT_DECAY_MODES = {"none", "l2", "decouple"}
 
 
 def _kind(name: Any) -> str:
@@ -227,13 +246,8 @@ def _kind(name: Any) -> str:
     text = str(getattr(name, "value", name)).lower()
     text = text.rsplit(".", 1)[-1].replace("row_wise", "rowwise").replace("-", "_")
     text = {"rowwiseadagrad": "rowwise_adagrad"}.get(text, text)
-    if text == "adam":  # EmbOptimType.ADAM, torch.optim.Adam (FusedEmbeddingBagCollection's), "adam"
-        raise ConfigError(
-            f"optimizer {name!r} is FBGEMM's Adam, whose bias correction counts steps per table "
-            "(every row uses the table's step count); embank's Adam counts them per row, which "
-            "gives other rows. To train with embank's per-row Adam, pass "
-            "optimizer=embank.optim.Adam(lr, betas=(0.9, 0.999), eps=1e-8)"
-        )
+    # EmbOptimType.ADAM, torch.optim.Adam (FusedEmbeddingBagCollection's), "adam": FBGEMM's
+    # Adam, bias-corrected with the table's step (embank.optim.Adam counts steps per row).
     if text not in _KINDS:
         raise ConfigError(f"optimizer {name!r} is not supported by embank; use {_SUPPORTED}")
     return _KINDS[text]
@@ -249,16 +263,22 @@ def optimizer_from_spec(spec: Spec) -> optim.Optimizer:
     - TorchRec's ``fused_params``: ``{"optimizer": EmbOptimType..., "learning_rate": 0.02,
       "eps": 1e-8}``.
 
-    ``lr``/``learning_rate``, ``eps`` (for Adagrad and row-wise Adagrad FBGEMM's default,
-    1e-8, when not given), ``beta1``/``beta2`` (or ``betas``), ``weight_decay`` and FTRL's
-    ``beta``, ``l1``, ``l2``, ``initial_accumulator_value`` are read; keys that tune
-    FBGEMM's kernels (``stochastic_rounding``, ``cache_*``, ``output_dtype``) are ignored;
-    anything else raises :class:`~embank.errors.ConfigError` rather than being dropped
-    silently (a ``weight_decay`` on Adagrad, say). FBGEMM's Adam (``EmbOptimType.ADAM``,
-    ``torch.optim.Adam``, ``"adam"``) is refused: its bias correction counts steps per
-    table, embank's :class:`~embank.optim.Adam` per row (pass that to use it); so are
-    optimizers embank does not implement (LAMB, PARTIAL_ROWWISE_ADAM, ...).
-    rather than being dropped silently (a ``weight_decay`` on Adagrad, say)."""
+    ``lr``/``learning_rate``, ``eps`` (FBGEMM's default, 1e-8, when not given, for
+    Adagrad, row-wise Adagrad and FBGEMM's Adam and LAMB kinds), ``beta1``/``beta2`` (or
+    ``betas``), ``weight_decay`` (and ``weight_decay_mode``: NONE, L2 or DECOUPLE, which
+    FBGEMM's Adam and LAMB kernels all apply the decoupled way) and FTRL's ``beta``,
+    ``l1``, ``l2``, ``initial_accumulator_value`` are read; keys that tune FBGEMM's kernels
+    (``stochastic_rounding``, ``cache_*``, ``output_dtype``) are ignored; anything else
+    raises :class:`~embank.errors.ConfigError` rather than being dropped silently (a
+    ``weight_decay`` on Adagrad, say).
+
+    FBGEMM's Adam (``EmbOptimType.ADAM``, ``torch.optim.Adam``, ``"adam"``),
+    ``PARTIAL_ROWWISE_ADAM``, ``LAMB`` and ``PARTIAL_ROWWISE_LAMB`` map to
+    :class:`~embank.optim.FbgemmAdam`, :class:`~embank.optim.PartialRowWiseAdam`,
+    :class:`~embank.optim.Lamb` and :class:`~embank.optim.PartialRowWiseLamb`: their bias
+    correction uses the table's training step, as FBGEMM's (embank's own
+    :class:`~embank.optim.Adam` counts steps per row: pass it to use that). Optimizers
+    embank does not implement (LARS_SGD, ...) are refused."""
     if isinstance(spec, optim.Optimizer):
         return spec
     if isinstance(spec, tuple):
@@ -289,7 +309,20 @@ def optimizer_from_spec(spec: Spec) -> optim.Optimizer:
     if "lr" not in params:
         raise ConfigError(f"{kind} optimizer: a learning rate (lr or learning_rate) is needed")
     lr = float(params.pop("lr"))
+    if "weight_decay_mode" in params:
+        mode = params.pop("weight_decay_mode")
+        text = str(getattr(mode, "name", mode)).lower()
+        if text not in _WEIGHT_DECAY_MODES:
+            raise ConfigError(
+                f"{kind} optimizer: weight_decay_mode {mode!r} is not supported (NONE, L2 or DECOUPLE: "
+                "FBGEMM's Adam and LAMB kernels apply every one of them as decoupled weight decay)"
+            )
     args = {k: float(v) for k, v in params.items()}
+    if kind in _TABLE_STEP:
+        b1, b2 = args.pop("beta1", 0.9), args.pop("beta2", 0.999)
+        args.setdefault("eps", FBGEMM_EPS)
+        table_step: optim.Optimizer = _TABLE_STEP[kind](lr, (b1, b2), **args)
+        return table_step
     if kind in ("adagrad", "rowwise_adagrad"):
         args.setdefault("eps", FBGEMM_EPS)
     if kind == "adamw":

@@ -6,6 +6,18 @@ same record as the row, so it never travels,
 and is persisted, cached and recovered with the row. Updates are lazy: rows
 not in a ``push_grad`` are untouched.
 
+Two Adams, side by side. :class:`Adam` and :class:`AdamW` are embank's: each row counts
+its own steps (a row updated for the 3rd time is bias-corrected with t = 3).
+:class:`FbgemmAdam`, :class:`PartialRowWiseAdam`, :class:`Lamb` and
+:class:`PartialRowWiseLamb` are FBGEMM's (TorchRec's ``EmbOptimType.ADAM``,
+``PARTIAL_ROWWISE_ADAM``, ``LAMB``, ``PARTIAL_ROWWISE_LAMB``): every row updated in a
+training step is bias-corrected with the *table's* step t, which advances every step
+whether a row is in it or not. The table keeps t (:attr:`embank.Table.optimizer_step`,
+recorded by each checkpoint and brought back by a restore); ``push_grad(keys, grads,
+step=t)`` says which step a gradient belongs to (the torch layer passes it), and a
+``push_grad`` without one is a step of its own. Tables with these optimizers train in
+embedded stores only: the wire protocol does not carry the step yet.
+
 >>> import embank, numpy as np, tempfile, os
 >>> with embank.open(os.path.join(tempfile.mkdtemp(), "m")) as store:
 ...     t = store.create_table("e", dim=2, init=embank.init.constant(1.0),
@@ -32,7 +44,8 @@ def _check(name: str, ok: bool, what: str) -> None:
 @dataclass(frozen=True)
 class Optimizer:
     """Base class; use :class:`SGD`, :class:`Adagrad`, :class:`RowWiseAdagrad`,
-    :class:`Adam`, :class:`AdamW` or :class:`Ftrl`."""
+    :class:`Adam`, :class:`AdamW`, :class:`Ftrl`, or FBGEMM's :class:`FbgemmAdam`,
+    :class:`PartialRowWiseAdam`, :class:`Lamb`, :class:`PartialRowWiseLamb`."""
 
     lr: float
 
@@ -194,4 +207,80 @@ class Ftrl(Optimizer):
         )
 
 
-__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "Optimizer", "RowWiseAdagrad"]
+@dataclass(frozen=True)
+class _TableStep(Optimizer):
+    """FBGEMM's optimizers bias-corrected with the table's training step t (see the
+    module's doc): ``betas``, ``eps`` (FBGEMM's default 1e-8) and ``weight_decay``, which
+    FBGEMM's kernels apply decoupled, ``lr * weight_decay * w`` taken with the step."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    _kind = ""
+
+    def __post_init__(self) -> None:
+        k = self._kind
+        _check(k, math.isfinite(self.lr) and self.lr > 0, f"lr must be > 0, got {self.lr}")
+        b1, b2 = self.betas
+        _check(k, 0 <= b1 < 1 and 0 <= b2 < 1, f"betas must be in [0, 1), got {self.betas}")
+        _check(k, math.isfinite(self.eps) and self.eps >= 0, f"eps must be >= 0, got {self.eps}")
+        _check(
+            k,
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            f"weight_decay must be >= 0, got {self.weight_decay}",
+        )
+
+    def _json(self) -> str:
+        b1, b2 = self.betas
+        fields = {"lr": self.lr, "beta1": b1, "beta2": b2, "eps": self.eps, "weight_decay": self.weight_decay}
+        return json.dumps({"kind": self._kind, **fields})
+
+
+@dataclass(frozen=True)
+class FbgemmAdam(_TableStep):
+    """FBGEMM's Adam (``EmbOptimType.ADAM``), with the table's step t:
+    ``m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g**2;
+    w -= lr * (m/(1-b1**t) / (sqrt(v/(1-b2**t)) + eps) + weight_decay*w)``."""
+
+    _kind = "fbgemm_adam"
+
+
+@dataclass(frozen=True)
+class PartialRowWiseAdam(_TableStep):
+    """FBGEMM's ``PARTIAL_ROWWISE_ADAM``: :class:`FbgemmAdam` with one second moment per
+    row, ``v = b2*v + (1-b2)*mean(g**2)`` (state: ``dim + 1`` floats a row)."""
+
+    _kind = "partial_rowwise_adam"
+
+
+@dataclass(frozen=True)
+class Lamb(_TableStep):
+    """FBGEMM's ``LAMB``: Adam's moments with the table's step t, then
+    ``r = m/(1-b1**t) / (sqrt(v/(1-b2**t)) + eps) + weight_decay*w;
+    w -= lr * (norm(w) / norm(r)) * r``, one trust ratio a row (a row of zeros never
+    moves, as in FBGEMM)."""
+
+    _kind = "lamb"
+
+
+@dataclass(frozen=True)
+class PartialRowWiseLamb(_TableStep):
+    """FBGEMM's ``PARTIAL_ROWWISE_LAMB``: :class:`Lamb` with one second moment per row,
+    ``v = b2*v + (1-b2)*mean(g**2)``."""
+
+    _kind = "partial_rowwise_lamb"
+
+
+__all__ = [
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "FbgemmAdam",
+    "Ftrl",
+    "Lamb",
+    "Optimizer",
+    "PartialRowWiseAdam",
+    "PartialRowWiseLamb",
+    "RowWiseAdagrad",
+]

@@ -354,7 +354,7 @@ def test_optimizer_specs() -> None:
     with pytest.raises(embank.errors.ConfigError, match="weight_decay"):
         spec(("exact_rowwise_adagrad", {"lr": 0.1, "weight_decay": 0.01}))
     with pytest.raises(embank.errors.ConfigError, match="not supported"):
-        spec(("lamb", {"lr": 0.1}))
+        spec(("lars_sgd", {"lr": 0.1}))
     with pytest.raises(embank.errors.ConfigError, match="learning rate"):
         spec({"optimizer": "sgd"})
 
@@ -594,10 +594,10 @@ def fbgemm_adam(
     return w
 
 
-def test_fbgemms_adam_is_refused_for_embanks_per_row_adam(tmp_path: Path) -> None:
+def test_fbgemms_adam_spec_is_the_table_step_adam_not_embanks_per_row_adam(tmp_path: Path) -> None:
     """FBGEMM's Adam corrects bias by the table's step count, embank.optim.Adam by each
     row's: a row first trained at step 10 moves differently (here by more than 1e-2 after
-    20 steps). So a TorchRec Adam spec is refused, pointing to embank.optim.Adam."""
+    20 steps). So a TorchRec Adam spec maps to embank.optim.FbgemmAdam, which matches."""
     torchrec_or_skip()
     EmbOptimType = pytest.importorskip("fbgemm_gpu.split_embedding_configs").EmbOptimType
     rng = np.random.default_rng(0)
@@ -621,13 +621,20 @@ def test_fbgemms_adam_is_refused_for_embanks_per_row_adam(tmp_path: Path) -> Non
         (torch.optim.Adam, {"lr": 0.05}),
         ("adam", {"lr": 0.05}),
     ):
-        with pytest.raises(embank.errors.ConfigError, match=r"steps per table.*embank\.optim\.Adam"):
-            et.optimizer_from_spec(spec)
-    for name in ("LAMB", "PARTIAL_ROWWISE_ADAM", "PARTIAL_ROWWISE_LAMB", "LARS_SGD"):
-        with pytest.raises(
-            embank.errors.ConfigError, match=r"not supported by embank; use EmbOptimType\.EXACT_ROW"
-        ):
-            et.optimizer_from_spec((EmbOptimType[name], {"lr": 0.05}))
+        assert et.optimizer_from_spec(spec) == embank.optim.FbgemmAdam(0.05)
+    with embank.open(tmp_path / "f") as store:
+        table = store.create_table(
+            "t", dim=3, optimizer=et.optimizer_from_spec((EmbOptimType.ADAM, {"lr": 0.05}))
+        )
+        table.push(np.arange(4, dtype=np.uint64), start.numpy())
+        for t, (rows, g) in enumerate(steps, start=1):
+            table.push_grad(np.array(rows, np.uint64), g.numpy(), step=t)
+        got = torch.from_numpy(table.pull(np.arange(4, dtype=np.uint64)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # row 2 too
+    with pytest.raises(
+        embank.errors.ConfigError, match=r"not supported by embank; use EmbOptimType\.EXACT_ROW"
+    ):
+        et.optimizer_from_spec((EmbOptimType.LARS_SGD, {"lr": 0.05}))
 
 
 def mixed_configs(torchrec: Any) -> list[Any]:

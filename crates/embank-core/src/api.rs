@@ -71,8 +71,36 @@ pub trait TableApi: Send + Sync {
     fn push_grad_distinct(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
         self.push_grad(keys, grads)
     }
+    /// `push_grad` (`push_grad_distinct` when `distinct`) as part of training step `step`
+    /// ([`Table::push_grad_at`]: the step that the optimizers with a table step, FBGEMM's
+    /// Adam and LAMB kinds, bias-correct with). The default, a served table's, pushes
+    /// without the step where the optimizer has no use for it and otherwise refuses: the
+    /// wire does not carry the step.
+    fn push_grad_at(&self, keys: &[u64], grads: &[f32], step: u64, distinct: bool) -> Result<()> {
+        let meta = self.meta();
+        refuse_table_step(&meta.name, &meta.optimizer)?;
+        let _ = step;
+        if distinct {
+            self.push_grad_distinct(keys, grads)
+        } else {
+            self.push_grad(keys, grads)
+        }
+    }
     fn pull_held(&self, worker: u64, keys: &[u64], out: &mut [f32], timeout: Duration) -> Result<()>;
     fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()>;
+    /// `push_grad_held` as part of training step `step` (see [`push_grad_at`](Self::push_grad_at),
+    /// whose default this shares).
+    fn push_grad_held_at(&self, worker: u64, keys: &[u64], grads: &[f32], step: u64) -> Result<()> {
+        let meta = self.meta();
+        refuse_table_step(&meta.name, &meta.optimizer)?;
+        let _ = step;
+        self.push_grad_held(worker, keys, grads)
+    }
+    /// The training step of the table's last update ([`Table::optimizer_step`]; a served
+    /// table: 0, since its tables with a table step are refused).
+    fn optimizer_step(&self) -> Result<u64> {
+        Ok(0)
+    }
     fn release(&self, worker: u64) -> Result<u64>;
     fn set_lr(&self, lr: f32) -> Result<()>;
     fn lookahead(&self, keys: &[u64]) -> Result<bool>;
@@ -104,6 +132,25 @@ pub trait TableApi: Send + Sync {
     fn push_with_state(&self, _keys: &[u64], _records: &[f32]) -> Result<()> {
         Err(Error::new(ErrorKind::Unsupported, "writing optimizer state runs where the store is"))
     }
+}
+
+/// Refuses a served table whose optimizer bias-corrects with the table's training step:
+/// the wire protocol carries no step, and counting calls would be wrong wherever one
+/// training step pushes more than once (several workers, ranks or shards).
+pub fn refuse_table_step(table: &str, optimizer: &crate::optim::Optimizer) -> Result<()> {
+    if !optimizer.uses_table_step() {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::Unsupported,
+        format!(
+            "table {:?}: the {} optimizer bias-corrects with the table's training step, which the wire \
+             protocol does not carry yet; train it in an embedded store (embank.open), or serve it with \
+             another optimizer (embank.optim.Adam counts its steps per row)",
+            table,
+            optimizer.name()
+        ),
+    ))
 }
 
 /// True when stats JSON (a table's, or a remote table's with its shards') says a
@@ -237,6 +284,15 @@ impl TableApi for Table {
     }
     fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
         Table::push_grad_held(self, worker, keys, grads)
+    }
+    fn push_grad_at(&self, keys: &[u64], grads: &[f32], step: u64, distinct: bool) -> Result<()> {
+        Table::push_grad_at(self, keys, grads, step, distinct)
+    }
+    fn push_grad_held_at(&self, worker: u64, keys: &[u64], grads: &[f32], step: u64) -> Result<()> {
+        Table::push_grad_held_at(self, worker, keys, grads, Some(step))
+    }
+    fn optimizer_step(&self) -> Result<u64> {
+        Ok(Table::optimizer_step(self))
     }
     fn release(&self, worker: u64) -> Result<u64> {
         Ok(Table::release(self, worker))

@@ -92,6 +92,15 @@ pub struct TableMeta {
     /// Admission and eviction (absent: none).
     #[serde(default)]
     pub lifecycle: crate::lifecycle::LifecycleOptions,
+    /// The training step of the table's last update, for the optimizers that [use the
+    /// table's step](crate::optim::Optimizer::uses_table_step) (absent: 0). Written at
+    /// `flush` and close; a rollback to a checkpoint takes the checkpoint's instead.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub optimizer_step: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 impl TableMeta {

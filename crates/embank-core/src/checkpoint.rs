@@ -62,6 +62,11 @@ pub struct CheckpointInfo {
     /// The caller's metadata blob (empty if none), e.g. the stream offsets it covers.
     #[serde(default, with = "hex_bytes", skip_serializing_if = "Vec::is_empty")]
     pub meta: Vec<u8>,
+    /// The training step of each table (by id) whose optimizer [uses the table's
+    /// step](crate::optim::Optimizer::uses_table_step) and had one: a rollback to this
+    /// checkpoint returns the table to it (absent: 0).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub steps: BTreeMap<u32, u64>,
 }
 
 /// Metadata blobs are kept as hex strings in the JSON of `CHECKPOINTS`.
@@ -251,6 +256,12 @@ impl CheckpointFile {
     }
 
     /// The seq of the retained checkpoint of `batch_id`.
+    /// Table `id`'s training step at each retained checkpoint, by seq (see
+    /// [`CheckpointInfo::steps`]).
+    pub fn steps_of(&self, id: u32) -> BTreeMap<u64, u64> {
+        self.checkpoints.iter().filter_map(|c| Some((c.seq, *c.steps.get(&id)?))).collect()
+    }
+
     pub fn seq_of(&self, batch_id: u64) -> Result<u64> {
         self.checkpoints.iter().find(|c| c.batch_id == batch_id).map(|c| c.seq).ok_or_else(|| {
             let kept: Vec<u64> = self.checkpoints.iter().map(|c| c.batch_id).collect();
@@ -550,7 +561,7 @@ mod tests {
     use super::*;
 
     fn info(batch_id: u64, meta: Vec<u8>) -> CheckpointInfo {
-        CheckpointInfo { batch_id, seq: batch_id, unix_seconds: batch_id as f64, meta }
+        CheckpointInfo { batch_id, seq: batch_id, unix_seconds: batch_id as f64, meta, steps: BTreeMap::new() }
     }
 
     fn batches(dir: &Path) -> Vec<u64> {
@@ -569,7 +580,13 @@ mod tests {
         let mut f = CheckpointFile::load(dir.path()).unwrap();
         assert!(f.checkpoints[0].meta.is_empty(), "written before checkpoints had metadata");
         // ... and replaced by the slots at the first save.
-        f.checkpoints.push(CheckpointInfo { batch_id: 6, seq: 2, unix_seconds: 2.5, meta: vec![0, 0xff, 7] });
+        f.checkpoints.push(CheckpointInfo {
+            batch_id: 6,
+            seq: 2,
+            unix_seconds: 2.5,
+            meta: vec![0, 0xff, 7],
+            steps: BTreeMap::from([(3, 41)]),
+        });
         f.next_seq = 3;
         f.save(dir.path()).unwrap();
         assert!(!dir.path().join(CHECKPOINTS_FILE).exists());

@@ -334,9 +334,10 @@ impl Collection {
     }
 
     /// Applies every table's optimizer to `grads` (one `push_grad` per table, tables
-    /// in parallel); returns how many rows were updated. A failing table is named; the
-    /// other tables' updates stand.
-    pub fn push(&self, grads: &Grads) -> Result<usize> {
+    /// in parallel), as part of training step `step` when given ([`TableApi::push_grad_at`]:
+    /// a table with no rows in the step still reaches it at its next push); returns how
+    /// many rows were updated. A failing table is named; the other tables' updates stand.
+    pub fn push(&self, grads: &Grads, step: Option<u64>) -> Result<usize> {
         if grads.keys.len() != self.tables.len() || grads.grads.len() != self.tables.len() {
             return Err(Error::invalid(format!(
                 "gradients of {} tables for a collection of {}",
@@ -350,10 +351,12 @@ impl Collection {
             if keys.is_empty() {
                 return Ok(0);
             }
-            match ct.worker {
-                Some(w) => ct.table.push_grad_held(w, keys, g),
+            match (ct.worker, step) {
+                (Some(w), None) => ct.table.push_grad_held(w, keys, g),
+                (Some(w), Some(s)) => ct.table.push_grad_held_at(w, keys, g, s),
                 // The backward's keys are each table's distinct rows.
-                None => ct.table.push_grad_distinct(keys, g),
+                (None, None) => ct.table.push_grad_distinct(keys, g),
+                (None, Some(s)) => ct.table.push_grad_at(keys, g, s, true),
             }
             .map_err(|e| e.context(format!("push_grad of table {:?}", ct.table.name())))?;
             Ok(keys.len())
@@ -462,7 +465,7 @@ mod tests {
                 g.keys[1].iter().zip(g.grads[1].chunks(2)).map(|(&k, r)| (k, r[1])).collect();
             got.sort_by_key(|x| x.0);
             assert_eq!(got, vec![(7, 2.0), (8, 0.5)]);
-            assert_eq!(c.push(&g).unwrap(), 5);
+            assert_eq!(c.push(&g, None).unwrap(), 5);
             let mut row = vec![0f32; 3];
             tables[0].pull(&[2], &mut row).unwrap();
             assert!((row[0]).abs() < 1e-6, "{row:?}"); // 2.0 - lr 1 x gradient 2

@@ -246,9 +246,10 @@ impl Store {
         let mut tables = BTreeMap::new();
         for meta in data.tables {
             let name = meta.name.clone();
-            let table =
-                Table::open(&table_dir(&dir, meta.id), meta, Arc::clone(&catalog), repair, Arc::clone(&runtime), state)
-                    .map_err(|e| e.context(format!("table {name:?}")))?;
+            let steps = ckpts.steps_of(meta.id);
+            let (catalog, runtime) = (Arc::clone(&catalog), Arc::clone(&runtime));
+            let table = Table::open(&table_dir(&dir, meta.id), meta, catalog, repair, runtime, state, &steps)
+                .map_err(|e| e.context(format!("table {name:?}")))?;
             tables.insert(name, table);
         }
         if ckpts.restore_to.take().is_some() {
@@ -306,6 +307,7 @@ impl Store {
             staleness_bound: options.staleness_bound,
             lease_seconds: options.lease_seconds,
             lifecycle: options.lifecycle.clone(),
+            optimizer_step: 0,
         };
         let dir = table_dir(&inner.dir, id);
         let _ = std::fs::remove_dir_all(&dir);
@@ -420,7 +422,10 @@ impl Store {
         }
         let unix_seconds =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-        file.checkpoints.push(CheckpointInfo { batch_id, seq, unix_seconds, meta: meta.to_vec() });
+        // Batches wait at the gate: no table's step moves while it is read.
+        let steps =
+            inner.tables.values().filter_map(|t| Some((t.id(), t.optimizer_step())).filter(|&(_, s)| s > 0)).collect();
+        file.checkpoints.push(CheckpointInfo { batch_id, seq, unix_seconds, meta: meta.to_vec(), steps });
         file.next_seq = seq + 1;
         let mut dropped = Vec::new();
         // Retention drops the oldest first; a pinned checkpoint (and so every later one,
@@ -466,7 +471,7 @@ impl Store {
     pub fn restore(&self, batch_id: u64) -> Result<()> {
         let mut guard = self.inner.write();
         let inner = guard.as_mut().ok_or_else(|| self.closed())?;
-        let state = {
+        let (state, file_now) = {
             let mut file = inner.ckpts.lock();
             let Some(target) = file.checkpoints.iter().find(|c| c.batch_id == batch_id).map(|c| c.seq) else {
                 let kept: Vec<u64> = file.checkpoints.iter().map(|c| c.batch_id).collect();
@@ -478,7 +483,7 @@ impl Store {
             file.checkpoints.retain(|c| c.seq <= target);
             file.restore_to = Some(target);
             file.save(&inner.dir)?;
-            file.state(Some(target))
+            (file.state(Some(target)), file.clone())
         };
         for t in inner.tables.values() {
             t.close()?;
@@ -490,6 +495,7 @@ impl Store {
         let mut tables = BTreeMap::new();
         for (name, old) in std::mem::take(&mut inner.tables) {
             let meta = old.meta();
+            let steps = file_now.steps_of(meta.id);
             let t = Table::open(
                 &table_dir(&inner.dir, meta.id),
                 meta,
@@ -497,6 +503,7 @@ impl Store {
                 RepairMode { verify: false, ..inner.repair },
                 Arc::clone(&inner.runtime),
                 state,
+                &steps,
             )
             .map_err(|e| e.context(format!("restoring table {name:?}")))?;
             tables.insert(name, t);

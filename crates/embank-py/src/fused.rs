@@ -155,10 +155,12 @@ impl Collection {
         Ok(Grads { inner: g })
     }
 
-    /// Applies every table's optimizer to `grads`; returns how many rows were updated.
-    fn push(&self, py: Python<'_>, grads: Bound<'_, Grads>) -> PyResult<usize> {
+    /// Applies every table's optimizer to `grads` (as part of training step `step`, when
+    /// given); returns how many rows were updated.
+    #[pyo3(signature = (grads, step=None))]
+    fn push(&self, py: Python<'_>, grads: Bound<'_, Grads>, step: Option<u64>) -> PyResult<usize> {
         let grads = &grads.get().inner;
-        detached(py, || self.inner.push(grads))
+        detached(py, || self.inner.push(grads, step))
     }
 
     /// Queues a background read of a coming step's rows into the tables' row caches.

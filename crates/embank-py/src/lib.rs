@@ -477,15 +477,26 @@ impl Table {
         detached(py, || self.inner.delete(keys))
     }
 
+    /// `step`: the training step the gradients belong to (`None`: a step of its own).
+    #[pyo3(signature = (keys, grads, step=None))]
     fn push_grad(
         &self,
         py: Python<'_>,
         keys: PyReadonlyArray1<'_, u64>,
         grads: PyReadonlyArray2<'_, f32>,
+        step: Option<u64>,
     ) -> PyResult<()> {
         let keys = slice(&keys, "keys")?;
         let grads = grads.as_slice().map_err(|_| PyValueError::new_err("grads must be a C-contiguous array"))?;
-        detached(py, || self.inner.push_grad(keys, grads))
+        detached(py, || match step {
+            Some(s) => self.inner.push_grad_at(keys, grads, s, false),
+            None => self.inner.push_grad(keys, grads),
+        })
+    }
+
+    /// The training step of the table's last update (the optimizers with a table step).
+    fn optimizer_step(&self, py: Python<'_>) -> PyResult<u64> {
+        detached(py, || self.inner.optimizer_step())
     }
 
     /// A worker's pull under the table's staleness bound (holds until its push_grad_held).
@@ -510,16 +521,21 @@ impl Table {
         Ok(out)
     }
 
+    #[pyo3(signature = (worker, keys, grads, step=None))]
     fn push_grad_held(
         &self,
         py: Python<'_>,
         worker: u64,
         keys: PyReadonlyArray1<'_, u64>,
         grads: PyReadonlyArray2<'_, f32>,
+        step: Option<u64>,
     ) -> PyResult<()> {
         let keys = slice(&keys, "keys")?;
         let grads = grads.as_slice().map_err(|_| PyValueError::new_err("grads must be a C-contiguous array"))?;
-        detached(py, || self.inner.push_grad_held(worker, keys, grads))
+        detached(py, || match step {
+            Some(s) => self.inner.push_grad_held_at(worker, keys, grads, s),
+            None => self.inner.push_grad_held(worker, keys, grads),
+        })
     }
 
     fn release(&self, py: Python<'_>, worker: u64) -> PyResult<u64> {

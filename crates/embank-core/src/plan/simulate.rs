@@ -246,9 +246,18 @@ pub fn plan(args: &PlanOptions, progress: &mut dyn PlanProgress) -> Result<Plan,
         "rowwise_adagrad" => Optimizer::RowWiseAdagrad { lr: 0.01, eps: 1e-8, initial_accumulator_value: 0.0 },
         "adamw" => Optimizer::AdamW { lr: 0.001, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 },
         "ftrl" => Optimizer::Ftrl { lr: 0.05, beta: 1.0, l1: 0.0, l2: 0.0, initial_accumulator_value: 0.1 },
+        "fbgemm_adam" => Optimizer::FbgemmAdam { lr: 0.001, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
+        "partial_rowwise_adam" => {
+            Optimizer::PartialRowWiseAdam { lr: 0.001, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+        }
+        "lamb" => Optimizer::Lamb { lr: 0.001, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
+        "partial_rowwise_lamb" => {
+            Optimizer::PartialRowWiseLamb { lr: 0.001, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+        }
         other => {
             return Err(format!(
-                "unknown optimizer {other:?}: none, sgd, adagrad, rowwise_adagrad, adam, adamw or ftrl"
+                "unknown optimizer {other:?}: none, sgd, adagrad, rowwise_adagrad, adam, adamw, ftrl, fbgemm_adam, \
+                 partial_rowwise_adam, lamb or partial_rowwise_lamb"
             ))
         }
     };

@@ -24,7 +24,7 @@
 //! `write.rs`; old records are retired to the epoch collector.
 
 use std::path::PathBuf;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{MappedRwLockReadGuard, Mutex, RwLock, RwLockReadGuard};
@@ -116,9 +116,15 @@ struct Files {
     write_back_lock: Mutex<()>,
 }
 
-/// Training: the optimizer (its one copy in memory) and the workers' staleness holds.
+/// Training: the optimizer (its one copy in memory), the table's training step and the
+/// workers' staleness holds.
 struct Training {
     optimizer: Mutex<Optimizer>,
+    /// The training step of the last update (0: none yet): the bias-correction step of
+    /// the optimizers that [use the table's step](Optimizer::uses_table_step), advanced
+    /// only for those. Durable in the catalog at `flush` and close, and in each checkpoint
+    /// (a rollback returns to the checkpoint's).
+    step: AtomicU64,
     /// One `push_grad` at a time per table (read, update, write of each row).
     grad_lock: Mutex<()>,
     /// Staleness holds of workers (`None`: ASP).
@@ -176,6 +182,11 @@ impl Table {
         self.shared.config.layout.dim
     }
 
+    /// The table's id in the catalog.
+    pub(crate) fn id(&self) -> u32 {
+        self.shared.config.id
+    }
+
     /// What a record holds: the row's dim and element type, the optimizer state.
     pub fn layout(&self) -> RecordLayout {
         self.shared.config.layout
@@ -184,6 +195,27 @@ impl Table {
     /// The table's optimizer (with its current learning rate).
     pub fn optimizer(&self) -> Optimizer {
         *self.shared.training.optimizer.lock()
+    }
+
+    /// The training step of the table's last update (0: none yet; see
+    /// [`push_grad_at`](Self::push_grad_at)). Always 0 for optimizers that count their
+    /// steps per row or have none.
+    pub fn optimizer_step(&self) -> u64 {
+        self.shared.training.step.load(Ordering::Acquire)
+    }
+
+    /// Sets the table's step (at open: the catalog's, or a rolled-back checkpoint's).
+    pub(crate) fn set_optimizer_step(&self, step: u64) {
+        self.shared.training.step.store(step, Ordering::Release);
+    }
+
+    /// Writes the table's step into its catalog entry if it differs (flush and close).
+    fn save_optimizer_step(&self) -> Result<()> {
+        let step = self.optimizer_step();
+        if self.shared.catalog.table(self.shared.config.id).is_none_or(|m| m.optimizer_step == step) {
+            return Ok(());
+        }
+        self.update_meta(|m| m.optimizer_step = step)
     }
 
     /// Changes the optimizer's learning rate; durable at once (the catalog is rewritten).
@@ -208,10 +240,11 @@ impl Table {
         Error::new(ErrorKind::Closed, format!("table {:?} was dropped", self.shared.config.name))
     }
 
-    /// The table's catalog entry (the catalog keeps the one copy).
+    /// The table's catalog entry (the catalog keeps the one copy; the training step is
+    /// the live one, which the catalog gets at `flush` and close).
     pub fn meta(&self) -> TableMeta {
         let id = self.shared.config.id;
-        self.shared.catalog.table(id).unwrap_or_else(|| {
+        let mut meta = self.shared.catalog.table(id).unwrap_or_else(|| {
             // Dropped from the catalog: its entry as it was is still this handle's.
             let c = &self.shared.config;
             TableMeta {
@@ -232,8 +265,11 @@ impl Table {
                 staleness_bound: self.staleness_bound(),
                 lease_seconds: self.shared.training.holds.as_ref().map_or(60.0, |h| h.lease().as_secs_f64()),
                 lifecycle: self.shared.lifecycle.as_ref().map(|l| l.opts.clone()).unwrap_or_default(),
+                optimizer_step: 0,
             }
-        })
+        });
+        meta.optimizer_step = self.optimizer_step();
+        meta
     }
 
     /// Live rows.
@@ -389,21 +425,45 @@ impl Table {
     /// (`keys.len() * dim` elements). Gradients of duplicate keys are summed first, so
     /// each row gets one update per call. Missing rows are created with the
     /// initializer, then updated. Non-finite gradients are refused with nothing written.
+    ///
+    /// The call is a training step of its own: an optimizer that [uses the table's
+    /// step](Optimizer::uses_table_step) updates with the table's last step + 1. Where
+    /// one training step pushes more than once (several workers or ranks, several
+    /// tables some steps skip), pass the step with [`push_grad_at`](Self::push_grad_at).
     pub fn push_grad(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
-        self.push_grad_with(keys, grads, false)
+        self.push_grad_with(keys, grads, false, None)
+    }
+
+    /// [`push_grad`](Self::push_grad) as part of training step `step` (counted from 1, as
+    /// FBGEMM's `iter`: every row updated in it is bias-corrected with t = `step`, however
+    /// many calls the step makes); the table's step becomes `step` if that is later.
+    /// `distinct`: as [`push_grad_distinct`](Self::push_grad_distinct). Optimizers that
+    /// count steps per row, or have none, ignore it.
+    pub fn push_grad_at(&self, keys: &[u64], grads: &[f32], step: u64, distinct: bool) -> Result<()> {
+        if step == 0 {
+            return Err(Error::invalid("push_grad: training steps count from 1, got step 0; nothing was written"));
+        }
+        if distinct {
+            self.check_distinct(keys);
+        }
+        self.push_grad_with(keys, grads, distinct, Some(step))
     }
 
     /// [`push_grad`](Self::push_grad) of keys the caller knows are distinct (a fused
     /// collection's backward deduplicates them): no pass to sum duplicates.
     pub fn push_grad_distinct(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
+        self.check_distinct(keys);
+        self.push_grad_with(keys, grads, true, None)
+    }
+
+    fn check_distinct(&self, keys: &[u64]) {
         strict_assert!(
             keys.iter().collect::<std::collections::HashSet<_>>().len() == keys.len(),
             "push_grad_distinct of keys with duplicates"
         );
-        self.push_grad_with(keys, grads, true)
     }
 
-    fn push_grad_with(&self, keys: &[u64], grads: &[f32], distinct: bool) -> Result<()> {
+    fn push_grad_with(&self, keys: &[u64], grads: &[f32], distinct: bool, step: Option<u64>) -> Result<()> {
         // Read, update and write as one step for checkpoints.
         let _gate = self.shared.runtime.gate.batch();
         self.check_rows("push_grad", keys.len(), grads.len())?;
@@ -440,9 +500,17 @@ impl Table {
             (Cow::Owned(u), Cow::Owned(s))
         };
         let _one = self.shared.training.grad_lock.lock();
-        let Some(life) = &self.shared.lifecycle else { return self.apply_grads(&uniq, &sums, opt) };
+        // The table's step moves (under the gradient lock) only once the update is written.
+        let table_step = opt.uses_table_step().then(|| step.unwrap_or(self.optimizer_step() + 1));
+        let applied = |_: ()| {
+            if let Some(t) = table_step {
+                self.shared.training.step.fetch_max(t, Ordering::AcqRel);
+            }
+        };
+        let t = table_step.unwrap_or(0);
+        let Some(life) = &self.shared.lifecycle else { return self.apply_grads(&uniq, &sums, opt, t).map(applied) };
         let (uniq, sums) = self.grads_lifecycle(life, uniq.into_owned(), sums.into_owned())?;
-        self.apply_grads(&uniq, &sums, opt)?;
+        self.apply_grads(&uniq, &sums, opt, t).map(applied)?;
         // A step ends: its rows are touched at the new step (TTL ages count from it).
         life.step();
         life.touch(uniq.iter().copied());
@@ -450,12 +518,12 @@ impl Table {
     }
 
     /// Reads, updates and writes back the records of distinct `uniq` keys.
-    fn apply_grads(&self, uniq: &[u64], sums: &[f32], opt: Optimizer) -> Result<()> {
+    fn apply_grads(&self, uniq: &[u64], sums: &[f32], opt: Optimizer, step: u64) -> Result<()> {
         let (w, d) = (self.shared.config.layout.elems(), self.dim());
         let mut records = vec![0f32; uniq.len() * w];
         self.pull_records(uniq, &mut records)?;
         for (rec, g) in records.chunks_exact_mut(w).zip(sums.chunks_exact(d)) {
-            opt.apply(rec, g);
+            opt.apply(rec, g, step);
         }
         if let Some(i) = crate::optim::first_non_finite(&records) {
             return Err(Error::invalid(format!(
@@ -481,7 +549,16 @@ impl Table {
     /// worker's hold of each distinct key (if it has one). If the update fails the holds
     /// stay, so the worker can retry.
     pub fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
-        self.push_grad(keys, grads)?;
+        self.push_grad_held_at(worker, keys, grads, None)
+    }
+
+    /// [`push_grad_held`](Self::push_grad_held) as part of training step `step` (see
+    /// [`push_grad_at`](Self::push_grad_at); `None`: a step of its own).
+    pub fn push_grad_held_at(&self, worker: u64, keys: &[u64], grads: &[f32], step: Option<u64>) -> Result<()> {
+        match step {
+            Some(s) => self.push_grad_at(keys, grads, s, false),
+            None => self.push_grad(keys, grads),
+        }?;
         if let Some(holds) = &self.shared.training.holds {
             let mut uniq = keys.to_vec();
             uniq.sort_unstable();
@@ -515,6 +592,7 @@ impl Table {
 
     /// Makes every write before this call durable: rows first, then the index.
     pub fn flush(&self) -> Result<()> {
+        self.save_optimizer_step()?;
         self.write_back_all()?;
         self.shared.checkpoints.flush()?;
         let st = self.state()?;

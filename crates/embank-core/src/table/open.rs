@@ -3,6 +3,7 @@
 //! maintenance thread calls (`Maintained`).
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -189,6 +190,8 @@ impl Table {
     }
 
     /// Opens the files of a table; repairs them first if the last user did not close cleanly.
+    /// `checkpoint_steps`: the table's training step at each retained checkpoint, by seq
+    /// (a rollback returns to it; absent: 0).
     pub(crate) fn open(
         dir: &Path,
         meta: TableMeta,
@@ -196,6 +199,7 @@ impl Table {
         mode: RepairMode,
         runtime: Arc<Runtime>,
         ckpt: CheckpointState,
+        checkpoint_steps: &std::collections::BTreeMap<u64, u64>,
     ) -> Result<Table> {
         let placement = resolve_placement(&meta, &runtime, false)?;
         remove_other_indexes(dir, meta.index_generation);
@@ -224,7 +228,12 @@ impl Table {
         st.index.mark_open()?;
         advise(&runtime, &st);
         let repair = background.as_ref().map(|b| Arc::clone(&b.repair));
+        let step = match rollback_to {
+            Some(seq) => checkpoint_steps.get(&seq).copied().unwrap_or(0),
+            None => meta.optimizer_step,
+        };
         let table = Self::new(dir, meta, st, catalog, recovered, repair, runtime, placement, checkpoints);
+        table.set_optimizer_step(step);
         if let Some(b) = background {
             repair::spawn(&table, b.repair, b.live, b.limit, mode.throttle);
         }
@@ -286,7 +295,12 @@ impl Table {
                     write_back_lock: Mutex::new(()),
                 },
                 tiers,
-                training: Training { optimizer: Mutex::new(meta.optimizer), grad_lock: Mutex::new(()), holds },
+                training: Training {
+                    optimizer: Mutex::new(meta.optimizer),
+                    step: AtomicU64::new(meta.optimizer_step),
+                    grad_lock: Mutex::new(()),
+                    holds,
+                },
                 checkpoints,
                 repairs: Repairs { recovered, background: repair },
                 lifecycle,
@@ -312,6 +326,7 @@ impl Table {
         }
         // The free list and the key count are whole only once a background repair is done.
         self.wait_repaired();
+        self.save_optimizer_step()?;
         self.write_back_all()?;
         let mut guard = self.shared.files.state.write();
         let Some(st) = guard.take() else { return Ok(()) };

@@ -98,6 +98,10 @@ fn state_refused(opt: &Optimizer, dim: usize, state: &[f32]) -> Option<String> {
         Optimizer::None | Optimizer::Sgd { .. } => None,
         Optimizer::Adagrad { .. } | Optimizer::RowWiseAdagrad { .. } => negative(state, "accumulator"),
         Optimizer::Ftrl { .. } => negative(&state[dim..], "n"),
+        Optimizer::FbgemmAdam { .. }
+        | Optimizer::Lamb { .. }
+        | Optimizer::PartialRowWiseAdam { .. }
+        | Optimizer::PartialRowWiseLamb { .. } => negative(&state[dim..], "second moment"),
         Optimizer::Adam { .. } | Optimizer::AdamW { .. } => {
             let step = state[2 * dim];
             negative(&state[dim..2 * dim], "second moment").or_else(|| {

@@ -346,6 +346,9 @@ impl Conn<'_> {
             Op::Push | Op::PushGrad => {
                 let (keys, rows) = proto::split_keyed(&body[..n + (n * dim).div_ceil(2)], n);
                 let rows = &rows[..n * dim];
+                if op == Op::PushGrad {
+                    embank_core::refuse_table_step(table.name(), &table.optimizer())?;
+                }
                 if op == Op::Push { table.push(keys, rows) } else { table.push_grad(keys, rows) }?;
                 self.answer(h, 0, &[])
             }
@@ -416,6 +419,7 @@ impl Conn<'_> {
             }
             Op::PushGradHeld => {
                 let (keys, grads) = proto::split_keyed(&body[..n + (n * dim).div_ceil(2)], n);
+                embank_core::refuse_table_step(table.name(), &table.optimizer())?;
                 table.push_grad_held(prefix[0], keys, &grads[..n * dim])?;
                 self.answer(h, 0, &[])
             }

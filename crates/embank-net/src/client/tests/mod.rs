@@ -69,6 +69,7 @@ fn table(client: &Client) -> RemoteTable {
         staleness_bound: o.staleness_bound,
         lease_seconds: o.lease_seconds,
         lifecycle: o.lifecycle,
+        optimizer_step: 0,
     };
     RemoteTable { client: client.clone(), name: "t".into(), dim: 4, id: "t".into(), meta }
 }
