@@ -15,8 +15,8 @@ training step is bias-corrected with the *table's* step t, which advances every 
 whether a row is in it or not. The table keeps t (:attr:`embank.Table.optimizer_step`,
 recorded by each checkpoint and brought back by a restore); ``push_grad(keys, grads,
 step=t)`` says which step a gradient belongs to (the torch layer passes it), and a
-``push_grad`` without one is a step of its own. Tables with these optimizers train in
-embedded stores only: the wire protocol does not carry the step yet.
+``push_grad`` without one is a step of its own. Served tables take the step to every
+shard (``PUSH_GRAD_AT``); their ``optimizer_step`` is the newest of their shards'.
 
 >>> import embank, numpy as np, tempfile, os
 >>> with embank.open(os.path.join(tempfile.mkdtemp(), "m")) as store:

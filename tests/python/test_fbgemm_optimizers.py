@@ -78,28 +78,35 @@ def start_rows() -> npt.NDArray[np.float32]:
     return np.random.default_rng(3).uniform(-0.5, 0.5, (KEYS, DIM)).astype(np.float32)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_each_kind_matches_fbgemms_rule_for_25_steps_pushed_by_two_ranks(tmp_path: Path, kind: str) -> None:
+def matches_fbgemms_rule(store: Any, kind: str) -> float:
+    """25 steps of FBGEMM's rule through ``store``'s table ``t``, every row checked after
+    each; returns the largest difference."""
     rng = np.random.default_rng(11)
     ref = Reference(kind, start_rows())
     worst = 0.0
+    table = store.create_table("t", dim=DIM, optimizer=optimizer(kind))
+    table.push(np.arange(KEYS, dtype=np.uint64), start_rows())
+    for t, keys in enumerate(schedule(), start=1):
+        grads = rng.standard_normal((len(keys), DIM)).astype(np.float32)
+        ref.step(t, keys, grads)
+        # Two ranks, each pushing the keys it owns (key modulo 2), both as step t.
+        for rank in (0, 1):
+            own = keys % np.uint64(2) == np.uint64(rank)
+            if own.any():
+                table.push_grad(keys[own], np.ascontiguousarray(grads[own]), step=t)
+        got = table.pull(np.arange(KEYS, dtype=np.uint64))
+        diff = float(np.abs(got - ref.w).max())
+        worst = max(worst, diff)
+        assert diff < 1e-5, f"{kind}: step {t}: rows differ by {diff}"
+    assert table.optimizer_step == STEPS
+    return worst
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_kind_matches_fbgemms_rule_for_25_steps_pushed_by_two_ranks(tmp_path: Path, kind: str) -> None:
     with embank.open(tmp_path / "s") as store:
-        table = store.create_table("t", dim=DIM, optimizer=optimizer(kind))
-        table.push(np.arange(KEYS, dtype=np.uint64), start_rows())
-        for t, keys in enumerate(schedule(), start=1):
-            grads = rng.standard_normal((len(keys), DIM)).astype(np.float32)
-            ref.step(t, keys, grads)
-            # Two ranks, each pushing the keys it owns (key modulo 2), both as step t.
-            for rank in (0, 1):
-                own = keys % np.uint64(2) == np.uint64(rank)
-                if own.any():
-                    table.push_grad(keys[own], np.ascontiguousarray(grads[own]), step=t)
-            got = table.pull(np.arange(KEYS, dtype=np.uint64))
-            diff = float(np.abs(got - ref.w).max())
-            worst = max(worst, diff)
-            assert diff < 1e-5, f"{kind}: step {t}: rows differ by {diff}"
-        assert table.optimizer_step == STEPS
-        print(f"{kind}: max abs diff over {STEPS} steps {worst:.2e}")
+        worst = matches_fbgemms_rule(store, kind)
+    print(f"{kind}: max abs diff over {STEPS} steps {worst:.2e}")
 
 
 def test_a_restore_continues_with_the_checkpoints_step(tmp_path: Path) -> None:
@@ -222,19 +229,16 @@ def test_fbgemms_enum_maps_and_fbgemm_has_no_cpu_kernel_of_them() -> None:
             )
 
 
-def test_served_tables_refuse_the_table_step_kinds(cluster: list[str]) -> None:
-    """The wire does not carry the training step: a client refuses to create such a table,
-    naming why, and a served table with another optimizer takes a step and ignores it."""
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_served_tables_carry_the_step_to_every_shard(cluster: list[str], kind: str) -> None:
+    """The same 25 steps through two `embank serve` shards (PUSH_GRAD_AT carries the step
+    in every shard's part; a shard no id of a step reached catches up at its next push):
+    the rows equal FBGEMM's rule, and the table's step is the newest of its shards'."""
     store = embank.connect(cluster)
     try:
-        for name in ("fbgemm_step", "per_row_step"):
-            if name in store:
-                store.drop_table(name)
-        with pytest.raises(embank.errors.UnsupportedError, match=r"training step.*wire"):
-            store.create_table("fbgemm_step", dim=DIM, optimizer=optimizer("fbgemm_adam"))
-        table = store.create_table("per_row_step", dim=DIM, optimizer=embank.optim.Adam(0.1))
-        table.push_grad([1, 2], np.ones((2, DIM), np.float32), step=4)
-        assert table.optimizer_step == 0
-        store.drop_table("per_row_step")
+        if "t" in store:
+            store.drop_table("t")
+        matches_fbgemms_rule(store, kind)
+        store.drop_table("t")
     finally:
         store.close()

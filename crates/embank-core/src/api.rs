@@ -137,7 +137,7 @@ pub trait TableApi: Send + Sync {
 /// Refuses a served table whose optimizer bias-corrects with the table's training step:
 /// the wire protocol carries no step, and counting calls would be wrong wherever one
 /// training step pushes more than once (several workers, ranks or shards).
-pub fn refuse_table_step(table: &str, optimizer: &crate::optim::Optimizer) -> Result<()> {
+pub(crate) fn refuse_table_step(table: &str, optimizer: &crate::optim::Optimizer) -> Result<()> {
     if !optimizer.uses_table_step() {
         return Ok(());
     }

@@ -66,7 +66,7 @@ mod units;
 mod workload;
 
 // The store and its tables, and the batch API every store (embedded or remote) offers.
-pub use api::{refuse_table_step, ChunkSink, StoreApi, TableApi};
+pub use api::{ChunkSink, StoreApi, TableApi};
 pub use checkpoint::{CheckpointInfo, CHECKPOINT_META_BYTES_MAX};
 pub use store::{CheckpointPin, Store, StoreOptions, StoreStats, IO_DEPTH_DEFAULT};
 pub use table::{validate_name, ExportCursor, PlaceReport, Table, TableOptions, TableStats, DIM_MAX};

@@ -107,6 +107,13 @@ pub enum Op {
     LookupWithState = 37,
     /// Body: keys, then `count` records of `dim + state_len` f32 (`Table::push_with_state`).
     PushWithState = 38,
+    /// Body: the training step u64, then keys, then `count` gradient rows: `PushGrad` as
+    /// part of that step (`Table::push_grad_at`; optimizers with a table step, FBGEMM's
+    /// Adam and LAMB kinds, bias-correct with it).
+    PushGradAt = 39,
+    /// Body: worker u64, the training step u64, then keys, then gradient rows:
+    /// `PushGradHeld` as part of that step.
+    PushGradHeldAt = 40,
 }
 
 impl Op {
@@ -143,6 +150,8 @@ impl Op {
             36 => LookupStored,
             37 => LookupWithState,
             38 => PushWithState,
+            39 => PushGradAt,
+            40 => PushGradHeldAt,
             _ => return None,
         })
     }
@@ -181,10 +190,12 @@ impl Op {
             LookupStored => "lookup_stored",
             LookupWithState => "lookup_with_state",
             PushWithState => "push_with_state",
+            PushGradAt => "push_grad_at",
+            PushGradHeldAt => "push_grad_held_at",
         }
     }
 
-    pub const ALL: [Op; 30] = [
+    pub const ALL: [Op; 32] = [
         Op::Hello,
         Op::ListTables,
         Op::OpenTable,
@@ -215,6 +226,8 @@ impl Op {
         Op::LookupStored,
         Op::LookupWithState,
         Op::PushWithState,
+        Op::PushGradAt,
+        Op::PushGradHeldAt,
     ];
 
     /// Whether the op changes rows, tables or checkpoints (refused by a read-only replica).
@@ -227,6 +240,8 @@ impl Op {
                 | Op::PushWithState
                 | Op::Delete
                 | Op::PushGrad
+                | Op::PushGradAt
+                | Op::PushGradHeldAt
                 | Op::SetLr
                 | Op::PullHeld
                 | Op::PushGradHeld
@@ -253,19 +268,24 @@ impl Op {
                 | Op::Lookahead
                 | Op::PullHeld
                 | Op::PushGradHeld
+                | Op::PushGradAt
+                | Op::PushGradHeldAt
         )
     }
 
     /// Whether the body carries `count` rows after the keys.
     pub fn has_rows(self) -> bool {
-        matches!(self, Op::Push | Op::PushWithState | Op::PushGrad | Op::PushGradHeld)
+        matches!(
+            self,
+            Op::Push | Op::PushWithState | Op::PushGrad | Op::PushGradHeld | Op::PushGradAt | Op::PushGradHeldAt
+        )
     }
 
     /// u64 words before the keys (worker id, timeout; a checkpoint).
     pub fn prefix_words(self) -> usize {
         match self {
-            Op::PullHeld => 2,
-            Op::PushGradHeld | Op::LookupAt => 1,
+            Op::PullHeld | Op::PushGradHeldAt => 2,
+            Op::PushGradHeld | Op::LookupAt | Op::PushGradAt => 1,
             _ => 0,
         }
     }
@@ -274,7 +294,14 @@ impl Op {
     pub fn idempotent(self) -> bool {
         !matches!(
             self,
-            Op::PushGrad | Op::PushGradHeld | Op::PullHeld | Op::CreateTable | Op::DropTable | Op::Checkpoint
+            Op::PushGrad
+                | Op::PushGradHeld
+                | Op::PushGradAt
+                | Op::PushGradHeldAt
+                | Op::PullHeld
+                | Op::CreateTable
+                | Op::DropTable
+                | Op::Checkpoint
         )
     }
 }

@@ -401,7 +401,6 @@ impl Client {
     pub fn create_table(&self, name: &str, options: TableOptions) -> Result<RemoteTable> {
         embank_core::validate_name(name)?;
         options.validate()?;
-        embank_core::refuse_table_step(name, &options.optimizer)?;
         let body = serde_json::json!({ "name": name, "options": options }).to_string();
         let replies = self.broadcast_from(Op::CreateTable, body.as_bytes(), None)?;
         self.table_from(name, replies)

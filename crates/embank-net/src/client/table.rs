@@ -403,6 +403,33 @@ impl RemoteTable {
         self.client.run(&plan.reqs, |_, _, _, _| Ok(()))
     }
 
+    /// [`push_grad`](Self::push_grad) as part of training step `step` (see
+    /// `embank_core::Table::push_grad_at`): every shard's part carries the step, so an
+    /// optimizer with a table step (FBGEMM's Adam and LAMB kinds) bias-corrects with it.
+    pub fn push_grad_at(&self, keys: &[u64], grads: &[f32], step: u64) -> Result<()> {
+        if step == 0 {
+            return Err(Error::invalid("push_grad: training steps count from 1, got step 0; nothing was written"));
+        }
+        self.check_rows("push_grad", keys.len(), grads.len())?;
+        self.check_finite("push_grad", keys, grads)?;
+        let (ukeys, sums) = embank_core::sum_duplicates(keys, grads, self.dim);
+        let plan = self.plan_with(Op::PushGradAt, &[step], &ukeys, Some(&sums));
+        self.client.run(&plan.reqs, |_, _, _, _| Ok(()))
+    }
+
+    /// The training step of the table's last update: the newest of its shards' (each
+    /// keeps its own; a shard no step reached says 0).
+    pub fn optimizer_step(&self) -> Result<u64> {
+        let replies = self.client.broadcast(Op::OpenTable, self.name.as_bytes(), None)?;
+        let mut step = 0;
+        for (_, body) in replies {
+            let m: TableMeta =
+                serde_json::from_slice(&body).map_err(|e| Error::corrupt(format!("bad table description: {e}")))?;
+            step = step.max(m.optimizer_step);
+        }
+        Ok(step)
+    }
+
     /// A training worker's pull under the table's staleness bound (see
     /// `embank_core::Table::pull_held`). Keys are deduplicated per shard request by the
     /// server; `timeout` bounds the wait of each shard.
@@ -434,10 +461,22 @@ impl RemoteTable {
 
     /// A training worker's push_grad: applies it and gives back the worker's holds.
     pub fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
+        self.push_grad_held_at(worker, keys, grads, None)
+    }
+
+    /// [`push_grad_held`](Self::push_grad_held) as part of training step `step` (`None`:
+    /// a step of its own, as `push_grad`).
+    pub fn push_grad_held_at(&self, worker: u64, keys: &[u64], grads: &[f32], step: Option<u64>) -> Result<()> {
+        if step == Some(0) {
+            return Err(Error::invalid("push_grad: training steps count from 1, got step 0; nothing was written"));
+        }
         self.check_rows("push_grad", keys.len(), grads.len())?;
         self.check_finite("push_grad", keys, grads)?;
         let (ukeys, sums) = embank_core::sum_duplicates(keys, grads, self.dim);
-        let plan = self.plan_with(Op::PushGradHeld, &[worker], &ukeys, Some(&sums));
+        let plan = match step {
+            Some(s) => self.plan_with(Op::PushGradHeldAt, &[worker, s], &ukeys, Some(&sums)),
+            None => self.plan_with(Op::PushGradHeld, &[worker], &ukeys, Some(&sums)),
+        };
         self.client.run(&plan.reqs, |_, _, _, _| Ok(()))
     }
 
@@ -707,6 +746,15 @@ impl embank_core::TableApi for RemoteTable {
     }
     fn push_grad_held(&self, worker: u64, keys: &[u64], grads: &[f32]) -> Result<()> {
         RemoteTable::push_grad_held(self, worker, keys, grads)
+    }
+    fn push_grad_at(&self, keys: &[u64], grads: &[f32], step: u64, _distinct: bool) -> Result<()> {
+        RemoteTable::push_grad_at(self, keys, grads, step)
+    }
+    fn push_grad_held_at(&self, worker: u64, keys: &[u64], grads: &[f32], step: u64) -> Result<()> {
+        RemoteTable::push_grad_held_at(self, worker, keys, grads, Some(step))
+    }
+    fn optimizer_step(&self) -> Result<u64> {
+        RemoteTable::optimizer_step(self)
     }
     fn release(&self, worker: u64) -> Result<u64> {
         RemoteTable::release(self, worker)

@@ -183,7 +183,16 @@ impl Conn<'_> {
                     Op::Pull | Op::Lookup | Op::LookupAt | Op::LookupStored => self.read_op(op, h, &table, body),
                     Op::Push | Op::PushGrad | Op::Delete | Op::Lookahead => self.write_op(op, h, &table, body),
                     Op::LookupWithState | Op::PushWithState => self.state_op(op, h, &table, body),
-                    Op::PullHeld | Op::PushGradHeld | Op::Release => self.held_op(op, h, &table, body),
+                    Op::PullHeld | Op::PushGradHeld | Op::PushGradHeldAt | Op::Release => {
+                        self.held_op(op, h, &table, body)
+                    }
+                    Op::PushGradAt => {
+                        let (n, dim) = (h.count as usize, table.dim());
+                        let (step, body) = body.split_at(1);
+                        let (keys, grads) = proto::split_keyed(&body[..n + (n * dim).div_ceil(2)], n);
+                        table.push_grad_at(keys, &grads[..n * dim], step[0], false)?;
+                        self.answer(h, 0, &[])
+                    }
                     _ => self.table_admin_op(op, h, &table, body),
                 }
             }
@@ -346,9 +355,6 @@ impl Conn<'_> {
             Op::Push | Op::PushGrad => {
                 let (keys, rows) = proto::split_keyed(&body[..n + (n * dim).div_ceil(2)], n);
                 let rows = &rows[..n * dim];
-                if op == Op::PushGrad {
-                    embank_core::refuse_table_step(table.name(), &table.optimizer())?;
-                }
                 if op == Op::Push { table.push(keys, rows) } else { table.push_grad(keys, rows) }?;
                 self.answer(h, 0, &[])
             }
@@ -417,10 +423,10 @@ impl Conn<'_> {
                 self.rows = rows;
                 sent
             }
-            Op::PushGradHeld => {
+            Op::PushGradHeld | Op::PushGradHeldAt => {
                 let (keys, grads) = proto::split_keyed(&body[..n + (n * dim).div_ceil(2)], n);
-                embank_core::refuse_table_step(table.name(), &table.optimizer())?;
-                table.push_grad_held(prefix[0], keys, &grads[..n * dim])?;
+                let step = (op == Op::PushGradHeldAt).then(|| prefix[1]);
+                table.push_grad_held_at(prefix[0], keys, &grads[..n * dim], step)?;
                 self.answer(h, 0, &[])
             }
             Op::Release => {
