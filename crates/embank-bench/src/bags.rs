@@ -108,7 +108,9 @@ fn measure(args: &BenchArgs, dir: &Path, pooled_bytes: u64, traces: &[Trace]) ->
     o.medium = if block { MediumKind::Block } else { MediumKind::Mmap };
     o.dtype = args.dtype;
     let table = store.create_table("bags", o).map_err(|e| e.to_string())?;
-    load_rows(args.keys, dim, &mut |keys, rows| table.push(keys, rows).map_err(|e| e.to_string()))?;
+    let mut loader = table.loader(args.keys).map_err(|e| e.to_string())?;
+    load_rows(args.keys, dim, &mut |keys, rows| loader.push(keys, rows).map_err(|e| e.to_string()))?;
+    loader.finish().map_err(|e| e.to_string())?;
     let keys = args.keys;
     // `first`: the replay number the run starts at (the warm-up's replays are not reused).
     let run = |seconds: f64, first: usize| -> Result<(f64, Vec<u64>, u64), String> {

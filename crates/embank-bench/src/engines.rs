@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use embank_core::{IoChoice, MediumKind, Store, StoreOptions, Table, TableOptions};
+use embank_core::{IoChoice, Loader, MediumKind, Store, StoreOptions, Table, TableOptions};
 use parking_lot::RwLock;
 
 /// A key-value engine holding rows of `dim` f32 per u64 key.
@@ -16,6 +16,14 @@ pub trait Engine: Sync {
     fn push(&self, thread: usize, keys: &[u64], rows: &[f32]) -> Result<(), String>;
     /// Reads rows of keys that exist into `out` (`keys.len() * dim`).
     fn pull(&self, thread: usize, keys: &[u64], out: &mut [f32]) -> Result<(), String>;
+    /// Called once before the load phase's first `load`, with the keys it will load.
+    fn begin_load(&self, _keys: u64) -> Result<(), String> {
+        Ok(())
+    }
+    /// Writes rows of the load phase (a bulk load where the engine has one).
+    fn load(&self, keys: &[u64], rows: &[f32]) -> Result<(), String> {
+        self.push(0, keys, rows)
+    }
     /// Called once after the bulk load, inside the timed load phase (e.g. a compaction).
     fn finish_load(&self) -> Result<(), String> {
         Ok(())
@@ -69,6 +77,8 @@ pub struct Embank {
     placement_seconds: parking_lot::Mutex<Option<f64>>,
     /// Reads take rows as stored (`Table::lookup_stored`), into a buffer of the thread's.
     stored_rows: bool,
+    /// The load phase's bulk load (`Table::loader`), between `begin_load` and `finish_load`.
+    loader: parking_lot::Mutex<Option<Loader>>,
 }
 
 thread_local! {
@@ -124,6 +134,7 @@ impl Embank {
             hot: Vec::new(),
             placement_seconds: parking_lot::Mutex::new(None),
             stored_rows: false,
+            loader: parking_lot::Mutex::new(None),
         })
     }
 
@@ -150,9 +161,22 @@ impl Engine for Embank {
     fn name(&self) -> &'static str {
         self.name
     }
+    fn begin_load(&self, keys: u64) -> Result<(), String> {
+        *self.loader.lock() = Some(self.table.loader(keys).map_err(|e| e.to_string())?);
+        Ok(())
+    }
+    fn load(&self, keys: &[u64], rows: &[f32]) -> Result<(), String> {
+        match self.loader.lock().as_mut() {
+            Some(loader) => loader.push(keys, rows).map_err(|e| e.to_string()),
+            None => self.push(0, keys, rows),
+        }
+    }
     /// Rows reach the medium before the measured phase (the page cache holds no
     /// dirty pages of the load; the row cache no dirty rows).
     fn finish_load(&self) -> Result<(), String> {
+        if let Some(loader) = self.loader.lock().take() {
+            loader.finish().map_err(|e| e.to_string())?;
+        }
         self.table.flush().map_err(|e| e.to_string())?;
         if !self.hot.is_empty() {
             let r = self.table.place_hot(&self.hot).map_err(|e| e.to_string())?;

@@ -11,7 +11,8 @@ use crate::workload::{percentile, row_for};
 
 pub(super) fn load(engine: &dyn Engine, keys: u64, dim: usize) -> Result<f64, String> {
     let t0 = Instant::now();
-    load_rows(keys, dim, &mut |ks, rows| engine.push(0, ks, rows))?;
+    engine.begin_load(keys)?;
+    load_rows(keys, dim, &mut |ks, rows| engine.load(ks, rows))?;
     engine.finish_load()?;
     Ok(t0.elapsed().as_secs_f64())
 }
@@ -19,7 +20,8 @@ pub(super) fn load(engine: &dyn Engine, keys: u64, dim: usize) -> Result<f64, St
 /// Where a load writes a chunk of keys and their rows.
 pub type RowSink<'a> = &'a mut dyn FnMut(&[u64], &[f32]) -> Result<(), String>;
 
-/// Writes every key's `row_for` row through `push`, in chunks, with a progress bar.
+/// Writes every key's `row_for` row through `push` (a bulk load's, or a table's), in
+/// chunks, with a progress bar.
 pub fn load_rows(keys: u64, dim: usize, push: RowSink<'_>) -> Result<(), String> {
     let bar = progress(keys, "load");
     let chunk = 10_000u64;

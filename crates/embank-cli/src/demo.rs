@@ -107,11 +107,13 @@ where
     }
 }
 
-/// Pushes rows `0..rows` (`row_for` values) with a progress bar, as the bench loads;
-/// returns the seconds taken.
+/// Loads rows `0..rows` (`row_for` values) in one bulk load with a progress bar, as the
+/// bench loads; returns the seconds taken.
 pub(crate) fn load(table: &Table, rows: u64, dim: usize) -> Result<f64, String> {
     let t0 = Instant::now();
-    embank_bench::load_rows(rows, dim, &mut |keys, data| table.push(keys, data).map_err(|e| e.to_string()))?;
+    let mut loader = table.loader(rows).map_err(|e| e.to_string())?;
+    embank_bench::load_rows(rows, dim, &mut |keys, data| loader.push(keys, data).map_err(|e| e.to_string()))?;
+    loader.finish().map_err(|e| e.to_string())?;
     Ok(t0.elapsed().as_secs_f64())
 }
 

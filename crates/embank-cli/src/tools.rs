@@ -263,13 +263,16 @@ pub fn import(args: ImportArgs) -> Result<(), String> {
     let (mut kb, mut rb) = (Vec::new(), Vec::new());
     let mut done = 0;
     let mut pruned = 0u64;
+    // One bulk load: rows written in order, the index built once (a table with a row
+    // cache takes them through push); nothing counts until it finishes.
+    let mut loader = table.loader(n as u64).map_err(|e| e.to_string())?;
     match &mut source {
         KeySource::Keys(keys) => {
             while done < n {
                 let m = (n - done).min(65_536);
                 keys.read_keys(m, &mut kb)?;
                 rows.read_rows(m, dim, &mut rb)?;
-                table.push(&kb, &rb).map_err(|e| format!("after {done} rows: {e}"))?;
+                loader.push(&kb, &rb).map_err(|e| format!("after {done} rows: {e}"))?;
                 done += m;
                 bar.set_position(done as u64);
             }
@@ -286,12 +289,13 @@ pub fn import(args: ImportArgs) -> Result<(), String> {
                     kb.push((start + i) as u64);
                     rb.extend_from_slice(&all[to as usize * dim..(to as usize + 1) * dim]);
                 }
-                table.push(&kb, &rb).map_err(|e| format!("after {done} rows: {e}"))?;
+                loader.push(&kb, &rb).map_err(|e| format!("after {done} rows: {e}"))?;
                 done += kb.len();
                 bar.set_position(done as u64);
             }
         }
     }
+    loader.finish().map_err(|e| format!("after {done} rows: {e}"))?;
     bar.finish_and_clear();
     store.flush().map_err(|e| e.to_string())?;
     let meta = table.meta();

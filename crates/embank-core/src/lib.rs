@@ -69,7 +69,9 @@ mod workload;
 pub use api::{ChunkSink, StoreApi, TableApi};
 pub use checkpoint::{CheckpointInfo, CHECKPOINT_META_BYTES_MAX};
 pub use store::{CheckpointPin, Store, StoreOptions, StoreStats, IO_DEPTH_DEFAULT};
-pub use table::{validate_name, ExportCursor, PlaceReport, Table, TableOptions, TableStats, DIM_MAX};
+pub use table::{
+    validate_name, ExportCursor, LoadReport, Loader, PlaceReport, Table, TableOptions, TableStats, DIM_MAX,
+};
 
 /// A table's durable entry in the store's catalog, as `Table::meta` and a remote
 /// store's table list give it; `catalog_tables` reads them from a closed store.

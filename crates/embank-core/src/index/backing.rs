@@ -88,14 +88,19 @@ impl Backing {
         Ok(Backing::empty(file_bytes))
     }
 
-    /// Every page backed, now (`fallocate`).
-    fn whole(file: &File, path: &Path, file_bytes: u64) -> Result<Backing> {
-        crate::fsutil::allocate(file, path, 0, file_bytes)?;
+    /// An index built in DRAM (`build.rs`): nothing to back until it is written out.
+    pub(super) fn in_memory(file_bytes: u64) -> Backing {
         let backing = Backing::empty(file_bytes);
         for page in 0..file_bytes.div_ceil(PAGE_BYTES) {
             backing.set(page);
         }
-        Ok(backing)
+        backing
+    }
+
+    /// Every page backed, now (`fallocate`).
+    fn whole(file: &File, path: &Path, file_bytes: u64) -> Result<Backing> {
+        crate::fsutil::allocate(file, path, 0, file_bytes)?;
+        Ok(Backing::in_memory(file_bytes))
     }
 
     #[inline(always)]

@@ -48,12 +48,14 @@ use crate::hash::{fingerprint, home_bucket, key_hash, probe_step};
 
 mod backing;
 mod bucket;
+mod build;
 mod repair;
 
 use backing::Backing;
 #[cfg(test)]
 use backing::PAGE_BYTES as BACKING_PAGE_BYTES;
 use bucket::{empty_slots, match_fp, MARK_SLOT_BITS};
+pub use build::{fits_in_memory, index_file_bytes, mem_available_bytes};
 
 /// What the second stage of a pipelined lookup hands the third: the home bucket's
 /// version, whether keys overflow it, and its slots whose fingerprint matches.
@@ -83,7 +85,8 @@ use repair::LazyRepair;
 /// The index of one table: a mapped file of buckets.
 pub struct Index {
     path: PathBuf,
-    file: File,
+    /// `None` while the index is built in DRAM (`build.rs`): `map` is anonymous memory.
+    file: Option<File>,
     map: MmapMut,
     /// Which chunks of the file have blocks (see `backing.rs`).
     backing: Backing,
@@ -93,6 +96,15 @@ pub struct Index {
     /// True while buckets are repaired on first touch (see the module docs).
     repairing: AtomicBool,
     lazy: Option<Box<LazyRepair>>,
+    /// Counts slot changes while on ([`Index::watch`]): a bulk load's check that
+    /// nobody else wrote the table meanwhile.
+    watch: Watch,
+}
+
+#[derive(Default)]
+struct Watch {
+    on: AtomicBool,
+    changes: AtomicU64,
 }
 
 // SAFETY: all shared mutation goes through atomics in the mapping.
@@ -135,7 +147,7 @@ impl Index {
         map[at..at + 16].copy_from_slice(&crate::fsutil::boot_id());
         let index = Index {
             path: path.to_owned(),
-            file,
+            file: Some(file),
             map,
             backing,
             bucket_count,
@@ -143,6 +155,7 @@ impl Index {
             seed,
             repairing: AtomicBool::new(false),
             lazy: None,
+            watch: Watch::default(),
         };
         Ok(index)
     }
@@ -170,7 +183,7 @@ impl Index {
         let backing = Backing::open(&file, path, len)?;
         Ok(Index {
             path: path.to_owned(),
-            file,
+            file: Some(file),
             map,
             backing,
             bucket_count: header.bucket_count,
@@ -178,6 +191,7 @@ impl Index {
             seed: header.seed,
             repairing: AtomicBool::new(false),
             lazy: None,
+            watch: Watch::default(),
         })
     }
 
@@ -211,7 +225,11 @@ impl Index {
     /// Gives bucket `b`'s part of the file blocks before anything writes into it.
     #[inline(always)]
     fn back(&self, b: u64) -> Result<()> {
-        self.backing.back(&self.file, &self.path, b)
+        match &self.file {
+            Some(file) => self.backing.back(file, &self.path, b),
+            // Built in DRAM: every page counts as backed.
+            None => Ok(()),
+        }
     }
 
     fn word(&self, offset: usize) -> &AtomicU64 {
@@ -286,6 +304,9 @@ impl Index {
 
     /// Writes every dirty page of the index to the file (msync).
     pub fn flush(&self) -> Result<()> {
+        if self.file.is_none() {
+            return Ok(());
+        }
         self.map.flush().map_err(|e| io_at("cannot sync index", &self.path, e))
     }
 
@@ -527,6 +548,7 @@ impl Index {
     /// `Io` error when the disk has no room for the part of the file it writes.
     pub fn insert_new(&self, key: u64, hash: u64, ptr: u64) -> Result<bool> {
         strict_assert!(ptr != 0);
+        self.note_change();
         strict_assert!(self.find(key, hash).is_none(), "key {key} inserted twice");
         let fp = fingerprint(hash);
         let step = probe_step(hash, self.bucket_mask);
@@ -566,6 +588,27 @@ impl Index {
         Ok(false)
     }
 
+    /// Counts a slot change (tried, not necessarily made) while watched.
+    #[inline(always)]
+    fn note_change(&self) {
+        if self.watch.on.load(Ordering::Relaxed) {
+            self.watch.changes.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Starts or stops counting slot changes (inserts, replaces, removes tried). The
+    /// caller makes sure no writer is inside the index when it turns counting on (the
+    /// table's state write lock), so every later change is counted. Returns false when
+    /// counting was already on (a second bulk load).
+    pub fn watch(&self, on: bool) -> bool {
+        self.watch.on.swap(on, Ordering::AcqRel) != on
+    }
+
+    /// Slot changes counted while watched.
+    pub fn changes(&self) -> u64 {
+        self.watch.changes.load(Ordering::Acquire)
+    }
+
     /// Decrements the overflow counters of the first `buckets` buckets of a probe sequence.
     fn uncount(&self, home: u64, step: u64, buckets: u64) {
         let mut b = home;
@@ -583,6 +626,7 @@ impl Index {
     /// Points an existing key at a new row; returns the old pointer, or None if absent.
     /// The caller holds the key's writer lock.
     pub fn replace(&self, key: u64, hash: u64, ptr: u64) -> Option<u64> {
+        self.note_change();
         let found = self.find(key, hash)?;
         let bucket = self.bucket(found.bucket);
         let v = bucket.lock();
@@ -594,6 +638,7 @@ impl Index {
 
     /// Removes a key; returns its row pointer. The caller holds the key's writer lock.
     pub fn remove(&self, key: u64, hash: u64) -> Option<u64> {
+        self.note_change();
         let found = self.find(key, hash)?;
         let bucket = self.bucket(found.bucket);
         let v = bucket.lock();

@@ -135,7 +135,10 @@ impl Index {
                 // its bucket and counts its change in the delta.
                 let held = self.backing.hold();
                 if !self.backing.is_backed(b) {
-                    let data = self.backing.next_data_bucket(&self.file, b);
+                    let data = match &self.file {
+                        Some(file) => self.backing.next_data_bucket(file, b),
+                        None => b,
+                    };
                     let page_end = super::Backing::next_page_bucket(b);
                     let skip_to = if data > b {
                         Some(data) // holes up to there

@@ -314,3 +314,49 @@ fn an_index_takes_disk_only_where_its_keys_are() {
     let bytes = allocated(&path);
     assert!(bytes <= most + BACKING_PAGE_BYTES, "{bytes} bytes allocated after the repairs");
 }
+
+/// An index built in DRAM and persisted reads as one built in its mapped file, key for
+/// key (across a reopen), and its file stays sparse: pages without keys are not written.
+#[test]
+fn an_index_built_in_dram_persists_equal_and_sparse() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let buckets = 1 << 12; // 1 MiB of buckets, 256 pages
+    let mapped = Index::create(&dir.path().join("mapped"), buckets, 7).unwrap();
+    let path = dir.path().join("dram");
+    let dram = Index::create_in_memory(&path, buckets, 7).unwrap();
+    assert!(dram.is_in_memory() && !path.exists(), "a DRAM build writes no file before persist");
+    let keys: Vec<u64> = (0..400u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+    for (i, &k) in keys.iter().enumerate() {
+        let ptr = 4096 + i as u64 * 16;
+        assert!(mapped.insert_new(k, mapped.hash(k), ptr).unwrap());
+        assert!(dram.insert_new(k, dram.hash(k), ptr).unwrap());
+    }
+    assert_eq!(dram.remove(keys[0], dram.hash(keys[0])), mapped.remove(keys[0], mapped.hash(keys[0])));
+    let dram = dram.persist().unwrap();
+    assert!(!dram.is_in_memory());
+    let reopened = Index::open(&path).unwrap();
+    for index in [&dram, &reopened] {
+        assert_eq!(index.len(), mapped.len());
+        assert_eq!(index.bucket_count(), buckets);
+        for &k in &keys {
+            assert_eq!(index.get(k, index.hash(k)), mapped.get(k, mapped.hash(k)), "key {k}");
+        }
+    }
+    let sparse_path = dir.path().join("sparse");
+    let sparse = Index::create_in_memory(&sparse_path, 1 << 14, 7).unwrap();
+    assert!(sparse.insert_new(5, sparse.hash(5), 4096).unwrap());
+    let sparse = sparse.persist().unwrap();
+    let meta = std::fs::metadata(&sparse_path).unwrap();
+    if crate::fsutil::sparse_files_ok(&std::fs::File::open(&sparse_path).unwrap()) {
+        assert!(
+            meta.blocks() * 512 <= 64 << 10,
+            "a 4 MiB index holding one key took {} bytes of disk",
+            meta.blocks() * 512
+        );
+    }
+    assert_eq!(sparse.get(5, sparse.hash(5)), Some(4096));
+    // Persisting over an existing file is refused (a left-over must be removed first).
+    let again = Index::create_in_memory(&sparse_path, 1 << 4, 7).unwrap();
+    assert!(again.persist().is_err());
+}

@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::options::LOAD_FACTOR_TARGET;
 use super::{State, Table};
 use crate::error::{Error, ErrorKind, Result};
-use crate::index::{buckets_for, Index};
+use crate::index::{buckets_for, fits_in_memory, index_file_bytes, mem_available_bytes, Index};
 
 impl Table {
     /// True when one more key fits under the table's load limit.
@@ -85,8 +85,10 @@ impl Table {
     /// Builds the next generation of the index from `old` with at least `buckets`
     /// buckets (doubled until every key fits): the keys of `first` that `old` holds are
     /// inserted first, so each lands in its home bucket unless that fills with other
-    /// `first` keys; then every other key. Returns the index, its bucket count and
-    /// generation. The caller keeps writers out (the state's write lock, or the gate).
+    /// `first` keys; then every other key. Built in DRAM and written once when it fits
+    /// ([`Table::new_index`]), so the file is written in order, once. Returns the index,
+    /// durable, its bucket count and generation. The caller keeps writers out (the
+    /// state's write lock, or the gate).
     fn build_index(&self, st: &State, mut buckets: u64, first: &[u64]) -> Result<(Index, u64, u64)> {
         let old = &st.index;
         let rows = old.len();
@@ -94,8 +96,7 @@ impl Table {
         let path = super::open::index_path(&self.shared.config.dir, generation);
         let placed: std::collections::HashSet<u64> = first.iter().copied().collect();
         let index = loop {
-            let _ = std::fs::remove_file(&path);
-            let index = Index::create(&path, buckets, old.seed())?;
+            let index = self.new_index(&path, buckets, old.seed())?;
             // Every key inserted (`Ok(true)`), or one found no slot (`Ok(false)`: more
             // buckets), or the disk is full.
             let mut filled = Ok(true);
@@ -121,21 +122,40 @@ impl Table {
                 }
             }
         };
-        if index.len() != rows {
+        let built = index.len();
+        if built != rows {
+            drop(index);
             let _ = std::fs::remove_file(&path);
             return Err(Error::corrupt(format!(
-                "rebuild of table {:?} saw {} rows, expected {rows}",
-                self.shared.config.name,
-                index.len()
+                "rebuild of table {:?} saw {built} rows, expected {rows}",
+                self.shared.config.name
             )));
         }
-        Ok((index, buckets, generation))
+        Ok((index.persist()?, buckets, generation))
+    }
+
+    /// A new, empty index of the next generation at `path` (any left-over there removed):
+    /// built in DRAM when it fits comfortably (`index::fits_in_memory`: a quarter of the
+    /// memory available), to be written once by [`Index::persist`]; else in the mapped
+    /// file, as every index was before, and the log says so.
+    pub(super) fn new_index(&self, path: &std::path::Path, buckets: u64, seed: u64) -> Result<Index> {
+        let _ = std::fs::remove_file(path);
+        if fits_in_memory(buckets) {
+            return Index::create_in_memory(path, buckets, seed);
+        }
+        tracing::info!(
+            table = %self.shared.config.name,
+            index_bytes = index_file_bytes(buckets),
+            mem_available_bytes = mem_available_bytes().unwrap_or(0),
+            "index rebuilt in its mapped file: built in DRAM it would take over a quarter of the memory available"
+        );
+        Index::create(path, buckets, seed)
     }
 
     /// Makes a built index the table's: durable, named by the catalog (a crash from
     /// then on opens it; before, the open removes it as a left-over), swapped in. Needs
     /// the state's write lock.
-    fn install_index(&self, st: &mut State, index: Index, generation: u64, grown: bool) -> Result<()> {
+    pub(super) fn install_index(&self, st: &mut State, index: Index, generation: u64, grown: bool) -> Result<()> {
         index.flush()?;
         crate::fsutil::sync_dir(&self.shared.config.dir)?;
         // The catalog names the new index first: a crash from here on opens it. (The state's

@@ -9,7 +9,8 @@
 //! | `write.rs` | the write protocol: every change of a key's index slot |
 //! | `read.rs` | reads: the lock-free fast path of mapped media and the tiered path (tiers → index → medium) |
 //! | `tiered.rs` | writes through the tiers: dirty rows, write-through, write-back, lookahead, pinned loads |
-//! | `grow.rs` | room in the index: the load check, the rebuild into a larger index, the retry loop |
+//! | `grow.rs` | room in the index: the load check, the rebuild into a larger index (built in DRAM, written once), the retry loop |
+//! | `load.rs` | bulk loads: rows written in runs, the next index built in DRAM and installed once |
 //! | `open.rs` | create, open with recovery and rollback, clean close, the maintenance hooks |
 //! | `repair.rs` | the background repair after a killed process: index pass, free list, key count |
 //! | `export.rs` | full, paged and checkpoint exports, the keys changed since a checkpoint |
@@ -45,6 +46,7 @@ use crate::tier::TierStack;
 mod evict;
 mod export;
 mod grow;
+mod load;
 mod open;
 mod options;
 mod pooled;
@@ -60,6 +62,7 @@ pub use crate::pooled::check_bags;
 pub(crate) use export::AtExport;
 pub use export::ExportCursor;
 pub use grow::PlaceReport;
+pub use load::{LoadReport, Loader};
 pub(crate) use options::RepairMode;
 pub(crate) use options::LOAD_FACTOR_TARGET;
 pub use options::{validate_name, RecoverStats, TableOptions, TableStats, DIM_MAX};

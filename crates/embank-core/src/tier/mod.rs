@@ -407,6 +407,11 @@ impl TierStack {
         self.near.first().is_some_and(|t| t.dirty_over_high())
     }
 
+    /// True when a change has anyone to tell: a near tier, the shared tier or a listener.
+    pub fn hears_changes(&self) -> bool {
+        !self.near.is_empty() || self.store.shared.read().is_some() || !self.store.listeners.read().is_empty()
+    }
+
     /// The table's rows of `keys` changed (after the change, once per batch): tells
     /// every tier (the shared tier drops its copies, older than this store's now) and
     /// every listener of the store.
