@@ -495,17 +495,11 @@ impl Store {
         let mut tables = BTreeMap::new();
         for (name, old) in std::mem::take(&mut inner.tables) {
             let meta = old.meta();
-            let steps = file_now.steps_of(meta.id);
-            let t = Table::open(
-                &table_dir(&inner.dir, meta.id),
-                meta,
-                Arc::clone(&inner.catalog),
-                RepairMode { verify: false, ..inner.repair },
-                Arc::clone(&inner.runtime),
-                state,
-                &steps,
-            )
-            .map_err(|e| e.context(format!("restoring table {name:?}")))?;
+            let (steps, dir) = (file_now.steps_of(meta.id), table_dir(&inner.dir, meta.id));
+            let (catalog, runtime, repair) =
+                (Arc::clone(&inner.catalog), Arc::clone(&inner.runtime), RepairMode { verify: false, ..inner.repair });
+            let t = Table::open(&dir, meta, catalog, repair, runtime, state, &steps)
+                .map_err(|e| e.context(format!("restoring table {name:?}")))?;
             tables.insert(name, t);
         }
         inner.tables = tables;

@@ -31,6 +31,7 @@ mod route;
 mod served;
 #[cfg(test)]
 mod sim;
+mod state;
 mod table;
 #[cfg(test)]
 mod tests;
