@@ -1,12 +1,10 @@
 //! A remote table's rows with their optimizer state (`LOOKUP_WITH_STATE`,
 //! `PUSH_WITH_STATE`): state dicts of served tables.
 
-use std::collections::HashSet;
-
 use embank_core::{Error, Result};
 
-use super::table::RemoteTable;
-use crate::proto::{self, mask_bytes, Op};
+use super::table::{last_of_each, scatter_wide, RemoteTable};
+use crate::proto::{mask_bytes, Op};
 
 impl RemoteTable {
     /// Elements of a record with its optimizer state: `dim + state_len`.
@@ -35,21 +33,14 @@ impl RemoteTable {
         let plan = self.plan(Op::LookupWithState, keys, None);
         self.client.run(&plan.reqs, |i, _, _, body| {
             let positions = &plan.positions[i];
-            let (m, rb) = (mask_bytes(positions.len()), proto::row_bytes(w));
-            if body.len() != m + positions.len() * rb {
-                return Err(Error::corrupt(format!(
-                    "lookup_with_state reply of {} bytes for {} records of {w} elements",
-                    body.len(),
-                    positions.len()
-                )));
+            let m = mask_bytes(positions.len());
+            if body.len() < m {
+                return Err(Error::corrupt("lookup_with_state reply shorter than its mask"));
             }
             for (j, &p) in positions.iter().enumerate() {
                 found[p] = body[j / 8] & (1 << (j % 8)) != 0;
-                let src = &body[m + j * rb..m + (j + 1) * rb];
-                for (x, b) in out[p * w..(p + 1) * w].iter_mut().zip(src.chunks_exact(4)) {
-                    *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
             }
+            scatter_wide(&body, m, positions, out, w)?;
             Ok(())
         })
     }
@@ -75,11 +66,7 @@ impl RemoteTable {
                 records[i]
             )));
         }
-        let mut seen = HashSet::with_capacity(keys.len());
-        let mut last: Vec<usize> = (0..keys.len()).rev().filter(|&i| seen.insert(keys[i])).collect();
-        last.reverse();
-        let ukeys: Vec<u64> = last.iter().map(|&i| keys[i]).collect();
-        let urecs: Vec<f32> = last.iter().flat_map(|&i| records[i * w..(i + 1) * w].iter().copied()).collect();
+        let (ukeys, urecs) = last_of_each(keys, records, w);
         let plan = self.plan_wide(Op::PushWithState, &[], &ukeys, Some(&urecs), w);
         self.client.run(&plan.reqs, |_, _, _, _| Ok(()))
     }

@@ -121,24 +121,7 @@ impl RemoteTable {
 
     /// Copies reply rows (`body[at..]`, one per position) into `out`.
     pub(super) fn scatter(&self, body: &[u8], at: usize, positions: &[usize], out: &mut [f32]) -> Result<()> {
-        let row_bytes = proto::row_bytes(self.dim);
-        if body.len() != at + positions.len() * row_bytes {
-            return Err(Error::corrupt(format!(
-                "reply of {} bytes for {} rows of dim {}",
-                body.len(),
-                positions.len(),
-                self.dim
-            )));
-        }
-        let d = self.dim;
-        for (j, &i) in positions.iter().enumerate() {
-            let src = &body[at + j * row_bytes..at + (j + 1) * row_bytes];
-            let dst = &mut out[i * d..(i + 1) * d];
-            for (x, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        Ok(())
+        scatter_wide(body, at, positions, out, self.dim)
     }
 
     /// Rows of `keys` into `out`; missing rows are created with the initializer.
@@ -302,19 +285,7 @@ impl RemoteTable {
     pub fn push(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
         self.check_rows("push", keys.len(), rows.len())?;
         self.check_finite("push", keys, rows)?;
-        // Requests run in parallel: keep only each key's last row so order cannot matter.
-        let mut seen = HashSet::with_capacity(keys.len());
-        let mut last: Vec<usize> = (0..keys.len()).rev().filter(|&i| seen.insert(keys[i])).collect();
-        last.reverse();
-        let (ukeys, urows) = if last.len() == keys.len() {
-            (keys.to_vec(), rows.to_vec())
-        } else {
-            let d = self.dim;
-            (
-                last.iter().map(|&i| keys[i]).collect(),
-                last.iter().flat_map(|&i| rows[i * d..(i + 1) * d].iter().copied()).collect(),
-            )
-        };
+        let (ukeys, urows) = last_of_each(keys, rows, self.dim);
         let plan = self.plan(Op::Push, &ukeys, Some(&urows));
         self.client.run(&plan.reqs, |_, _, _, _| Ok(()))
     }
@@ -627,6 +598,40 @@ pub(super) fn merge_tables(parts: &[serde_json::Value]) -> serde_json::Value {
         }
     }
     serde_json::Value::Array(by_name.iter().map(|(_, docs)| merge_stats(docs)).collect())
+}
+
+/// Copies reply rows of `width` f32 each (`body[at..]`, one per position) into `out`.
+pub(super) fn scatter_wide(body: &[u8], at: usize, positions: &[usize], out: &mut [f32], width: usize) -> Result<()> {
+    let row_bytes = proto::row_bytes(width);
+    if body.len() != at + positions.len() * row_bytes {
+        return Err(Error::corrupt(format!(
+            "reply of {} bytes for {} rows of {width} elements",
+            body.len(),
+            positions.len()
+        )));
+    }
+    for (j, &i) in positions.iter().enumerate() {
+        let src = &body[at + j * row_bytes..at + (j + 1) * row_bytes];
+        for (x, b) in out[i * width..(i + 1) * width].iter_mut().zip(src.chunks_exact(4)) {
+            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+    }
+    Ok(())
+}
+
+/// Each key once with its last row of `width` elements: requests run in parallel, so
+/// order cannot decide which of a key's rows is written.
+pub(super) fn last_of_each(keys: &[u64], rows: &[f32], width: usize) -> (Vec<u64>, Vec<f32>) {
+    let mut seen = HashSet::with_capacity(keys.len());
+    let mut last: Vec<usize> = (0..keys.len()).rev().filter(|&i| seen.insert(keys[i])).collect();
+    if last.len() == keys.len() {
+        return (keys.to_vec(), rows.to_vec());
+    }
+    last.reverse();
+    (
+        last.iter().map(|&i| keys[i]).collect(),
+        last.iter().flat_map(|&i| rows[i * width..(i + 1) * width].iter().copied()).collect(),
+    )
 }
 
 impl embank_core::TableApi for RemoteTable {
