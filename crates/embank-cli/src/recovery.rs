@@ -32,9 +32,12 @@ pub struct RecoveryArgs {
     /// Rows in the table.
     #[arg(long, default_value_t = 10_000_000)]
     pub rows: u64,
-    /// Elements per row (f32).
+    /// Elements per row.
     #[arg(long, default_value_t = 8)]
     pub dim: u32,
+    /// How the table stores elements: f32, f16 or int8 (the API stays f32).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
     /// `mmap` or `block`.
     #[arg(long, default_value = "mmap")]
     pub medium: String,
@@ -72,7 +75,8 @@ fn overwritten(key: u64, out: &mut [f32]) {
 fn build(args: &RecoveryArgs) -> Result<(), String> {
     if let Ok(store) = open(&args.path, true) {
         if let Ok(t) = store.table(TABLE) {
-            if t.len().map_err(|e| e.to_string())? == args.rows && t.dim() == args.dim as usize {
+            let dtype = t.layout().dtype.name();
+            if t.len().map_err(|e| e.to_string())? == args.rows && t.dim() == args.dim as usize && dtype == args.dtype {
                 println!("reusing the store at {} ({} rows)", args.path.display(), args.rows);
                 return store.close().map_err(|e| e.to_string());
             }
@@ -83,6 +87,7 @@ fn build(args: &RecoveryArgs) -> Result<(), String> {
     let mut o = TableOptions::new(args.dim);
     o.capacity = args.rows;
     o.medium = MediumKind::parse(&args.medium).map_err(|e| e.to_string())?;
+    o.dtype = embank_core::DType::parse(&args.dtype).map_err(|e| e.to_string())?;
     let table = store.create_table(TABLE, o).map_err(|e| e.to_string())?;
     crate::demo::load(&table, args.rows, args.dim as usize)?;
     store.close().map_err(|e| e.to_string())
@@ -184,7 +189,7 @@ fn reopen(
         for (i, &k) in probe.iter().enumerate() {
             let (row, was) = (&now[i * dim..(i + 1) * dim], &before[i * dim..(i + 1) * dim]);
             overwritten(k, &mut over);
-            let ok = row == was || (args.no_checkpoint && row == &over[..]);
+            let ok = row == was || (args.no_checkpoint && stored_as(row, &over));
             if !ok {
                 return Err(format!("row {k} after the reopen is {row:?}; it was {was:?} when the writer started"));
             }
@@ -193,6 +198,13 @@ fn reopen(
     drop(table);
     store.close().map_err(|e| e.to_string())?;
     Ok((Reopen { open_s, first_batch_s, repaired_s }, now))
+}
+
+/// True when `row` is `written` as the table stores it: equal for f32 rows, within the
+/// rounding of f16 and int8 (a row's largest magnitude / 127 at most) otherwise.
+fn stored_as(row: &[f32], written: &[f32]) -> bool {
+    let scale = written.iter().fold(0f32, |m, v| m.max(v.abs()));
+    row.iter().zip(written).all(|(a, b)| a == b || (a - b).abs() <= scale / 127.0)
 }
 
 fn ms(s: f64) -> String {

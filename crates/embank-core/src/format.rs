@@ -8,6 +8,9 @@ use crate::error::{Error, ErrorKind, Result};
 
 /// Format version of every file this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
+/// Format version of an index file whose bucket count is not a power of two (sized to
+/// its keys; its keys probe linearly: `hash::Geometry`). This build reads both.
+pub const INDEX_FORMAT_VERSION_ANY_COUNT: u32 = 2;
 
 pub const INDEX_MAGIC: [u8; 8] = *b"EMBKIDX\0";
 pub const ROWS_MAGIC: [u8; 8] = *b"EMBKROWS";
@@ -81,9 +84,20 @@ impl IndexHeader {
         IndexHeader { bucket_count, seed }
     }
 
+    /// The format version of an index of `bucket_count` buckets: 1 for a power of two
+    /// (what every build reads), [`INDEX_FORMAT_VERSION_ANY_COUNT`] otherwise (a build
+    /// that probes only powers of two refuses it as a newer format, not misreads it).
+    pub fn version_for(bucket_count: u64) -> u32 {
+        if bucket_count.is_power_of_two() {
+            FORMAT_VERSION
+        } else {
+            INDEX_FORMAT_VERSION_ANY_COUNT
+        }
+    }
+
     pub fn write(&self, b: &mut [u8]) {
         b[0..8].copy_from_slice(&INDEX_MAGIC);
-        b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[8..12].copy_from_slice(&Self::version_for(self.bucket_count).to_le_bytes());
         b[12..16].copy_from_slice(&(INDEX_HEADER_BYTES as u32).to_le_bytes());
         b[16..24].copy_from_slice(&self.bucket_count.to_le_bytes());
         b[24..32].copy_from_slice(&self.seed.to_le_bytes());
@@ -95,14 +109,21 @@ impl IndexHeader {
     }
 
     pub fn read(b: &[u8]) -> Result<Self> {
-        check_magic_version(b, &INDEX_MAGIC, "index")?;
+        let version = le_u32(b, 8);
+        match version {
+            INDEX_FORMAT_VERSION_ANY_COUNT if &b[0..8] == INDEX_MAGIC.as_slice() => {}
+            _ => check_magic_version(b, &INDEX_MAGIC, "index")?,
+        }
         let crc = crc32c::crc32c(&b[0..32]);
         if crc != le_u32(b, 44) {
             return Err(Error::new(ErrorKind::ChecksumMismatch, "index header checksum mismatch"));
         }
         let bucket_count = le_u64(b, 16);
-        if !bucket_count.is_power_of_two() {
-            return Err(Error::new(ErrorKind::Recover, format!("index header names {bucket_count} buckets")));
+        if bucket_count == 0 || Self::version_for(bucket_count) != version {
+            return Err(Error::new(
+                ErrorKind::Recover,
+                format!("index header of format version {version} names {bucket_count} buckets"),
+            ));
         }
         Ok(IndexHeader { bucket_count, seed: le_u64(b, 24) })
     }

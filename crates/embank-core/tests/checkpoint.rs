@@ -341,18 +341,26 @@ fn export_at_a_checkpoint_while_training_goes_on() {
             }
             b
         });
+        let mut regrown = 0;
         for round in 0..5 {
             for (name, want) in [("emb", &at20.0), ("blk", &at20.1)] {
-                let mut got = BTreeMap::new();
-                store
-                    .export_checkpoint(name, 20, 64, |keys, rows| {
+                // The tables still grow now and then (capacity 32, 400 keys): an export
+                // that meets a growth says so and is run again, as the docs tell users.
+                let got = loop {
+                    let mut got = BTreeMap::new();
+                    let exported = store.export_checkpoint(name, 20, 64, |keys, rows| {
                         for (i, &k) in keys.iter().enumerate() {
                             let row = rows[i * DIM..(i + 1) * DIM].iter().map(|x| x.to_bits()).collect();
                             assert!(got.insert(k, row).is_none(), "key {k} exported twice");
                         }
                         Ok(())
-                    })
-                    .unwrap();
+                    });
+                    match exported {
+                        Ok(()) => break got,
+                        Err(e) if e.to_string().contains("grew during the export") && regrown < 8 => regrown += 1,
+                        Err(e) => panic!("round {round}: {name}: {e}"),
+                    }
+                };
                 same(&got, want, &format!("round {round}: {name} exported at checkpoint 20"));
             }
         }

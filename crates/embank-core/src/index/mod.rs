@@ -44,7 +44,7 @@ use memmap2::{MmapMut, MmapOptions};
 
 use crate::error::{io_at, Error, ErrorKind, Result};
 use crate::format::{self, IndexHeader, INDEX_HEADER_BYTES};
-use crate::hash::{fingerprint, home_bucket, key_hash, probe_step};
+use crate::hash::{fingerprint, key_hash, Geometry};
 
 mod backing;
 mod bucket;
@@ -91,7 +91,8 @@ pub struct Index {
     /// Which chunks of the file have blocks (see `backing.rs`).
     backing: Backing,
     bucket_count: u64,
-    bucket_mask: u64,
+    /// Where keys' probe sequences run (`hash.rs`).
+    geo: Geometry,
     seed: u64,
     /// True while buckets are repaired on first touch (see the module docs).
     repairing: AtomicBool,
@@ -111,17 +112,19 @@ struct Watch {
 unsafe impl Send for Index {}
 unsafe impl Sync for Index {}
 
-/// Buckets needed so that `capacity` keys fill at most `load` of the slots.
+/// Buckets needed so that `capacity` keys fill at most `load` of the slots: exactly
+/// that many (format version 2; before, rounded up to a power of two, which left an
+/// index anywhere from `load` to half of it full: 43 bytes a key at 100 M keys).
 pub fn buckets_for(capacity: u64, load: f64) -> u64 {
     let slots = (capacity.max(1) as f64 / load).ceil() as u64;
-    slots.div_ceil(SLOTS_PER_BUCKET as u64).next_power_of_two().clamp(1, BUCKET_COUNT_MAX)
+    slots.div_ceil(SLOTS_PER_BUCKET as u64).clamp(1, BUCKET_COUNT_MAX)
 }
 
 impl Index {
     /// Creates a new, empty index file (fails if it exists).
     pub fn create(path: &Path, bucket_count: u64, seed: u64) -> Result<Index> {
-        if !bucket_count.is_power_of_two() || bucket_count > BUCKET_COUNT_MAX {
-            return Err(Error::config(format!("bucket count {bucket_count} must be a power of two <= 2^40")));
+        if bucket_count == 0 || bucket_count > BUCKET_COUNT_MAX {
+            return Err(Error::config(format!("bucket count {bucket_count} must be in 1..=2^40")));
         }
         let file = OpenOptions::new()
             .read(true)
@@ -151,7 +154,7 @@ impl Index {
             map,
             backing,
             bucket_count,
-            bucket_mask: bucket_count - 1,
+            geo: Geometry::new(bucket_count),
             seed,
             repairing: AtomicBool::new(false),
             lazy: None,
@@ -187,7 +190,7 @@ impl Index {
             map,
             backing,
             bucket_count: header.bucket_count,
-            bucket_mask: header.bucket_count - 1,
+            geo: Geometry::new(header.bucket_count),
             seed: header.seed,
             repairing: AtomicBool::new(false),
             lazy: None,
@@ -343,14 +346,14 @@ impl Index {
     /// The home bucket of a hash: where a lookup reads first.
     #[inline(always)]
     pub fn home_of(&self, hash: u64) -> u64 {
-        home_bucket(hash, self.bucket_mask)
+        self.geo.home(hash)
     }
 
     /// Hints the CPU to load the home bucket of a hash: all four lines, the checkpoint
     /// marks (which a write's first-change check reads after its lookup) included.
     #[inline(always)]
     pub fn prefetch(&self, hash: u64) {
-        self.prefetch_bucket(home_bucket(hash, self.bucket_mask))
+        self.prefetch_bucket(self.geo.home(hash))
     }
 
     /// Prefetches all four lines of bucket `b` (see [`Index::prefetch`]).
@@ -379,9 +382,7 @@ impl Index {
     /// one holding its seqlock version, overflow counter and fingerprints.
     #[inline(always)]
     pub fn probe_start(&self, hash: u64) {
-        crate::prefetch::prefetch_read(
-            self.raw_bucket(home_bucket(hash, self.bucket_mask)) as *const Bucket as *const u8
-        );
+        crate::prefetch::prefetch_read(self.raw_bucket(self.geo.home(hash)) as *const Bucket as *const u8);
     }
 
     /// Second stage: reads the home bucket's version, overflow counter and fingerprints
@@ -390,7 +391,7 @@ impl Index {
     /// [`Index::probe_slots`] needs.
     #[inline(always)]
     pub fn probe_home(&self, hash: u64) -> Probe {
-        let bucket = self.bucket(home_bucket(hash, self.bucket_mask));
+        let bucket = self.bucket(self.geo.home(hash));
         let v1 = bucket.version.load(Ordering::Acquire);
         if v1 & 1 == 1 {
             return Probe(PROBE_SLOW);
@@ -432,7 +433,7 @@ impl Index {
         if word == PROBE_SLOW {
             return Staged::Further;
         }
-        let bucket = self.raw_bucket(home_bucket(hash, self.bucket_mask));
+        let bucket = self.raw_bucket(self.geo.home(hash));
         let mut ptr = None;
         let mut c = (word & 0xffff) as u32;
         while c != 0 {
@@ -484,8 +485,7 @@ impl Index {
                 Staged::Found(ptr) => ptr,
                 Staged::Absent => 0,
                 Staged::Further => {
-                    let next = (home_bucket(hashes[i], self.bucket_mask) + probe_step(hashes[i], self.bucket_mask))
-                        & self.bucket_mask;
+                    let next = self.geo.next(self.geo.home(hashes[i]), self.geo.step(hashes[i]));
                     self.prefetch_bucket(next);
                     further[further_len] = i as u8;
                     further_len += 1;
@@ -528,8 +528,8 @@ impl Index {
     #[inline]
     pub fn find(&self, key: u64, hash: u64) -> Option<Found> {
         let fp = fingerprint(hash);
-        let step = probe_step(hash, self.bucket_mask);
-        let mut b = home_bucket(hash, self.bucket_mask);
+        let step = self.geo.step(hash);
+        let mut b = self.geo.home(hash);
         for _ in 0..self.bucket_count {
             let (found, overflow) = self.bucket(b).read(key, fp);
             if let Some((slot, ptr)) = found {
@@ -538,7 +538,7 @@ impl Index {
             if overflow == 0 {
                 return None;
             }
-            b = (b + step) & self.bucket_mask;
+            b = self.geo.next(b, step);
         }
         None
     }
@@ -551,8 +551,8 @@ impl Index {
         self.note_change();
         strict_assert!(self.find(key, hash).is_none(), "key {key} inserted twice");
         let fp = fingerprint(hash);
-        let step = probe_step(hash, self.bucket_mask);
-        let home = home_bucket(hash, self.bucket_mask);
+        let step = self.geo.step(hash);
+        let home = self.geo.home(hash);
         let mut b = home;
         let probes_max = PROBE_BUCKETS_MAX.min(self.bucket_count);
         for probe in 0..probes_max {
@@ -583,7 +583,7 @@ impl Index {
                 self.uncount(home, step, probe + 1);
                 return Ok(false);
             }
-            b = (b + step) & self.bucket_mask;
+            b = self.geo.next(b, step);
         }
         Ok(false)
     }
@@ -619,7 +619,7 @@ impl Index {
             strict_assert!(o > 0, "overflow counter underflow in bucket {b}");
             bucket.overflow.store(o.saturating_sub(1), Ordering::Relaxed);
             bucket.unlock(v);
-            b = (b + step) & self.bucket_mask;
+            b = self.geo.next(b, step);
         }
     }
 
@@ -652,8 +652,8 @@ impl Index {
         bucket.unlock(v);
         self.add_len(-1);
         // Only after the key is gone: it no longer passes the buckets before it.
-        let home = home_bucket(hash, self.bucket_mask);
-        let step = probe_step(hash, self.bucket_mask);
+        let home = self.geo.home(hash);
+        let step = self.geo.step(hash);
         let distance = self.distance(home, step, found.bucket);
         self.uncount(home, step, distance);
         Some(old)
@@ -664,7 +664,7 @@ impl Index {
         let mut b = home;
         let mut d = 0;
         while b != target {
-            b = (b + step) & self.bucket_mask;
+            b = self.geo.next(b, step);
             d += 1;
             assert!(d <= self.bucket_count, "bucket {target} is not on the probe sequence of {home}");
         }
@@ -714,7 +714,7 @@ impl Index {
         for b in (0..self.bucket_count).step_by(stride as usize) {
             self.for_each(b, b + 1, |key, _| {
                 let h = self.hash(key);
-                let d = self.distance(home_bucket(h, self.bucket_mask), probe_step(h, self.bucket_mask), b);
+                let d = self.distance(self.geo.home(h), self.geo.step(h), b);
                 let i = (d as usize).min(hist.len() - 1);
                 hist[i] += stride;
             });

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
 use super::bucket::{Bucket, RecoverReport, SLOTS_PER_BUCKET};
 use super::Index;
 use crate::format;
-use crate::hash::{fingerprint, home_bucket, probe_step};
+use crate::hash::fingerprint;
 
 /// Per-bucket repair state of a lazy repair.
 pub(super) const UNCHECKED: u8 = 0;
@@ -227,11 +227,11 @@ impl Index {
                 }
                 keys += 1;
                 let h = self.hash(bucket.slots[slot][0].load(Ordering::Relaxed));
-                let (home, step) = (home_bucket(h, self.bucket_mask), probe_step(h, self.bucket_mask));
+                let (home, step) = (self.geo.home(h), self.geo.step(h));
                 let mut p = home;
                 while p != b {
                     self.raw_bucket(p).overflow.fetch_add(1, Ordering::Relaxed);
-                    p = (p + step) & self.bucket_mask;
+                    p = self.geo.next(p, step);
                 }
             }
         }

@@ -152,6 +152,12 @@ pub trait Medium: Send + Sync {
     fn read(&self, items: &[ReadItem], out: &mut [f32]) -> Result<()>;
     /// Writes unpublished records `(key, ptr, record)` (ptrs from [`alloc`](Self::alloc)).
     fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()>;
+    /// [`write`](Self::write) for a bulk load (`table/load.rs`): many records, mostly in
+    /// runs never handed out before. The mapped medium writes them through the file and
+    /// starts their write-back; the block medium writes them as it writes any.
+    fn write_bulk(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
+        self.write(items)
+    }
     /// True when the record at `ptr` holds `key` (and, with `checksum`, matches it).
     fn check(&self, ptr: u64, key: u64, checksum: bool) -> Result<bool>;
     /// Makes written records durable.
@@ -181,6 +187,9 @@ impl Medium for MmapMedium {
     }
     fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
         MmapMedium::write(self, items)
+    }
+    fn write_bulk(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
+        MmapMedium::write_bulk(self, items)
     }
     fn check(&self, ptr: u64, key: u64, checksum: bool) -> Result<bool> {
         Ok(self.key_at(ptr) == key && (!checksum || self.checksum_ok(ptr)))
@@ -290,6 +299,9 @@ impl Medium for AnyMedium {
     }
     fn write(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
         delegate!(self, m => Medium::write(m, items))
+    }
+    fn write_bulk(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
+        delegate!(self, m => Medium::write_bulk(m, items))
     }
     fn check(&self, ptr: u64, key: u64, checksum: bool) -> Result<bool> {
         delegate!(self, m => Medium::check(m, ptr, key, checksum))

@@ -135,7 +135,7 @@ impl Table {
     }
 
     /// A new, empty index of the next generation at `path` (any left-over there removed):
-    /// built in DRAM when it fits comfortably (`index::fits_in_memory`: a quarter of the
+    /// built in DRAM when it fits comfortably (`index::fits_in_memory`: half of the
     /// memory available), to be written once by [`Index::persist`]; else in the mapped
     /// file, as every index was before, and the log says so.
     pub(super) fn new_index(&self, path: &std::path::Path, buckets: u64, seed: u64) -> Result<Index> {
@@ -147,7 +147,7 @@ impl Table {
             table = %self.shared.config.name,
             index_bytes = index_file_bytes(buckets),
             mem_available_bytes = mem_available_bytes().unwrap_or(0),
-            "index rebuilt in its mapped file: built in DRAM it would take over a quarter of the memory available"
+            "index rebuilt in its mapped file: built in DRAM it would take over half of the memory available"
         );
         Index::create(path, buckets, seed)
     }
