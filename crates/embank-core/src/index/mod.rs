@@ -252,6 +252,10 @@ impl Index {
         self.word(format::INDEX_LEN_OFFSET).load(Ordering::Relaxed)
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     #[cfg(any(test, feature = "fuzzing"))]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
