@@ -256,11 +256,6 @@ impl Index {
         self.len() == 0
     }
 
-    #[cfg(any(test, feature = "fuzzing"))]
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn add_len(&self, delta: i64) {
         let w = self.word(format::INDEX_LEN_OFFSET);
         if delta >= 0 {
