@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use embank_core::{human_bytes, CheckpointInfo, Placement, Store, StoreOptions, TableMeta, TableOptions};
+use embank_core::{human_bytes, CheckpointInfo, Loader, Placement, Store, StoreOptions, TableMeta, TableOptions};
 use embank_net::proto::shard_of;
 use indicatif::ProgressBar;
 
@@ -343,6 +343,19 @@ fn write_targets(
         true => ProgressBar::hidden(),
         false => progress(tables.values().map(|t| t.rows_now).sum(), "reshard"),
     };
+    // Each target's table is filled by one bulk load (`Table::loader`): rows written in
+    // runs, the index built in DRAM and written once, each target as before the reshard
+    // or holding every row it gets, whole.
+    let mut loaders = BTreeMap::new();
+    for (name, made) in &outs {
+        let hint = tables[*name].rows_now / u64::from(shards) + 1;
+        let loads: Vec<Loader> = made
+            .iter()
+            .map(|t| t.loader(hint))
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("loading table {name:?}: {e}"))?;
+        loaders.insert(*name, loads);
+    }
     let chunk_keys = args.chunk_keys as usize;
     let mut rows_of: BTreeMap<&str, u64> = BTreeMap::new();
     let (mut keys_to, mut records_to): (Vec<Vec<u64>>, Vec<Vec<f32>>) =
@@ -351,6 +364,7 @@ fn write_targets(
         let source = open_source(p)?;
         for (name, made) in &outs {
             let w = made[0].dim() + made[0].state_len();
+            let loads = loaders.get_mut(name).expect("a loader per table");
             let rows = rows_of.entry(name).or_default();
             source
                 .export_checkpoint_with_state(name, batch_id, chunk_keys, |keys, records| {
@@ -359,9 +373,9 @@ fn write_targets(
                         keys_to[to].push(key);
                         records_to[to].extend_from_slice(&records[i * w..(i + 1) * w]);
                     }
-                    for (t, (k, r)) in made.iter().zip(keys_to.iter_mut().zip(records_to.iter_mut())) {
+                    for (load, (k, r)) in loads.iter_mut().zip(keys_to.iter_mut().zip(records_to.iter_mut())) {
                         if !k.is_empty() {
-                            t.push_with_state(k, r)?;
+                            load.push_with_state(k, r)?;
                             k.clear();
                             r.clear();
                         }
@@ -375,6 +389,11 @@ fn write_targets(
         source.close().map_err(|e| format!("source {}: {e}", p.display()))?;
     }
     bar.finish_and_clear();
+    for (name, loads) in loaders {
+        for load in loads {
+            load.finish().map_err(|e| format!("loading table {name:?}: {e}"))?;
+        }
+    }
     let (mut rows, mut bytes_read) = (0u64, 0u64);
     for (name, made) in &outs {
         let read = rows_of.get(name).copied().unwrap_or(0);

@@ -122,6 +122,9 @@ fn a_replica_added_and_another_removed_while_a_client_reads_fails_no_read() {
     let last = AtomicU64::new(3);
     let mut c = None;
     let (reads, failures) = std::thread::scope(|scope| {
+        // A failed step below stops the reader and the trainer (else the scope waits on
+        // them forever and the failure is a hang).
+        let _stopper = StopOnDrop(&stop);
         let reader = scope.spawn(|| {
             let keys: Vec<u64> = (0..KEYS).collect();
             let (mut rows, mut found) = (vec![0f32; keys.len() * DIM], vec![false; keys.len()]);
@@ -264,6 +267,7 @@ fn two_shards_resharded_to_three_while_clients_read_and_the_trainer_publishes() 
     let switching = AtomicBool::new(false);
     let mut new: Vec<common::Serve> = Vec::new();
     let results = std::thread::scope(|scope| {
+        let _stopper = StopOnDrop(&stop);
         let readers: Vec<_> = clients
             .iter()
             .enumerate()
@@ -497,4 +501,13 @@ fn the_shard_map_reloads_from_a_url_by_version_and_on_a_servers_hint() {
     assert_eq!(hinted.shard_count(), 2);
     sigkill(&mut s1.child);
     sigkill(&mut s2.child);
+}
+
+/// Sets its flag when dropped: however a scope's body ends, a panic included.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }

@@ -118,6 +118,43 @@ fn loaded_rows_start_their_optimizer_state_afresh() {
     assert_equal(&a, &b, &keys, "after a gradient step");
 }
 
+/// Records given with their state (what a reshard copies) load as `push_with_state`
+/// writes them: the same rows and state, the same next gradient step; a state the
+/// optimizer cannot reach is refused with the loader still usable.
+#[test]
+fn records_with_state_load_as_push_with_state_writes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    let mut o = TableOptions::new(DIM as u32);
+    o.optimizer = Optimizer::Adagrad { lr: 0.1, eps: 1e-10, initial_accumulator_value: 0.5 };
+    let (a, b) = (store.create_table("a", o.clone()).unwrap(), store.create_table("b", o).unwrap());
+    let w = 2 * DIM; // row and accumulator
+    let keys: Vec<u64> = (0..3000).collect();
+    let records: Vec<f32> = keys
+        .iter()
+        .flat_map(|&k| row(1, k).into_iter().chain((0..DIM).map(move |i| (k % 7) as f32 + i as f32 * 0.5)))
+        .collect();
+    a.push_with_state(&keys, &records).unwrap();
+    let mut load = b.loader(keys.len() as u64).unwrap();
+    let mut bad = records[..w].to_vec();
+    bad[DIM] = -1.0;
+    let err = load.push_with_state(&keys[..1], &bad).unwrap_err();
+    assert!(err.to_string().contains("refused"), "{err}");
+    for (k, r) in keys.chunks(700).zip(records.chunks(700 * w)) {
+        load.push_with_state(k, r).unwrap();
+    }
+    assert!(load.finish().unwrap().bulk);
+    let (mut ra, mut rb) = (vec![0f32; keys.len() * w], vec![0f32; keys.len() * w]);
+    let (mut fa, mut fb) = (vec![false; keys.len()], vec![false; keys.len()]);
+    a.lookup_with_state(&keys, &mut ra, &mut fa).unwrap();
+    b.lookup_with_state(&keys, &mut rb, &mut fb).unwrap();
+    assert_eq!((fa, ra), (fb, rb), "rows and state as pushed");
+    let grads = vec![0.25f32; keys.len() * DIM];
+    a.push_grad(&keys, &grads).unwrap();
+    b.push_grad(&keys, &grads).unwrap();
+    assert_equal(&a, &b, &keys, "after a gradient step");
+}
+
 /// Bad input is refused before anything is written, the loader still usable; a table
 /// written during its load, or a full table without growth, refuses the load with the
 /// table as it was.

@@ -158,6 +158,13 @@ pub trait Medium: Send + Sync {
     fn write_bulk(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
         self.write(items)
     }
+    /// A bulk load wrote the file's bytes `[from, to)` ([`write_bulk`](Self::write_bulk))
+    /// and will not read them: the mapped medium waits for them to reach the disk and
+    /// drops them from the page cache, so a load larger than memory does not make the
+    /// kernel reclaim pages as it goes. Nothing to do for the block medium (direct I/O).
+    fn drop_written(&self, _from: u64, _to: u64) -> Result<()> {
+        Ok(())
+    }
     /// True when the record at `ptr` holds `key` (and, with `checksum`, matches it).
     fn check(&self, ptr: u64, key: u64, checksum: bool) -> Result<bool>;
     /// Makes written records durable.
@@ -190,6 +197,9 @@ impl Medium for MmapMedium {
     }
     fn write_bulk(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
         MmapMedium::write_bulk(self, items)
+    }
+    fn drop_written(&self, from: u64, to: u64) -> Result<()> {
+        MmapMedium::drop_written(self, from, to)
     }
     fn check(&self, ptr: u64, key: u64, checksum: bool) -> Result<bool> {
         Ok(self.key_at(ptr) == key && (!checksum || self.checksum_ok(ptr)))
@@ -302,6 +312,9 @@ impl Medium for AnyMedium {
     }
     fn write_bulk(&self, items: &[(u64, u64, &[f32])]) -> Result<()> {
         delegate!(self, m => Medium::write_bulk(m, items))
+    }
+    fn drop_written(&self, from: u64, to: u64) -> Result<()> {
+        delegate!(self, m => Medium::drop_written(m, from, to))
     }
     fn check(&self, ptr: u64, key: u64, checksum: bool) -> Result<bool> {
         delegate!(self, m => Medium::check(m, ptr, key, checksum))

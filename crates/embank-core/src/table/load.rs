@@ -38,6 +38,14 @@ use crate::medium::Medium;
 const NOTICE_KEYS_MAX: usize = 1 << 16;
 /// How many keys ahead a load asks for the index bucket it will insert into.
 const PREFETCH_AHEAD: usize = 8;
+/// A load whose rows take more than 1/this of `MemAvailable` drops them from the page
+/// cache once on disk ([`Medium::drop_written`]), [`DROP_BEHIND_BYTES`] behind the last
+/// written: they could not all stay cached, and reclaiming them one by one, with the
+/// index being built beside them, cost a 100 M-key load half its write time.
+const DROP_ROWS_SHARE_DIVISOR: u64 = 2;
+const DROP_BEHIND_BYTES: u64 = 256 << 20;
+/// Bytes dropped at a time, at least.
+const DROP_STEP_BYTES: u64 = 64 << 20;
 
 /// What a bulk load did ([`Loader::finish`]).
 #[derive(Clone, Debug, serde::Serialize)]
@@ -72,6 +80,13 @@ pub struct Loader {
     through_push: bool,
 }
 
+/// A batch as given: rows (the state starts afresh) or whole records.
+#[derive(Clone, Copy)]
+enum Given<'a> {
+    Rows(&'a [f32]),
+    Records(&'a [f32]),
+}
+
 /// The state of a bulk load proper.
 struct Bulk {
     /// The next generation, in DRAM (in its mapped file when too large for memory);
@@ -93,6 +108,10 @@ struct Bulk {
     /// Time spent writing rows and indexing keys.
     write: std::time::Duration,
     index_time: std::time::Duration,
+    /// Written rows are dropped from the page cache behind the load (see
+    /// [`DROP_ROWS_SHARE_DIVISOR`]): up to this byte of the rows file so far.
+    drop_behind: bool,
+    dropped_upto: u64,
 }
 
 impl Table {
@@ -139,7 +158,12 @@ impl Table {
                 return Err(e);
             }
         };
+        let alloc = st.medium.alloc();
+        let rows_bytes = rows_hint.saturating_mul(alloc.stride());
+        let drop_behind = crate::index::mem_available_bytes().is_some_and(|m| rows_bytes > m / DROP_ROWS_SHARE_DIVISOR);
         let bulk = Bulk {
+            drop_behind,
+            dropped_upto: alloc.ptr_of(alloc.next_record()),
             path: index.path().to_owned(),
             index: Some(index),
             generation: st.generation,
@@ -179,12 +203,17 @@ impl Loader {
                 rows[i]
             )));
         }
+        self.push_checked(&table, keys, Given::Rows(rows))
+    }
+
+    fn push_checked(&mut self, table: &Table, keys: &[u64], given: Given<'_>) -> Result<()> {
         if self.failed {
             return Err(Error::invalid("load: an earlier batch failed; drop the loader and start again"));
         }
-        let result = match &mut self.bulk {
-            None => table.push(keys, rows),
-            Some(bulk) => bulk.push(&table, keys, rows),
+        let result = match (&mut self.bulk, given) {
+            (None, Given::Rows(rows)) => table.push(keys, rows),
+            (None, Given::Records(records)) => table.push_with_state(keys, records),
+            (Some(bulk), given) => bulk.push(table, keys, given),
         };
         match result {
             Ok(()) => {
@@ -196,6 +225,16 @@ impl Loader {
                 Err(e)
             }
         }
+    }
+
+    /// Adds records with their optimizer state (`keys.len() * (dim + state_len)`
+    /// elements, as [`Table::push_with_state`] takes them: what a reshard copies). Refused
+    /// before anything is written as `push_with_state` refuses; otherwise as
+    /// [`push`](Self::push).
+    pub fn push_with_state(&mut self, keys: &[u64], records: &[f32]) -> Result<()> {
+        let table = self.table.clone();
+        table.check_records("load", keys, records)?;
+        self.push_checked(&table, keys, Given::Records(records))
     }
 
     /// Rows pushed so far.
@@ -259,22 +298,23 @@ impl Bulk {
 
     /// Writes a batch's rows to one fresh run of records and points their keys at them
     /// in the next index.
-    fn push(&mut self, table: &Table, keys: &[u64], rows: &[f32]) -> Result<()> {
+    fn push(&mut self, table: &Table, keys: &[u64], given: Given<'_>) -> Result<()> {
         if keys.is_empty() {
             return Ok(());
         }
         let layout = table.shared.config.layout;
         let (w, d) = (layout.elems(), layout.dim);
-        let records: std::borrow::Cow<'_, [f32]> = if layout.has_state() {
-            let mut records = vec![0f32; keys.len() * w];
-            let opt = table.optimizer();
-            for (rec, row) in records.chunks_exact_mut(w).zip(rows.chunks_exact(d)) {
-                rec[..d].copy_from_slice(row);
-                opt.init_state(&mut rec[d..]);
+        let records: std::borrow::Cow<'_, [f32]> = match given {
+            Given::Rows(rows) if layout.has_state() => {
+                let mut records = vec![0f32; keys.len() * w];
+                let opt = table.optimizer();
+                for (rec, row) in records.chunks_exact_mut(w).zip(rows.chunks_exact(d)) {
+                    rec[..d].copy_from_slice(row);
+                    opt.init_state(&mut rec[d..]);
+                }
+                records.into()
             }
-            records.into()
-        } else {
-            rows.into()
+            Given::Rows(records) | Given::Records(records) => records.into(),
         };
         let st = table.state()?;
         let alloc = st.medium.alloc();
@@ -299,6 +339,14 @@ impl Bulk {
             .collect();
         let writing = Instant::now();
         st.medium.write_bulk(&items)?;
+        if let (true, Some(&(first, n))) = (self.drop_behind, self.runs.last()) {
+            let end = alloc.ptr_of(first + n - 1) + alloc.stride();
+            let upto = end.saturating_sub(DROP_BEHIND_BYTES);
+            if upto >= self.dropped_upto + DROP_STEP_BYTES {
+                st.medium.drop_written(self.dropped_upto, upto)?;
+                self.dropped_upto = upto;
+            }
+        }
         let indexing = Instant::now();
         self.write += indexing - writing;
         // Keys land at random in an index far larger than the CPU's caches: each key's
@@ -360,11 +408,16 @@ impl Bulk {
         }
     }
 
-    /// Journals the loaded keys, flushes the rows, persists the index and installs it;
+    /// Flushes the rows, persists the index, journals the loaded keys and installs it;
     /// then retires the records it replaced and tells the tiers and listeners. Returns
     /// the distinct keys loaded. On failure the loader's drop hands the records back.
     fn install(&mut self, table: &Table) -> Result<u64> {
         let name = &table.shared.config.name;
+        // Rows first, then the index, made durable before any lock is taken: reads and
+        // writes go on while gigabytes are written. Until the catalog names the new
+        // generation its file is a left-over an open removes (and the loader's drop).
+        table.state()?.medium.flush()?;
+        let index = self.index.take().expect("a bulk load installs once").persist()?;
         let gate = &table.shared.runtime.gate;
         let _gate = gate.batch();
         let mut guard = table.shared.files.state.write();
@@ -374,7 +427,6 @@ impl Bulk {
                 "load: table {name:?} was written during its bulk load; nothing of the load was kept"
             )));
         }
-        let index = self.index.take().expect("a bulk load installs once");
         // Each loaded key's first change since the latest checkpoint is journaled, and
         // the records the new index no longer names are held or retired, as a write does.
         let interval = gate.interval();
@@ -411,10 +463,8 @@ impl Bulk {
             });
             journaled?;
         }
-        // Rows first, then the index, then the catalog names it.
-        st.medium.flush()?;
+        // Rows and index are durable (above); now the catalog names the index.
         let grown = index.bucket_count() > st.index.bucket_count();
-        let index = index.persist()?;
         table.install_index(st, index, self.generation + 1, grown)?;
         // Installed: the loaded records are the table's now.
         self.runs.clear();

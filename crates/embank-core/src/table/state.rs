@@ -54,11 +54,25 @@ impl Table {
     /// with nothing written when a value is not finite or a state is one the optimizer
     /// cannot reach (a negative accumulator, a fractional Adam step count).
     pub fn push_with_state(&self, keys: &[u64], records: &[f32]) -> Result<()> {
+        self.check_records("push_with_state", keys, records)?;
+        match &self.shared.lifecycle {
+            // As a push: admitted at once, room made under `rows_max`, touched.
+            Some(life) => self.push_lifecycle(life, keys, || self.push_records(keys, records)),
+            None => self.push_records(keys, records),
+        }
+    }
+}
+
+impl Table {
+    /// Refuses (an `Invalid` error saying why, as `what`) records that
+    /// [`push_with_state`](Self::push_with_state) would refuse: of the wrong length,
+    /// holding a non-finite value, or a state the optimizer cannot reach.
+    pub(super) fn check_records(&self, what: &str, keys: &[u64], records: &[f32]) -> Result<()> {
         let layout = self.shared.config.layout;
         let (w, d) = (layout.elems(), layout.dim);
         if records.len() != keys.len() * w {
             return Err(Error::invalid(format!(
-                "push_with_state: table {:?} has records of {w} elements (dim {d}, state {}), so {} keys need {} \
+                "{what}: table {:?} has records of {w} elements (dim {d}, state {}), so {} keys need {} \
                  elements, got {}",
                 self.shared.config.name,
                 layout.state_len,
@@ -69,25 +83,21 @@ impl Table {
         }
         if let Some(i) = crate::optim::first_non_finite(records) {
             return Err(Error::invalid(format!(
-                "push_with_state: record of key {} holds a non-finite value ({}); nothing was written",
+                "{what}: record of key {} holds a non-finite value ({}); nothing was written",
                 keys[i / w],
                 records[i]
             )));
         }
         let opt = self.optimizer();
         for (key, record) in keys.iter().zip(records.chunks_exact(w)) {
-            if let Some(what) = state_refused(&opt, d, &record[d..]) {
+            if let Some(refused) = state_refused(&opt, d, &record[d..]) {
                 return Err(Error::invalid(format!(
-                    "push_with_state: the {} state of key {key} is refused: {what}; nothing was written",
+                    "{what}: the {} state of key {key} is refused: {refused}; nothing was written",
                     opt.name()
                 )));
             }
         }
-        match &self.shared.lifecycle {
-            // As a push: admitted at once, room made under `rows_max`, touched.
-            Some(life) => self.push_lifecycle(life, keys, || self.push_records(keys, records)),
-            None => self.push_records(keys, records),
-        }
+        Ok(())
     }
 }
 

@@ -106,10 +106,14 @@ fn copy_from(
         for chunk in stale.chunks(PAGE_KEYS) {
             local.delete(chunk)?;
         }
+        // One bulk load (rows in runs, the index built in DRAM and written once): the
+        // replica serves nothing until the copy is whole, so nothing else writes it.
+        let mut load = local.loader(remote.len()?)?;
         remote.export_at(batch_id, PAGE_KEYS, |keys, r| {
             rows += keys.len() as u64;
-            local.push(keys, r)
+            load.push(keys, r)
         })?;
+        load.finish()?;
     }
     let blob = serde_json::to_vec(&serde_json::json!({ "replica": meta })).expect("serializes");
     store.checkpoint_with_meta(own_batch, &blob)?;
