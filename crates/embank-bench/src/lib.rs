@@ -130,9 +130,9 @@ pub struct BenchArgs {
     /// their home index buckets after the load (`Table::place_hot`).
     #[arg(long, default_value_t = 10_000)]
     pub hot_keys: u64,
-    /// Capacity the embedded embank tables are created with (default: --keys). Fewer
-    /// than --keys loads the index fuller (up to its load_factor_max of 0.9 before it
-    /// grows): e.g. --keys 1650000 --capacity 1000000 fills it to 0.9.
+    /// Capacity the embedded embank tables are created with (default: --keys). More
+    /// than --keys leaves the index emptier (more keys in their home bucket, more bytes a
+    /// key); fewer changes nothing, as the load sizes the index for --keys (0.7 full).
     #[arg(long)]
     pub capacity: Option<u64>,
     /// `bags`: ids per bag (a request holds `--batch / --bag-size` bags).
