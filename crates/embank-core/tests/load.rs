@@ -201,6 +201,21 @@ fn bad_input_is_refused_with_nothing_lost() {
     assert_equal(&reference, &t, &all, "after the load done again");
     assert_eq!(t.stats().unwrap().records_used, used, "the refused load's records were reused");
 
+    // A write during the load that grows the table (its next index generation): the
+    // finish refuses, and the grown index, the table's now, survives the loader and a
+    // reopen (the loader builds under a name of its own and removes only that).
+    let buckets = t.stats().unwrap().buckets;
+    let mut loader = t.loader(10).unwrap();
+    loader.push(&[8_888_888], &row(6, 8_888_888)).unwrap();
+    let growing: Vec<u64> = (20_000..20_000 + buckets * 14).collect();
+    t.push(&growing, &rows_of(&growing, 7)).unwrap();
+    reference.push(&growing, &rows_of(&growing, 7)).unwrap();
+    assert!(t.stats().unwrap().buckets > buckets, "the pushes grew the table during the load");
+    assert!(loader.finish().is_err());
+    all.extend(&growing);
+    all.push(8_888_888);
+    assert_equal(&reference, &t, &all, "after a load refused by a growth");
+
     // A dropped loader leaves nothing.
     let mut loader = t.loader(10).unwrap();
     loader.push(&[9_999_999], &row(5, 9_999_999)).unwrap();
@@ -219,6 +234,11 @@ fn bad_input_is_refused_with_nothing_lost() {
     assert_eq!(full.len().unwrap(), 10);
     full.push(&kept[10..20], &rows_of(&kept[10..20], 1)).unwrap();
     assert_eq!(full.len().unwrap(), 20, "the table takes writes after a refused load");
+    drop((t, reference, full));
+    store.close().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    let (t, reference) = (store.table("t").unwrap(), store.table("reference").unwrap());
+    assert_equal(&reference, &t, &all, "after a reopen");
 }
 
 // The crash test. Round r loads keys [r*N, (r+1)*N) with rows tagged r, the keys

@@ -202,6 +202,14 @@ impl Index {
         &self.path
     }
 
+    /// Renames the index's file to `to` (replacing any file there); the mapping stays
+    /// valid. The caller syncs the directory.
+    pub fn rename(&mut self, to: &Path) -> Result<()> {
+        std::fs::rename(&self.path, to).map_err(|e| io_at("cannot rename index file", &self.path, e))?;
+        self.path = to.to_owned();
+        Ok(())
+    }
+
     pub fn bucket_count(&self) -> u64 {
         self.bucket_count
     }

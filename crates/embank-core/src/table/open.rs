@@ -26,6 +26,13 @@ pub(super) fn index_path(dir: &Path, generation: u64) -> PathBuf {
     dir.join(format!("index.{generation}.ebi"))
 }
 
+/// Where a bulk load builds and persists the next generation before it is installed
+/// (renamed to [`index_path`]): a name no growth uses, so neither removes the other's
+/// file. A left-over like any other index of another generation.
+pub(super) fn loading_index_path(dir: &Path, generation: u64) -> PathBuf {
+    dir.join(format!("index.{generation}.load.ebi"))
+}
+
 /// Resolves `Auto` and checks that a cached placement has a cache to use.
 fn resolve_placement(meta: &TableMeta, runtime: &Runtime, creating: bool) -> Result<Placement> {
     let has_cache = !runtime.tiers.near().is_empty();
