@@ -101,14 +101,19 @@ fn a_bulk_load_equals_push_across_growth_and_reopen() {
     }
 }
 
+/// Two tables "a" and "b" alike, with Adagrad state.
+fn adagrad_pair(store: &Store) -> (Table, Table) {
+    let mut o = TableOptions::new(DIM as u32);
+    o.optimizer = Optimizer::Adagrad { lr: 0.1, eps: 1e-10, initial_accumulator_value: 0.5 };
+    (store.create_table("a", o.clone()).unwrap(), store.create_table("b", o).unwrap())
+}
+
 /// A table with an optimizer: loaded rows start their state afresh, as pushed ones do.
 #[test]
 fn loaded_rows_start_their_optimizer_state_afresh() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
-    let mut o = TableOptions::new(DIM as u32);
-    o.optimizer = Optimizer::Adagrad { lr: 0.1, eps: 1e-10, initial_accumulator_value: 0.5 };
-    let (a, b) = (store.create_table("a", o.clone()).unwrap(), store.create_table("b", o).unwrap());
+    let (a, b) = adagrad_pair(&store);
     let keys: Vec<u64> = (0..500).collect();
     a.push(&keys, &rows_of(&keys, 1)).unwrap();
     b.load(&keys, &rows_of(&keys, 1)).unwrap();
@@ -125,9 +130,7 @@ fn loaded_rows_start_their_optimizer_state_afresh() {
 fn records_with_state_load_as_push_with_state_writes_them() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
-    let mut o = TableOptions::new(DIM as u32);
-    o.optimizer = Optimizer::Adagrad { lr: 0.1, eps: 1e-10, initial_accumulator_value: 0.5 };
-    let (a, b) = (store.create_table("a", o.clone()).unwrap(), store.create_table("b", o).unwrap());
+    let (a, b) = adagrad_pair(&store);
     let w = 2 * DIM; // row and accumulator
     let keys: Vec<u64> = (0..3000).collect();
     let records: Vec<f32> = keys

@@ -279,19 +279,27 @@ impl MmapMedium {
         if to <= from {
             return Ok(());
         }
-        let fd = self.alloc.file().as_raw_fd();
         let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
-        // SAFETY: plain syscalls on our open file.
-        let rc = unsafe { libc::sync_file_range(fd, from as libc::off64_t, (to - from) as libc::off64_t, flags) };
+        self.sync_range(from, to - from, flags)?;
+        let fd = self.alloc.file().as_raw_fd();
+        // Advice only: a refusal costs memory, not correctness.
+        // SAFETY: a plain syscall on our open file.
+        let _ = unsafe {
+            libc::posix_fadvise(fd, from as libc::off_t, (to - from) as libc::off_t, libc::POSIX_FADV_DONTNEED)
+        };
+        Ok(())
+    }
+
+    /// `sync_file_range` of `len` bytes at `offset` of the rows file with `flags`.
+    fn sync_range(&self, offset: u64, len: u64, flags: libc::c_uint) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let fd = self.alloc.file().as_raw_fd();
+        // SAFETY: a plain syscall on our open file; it writes back, it changes nothing.
+        let rc = unsafe { libc::sync_file_range(fd, offset as libc::off64_t, len as libc::off64_t, flags) };
         if rc != 0 {
             let e = std::io::Error::last_os_error();
             return Err(io_at("cannot write rows back", self.alloc.path(), e));
         }
-        // Advice only: a refusal costs memory, not correctness.
-        // SAFETY: as above.
-        let _ = unsafe {
-            libc::posix_fadvise(fd, from as libc::off_t, (to - from) as libc::off_t, libc::POSIX_FADV_DONTNEED)
-        };
         Ok(())
     }
 
@@ -316,20 +324,7 @@ impl MmapMedium {
                 at += n as u64;
             }
             if start_writeback {
-                use std::os::fd::AsRawFd;
-                // SAFETY: a plain syscall on our open file; it only starts write-back.
-                let rc = unsafe {
-                    libc::sync_file_range(
-                        self.alloc.file().as_raw_fd(),
-                        req.offset as libc::off64_t,
-                        req.len as libc::off64_t,
-                        libc::SYNC_FILE_RANGE_WRITE,
-                    )
-                };
-                if rc != 0 {
-                    let e = std::io::Error::last_os_error();
-                    return Err(io_at("cannot start writing rows back", self.alloc.path(), e));
-                }
+                self.sync_range(req.offset, req.len as u64, libc::SYNC_FILE_RANGE_WRITE)?;
             }
         }
         Ok(())
