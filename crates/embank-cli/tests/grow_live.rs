@@ -172,7 +172,12 @@ fn a_replica_added_and_another_removed_while_a_client_reads_fails_no_read() {
         eprintln!("the new replica's /healthz as it starts: {}", health.lines().next().unwrap_or(""));
         let deadline = Instant::now() + Duration::from_secs(60);
         while client.served_all()[0][2]["state"] == "bootstrapping" {
-            assert!(Instant::now() < deadline, "{:?}", client.served_all());
+            assert!(
+                Instant::now() < deadline,
+                "still bootstrapping after 60 s: {:?}; its /healthz: {}",
+                client.served_all(),
+                common::http_get(&started.admin, "/healthz")
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
         eprintln!(

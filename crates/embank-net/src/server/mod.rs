@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use embank_core::{Error, Result, Store, Table};
+use embank_core::{CheckpointPin, Error, Result, Store, Table};
 use parking_lot::{Mutex, RwLock};
 
 mod conn;
@@ -135,7 +135,16 @@ struct Ctx {
     /// Connections not yet established, oldest first (a handle to shut each down).
     pending: Mutex<std::collections::VecDeque<Pending>>,
     next_conn_id: AtomicU64,
+    /// Checkpoints being exported (`EXPORT_AT`), by seq: each kept from retention until
+    /// [`EXPORT_LEASE`] after its last page was asked for.
+    export_leases: Mutex<HashMap<u64, (CheckpointPin, Instant)>>,
 }
+
+/// How long a checkpoint stays retained after its last `EXPORT_AT` page: a copy that takes
+/// longer than the store's retention window (a new replica copying its sibling while
+/// training publishes every 100 ms) would otherwise never finish, each attempt outrun by
+/// retention.
+pub(crate) const EXPORT_LEASE: Duration = Duration::from_secs(30);
 
 /// A connection that has not authenticated (or sent its first frame) yet.
 struct Pending {
@@ -168,6 +177,22 @@ impl Ctx {
 
     fn forget_pending(&self, id: u64) {
         self.pending.lock().retain(|p| p.id != id);
+    }
+
+    /// Keeps the store's checkpoint `batch_id` (its own numbering) retained for
+    /// [`EXPORT_LEASE`] from now: an export reads it page by page.
+    fn lease_checkpoint(&self, batch_id: u64) -> Result<()> {
+        let seq = self.store.checkpoints()?.iter().rev().find(|c| c.batch_id == batch_id).map(|c| c.seq).ok_or_else(
+            || Error::new(embank_core::ErrorKind::NotFound, format!("no retained checkpoint {batch_id}")),
+        )?;
+        let mut leases = self.export_leases.lock();
+        let until = Instant::now() + EXPORT_LEASE;
+        if let Some(lease) = leases.get_mut(&seq) {
+            lease.1 = until;
+        } else {
+            leases.insert(seq, (self.store.pin_checkpoint(seq)?, until));
+        }
+        Ok(())
     }
 }
 
@@ -241,6 +266,7 @@ impl Server {
                 open: AtomicU64::new(0),
                 pending: Mutex::new(std::collections::VecDeque::new()),
                 next_conn_id: AtomicU64::new(1),
+                export_leases: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -282,7 +308,10 @@ impl Server {
                 }
             }
             self.ctx.live.lock().retain(|h| !h.is_finished());
+            let now = Instant::now();
+            self.ctx.export_leases.lock().retain(|_, (_, until)| *until > now);
         }
+        self.ctx.export_leases.lock().clear();
         tracing::info!("shutting down: no new connections; waiting for requests in flight");
         let deadline = Instant::now() + drain;
         loop {

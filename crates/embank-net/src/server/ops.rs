@@ -490,9 +490,13 @@ impl Conn<'_> {
                         Some(_) => crate::stream::view::own_checkpoint(store, body[0]).map(|(b, _)| b),
                         None => Ok(body[0]),
                     };
-                    own.and_then(|b| store.export_checkpoint_page(table.name(), b, cursor, max, &mut keys, &mut rows))
+                    // Kept retained while the export goes on, however long it takes.
+                    own.and_then(|b| self.ctx.lease_checkpoint(b).map(|()| b))
+                        .and_then(|b| store.export_checkpoint_page(table.name(), b, cursor, max, &mut keys, &mut rows))
                         .map_err(|e| match e.kind() {
-                            ErrorKind::NotFound => crate::stream::view::not_held(store, body[0]),
+                            ErrorKind::NotFound if self.ctx.view.get().is_some() => {
+                                crate::stream::view::not_held(store, body[0])
+                            }
                             _ => e,
                         })
                 } else {

@@ -13,6 +13,7 @@
 //! own and is driven directly (`limits.rs`).
 
 mod auth;
+mod export;
 mod limits;
 mod model;
 mod refused;
