@@ -109,11 +109,12 @@ from ._gpu_buckets import ONES_CHUNK as ONES_CHUNK
 from ._gpu_buckets import _triton_usable, key_hash
 from ._gpu_insert import _AsyncQueue, _insert_loop, _Inserts
 from ._gpu_native import _NativeCache
+from ._gpu_train import TrainCache
 from ._gpu_transfer import _Staging
 from ._table import Table
 from .errors import InvalidInputError
 
-__all__ = ["GpuCache", "key_hash"]
+__all__ = ["GpuCache", "TrainCache", "key_hash"]
 
 SLOTS_DEFAULT = 128
 QUEUE_KEYS_MAX_DEFAULT = 1 << 20

@@ -1,0 +1,504 @@
+"""A write-back cache for training on the accelerator: :class:`TrainCache` keeps the hot
+rows of a table **with their optimizer state** in device memory, answers a step's pulls
+there, and applies the table's optimizer to them there; a row goes back to the table
+only when it is evicted (dirty) or at :meth:`TrainCache.flush` /
+:meth:`TrainCache.checkpoint`.
+
+>>> import embank, embank.gpu, embank.optim, numpy as np, torch, tempfile, os
+>>> store = embank.open(os.path.join(tempfile.mkdtemp(), "t"))
+>>> t = store.create_table("item", dim=2, optimizer=embank.optim.SGD(lr=0.5))
+>>> t.push([7], np.array([[1.0, 2.0]], dtype=np.float32))
+>>> cache = embank.gpu.TrainCache(t, rows_max=64, device="cpu")
+>>> cache.pull(torch.tensor([7])).tolist()
+[[1.0, 2.0]]
+>>> cache.push_grad(torch.tensor([7, 7]), torch.ones(2, 2))   # duplicates summed: one update
+>>> cache.pull(torch.tensor([7])).tolist(), t.pull([7]).tolist()  # the table: not yet
+([[0.0, 1.0]], [[1.0, 2.0]])
+>>> cache.checkpoint(1)  # the dirty rows written back, then the store's checkpoint
+>>> t.pull([7]).tolist()
+[[0.0, 1.0]]
+>>> cache.close(); store.close()
+
+**Structure.** Buckets of ``slots`` entries: keys, records (``dim`` row values then the
+optimizer's ``state_len`` values, float32), a dirty flag and an LRU clock each. A key
+lives in the bucket its hash picks (:func:`embank.gpu.key_hash`, as :class:`GpuCache`).
+A pull finds the batch's ids; the misses take the bucket's empty slots first, then its
+least recently used ones among those the call does not use itself; an evicted dirty row
+is written back (``push_with_state``) before the misses are read, so a key evicted and
+missed again reads what was written. A miss is read with its state
+(``lookup_with_state``); one the table does not hold is created there with the table's
+initializer (``pull``), as a pull through the table creates it. Ids of a call that do not
+fit their bucket (more misses than the bucket has slots free for them) are answered
+from the table and updated straight through to it.
+
+**Updates** run on the device with PyTorch operations in the order of the store's own
+optimizer (``crates/embank-core/src/optim.rs``), in float32, with square roots, powers
+and divisions rounded as the host rounds them (PyTorch's vectorized ``sqrt`` and its
+division by a scalar through a reciprocal can be an ulp off): on the CPU every kind is
+bit for bit the store's (the tests check it). FBGEMM's table-step kinds
+(``FbgemmAdam``, ``Lamb``, their partial row-wise forms) bias-correct with the step
+passed to :meth:`push_grad` (or the last + 1), and a flush gives the table that step.
+
+**What the table holds.** Between flushes the cache owns its rows: the table has each
+cached row as it was when it was last written back. A checkpoint through
+:meth:`checkpoint` holds every update, so a run resumed after a crash from that
+checkpoint continues exactly as the uninterrupted one (the cache starts empty; it
+changes where rows are, never their values). ``write_back_every=k`` flushes every ``k``
+steps: readers of the table (other ranks, ``embank serve`` replicas fed by the update
+stream) then see rows at most ``k`` steps behind the trainer; ``write_back_every=1``
+with the tables on shared shards keeps what ``SparseOptimizer(distributed=True)``
+means: every step's updates are in the table before the next step's pulls.
+Writes made to cached rows through the table by anyone else are overwritten at the
+next write-back: train a table through one cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._gpu_buckets import EMPTY, key_hash
+from ._table import Table
+from .errors import InvalidInputError
+
+__all__ = ["TrainCache"]
+
+SLOTS_DEFAULT = 32
+_PINNED = 1 << 62  # a slot the call uses itself: never its victim
+_FREE = -(1 << 62)  # an empty slot: taken first
+_TABLE_STEP = ("fbgemm_adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
+_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw", "ftrl", *_TABLE_STEP)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32, as the store holds its hyper-parameters."""
+    return float(np.float32(x))
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square roots (the host's ``sqrtf``): PyTorch's vectorized
+    CPU ``sqrt`` may be an ulp off. Taken in float64 and rounded once more, which is exact
+    for a square root."""
+    return torch.sqrt(x.double()).float()
+
+
+def _div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+    """``a / b`` divided element by element: PyTorch turns ``scalar / tensor`` into a
+    reciprocal times the scalar, and CUDA ``tensor / scalar`` into a multiplication by
+    the reciprocal, each an ulp off the host's division at times."""
+    like = a if isinstance(a, torch.Tensor) else b
+    assert isinstance(like, torch.Tensor)
+    if not isinstance(a, torch.Tensor):
+        a = torch.full_like(like, a)
+    if not isinstance(b, torch.Tensor):
+        b = torch.full_like(like, b)
+    return torch.div(a, b)
+
+
+def _pow(base: float, t: torch.Tensor) -> torch.Tensor:
+    """``base ** t`` in float32 as the host's ``powf`` gives it (float64, then rounded)."""
+    return torch.pow(torch.tensor(base, dtype=torch.float64, device=t.device), t.double()).float()
+
+
+def _keys_tensor(keys: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(keys, torch.Tensor):
+        if keys.dtype not in (torch.int64, torch.int32):
+            raise InvalidInputError(f"ids must be an integer tensor, got {keys.dtype}")
+        k = keys.reshape(-1).to(device=device, dtype=torch.int64)
+    else:
+        arr = np.asarray(keys)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidInputError(f"ids must be integers, got {arr.dtype}")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 1 << 63:
+            raise InvalidInputError(f"ids must be below 2**63, got {int(arr.max())}")
+        k = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1).astype(np.int64))).to(device)
+    if k.numel() and bool((k < 0).any()):
+        raise InvalidInputError(f"ids must be non-negative, got {int(k[k < 0][0])}")
+    return k
+
+
+class TrainCache:
+    """The rows of ``table`` a trainer uses most, with their optimizer state, in
+    ``device`` memory, updated there (see the module's text).
+
+    Args:
+        table: an embank :class:`~embank.Table` with an optimizer (embedded or remote;
+            a remote one's primaries answer ``lookup_with_state``).
+        rows_max: rows the cache holds at most (rounded down to whole buckets), or
+        bytes_max: device bytes for the cache instead: rows and state (``4 * (dim +
+            state_len)`` a row) and 17 bytes of bookkeeping a row.
+        device: where the cache lives (default: ``"cuda"`` if available, else the CPU).
+        slots: entries per bucket (default 32, at most ``rows_max``).
+        write_back_every: flush every this many steps (default: never but when evicted,
+            at :meth:`flush` and :meth:`checkpoint`).
+    """
+
+    def __init__(
+        self,
+        table: Table,
+        rows_max: int | None = None,
+        *,
+        bytes_max: int | None = None,
+        device: str | torch.device | None = None,
+        slots: int = SLOTS_DEFAULT,
+        write_back_every: int | None = None,
+    ) -> None:
+        if not isinstance(table, Table):
+            raise InvalidInputError(f"TrainCache caches an embank Table, got {type(table).__name__}")
+        opt = table.optimizer
+        if opt is None:
+            raise InvalidInputError(
+                f"table {table.name!r} has no optimizer: a TrainCache applies the table's optimizer "
+                "on the device (create the table with optimizer=...)"
+            )
+        if opt["kind"] not in _KINDS:
+            raise InvalidInputError(f"optimizer {opt['kind']!r} is not applied on the device yet")
+        self.table = table
+        self.dim = table.dim
+        self.state_len = table.state_len
+        self.width = self.dim + self.state_len
+        if (rows_max is None) == (bytes_max is None):
+            raise InvalidInputError("give rows_max or bytes_max (one of them)")
+        if bytes_max is not None:
+            if bytes_max < 1:
+                raise InvalidInputError(f"bytes_max must be >= 1, got {bytes_max}")
+            rows_max = bytes_max // (4 * self.width + 17)
+        assert rows_max is not None
+        if rows_max < 1:
+            raise InvalidInputError(
+                f"rows_max must be >= 1 (bytes_max too small for one row), got {rows_max}"
+            )
+        if slots < 1:
+            raise InvalidInputError(f"slots must be >= 1, got {slots}")
+        if write_back_every is not None and write_back_every < 1:
+            raise InvalidInputError(f"write_back_every must be >= 1, got {write_back_every}")
+        self.slots = min(slots, rows_max)
+        self.n_buckets = rows_max // self.slots
+        self.rows_max = self.n_buckets * self.slots
+        self.write_back_every = write_back_every
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev, cap = self.device, self.rows_max
+        self.keys = torch.full((cap,), EMPTY, dtype=torch.int64, device=dev)
+        self.records = torch.zeros((cap, self.width), dtype=torch.float32, device=dev)
+        self.dirty = torch.zeros(cap, dtype=torch.bool, device=dev)
+        self.used = torch.zeros(cap, dtype=torch.int64, device=dev)
+        self._clock = 1
+        self._opt = {k: (_f32(v) if isinstance(v, float) else v) for k, v in opt.items()}
+        self._step = table.optimizer_step
+        self._step_written = self._step
+        self._steps_since_flush = 0
+        self._lock = threading.RLock()
+        self._closed = False
+        self._stats = dict.fromkeys(
+            (
+                "pulls",
+                "hits",
+                "misses",
+                "created",
+                "evicted",
+                "written_back",
+                "overflow",
+                "updates",
+                "flushes",
+            ),
+            0,
+        )
+
+    # ---- the API ----
+
+    def pull(self, ids: Any) -> torch.Tensor:
+        """Rows of ``ids`` (any shape of integers, repeats allowed) as ``(n, dim)`` float32
+        on the cache's device; a row the table does not hold is created there with the
+        table's initializer."""
+        k = _keys_tensor(ids, self.device)
+        uniq, inverse = torch.unique(k, return_inverse=True)
+        return self.pull_unique(uniq)[inverse]
+
+    def pull_unique(self, uniq: torch.Tensor) -> torch.Tensor:
+        """:meth:`pull` of ids already unique (an int64 tensor on the cache's device)."""
+        with self._lock:
+            self._check_open()
+            self._stats["pulls"] += 1
+            slot, spill = self._resident(uniq)
+            rows = torch.empty((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
+            inside = slot >= 0
+            rows[inside] = self.records[slot[inside], : self.dim]
+            if spill is not None:
+                rows[~inside] = spill[1][:, : self.dim]
+            return rows
+
+    def push_grad(self, ids: Any, grads: torch.Tensor, step: int | None = None) -> None:
+        """Applies the table's optimizer on the device to the rows of ``ids`` with
+        gradients ``grads`` (``(n, dim)``), duplicates summed first: one update a row a
+        call, as :meth:`embank.Table.push_grad`. ``step``: the training step for FBGEMM's
+        kinds (default: the last + 1). Rows not cached are brought in first."""
+        k = _keys_tensor(ids, self.device)
+        if not isinstance(grads, torch.Tensor):
+            grads = torch.as_tensor(np.asarray(grads, dtype=np.float32))
+        g = grads.detach().to(self.device, torch.float32).reshape(-1, self.dim) if grads.numel() else grads
+        if g.shape != (k.numel(), self.dim):
+            raise InvalidInputError(
+                f"grads must have shape ({k.numel()}, {self.dim}), got {tuple(grads.shape)}"
+            )
+        if g.numel() and not bool(torch.isfinite(g).all()):
+            raise InvalidInputError("grads hold a value that is not finite: nothing was updated")
+        with self._lock:
+            self._check_open()
+            step = self._step + 1 if step is None else int(step)
+            if step < 1:
+                raise InvalidInputError(f"step must be >= 1, got {step}")
+            self._step = max(self._step, step)
+            if k.numel():
+                uniq, inverse = torch.unique(k, return_inverse=True)
+                if uniq.numel() == k.numel():
+                    summed = torch.empty_like(g).index_copy_(0, inverse, g)
+                else:
+                    summed = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
+                    summed.index_add_(0, inverse, g)
+                slot, spill = self._resident(uniq)
+                inside = slot >= 0
+                s = slot[inside]
+                self.records[s] = self._update(self.records[s], summed[inside], step)
+                self.dirty[s] = True
+                if spill is not None:
+                    keys, recs = spill
+                    self._write_back(keys, self._update(recs, summed[~inside], step))
+                self._stats["updates"] += int(uniq.numel())
+            self._steps_since_flush += 1
+            if self.write_back_every is not None and self._steps_since_flush >= self.write_back_every:
+                self._flush()
+
+    def flush(self) -> int:
+        """Writes every dirty row (and its state) back to the table; returns how many.
+        The rows stay cached, clean."""
+        with self._lock:
+            self._check_open()
+            return self._flush()
+
+    def checkpoint(self, batch_id: int, meta: bytes = b"") -> None:
+        """:meth:`flush`, then the table's store's ``checkpoint(batch_id, meta)``: the
+        checkpoint holds every update made through the cache. Tables trained through
+        several caches: :meth:`flush` each, then ``store.checkpoint``."""
+        with self._lock:
+            self._check_open()
+            self._flush()
+            store = self.table._store
+            if store is None:
+                raise InvalidInputError("checkpoint needs a table obtained from its store")
+            store.checkpoint(batch_id, meta)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (pulls, hits, misses, created, evicted, written_back, overflow,
+        updates, flushes), the rows cached and dirty now, and the bound."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._stats)
+            out["rows"] = int((self.keys != EMPTY).sum())
+            out["dirty"] = int(self.dirty.sum())
+            out["rows_max"] = self.rows_max
+            out["hit_rate"] = self._stats["hits"] / max(1, self._stats["hits"] + self._stats["misses"])
+            return out
+
+    def close(self) -> None:
+        """Flushes, then frees the device memory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._flush()
+            self._closed = True
+            self.keys = self.records = self.dirty = self.used = torch.empty(0)
+
+    def __enter__(self) -> TrainCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainCache(table={self.table.name!r}, rows_max={self.rows_max}, slots={self.slots}, "
+            f"device={str(self.device)!r}, optimizer={self._opt['kind']!r})"
+        )
+
+    # ---- the structure ----
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidInputError("this TrainCache is closed")
+
+    def _flush(self) -> int:
+        d = self.dirty.nonzero().reshape(-1)
+        n = int(d.numel())
+        if n:
+            self._write_back(self.keys[d], self.records[d])
+            self.dirty[d] = False
+        if self._step > self._step_written and self._opt["kind"] in _TABLE_STEP:
+            # The table's step is the cache's: a checkpoint records it.
+            self.table.push_grad(np.empty(0, np.uint64), np.empty((0, self.dim), np.float32), self._step)
+        self._step_written = self._step
+        self._steps_since_flush = 0
+        self._stats["flushes"] += 1
+        return n
+
+    def _write_back(self, keys: torch.Tensor, records: torch.Tensor) -> None:
+        if not keys.numel():
+            return
+        k = keys.to("cpu").numpy().astype(np.uint64)
+        r = np.ascontiguousarray(records.detach().to("cpu", torch.float32).numpy())
+        self.table.push_with_state(k, r)
+        self._stats["written_back"] += int(k.size)
+
+    def _fetch(self, keys: torch.Tensor) -> torch.Tensor:
+        """Records of ``keys`` from the table; rows it does not hold are created there."""
+        k = keys.to("cpu").numpy().astype(np.uint64)
+        records, found = self.table.lookup_with_state(k)
+        if not found.all():
+            missing = ~found
+            records[missing, : self.dim] = self.table.pull(k[missing])
+            self._stats["created"] += int(missing.sum())
+        return torch.from_numpy(np.ascontiguousarray(records, dtype=np.float32)).to(self.device)
+
+    def _resident(self, uniq: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Makes ``uniq`` (unique ids) resident where their buckets have room: their slots
+        (-1 for those that do not fit) and, for those, ``(keys, records)`` read from the
+        table."""
+        s, nb = self.slots, self.n_buckets
+        clock = self._clock
+        self._clock += 1
+        bucket = torch.remainder(key_hash(uniq), nb)
+        base = bucket * s
+        cand = self.keys.view(nb, s)[bucket]
+        eq = cand == uniq[:, None]
+        hit = eq.any(dim=1)
+        slot = torch.where(hit, base + eq.to(torch.int8).argmax(dim=1), torch.full_like(base, -1))
+        hits = slot[hit]
+        self.used[hits] = clock
+        n_hit = int(hits.numel())
+        self._stats["hits"] += n_hit
+        spill = None
+        if n_hit == uniq.numel():
+            return slot, spill
+        miss = (~hit).nonzero().reshape(-1)
+        self._stats["misses"] += int(miss.numel())
+        mb = bucket[miss]
+        # Each bucket's slots in the order they are given out: empty ones, then the least
+        # recently used; the slots this call hits are never given.
+        buckets, binv, counts = torch.unique(mb, return_inverse=True, return_counts=True)
+        pri = self.used.view(nb, s)[buckets].clone()
+        pri[self.keys.view(nb, s)[buckets] == EMPTY] = _FREE
+        pinned = torch.zeros((nb * s,), dtype=torch.bool, device=self.device)
+        pinned[hits] = True
+        pinned_b = pinned.view(nb, s)[buckets]
+        pri[pinned_b] = _PINNED
+        order = torch.argsort(pri, dim=1, stable=True)
+        free = s - pinned_b.sum(dim=1)
+        # Each miss's rank among its bucket's misses.
+        by_bucket = torch.argsort(binv, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(by_bucket)
+        rank[by_bucket] = torch.arange(miss.numel(), device=self.device) - starts[binv[by_bucket]]
+        fits = rank < free[binv]
+        placed = miss[fits]
+        victims = buckets[binv[fits]] * s + order[binv[fits], rank[fits]]
+        # Evicted dirty rows go back before the misses are read.
+        old = self.keys[victims]
+        evicted = old != EMPTY
+        self._stats["evicted"] += int(evicted.sum())
+        out = victims[evicted & self.dirty[victims]]
+        if out.numel():
+            self._write_back(self.keys[out], self.records[out])
+        records = self._fetch(uniq[miss])
+        self.keys[victims] = uniq[placed]
+        self.records[victims] = records[fits]
+        self.dirty[victims] = False
+        self.used[victims] = clock
+        slot[placed] = victims
+        if not bool(fits.all()):
+            self._stats["overflow"] += int((~fits).sum())
+            spill = (uniq[miss[~fits]], records[~fits])
+        return slot, spill
+
+    # ---- the optimizers, in the store's order of operations ----
+
+    def _update(self, rec: torch.Tensor, g: torch.Tensor, step: int) -> torch.Tensor:
+        o, d = self._opt, self.dim
+        kind = o["kind"]
+        rec = rec.clone()
+        w = rec[:, :d]
+        if kind == "sgd":
+            rec[:, :d] = w - o["lr"] * g
+        elif kind == "adagrad":
+            s = rec[:, d : 2 * d] + g * g
+            rec[:, d : 2 * d] = s
+            rec[:, :d] = w - (o["lr"] * g) / (_sqrt(s) + o["eps"])
+        elif kind == "rowwise_adagrad":
+            acc = self._sum_squares_in_order(g)
+            s0 = rec[:, d] + _div(acc, float(d))
+            rec[:, d] = s0
+            mult = _div(o["lr"], _sqrt(s0) + o["eps"])
+            rec[:, :d] = w - mult[:, None] * g
+        elif kind == "ftrl":
+            z, n = rec[:, d : 2 * d], rec[:, 2 * d : 3 * d]
+            n_new = n + g * g
+            sigma = _div(_sqrt(n_new) - _sqrt(n), o["lr"])
+            z_new = z + (g - sigma * w)
+            l1 = o["l1"]
+            denom = _div(o["beta"] + _sqrt(n_new), o["lr"]) + o["l2"]
+            w_new = -(z_new - torch.sign(z_new) * l1) / denom
+            rec[:, :d] = torch.where(z_new.abs() <= l1, torch.zeros_like(w_new), w_new)
+            rec[:, d : 2 * d] = z_new
+            rec[:, 2 * d : 3 * d] = n_new
+        elif kind in ("adam", "adamw"):
+            if kind == "adamw":
+                decay = float(np.float32(1.0) - np.float32(o["lr"]) * np.float32(o["weight_decay"]))
+                w = w * decay
+            b1, b2 = o["beta1"], o["beta2"]
+            m, v, t = rec[:, d : 2 * d], rec[:, 2 * d : 3 * d], rec[:, 3 * d] + 1.0
+            bc1 = 1.0 - _pow(b1, t)
+            bc2 = 1.0 - _pow(b2, t)
+            m = b1 * m + _f32(1.0 - b1) * g
+            v = b2 * v + (_f32(1.0 - b2) * g) * g
+            mhat, vhat = m / bc1[:, None], v / bc2[:, None]
+            rec[:, :d] = w - (o["lr"] * mhat) / (_sqrt(vhat) + o["eps"])
+            rec[:, d : 2 * d], rec[:, 2 * d : 3 * d], rec[:, 3 * d] = m, v, t
+        else:
+            self._table_step(rec, g, step)
+        return rec
+
+    def _table_step(self, rec: torch.Tensor, g: torch.Tensor, step: int) -> None:
+        """FBGEMM's kernels for one row (``TableStepRule::apply`` in the store)."""
+        o, d = self._opt, self.dim
+        kind = str(o["kind"])
+        rowwise, lamb = kind.startswith("partial_rowwise"), kind.endswith("lamb")
+        b1, b2, eps, wd = o["beta1"], o["beta2"], o["eps"], o["weight_decay"]
+        bc1 = _f32(1.0 - float(np.float32(b1) ** np.float32(step)))
+        bc2 = _f32(1.0 - float(np.float32(b2) ** np.float32(step)))
+        w, m = rec[:, :d], rec[:, d : 2 * d]
+        if rowwise:
+            v0 = b2 * rec[:, 2 * d] + _f32(1.0 - b2) * _div(self._sum_squares_in_order(g), float(d))
+            rec[:, 2 * d] = v0
+            denominator = (_sqrt(_div(v0, bc2)) + eps)[:, None]
+        m = b1 * m + _f32(1.0 - b1) * g
+        rec[:, d : 2 * d] = m
+        if not rowwise:
+            v = b2 * rec[:, 2 * d : 3 * d] + (_f32(1.0 - b2) * g) * g
+            rec[:, 2 * d : 3 * d] = v
+            denominator = _sqrt(_div(v, bc2)) + eps
+        r = _div(m, bc1) / denominator + wd * w
+        if not lamb:
+            rec[:, :d] = w - o["lr"] * r
+            return
+        w_sq = self._sum_squares_in_order(w)
+        r_sq = self._sum_squares_in_order(r)
+        trust = torch.where(r_sq > 0, _sqrt(w_sq) / _sqrt(r_sq), torch.zeros_like(r_sq))
+        rec[:, :d] = w - (o["lr"] * trust)[:, None] * r
+
+    @staticmethod
+    def _sum_squares_in_order(x: torch.Tensor) -> torch.Tensor:
+        """Each row's sum of squares, added left to right in float32 (the store's order)."""
+        acc = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+        for j in range(x.shape[1]):
+            acc = acc + x[:, j] * x[:, j]
+        return acc

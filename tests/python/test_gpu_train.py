@@ -1,0 +1,218 @@
+"""embank.gpu.TrainCache, the write-back cache a trainer updates on the device: against a
+reference trained through the table alone (random batches, evictions, checkpoints, a
+reopen), and a SIGKILL mid-epoch resumed from the last checkpoint. On the CPU here (the
+same PyTorch operations run on CUDA)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import embank
+import embank.optim as eo
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+torch = pytest.importorskip("torch")
+from embank import gpu  # noqa: E402
+from embank.errors import InvalidInputError  # noqa: E402
+
+DIM = 8
+KEYS = 400
+
+OPTIMIZERS: dict[str, Any] = {
+    "sgd": eo.SGD(lr=0.05),
+    "adagrad": eo.Adagrad(lr=0.1, initial_accumulator_value=0.01),
+    "rowwise_adagrad": eo.RowWiseAdagrad(lr=0.1),
+    "adam": eo.Adam(lr=0.01),
+    "adamw": eo.AdamW(lr=0.01, weight_decay=0.05),
+    "ftrl": eo.Ftrl(lr=0.1, l1=0.001, l2=0.01),
+    "fbgemm_adam": eo.FbgemmAdam(lr=0.01, weight_decay=0.01),
+    "partial_rowwise_lamb": eo.PartialRowWiseLamb(lr=0.01),
+}
+
+
+def _batch(rng: np.random.Generator, n: int = 96) -> npt.NDArray[Any]:
+    """Zipf-skewed ids over KEYS keys, with repeats."""
+    return (rng.zipf(1.2, n) - 1) % KEYS
+
+
+def _records(t: embank.Table) -> npt.NDArray[Any]:
+    rec, found = t.lookup_with_state(np.arange(KEYS, dtype=np.uint64))
+    rec[~found] = np.nan  # a key the table does not hold
+    return rec
+
+
+def _assert_same(got: npt.NDArray[Any], want: npt.NDArray[Any], exact: bool, what: str) -> float:
+    assert np.array_equal(np.isnan(got), np.isnan(want)), f"{what}: the tables hold different keys"
+    diff = float(np.nanmax(np.abs(got - want))) if got.size else 0.0
+    if exact:
+        assert diff == 0.0, f"{what}: differs by {diff}"
+    else:
+        assert diff <= 1e-6, f"{what}: differs by {diff}"
+    return diff
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_a_write_back_cache_trains_as_the_table_alone(tmp_path: Path, kind: str) -> None:
+    opt = OPTIMIZERS[kind]
+    stores = {name: embank.open(str(tmp_path / name)) for name in ("cached", "reference")}
+    tables = {name: s.create_table("emb", dim=DIM, optimizer=opt) for name, s in stores.items()}
+    # Small buckets: evictions every step, and now and then more misses than a bucket holds.
+    cache = gpu.TrainCache(tables["cached"], rows_max=48, slots=8, device="cpu")
+    rng = np.random.default_rng(11)
+    # The cache's arithmetic is the store's, bit for bit, for every kind (on the CPU).
+    exact = True
+    seen: dict[str, int] = {}
+    diffs = []
+    for step in range(1, 61):
+        ids = _batch(rng)
+        grads = rng.standard_normal((len(ids), DIM)).astype(np.float32)
+        got = cache.pull(torch.from_numpy(ids)).numpy()
+        want = tables["reference"].pull(ids.astype(np.uint64))
+        _assert_same(got, want, exact, f"{kind}: pull of step {step}")
+        cache.push_grad(torch.from_numpy(ids), torch.from_numpy(grads), step)
+        tables["reference"].push_grad(ids.astype(np.uint64), grads, step)
+        if step % 10 == 0:
+            cache.checkpoint(step)
+            stores["reference"].checkpoint(step)
+            diffs.append(
+                _assert_same(
+                    _records(tables["cached"]),
+                    _records(tables["reference"]),
+                    exact,
+                    f"{kind}: checkpoint {step}",
+                )
+            )
+            assert tables["cached"].optimizer_step == tables["reference"].optimizer_step
+        if step == 30:
+            # Reopen both stores (the cache is flushed and closed first).
+            for k, v in cache.stats().items():
+                seen[k] = seen.get(k, 0) + v if isinstance(v, int) else v
+            cache.close()
+            for name in list(stores):
+                stores[name].close()
+                stores[name] = embank.open(str(tmp_path / name))
+                tables[name] = stores[name].table("emb")
+            cache = gpu.TrainCache(tables["cached"], rows_max=48, slots=8, device="cpu")
+    st = cache.stats()
+    assert seen["evicted"] > 0 and st["evicted"] > 0, (seen, st)
+    assert seen["written_back"] > 0 and seen["overflow"] + st["overflow"] > 0, (seen, st)
+    assert st["hits"] > 0 and st["misses"] > 0
+    cache.close()
+    for s in stores.values():
+        s.close()
+
+
+def test_between_write_backs_the_table_keeps_the_rows_of_the_last(tmp_path: Path) -> None:
+    s = embank.open(str(tmp_path / "s"))
+    t = s.create_table("emb", dim=DIM, optimizer=eo.SGD(lr=1.0))
+    t.push([1, 2], np.ones((2, DIM), np.float32))
+    cache = gpu.TrainCache(t, rows_max=8, device="cpu", write_back_every=3)
+    for _ in range(1, 3):
+        cache.push_grad(torch.tensor([1]), torch.ones(1, DIM))
+        assert t.pull([1])[0, 0] == 1.0, "a write-back cache wrote through"
+    assert cache.stats()["dirty"] == 1
+    cache.push_grad(torch.tensor([2]), torch.ones(1, DIM))  # the third step: written back
+    assert t.pull([1, 2])[:, 0].tolist() == [-1.0, 0.0]
+    assert cache.stats()["dirty"] == 0
+    # Bad input: refused with nothing changed.
+    with pytest.raises(InvalidInputError, match="not finite"):
+        cache.push_grad(torch.tensor([1]), torch.full((1, DIM), float("nan")))
+    with pytest.raises(InvalidInputError, match="shape"):
+        cache.push_grad(torch.tensor([1, 2]), torch.ones(1, DIM))
+    with pytest.raises(InvalidInputError, match="non-negative"):
+        cache.pull(torch.tensor([-3]))
+    assert cache.pull(torch.tensor([1]))[0, 0].item() == -1.0
+    cache.close()
+    with pytest.raises(InvalidInputError, match="closed"):
+        cache.pull(torch.tensor([1]))
+    plain = s.create_table("plain", dim=DIM)
+    with pytest.raises(InvalidInputError, match="no optimizer"):
+        gpu.TrainCache(plain, rows_max=8, device="cpu")
+    with pytest.raises(InvalidInputError, match="rows_max or bytes_max"):
+        gpu.TrainCache(t, device="cpu")
+    by_bytes = gpu.TrainCache(t, bytes_max=1 << 20, device="cpu")
+    assert by_bytes.rows_max > 0 and by_bytes.rows_max * (4 * DIM + 17) <= 1 << 20
+    by_bytes.close()
+    s.close()
+
+
+_TRAIN = textwrap.dedent(
+    """
+    import sys
+    import numpy as np, torch, embank, embank.optim as eo
+    from embank import gpu
+
+    path, first, last, kill_after = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    store = embank.open(path)
+    t = store.table("emb") if "emb" in store.tables() else store.create_table(
+        "emb", dim=8, optimizer=eo.Adagrad(lr=0.1, initial_accumulator_value=0.01)
+    )
+    cache = gpu.TrainCache(t, rows_max=48, slots=8, device="cpu")
+    for step in range(first, last + 1):
+        rng = np.random.default_rng(step)
+        ids = (rng.zipf(1.2, 96) - 1) % 400
+        grads = rng.standard_normal((len(ids), 8)).astype(np.float32)
+        cache.pull(torch.from_numpy(ids))
+        cache.push_grad(torch.from_numpy(ids), torch.from_numpy(grads))
+        if step % 5 == 0:
+            cache.checkpoint(step)
+            print("checkpoint", step, flush=True)
+        if kill_after and step == kill_after:
+            print("mid-epoch", step, flush=True)
+            sys.stdin.read()  # the parent kills it here, rows written back since the checkpoint
+    cache.close()
+    store.close()
+    """
+)
+
+
+def test_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+
+    def run(path: Path, first: int, last: int) -> None:
+        subprocess.run(
+            [sys.executable, "-c", _TRAIN, str(path), str(first), str(last), "0"], check=True, env=env
+        )
+
+    run(tmp_path / "whole", 1, 30)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _TRAIN, str(tmp_path / "killed"), "1", "30", "18"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith("mid-epoch"):
+            break
+    # Steps 16-18 evicted dirty rows into the table after checkpoint 15: the kill leaves them.
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    s = embank.open(str(tmp_path / "killed"))
+    assert s.checkpoints()[-1] == 15
+    s.close()
+    run(tmp_path / "killed", 16, 30)
+    got, want = (embank.open(str(tmp_path / n)) for n in ("killed", "whole"))
+    a, b = _records(got.table("emb")), _records(want.table("emb"))
+    assert not np.isnan(a).all()
+    assert np.array_equal(a, b, equal_nan=True), f"differs by {np.nanmax(np.abs(a - b))}"
+    got.close()
+    want.close()
+
+
+def test_module_docs_run() -> None:
+    import doctest
+
+    from embank import _gpu_train
+
+    failed, tried = doctest.testmod(_gpu_train)
+    assert tried > 0 and failed == 0
