@@ -1,6 +1,7 @@
 """``torch.nn.Embedding`` and ``torch.nn.EmbeddingBag`` over one embank table (or a
-worker of it, or in eval mode a :class:`embank.gpu.GpuCache`): each forward pulls the
-batch's unique rows, backward hands their gradient to the table's optimizer."""
+worker of it, in eval mode a :class:`embank.gpu.GpuCache`, or a
+:class:`embank.gpu.TrainCache`): each forward pulls the batch's unique rows, backward
+hands their gradient to the table's optimizer (a TrainCache's: on its device)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ._gradients import _pending_for, _StepCounter
 from ._jagged import _to_keys
 from ._table import Source, Table, Worker, _table_of
 from .errors import InvalidInputError
-from .gpu import GpuCache
+from .gpu import GpuCache, TrainCache
 
 __all__ = ["Embedding", "EmbeddingBag"]
 
@@ -26,12 +27,16 @@ class _Lookup(torch.nn.Module):
 
     _where: torch.Tensor
 
-    def __init__(self, source: Source | GpuCache, push: str) -> None:
+    def __init__(self, source: Source | GpuCache | TrainCache, push: str) -> None:
         super().__init__()
         self.cache: GpuCache | None = None
+        # Training on the device: pulls from it, gradients applied there (see embank.gpu).
+        self.trainer: TrainCache | None = None
         if isinstance(source, GpuCache):
             # Eval-mode lookups answered on the cache's device (see embank.gpu).
             self.cache, source = source, source.table
+        if isinstance(source, TrainCache):
+            self.trainer, source = source, source.table
         if push not in ("step", "backward"):
             raise InvalidInputError(f'push must be "step" or "backward", got {push!r}')
         if not isinstance(source, (Table, Worker)):
@@ -40,7 +45,8 @@ class _Lookup(torch.nn.Module):
         self.push = push
         self.table = _table_of(source)
         self.dim = self.table.dim
-        self.pending = _pending_for(source)
+        # A TrainCache's gradients go to it (as device tensors), a step's summed there.
+        self.pending = _pending_for(self.trainer if self.trainer is not None else source)  # type: ignore[arg-type]
         # push="backward": each backward is a training step (FBGEMM's fused backward).
         self._steps = _StepCounter()
         # Moved by ``module.to(device)`` with the model: where outputs go (not saved).
@@ -62,9 +68,11 @@ class _Lookup(torch.nn.Module):
         return self.cache.lookup(ids.reshape(-1)).to(device)
 
     def unique_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unique rows ``(u, dim)`` on the host (a leaf that requires grad when training)
-        and the inverse index of ``ids``."""
+        """Unique rows ``(u, dim)`` on the host (a TrainCache's: on its device; a leaf
+        that requires grad when training) and the inverse index of ``ids``."""
         training = torch.is_grad_enabled() and self.training
+        if self.trainer is not None:
+            return self._trainer_rows(ids, training)
         uniq, inverse = torch.unique(ids.reshape(-1).to("cpu"), sorted=True, return_inverse=True)
         keys = _to_keys(uniq, "ids")
         # A worker's pull holds keys until their gradient is pushed: only when training.
@@ -72,6 +80,24 @@ class _Lookup(torch.nn.Module):
         if training:
             rows.requires_grad_(True)
             rows.register_hook(self._hook(keys))  # type: ignore[no-untyped-call]
+        return rows, inverse
+
+    def _trainer_rows(self, ids: torch.Tensor, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        trainer = self.trainer
+        assert trainer is not None
+        uniq, inverse = torch.unique(ids.reshape(-1).to(trainer.device), return_inverse=True)
+        rows = trainer.pull_unique(uniq)
+        if training:
+            rows.requires_grad_(True)
+
+            def hook(grad: torch.Tensor) -> None:
+                g = grad.detach().to(torch.float32)
+                if self.push == "backward":
+                    trainer.push_grad(uniq, g, self._steps.next([self.table]))
+                else:
+                    self.pending.add(uniq, g)  # type: ignore[arg-type]
+
+            rows.register_hook(hook)  # type: ignore[no-untyped-call]
         return rows, inverse
 
     def _hook(self, keys: npt.NDArray[np.uint64]) -> Callable[[torch.Tensor], None]:
@@ -92,7 +118,7 @@ class Embedding(_Lookup):
     """``torch.nn.Embedding`` over an embank table: ``forward(ids)`` of any shape returns
     ``(*ids.shape, dim)``. Each unique id is pulled once per call."""
 
-    def __init__(self, table: Source | GpuCache, *, push: str = "step") -> None:
+    def __init__(self, table: Source | GpuCache | TrainCache, *, push: str = "step") -> None:
         super().__init__(table, push)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -100,6 +126,8 @@ class Embedding(_Lookup):
         if self.cache is not None:
             return self.cached_rows(input, device).reshape(*input.shape, self.dim)
         rows, inverse = self.unique_rows(input)
+        if self.trainer is not None:  # on the cache's device already
+            return F.embedding(inverse, rows).reshape(*input.shape, self.dim).to(device)
         # On a device: the unique rows and the inverse go up, the rows' gradient comes down.
         rows, inverse = _to_device(rows, device), _to_device(inverse, device)
         return F.embedding(inverse, rows).reshape(*input.shape, self.dim)
@@ -118,9 +146,16 @@ class EmbeddingBag(_Lookup):
     pull would create) and nothing is stored."""
 
     def __init__(
-        self, table: Source | GpuCache, mode: str = "sum", *, push: str = "step", pooled: bool = False
+        self,
+        table: Source | GpuCache | TrainCache,
+        mode: str = "sum",
+        *,
+        push: str = "step",
+        pooled: bool = False,
     ) -> None:
         super().__init__(table, push)
+        if pooled and self.trainer is not None:
+            raise InvalidInputError("pooled=True pools in the store: it does not combine with a TrainCache")
         if pooled and self.cache is not None:
             raise InvalidInputError("pooled=True pools in the store: it does not combine with a GpuCache")
         if mode not in ("sum", "mean"):
@@ -168,8 +203,11 @@ class EmbeddingBag(_Lookup):
         # Pooled on the host: on a device only the pooled rows go up and their gradient
         # comes down.
         rows, inverse = self.unique_rows(input)
-        weights = None if per_sample_weights is None else per_sample_weights.to("cpu")
-        pooled = F.embedding_bag(inverse, rows, offsets.to("cpu"), mode=self.mode, per_sample_weights=weights)
+        at = rows.device  # a TrainCache's device, else the host
+        weights = None if per_sample_weights is None else per_sample_weights.to(at)
+        pooled = F.embedding_bag(inverse, rows, offsets.to(at), mode=self.mode, per_sample_weights=weights)
+        if self.trainer is not None:
+            return pooled.to(device)
         return _to_device(pooled, device)
 
     def extra_repr(self) -> str:

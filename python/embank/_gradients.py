@@ -56,6 +56,10 @@ class _Pending:
             self.keys, self.grads = [], []
         if len(keys) == 1:
             return keys[0], grads[0]
+        if not isinstance(keys[0], np.ndarray):  # a TrainCache's: device tensors
+            import torch
+
+            return torch.cat(keys), torch.cat(grads)
         return np.concatenate(keys), np.concatenate(grads)
 
     def clear(self) -> None:

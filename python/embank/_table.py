@@ -460,7 +460,8 @@ Source = Union[Table, Worker]
 
 
 def _table_of(source: Source) -> Table:
-    return source.table if isinstance(source, Worker) else source
+    # A Worker's, or a TrainCache's (embank.gpu): its table.
+    return source if isinstance(source, Table) else source.table
 
 
 class FusedTables:

@@ -216,3 +216,51 @@ def test_module_docs_run() -> None:
 
     failed, tried = doctest.testmod(_gpu_train)
     assert tried > 0 and failed == 0
+
+
+@pytest.mark.parametrize("push", ["step", "backward"])
+def test_modules_train_through_the_cache_as_through_the_table(tmp_path: Path, push: str) -> None:
+    from embank import torch as et
+
+    def train(cached: bool) -> npt.NDArray[Any]:
+        store = embank.open(str(tmp_path / f"{cached}-{push}"))
+        t = store.create_table("emb", dim=DIM, optimizer=eo.Adagrad(lr=0.1, initial_accumulator_value=0.01))
+        u = store.create_table("seq", dim=DIM, optimizer=eo.SGD(lr=0.05))
+        caches = [gpu.TrainCache(x, rows_max=40, slots=8, device="cpu") for x in (t, u)] if cached else []
+        bag = et.EmbeddingBag(caches[0] if cached else t, "sum", push=push)
+        seq = et.Embedding(caches[1] if cached else u, push=push)
+        torch.manual_seed(3)
+        dense = torch.nn.Linear(2 * DIM, 1)
+        sparse = et.SparseOptimizer([bag, seq]) if push == "step" else None
+        dense_opt = torch.optim.SGD(dense.parameters(), lr=0.01)
+        rng = np.random.default_rng(5)
+        for _ in range(25):
+            ids = torch.from_numpy(_batch(rng, 64))
+            offsets = torch.arange(0, 64, 4)
+            weights = torch.from_numpy(rng.random(64).astype(np.float32))
+            x = torch.cat([bag(ids, offsets, weights), seq(ids[::4])], 1)
+            loss = dense(x).square().mean()
+            dense_opt.zero_grad()
+            loss.backward()
+            dense_opt.step()
+            if sparse is not None:
+                sparse.step()
+        for c in caches:
+            c.close()
+        out = np.concatenate([_records(t), _records(u)], 1)
+        store.close()
+        return out
+
+    want, got = train(False), train(True)
+    assert np.array_equal(got, want, equal_nan=True), f"differs by {np.nanmax(np.abs(got - want))}"
+
+
+def test_distributed_sparse_optimizer_refuses_a_train_cache(tmp_path: Path) -> None:
+    from embank import torch as et
+
+    s = embank.open(str(tmp_path / "s"))
+    t = s.create_table("emb", dim=DIM, optimizer=eo.SGD(lr=0.1))
+    bag = et.EmbeddingBag(gpu.TrainCache(t, rows_max=8, device="cpu"))
+    with pytest.raises(InvalidInputError, match="TrainCache|torch.distributed"):
+        et.SparseOptimizer(bag, distributed=True)
+    s.close()
