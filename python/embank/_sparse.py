@@ -80,6 +80,11 @@ class SparseOptimizer:
             raise InvalidInputError(f"delay must be >= 0, got {delay}")
         self.delay = delay
         self.distributed = distributed
+        if distributed and any(lk.trainer is not None for lk in lookups):
+            raise InvalidInputError(
+                "distributed=True averages every rank's gradients in the tables: a TrainCache keeps "
+                "its rows on one trainer (train each table through one cache, or through the tables)"
+            )
         if distributed:
             import torch.distributed as dist
 
@@ -89,11 +94,6 @@ class SparseOptimizer:
                 )
             if delay:
                 raise InvalidInputError("distributed=True pushes every step: no delay")
-        if distributed and any(lk.trainer is not None for lk in lookups):
-            raise InvalidInputError(
-                "distributed=True averages every rank's gradients in the tables: a TrainCache keeps "
-                "its rows on one trainer (train each table through one cache, or through the tables)"
-            )
         self._pending: list[_Pending] = []
         for lk in lookups:
             if lk.push == "step" and lk.pending not in self._pending:
