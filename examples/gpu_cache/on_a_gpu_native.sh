@@ -2,7 +2,8 @@
 # The native GPU path's checks and measurements on a machine with an NVIDIA GPU, in one
 # call of about four minutes: the CUDA tests (the native path on CUDA and on the emulator
 # where the build has it; the Triton/PyTorch paths' tests too), then
-# examples/gpu_cache/native_bench.py at full size. Each step has its own time limit.
+# examples/gpu_cache/native_bench.py at full size, then examples/gpu_cache/train_bench.py
+# (training through TrainCache). Each step has its own time limit.
 #
 #   bash examples/gpu_cache/on_a_gpu_native.sh OUT_DIR [WORK_DIR]
 #
@@ -34,4 +35,9 @@ step native bench
 timeout "${BENCH_TIMEOUT:-330}" "$py" examples/gpu_cache/native_bench.py --out "$work" ${BENCH_ARGS:-} \
     2>&1 | tee "$out/bench.txt" | tail -150
 cp "$work/native.json" "$out/" 2>/dev/null
+
+step train bench
+timeout "${TRAIN_TIMEOUT:-240}" "$py" examples/gpu_cache/train_bench.py --out "$work/train" ${TRAIN_ARGS:-} \
+    2>&1 | tee "$out/train.txt" | tail -20
+cp "$work/train/train.json" "$out/" 2>/dev/null
 step done

@@ -247,7 +247,7 @@ def test_modules_train_through_the_cache_as_through_the_table(tmp_path: Path, pu
                 sparse.step()
         for c in caches:
             c.close()
-        out = np.concatenate([_records(t), _records(u)], 1)
+        out: npt.NDArray[Any] = np.concatenate([_records(t), _records(u)], 1)
         store.close()
         return out
 
@@ -264,3 +264,20 @@ def test_distributed_sparse_optimizer_refuses_a_train_cache(tmp_path: Path) -> N
     with pytest.raises(InvalidInputError, match="TrainCache keeps its rows on one trainer"):
         et.SparseOptimizer(bag, distributed=True)
     s.close()
+
+
+def test_the_training_bench_runs_on_the_cpu(tmp_path: Path) -> None:
+    """examples/gpu_cache/train_bench.py, the GPU check's script, at tiny sizes: the three
+    ways train, and the cache's losses are the host path's (the same arithmetic)."""
+    import json
+
+    bench = Path(__file__).resolve().parents[2] / "examples" / "gpu_cache" / "train_bench.py"
+    subprocess.run(
+        [sys.executable, str(bench), "--device", "cpu", "--small-run", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    r = json.loads((tmp_path / "train.json").read_text())
+    assert r["largest_loss_difference_cache_host"] == 0.0
+    assert 0 < r["cache"]["hit_rate"] < 1 and r["cache"]["written_back"] > 0
