@@ -58,6 +58,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from ._gpu_buckets import EMPTY, key_hash
@@ -120,6 +121,104 @@ def _keys_tensor(keys: Any, device: torch.device) -> torch.Tensor:
     return k
 
 
+class _Writer:
+    """Rows going back to the table, oldest first, written by a thread of their own: an
+    eviction costs the step a copy to the host, not the table's write. A batch leaves
+    the queue once written, so a read of the table never misses a row in flight:
+    :meth:`TrainCache._fetch` reads the queue first (the newest copy of a key wins)."""
+
+    def __init__(self, table: Table, background: bool, rows_max: int) -> None:
+        self.table = table
+        self.background = background
+        self.rows_max = rows_max  # rows queued at most: an eviction waits beyond it
+        self.queue: list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]] = []
+        self.queued = 0
+        self.written = 0
+        self.error: BaseException | None = None
+        self.stop = False
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+
+    def put(self, keys: npt.NDArray[np.uint64], records: npt.NDArray[np.float32]) -> None:
+        if not self.background:
+            self.table.push_with_state(keys, records)
+            self.written += int(keys.size)
+            return
+        with self.cond:
+            self.raise_error()
+            while self.queued and self.queued + keys.size > self.rows_max and self.error is None:
+                self.cond.wait()
+            self.raise_error()
+            self.queue.append((keys, records))
+            self.queued += int(keys.size)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.run, name="embank-train-cache-writer", daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.stop:
+                    self.cond.wait()
+                if not self.queue:
+                    return
+                keys, records = self.queue[0]
+            try:
+                self.table.push_with_state(keys, records)
+            except BaseException as e:  # handed to the trainer's next call
+                with self.cond:
+                    self.error = e
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                self.queue.pop(0)
+                self.queued -= int(keys.size)
+                self.written += int(keys.size)
+                self.cond.notify_all()
+
+    def drain(self) -> None:
+        """Waits until every queued row is in the table."""
+        with self.cond:
+            while self.queue and self.error is None:
+                self.cond.wait()
+            self.raise_error()
+
+    def close(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise InvalidInputError(
+                f"writing rows back to table {self.table.name!r} failed: {self.error}"
+            ) from self.error
+
+    def take(
+        self, keys: npt.NDArray[np.uint64]
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32] | None]:
+        """The queued records of ``keys`` (the newest of each): which were queued, and
+        their records (rows of the others undefined)."""
+        with self.cond:
+            if not self.queue:
+                return np.zeros(keys.size, dtype=bool), None
+            got = np.zeros(keys.size, dtype=bool)
+            out: npt.NDArray[np.float32] | None = None
+            for qk, qr in reversed(self.queue):
+                pos = np.searchsorted(qk, keys)
+                pos[pos >= qk.size] = 0
+                hit = (qk[pos] == keys) & ~got
+                if hit.any():
+                    if out is None:
+                        out = np.empty((keys.size, qr.shape[1]), dtype=np.float32)
+                    out[hit] = qr[pos[hit]]
+                    got |= hit
+            return got, out
+
+
 class TrainCache:
     """The rows of ``table`` a trainer uses most, with their optimizer state, in
     ``device`` memory, updated there (see the module's text).
@@ -134,6 +233,10 @@ class TrainCache:
         slots: entries per bucket (default 32, at most ``rows_max``).
         write_back_every: flush every this many steps (default: never but when evicted,
             at :meth:`flush` and :meth:`checkpoint`).
+        write_back: ``"background"`` (default: evicted rows are written to the table by
+            a thread of the cache's, off the step's path; at most ``queue_rows_max``
+            rows wait) or ``"inline"`` (before the step goes on).
+        queue_rows_max: rows waiting for the background writer at most (default 1 Mi).
     """
 
     def __init__(
@@ -145,6 +248,8 @@ class TrainCache:
         device: str | torch.device | None = None,
         slots: int = SLOTS_DEFAULT,
         write_back_every: int | None = None,
+        write_back: str = "background",
+        queue_rows_max: int = 1 << 20,
     ) -> None:
         if not isinstance(table, Table):
             raise InvalidInputError(f"TrainCache caches an embank Table, got {type(table).__name__}")
@@ -175,6 +280,11 @@ class TrainCache:
             raise InvalidInputError(f"slots must be >= 1, got {slots}")
         if write_back_every is not None and write_back_every < 1:
             raise InvalidInputError(f"write_back_every must be >= 1, got {write_back_every}")
+        if write_back not in ("background", "inline"):
+            raise InvalidInputError(f'write_back must be "background" or "inline", got {write_back!r}')
+        if queue_rows_max < 1:
+            raise InvalidInputError(f"queue_rows_max must be >= 1, got {queue_rows_max}")
+        self._writer = _Writer(table, write_back == "background", queue_rows_max)
         self.slots = min(slots, rows_max)
         self.n_buckets = rows_max // self.slots
         self.rows_max = self.n_buckets * self.slots
@@ -306,7 +416,10 @@ class TrainCache:
         with self._lock:
             if self._closed:
                 return
-            self._flush()
+            try:
+                self._flush()
+            finally:
+                self._writer.close()
             self._closed = True
             self.keys = self.records = self.dirty = self.used = torch.empty(0)
 
@@ -327,6 +440,7 @@ class TrainCache:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidInputError("this TrainCache is closed")
+        self._writer.raise_error()
 
     def _flush(self) -> int:
         d = self.dirty.nonzero().reshape(-1)
@@ -334,6 +448,7 @@ class TrainCache:
         if n:
             self._write_back(self.keys[d], self.records[d])
             self.dirty[d] = False
+        self._writer.drain()  # after the evictions queued before them
         if self._step > self._step_written and self._opt["kind"] in _TABLE_STEP:
             # The table's step is the cache's: a checkpoint records it.
             self.table.push_grad(np.empty(0, np.uint64), np.empty((0, self.dim), np.float32), self._step)
@@ -346,14 +461,19 @@ class TrainCache:
         if not keys.numel():
             return
         k = keys.to("cpu").numpy().astype(np.uint64)
-        r = np.ascontiguousarray(records.detach().to("cpu", torch.float32).numpy())
-        self.table.push_with_state(k, r)
+        order = np.argsort(k)  # sorted: the queue is searched by key
+        r = np.ascontiguousarray(records.detach().to("cpu", torch.float32).numpy()[order])
+        self._writer.put(np.ascontiguousarray(k[order]), r)
         self._stats["written_back"] += int(k.size)
 
     def _fetch(self, keys: torch.Tensor) -> torch.Tensor:
         """Records of ``keys`` from the table; rows it does not hold are created there."""
         k = keys.to("cpu").numpy().astype(np.uint64)
+        queued, rows = self._writer.take(k)
         records, found = self.table.lookup_with_state(k)
+        if rows is not None:
+            records[queued] = rows[queued]
+            found |= queued
         if not found.all():
             missing = ~found
             records[missing, : self.dim] = self.table.pull(k[missing])

@@ -59,13 +59,15 @@ def _assert_same(got: npt.NDArray[Any], want: npt.NDArray[Any], exact: bool, wha
     return diff
 
 
-@pytest.mark.parametrize("kind", list(OPTIMIZERS))
-def test_a_write_back_cache_trains_as_the_table_alone(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "write_back"), [(k, "background") for k in OPTIMIZERS] + [("adagrad", "inline")]
+)
+def test_a_write_back_cache_trains_as_the_table_alone(tmp_path: Path, kind: str, write_back: str) -> None:
     opt = OPTIMIZERS[kind]
     stores = {name: embank.open(str(tmp_path / name)) for name in ("cached", "reference")}
     tables = {name: s.create_table("emb", dim=DIM, optimizer=opt) for name, s in stores.items()}
     # Small buckets: evictions every step, and now and then more misses than a bucket holds.
-    cache = gpu.TrainCache(tables["cached"], rows_max=48, slots=8, device="cpu")
+    cache = gpu.TrainCache(tables["cached"], rows_max=48, slots=8, device="cpu", write_back=write_back)
     rng = np.random.default_rng(11)
     # The cache's arithmetic is the store's, bit for bit, for every kind (on the CPU).
     exact = True
@@ -100,7 +102,9 @@ def test_a_write_back_cache_trains_as_the_table_alone(tmp_path: Path, kind: str)
                 stores[name].close()
                 stores[name] = embank.open(str(tmp_path / name))
                 tables[name] = stores[name].table("emb")
-            cache = gpu.TrainCache(tables["cached"], rows_max=48, slots=8, device="cpu")
+            cache = gpu.TrainCache(
+                tables["cached"], rows_max=48, slots=8, device="cpu", write_back=write_back
+            )
     st = cache.stats()
     assert seen["evicted"] > 0 and st["evicted"] > 0, (seen, st)
     assert seen["written_back"] > 0 and seen["overflow"] + st["overflow"] > 0, (seen, st)
