@@ -32,7 +32,7 @@ from ._torchrec import (
     table_for_config,
 )
 from .errors import ConfigError, InvalidInputError
-from .gpu import GpuCache
+from .gpu import GpuCache, TrainCache
 
 __all__ = ["EmbeddingBagCollection", "EmbeddingCollection"]
 
@@ -138,10 +138,11 @@ class EmbeddingBagCollection(torch.nn.Module):
     :meth:`SparseOptimizer.step` applies every table's optimizer in one call
     (``push="backward"``: backward applies it). The results are the per-table
     modules' up to the order floats are summed in. ``fused=False``, a
-    :class:`~embank.gpu.GpuCache` or ``pooled=True`` give one :class:`EmbeddingBag`
-    per feature instead. Weights that require grad get their gradient (the rows then
-    pool in torch); ``is_weighted=False`` ignores the input's weights, ``True`` requires
-    them (TorchRec's ``is_weighted``), ``None`` (default) uses them where given.
+    :class:`~embank.gpu.GpuCache`, a :class:`~embank.gpu.TrainCache` (training on its
+    device) or ``pooled=True`` give one :class:`EmbeddingBag` per feature instead.
+    Weights that require grad get their gradient (the rows then pool in torch);
+    ``is_weighted=False`` ignores the input's weights, ``True`` requires them
+    (TorchRec's ``is_weighted``), ``None`` (default) uses them where given.
 
     :meth:`prefetch` wraps a batch iterator so each batch's rows are read into the
     store's row cache while the batch before it trains.
@@ -156,7 +157,7 @@ class EmbeddingBagCollection(torch.nn.Module):
 
     def __init__(
         self,
-        features: Mapping[str, Source | GpuCache],
+        features: Mapping[str, Source | GpuCache | TrainCache],
         mode: str | Mapping[str, str] = "sum",
         *,
         push: str = "step",
@@ -187,7 +188,9 @@ class EmbeddingBagCollection(torch.nn.Module):
         if fused is None:
             fused = plain and not pooled
         if fused and not plain:
-            raise InvalidInputError("fused=True needs every feature on a Table or Worker (not a GpuCache)")
+            raise InvalidInputError(
+                "fused=True needs every feature on a Table or Worker (not a GpuCache or TrainCache)"
+            )
         if fused and pooled:
             raise InvalidInputError("pooled=True pools bags per table in the store: use fused=False with it")
         self.feature_names = list(features)
@@ -249,6 +252,8 @@ class EmbeddingBagCollection(torch.nn.Module):
         threads: int | None = None,
         is_weighted: bool = False,
         allow_ids_beyond_num_embeddings: bool = False,
+        train_cache_rows: int | None = None,
+        device: str | torch.device | None = None,
     ) -> EmbeddingBagCollection:
         """A drop-in for ``torchrec.EmbeddingBagCollection(tables=...)`` with a fused
         optimizer: ``forward(kjt)`` takes a ``KeyedJaggedTensor`` and returns a
@@ -278,7 +283,13 @@ class EmbeddingBagCollection(torch.nn.Module):
 
         ``is_weighted`` as TorchRec's: ``False`` (default) pools ids unweighted and
         ignores a KJT's weights, ``True`` pools with them (SUM tables only) and gives
-        them their gradient. TorchRec's ``EmbeddingConfig`` (unpooled) is refused."""
+        them their gradient. TorchRec's ``EmbeddingConfig`` (unpooled) is refused.
+
+        ``train_cache_rows``: train on the accelerator through a
+        :class:`~embank.gpu.TrainCache` of that many rows a table (at most its
+        ``num_embeddings``) on ``device`` (default: CUDA if available): the batch's rows
+        are found, pooled and updated there, and only misses and evicted rows cross to
+        the store. Flush the caches (:meth:`train_caches`) before ``store.checkpoint``."""
         if not tables:
             raise InvalidInputError("from_configs needs at least one table config")
         opt = None if optimizer is None else optimizer_from_spec(optimizer)
@@ -289,15 +300,21 @@ class EmbeddingBagCollection(torch.nn.Module):
                 f"is_weighted=True needs SUM pooling (as torch.nn.EmbeddingBag's weights): "
                 f"tables {means} pool MEAN"
             )
+        if train_cache_rows is not None and train_cache_rows < 1:
+            raise InvalidInputError(f"train_cache_rows must be >= 1, got {train_cache_rows}")
         modes: dict[str, str] = {}
-        features: dict[str, Source | GpuCache] = {}
+        features: dict[str, Source | GpuCache | TrainCache] = {}
         bounds: list[tuple[int, str]] = []
         for c in tables:
             table = table_for_config(store, c, opt, table_options or {})
+            source: Table | TrainCache = table
+            if train_cache_rows is not None:
+                rows = min(train_cache_rows, int(c.num_embeddings))
+                source = TrainCache(table, rows_max=rows, device=device)
             for f in c.feature_names:
                 if f in features:
                     raise InvalidInputError(f"feature {f!r} is in two table configs")
-                features[f] = table
+                features[f] = source
                 modes[f] = pooling[c.name]
                 bounds.append((int(c.num_embeddings), c.name))
         if not features:
@@ -309,6 +326,16 @@ class EmbeddingBagCollection(torch.nn.Module):
         made._features.id_bounds = None if allow_ids_beyond_num_embeddings else bounds
         made.store = store
         return made
+
+    def train_caches(self) -> list[TrainCache]:
+        """The :class:`~embank.gpu.TrainCache` of each table trained through one (in
+        feature order, each once): flush them before ``store.checkpoint(batch_id)``."""
+        found: list[TrainCache] = []
+        for bag in self.bags.values():
+            trainer = getattr(bag, "trainer", None)
+            if trainer is not None and trainer not in found:
+                found.append(trainer)
+        return found
 
     def embedding_bag_configs(self) -> list[Any]:
         """The table configs of :meth:`from_configs` (as TorchRec's collection has them)."""
