@@ -296,6 +296,8 @@ class TrainCache:
         self.dirty = torch.zeros(cap, dtype=torch.bool, device=dev)
         self.used = torch.zeros(cap, dtype=torch.int64, device=dev)
         self._clock = 1
+        self._placed = 0  # counts calls that placed rows: a slot found before still holds its key
+        self._last_pull: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self._opt = {k: (_f32(v) if isinstance(v, float) else v) for k, v in opt.items()}
         self._step = table.optimizer_step
         self._step_written = self._step
@@ -333,6 +335,8 @@ class TrainCache:
             self._check_open()
             self._stats["pulls"] += 1
             slot, spill = self._resident(uniq)
+            # Its gradient's push_grad (the same tensor, no row placed since) finds nothing.
+            self._last_pull = (uniq, slot, self._placed) if spill is None else None
             rows = torch.empty((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
             inside = slot >= 0
             rows[inside] = self.records[slot[inside], : self.dim]
@@ -345,6 +349,19 @@ class TrainCache:
         gradients ``grads`` (``(n, dim)``), duplicates summed first: one update a row a
         call, as :meth:`embank.Table.push_grad`. ``step``: the training step for FBGEMM's
         kinds (default: the last + 1). Rows not cached are brought in first."""
+        last = self._last_pull
+        if last is not None and ids is last[0] and last[2] == self._placed:
+            # The ids of the last pull_unique, all still where it found them.
+            if not isinstance(grads, torch.Tensor) or grads.shape != (ids.numel(), self.dim):
+                raise InvalidInputError(f"grads must have shape ({ids.numel()}, {self.dim})")
+            g = grads.detach().to(self.device, torch.float32)
+            if g.numel() and not bool(torch.isfinite(g).all()):
+                raise InvalidInputError("grads hold a value that is not finite: nothing was updated")
+            with self._lock:
+                self._check_open()
+                if self._last_pull is last and last[2] == self._placed:
+                    self._apply(last[1], None, g, self._next_step(step), ids.numel())
+                    return
         k = _keys_tensor(ids, self.device)
         if not isinstance(grads, torch.Tensor):
             grads = torch.as_tensor(np.asarray(grads, dtype=np.float32))
@@ -357,29 +374,50 @@ class TrainCache:
             raise InvalidInputError("grads hold a value that is not finite: nothing was updated")
         with self._lock:
             self._check_open()
-            step = self._step + 1 if step is None else int(step)
-            if step < 1:
-                raise InvalidInputError(f"step must be >= 1, got {step}")
-            self._step = max(self._step, step)
-            if k.numel():
-                uniq, inverse = torch.unique(k, return_inverse=True)
-                if uniq.numel() == k.numel():
-                    summed = torch.empty_like(g).index_copy_(0, inverse, g)
-                else:
-                    summed = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
-                    summed.index_add_(0, inverse, g)
-                slot, spill = self._resident(uniq)
+            step = self._next_step(step)
+            if not k.numel():
+                self._apply(None, None, g, step, 0)
+                return
+            uniq, inverse = torch.unique(k, return_inverse=True)
+            if uniq.numel() == k.numel():
+                summed = torch.empty_like(g).index_copy_(0, inverse, g)
+            else:
+                summed = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
+                summed.index_add_(0, inverse, g)
+            slot, spill = self._resident(uniq)
+            self._apply(slot, spill, summed, step, uniq.numel())
+
+    def _next_step(self, step: int | None) -> int:
+        step = self._step + 1 if step is None else int(step)
+        if step < 1:
+            raise InvalidInputError(f"step must be >= 1, got {step}")
+        self._step = max(self._step, step)
+        return step
+
+    def _apply(
+        self,
+        slot: torch.Tensor | None,
+        spill: tuple[torch.Tensor, torch.Tensor] | None,
+        summed: torch.Tensor,
+        step: int,
+        n: int,
+    ) -> None:
+        """One update of the rows at ``slot`` (and of ``spill``'s, written through)."""
+        if slot is not None:
+            if spill is None:
+                s, mine = slot, summed
+            else:
                 inside = slot >= 0
-                s = slot[inside]
-                self.records[s] = self._update(self.records[s], summed[inside], step)
-                self.dirty[s] = True
-                if spill is not None:
-                    keys, recs = spill
-                    self._write_back(keys, self._update(recs, summed[~inside], step))
-                self._stats["updates"] += int(uniq.numel())
-            self._steps_since_flush += 1
-            if self.write_back_every is not None and self._steps_since_flush >= self.write_back_every:
-                self._flush()
+                s, mine = slot[inside], summed[inside]
+            self.records[s] = self._update(self.records[s], mine, step)
+            self.dirty[s] = True
+            if spill is not None:
+                keys, recs = spill
+                self._write_back(keys, self._update(recs, summed[slot < 0], step))
+        self._stats["updates"] += n
+        self._steps_since_flush += 1
+        if self.write_back_every is not None and self._steps_since_flush >= self.write_back_every:
+            self._flush()
 
     def flush(self) -> int:
         """Writes every dirty row (and its state) back to the table; returns how many.
@@ -530,6 +568,7 @@ class TrainCache:
         if out.numel():
             self._write_back(self.keys[out], self.records[out])
         records = self._fetch(uniq[miss])
+        self._placed += 1
         self.keys[victims] = uniq[placed]
         self.records[victims] = records[fits]
         self.dirty[victims] = False
