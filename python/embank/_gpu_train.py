@@ -61,7 +61,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._gpu_buckets import EMPTY, key_hash
+from ._gpu_buckets import EMPTY, _triton_usable, key_hash
 from ._table import Table
 from .errors import InvalidInputError
 
@@ -237,6 +237,10 @@ class TrainCache:
             a thread of the cache's, off the step's path; at most ``queue_rows_max``
             rows wait) or ``"inline"`` (before the step goes on).
         queue_rows_max: rows waiting for the background writer at most (default 1 Mi).
+        kernels: ``"triton"`` (the updates of the element-wise kinds in one Triton launch:
+            SGD, Adagrad, Adam, AdamW, FTRL; on the CPU under ``TRITON_INTERPRET=1``),
+            ``"torch"`` (PyTorch operations), or ``"auto"`` (default: Triton on CUDA when
+            it is installed). Both give the same bits.
     """
 
     def __init__(
@@ -250,6 +254,7 @@ class TrainCache:
         write_back_every: int | None = None,
         write_back: str = "background",
         queue_rows_max: int = 1 << 20,
+        kernels: str = "auto",
     ) -> None:
         if not isinstance(table, Table):
             raise InvalidInputError(f"TrainCache caches an embank Table, got {type(table).__name__}")
@@ -285,6 +290,14 @@ class TrainCache:
         if queue_rows_max < 1:
             raise InvalidInputError(f"queue_rows_max must be >= 1, got {queue_rows_max}")
         self._writer = _Writer(table, write_back == "background", queue_rows_max)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if kernels == "auto":
+            kernels = "triton" if dev.type == "cuda" and _triton_usable(dev) else "torch"
+        if kernels not in ("triton", "torch"):
+            raise InvalidInputError(f'kernels must be "triton", "torch" or "auto", got {kernels!r}')
+        if kernels == "triton" and not _triton_usable(dev):
+            raise InvalidInputError("Triton kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
+        self.kernels = kernels
         self.slots = min(slots, rows_max)
         self.n_buckets = rows_max // self.slots
         self.rows_max = self.n_buckets * self.slots
@@ -409,7 +422,10 @@ class TrainCache:
             else:
                 inside = slot >= 0
                 s, mine = slot[inside], summed[inside]
-            self.records[s] = self._update(self.records[s], mine, step)
+            if self.kernels == "triton" and self._opt["kind"] in ("sgd", "adagrad", "adam", "adamw", "ftrl"):
+                self._update_in_place(s, mine)
+            else:
+                self.records[s] = self._update(self.records[s], mine, step)
             self.dirty[s] = True
             if spill is not None:
                 keys, recs = spill
@@ -580,6 +596,16 @@ class TrainCache:
         return slot, spill
 
     # ---- the optimizers, in the store's order of operations ----
+
+    def _update_in_place(self, slots: torch.Tensor, g: torch.Tensor) -> None:
+        """The element-wise kinds' update of ``records[slots]`` in one Triton launch."""
+        from . import _triton_train
+
+        bc = None
+        if self._opt["kind"] in ("adam", "adamw"):
+            t = self.records[slots, 3 * self.dim] + 1.0
+            bc = torch.stack([1.0 - _pow(self._opt["beta1"], t), 1.0 - _pow(self._opt["beta2"], t)], 1)
+        _triton_train.update(self.records, slots.contiguous(), g.contiguous(), self._opt, bc)
 
     def _update(self, rec: torch.Tensor, g: torch.Tensor, step: int) -> torch.Tensor:
         o, d = self._opt, self.dim

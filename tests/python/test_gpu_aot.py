@@ -93,3 +93,40 @@ def test_every_kernel_compiles_for_sm80_and_sm90() -> None:
     for job, stages in results:
         assert {"ttir", "ttgir", "llir", "ptx"} <= set(stages), f"{job}: stages {stages}"
         assert "cubin" in stages, f"{job}: no cubin (is Triton's ptxas missing?): {stages}"
+
+
+def _compile_train(job: tuple[str, int, int]) -> tuple[str, list[str] | str]:
+    """Compiles TrainCache's update for one (kind, arch, dim); its stages or the error."""
+    import triton as tr
+    from embank import _triton_train
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kind, arch, dim = job
+    for kernel, sig, consts in _triton_train.aot_variants(kind, dim):
+        try:
+            compiled = tr.compile(
+                ASTSource(fn=kernel, signature=sig, constexprs=consts),
+                target=GPUTarget("cuda", arch, 32),
+                options=_triton_train.COMPILE_OPTIONS,
+            )
+        except Exception as e:
+            return repr(job), f"{type(e).__name__}: {str(e)[:2000]}"
+        return repr(job), sorted(compiled.asm) + (["FMA"] if "fma.rn" in compiled.asm["ptx"] else [])
+    return repr(job), "no such kernel"
+
+
+def test_the_train_cache_update_compiles_for_sm80_and_sm90() -> None:
+    """embank.gpu.TrainCache's update (_triton_train.py): every kind, at a small, an odd
+    and the largest dim; no fused multiply-add in the PTX (the store's arithmetic has none)."""
+    from embank import _triton_train
+
+    jobs = [(k, arch, dim) for k in _triton_train.KINDS for arch in ARCHS for dim in (3, 64, 512)]
+    ctx: Any = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), mp_context=ctx) as pool:
+        results = list(pool.map(_compile_train, jobs))
+    failed = [(job, r) for job, r in results if isinstance(r, str)]
+    assert not failed, f"{len(failed)} of {len(jobs)} variants do not compile; first: {failed[0]}"
+    for job, stages in results:
+        assert {"ptx", "cubin"} <= set(stages), f"{job}: stages {stages}"
+        assert "FMA" not in stages, f"{job}: a fused multiply-add in the PTX: not the store's arithmetic"

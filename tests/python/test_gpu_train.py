@@ -331,3 +331,58 @@ def test_from_configs_trains_through_caches_as_through_the_tables(tmp_path: Path
 
     want, got = train(False), train(True)
     assert np.array_equal(got, want, equal_nan=True), f"differs by {np.nanmax(np.abs(got - want))}"
+
+
+_KERNELS_SCRIPT = r"""
+import sys
+import embank, embank.optim as eo, numpy as np, torch
+from embank import gpu
+
+store, device = embank.open(sys.argv[1]), sys.argv[2]
+kinds = {"sgd": eo.SGD(lr=0.05), "adagrad": eo.Adagrad(lr=0.1, initial_accumulator_value=0.01),
+         "adam": eo.Adam(lr=0.01), "adamw": eo.AdamW(lr=0.01, weight_decay=0.05),
+         "ftrl": eo.Ftrl(lr=0.1, l1=0.001, l2=0.01)}
+for name, opt in kinds.items():
+    for dim in (3, 8, 33):
+        got = {}
+        for kernels in ("triton", "torch"):
+            t = store.create_table(f"{name}-{dim}-{kernels}", dim=dim, optimizer=opt)
+            c = gpu.TrainCache(t, rows_max=32, slots=8, device=device, kernels=kernels)
+            rng = np.random.default_rng(1)
+            for _ in range(15):
+                ids = torch.from_numpy(rng.integers(0, 60, 40)).to(device)
+                g = torch.from_numpy(rng.standard_normal((40, dim)).astype(np.float32)).to(device)
+                c.pull(ids)
+                c.push_grad(ids, g)
+            c.close()
+            got[kernels] = t.lookup_with_state(np.arange(60, dtype=np.uint64))[0]
+        diff = np.abs(got["triton"] - got["torch"]).max()
+        assert diff == 0, f"{name} dim {dim}: the Triton kernel differs from the PyTorch path by {diff}"
+print("kernels agree")
+"""
+
+
+def test_the_triton_update_is_the_pytorch_path_bit_for_bit_in_the_interpreter(tmp_path: Path) -> None:
+    """Every element-wise kind at dims 3, 8 and 33 (masked lanes), with evictions and
+    overflow; the PyTorch path is the store's arithmetic (the model test above)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run(
+        [sys.executable, "-c", _KERNELS_SCRIPT, str(tmp_path / "s"), "cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0 and "kernels agree" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_compiled_update_is_the_pytorch_path(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-c", _KERNELS_SCRIPT, str(tmp_path / "s"), "cuda"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0 and "kernels agree" in r.stdout, r.stderr[-3000:]
