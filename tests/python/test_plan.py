@@ -12,6 +12,7 @@ from typing import Any
 
 import embank
 import numpy as np
+import pytest
 
 
 def test_plan_function_matches_the_command_and_a_known_trace(tmp_path: Path) -> None:
@@ -90,3 +91,30 @@ def test_store_wide_prediction_matches_training_steps_on_the_store(tmp_path: Pat
     for (budget, ahead), (predicted, measured) in results.items():
         # Without lookahead nothing is left to timing but write-back (modelled): tighter.
         assert abs(predicted - measured) < (0.03 if ahead else 0.015), (budget, ahead, results)
+
+
+def test_a_gpu_budget_sizes_a_training_cache_with_its_optimizer_state(tmp_path: Path) -> None:
+    """With an optimizer, --budget-gpu also answers for a TrainCache: its rows carry their
+    state, so the same bytes hold fewer rows than an inference cache, and TrainCache's
+    ``bytes_max`` makes the cache the plan counted."""
+    torch = pytest.importorskip("torch")
+    from embank import gpu
+
+    rng = np.random.default_rng(5)
+    keys = (rng.zipf(1.2, 100_000) % 20_000).astype(np.uint64)
+    p = embank.plan({"t": keys}, dim=16, optimizer="adagrad", budget_gpu="256K")
+    t = p["tables"][0]
+    entry = t["bytes"]["train_cache_entry_bytes"]
+    assert entry == 4 * (16 + 16) + 17
+    train, infer = t["at_budget_gpu_train"], t["at_budget_gpu"]
+    assert train["rows"] == (256 << 10) / entry < infer["rows"]
+    assert 0 < train["hit_rate"] < infer["hit_rate"]
+    store = embank.open(str(tmp_path / "s"))
+    table = store.create_table("t", dim=16, optimizer=embank.optim.Adagrad(lr=0.1))
+    cache = gpu.TrainCache(table, bytes_max=256 << 10, device="cpu")
+    assert int(train["rows"]) - cache.slots < cache.rows_max <= int(train["rows"])
+    assert torch is not None
+    cache.close()
+    store.close()
+    # Without an optimizer nothing trains: no training cache.
+    assert embank.plan({"t": keys}, dim=16, budget_gpu="256K")["tables"][0]["at_budget_gpu_train"] is None

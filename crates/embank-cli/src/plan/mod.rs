@@ -85,7 +85,8 @@ pub struct PlanArgs {
     /// DRAM for the store (index and row cache): what hit rate does it buy?
     #[arg(long, value_parser = parse_bytes)]
     pub budget_dram: Option<u64>,
-    /// GPU memory for a GPU cache: what hit rate does it buy?
+    /// GPU memory for a GPU cache: what hit rate does it buy? (With --optimizer: also for a
+    /// training cache, `embank.gpu.TrainCache`, whose rows carry their optimizer state.)
     #[arg(long, value_parser = parse_bytes)]
     pub budget_gpu: Option<u64>,
     /// Hit rate to size the row cache for.
@@ -206,6 +207,15 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
         print_answers(&t.at_cache_bytes, t.cache_bytes_for_target, t.at_budget_dram.as_ref(), p.target_hit_rate);
         if let Some(c) = &t.at_budget_gpu {
             println!("  with --budget-gpu: {:.0} rows on the GPU, {:.1} % hits", c.rows, c.hit_rate * 100.0);
+        }
+        if let (Some(c), Some(b)) = (&t.at_budget_gpu_train, p.budget_gpu) {
+            println!(
+                "  training on the GPU in --budget-gpu: {:.0} rows with their optimizer state ({} B each), {:.1} % hits: \
+                 embank.gpu.TrainCache(table, bytes_max={b})",
+                c.rows,
+                t.bytes.train_cache_entry_bytes,
+                c.hit_rate * 100.0
+            );
         }
         println!("  placement: {} ({})", t.placement, t.why);
     }

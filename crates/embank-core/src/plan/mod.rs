@@ -412,6 +412,9 @@ pub struct TierBytes {
     pub cache_entry_bytes: u64,
     /// One row in a GPU cache (the row in its type, key, score and digest).
     pub gpu_entry_bytes: u64,
+    /// One row in a training cache on the GPU (`embank.gpu.TrainCache`): the row and its
+    /// optimizer state in f32, key, clock and dirty flag.
+    pub train_cache_entry_bytes: u64,
 }
 
 /// The byte costs of a table of `rows` rows, from the store's own layouts.
@@ -429,6 +432,7 @@ pub fn tier_bytes(shape: &TableShape, rows: u64) -> TierBytes {
         record_bytes: record,
         cache_entry_bytes: crate::tier::dram::entry_bytes(payload),
         gpu_entry_bytes: shape.dtype.row_bytes(shape.dim) as u64 + 8 + 4 + 1,
+        train_cache_entry_bytes: 4 * (shape.dim + shape.optimizer.state_len(shape.dim)) as u64 + 8 + 8 + 1,
     }
 }
 

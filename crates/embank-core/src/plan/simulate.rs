@@ -180,6 +180,9 @@ pub struct TablePlan {
     pub why: String,
     pub at_budget_dram: Option<CurvePoint>,
     pub at_budget_gpu: Option<CurvePoint>,
+    /// A table with an optimizer trained through a GPU training cache of --budget-gpu
+    /// (rows with their state: fewer rows than an inference cache of the same bytes).
+    pub at_budget_gpu_train: Option<CurvePoint>,
 }
 
 /// The store's one row cache shared by every table (Criteo input: the tables' ids
@@ -365,6 +368,8 @@ pub fn plan(args: &PlanOptions, progress: &mut dyn PlanProgress) -> Result<Plan,
         // DRAM for the row cache: the budget less the index (which must be resident).
         let at_budget_dram = args.budget_dram.map(|b| clock(b.saturating_sub(bytes.index)));
         let at_budget_gpu = args.budget_gpu.map(|b| lru(b, bytes.gpu_entry_bytes));
+        let trains = !matches!(shape.optimizer, crate::Optimizer::None);
+        let at_budget_gpu_train = args.budget_gpu.filter(|_| trains).map(|b| lru(b, bytes.train_cache_entry_bytes));
         let whole = distinct * bytes.cache_entry_bytes as f64;
         let dram = args.budget_dram.map(|b| b.saturating_sub(bytes.index) as f64);
         let (placement, why) = recommend(&sd, whole, dram, cache_bytes_for_target, args.target_hit_rate, &bytes);
@@ -385,6 +390,7 @@ pub fn plan(args: &PlanOptions, progress: &mut dyn PlanProgress) -> Result<Plan,
             why,
             at_budget_dram,
             at_budget_gpu,
+            at_budget_gpu_train,
         });
     }
     let store = if args.criteo.is_empty() {
