@@ -74,6 +74,9 @@ launch: the kernel's last warp writes the miss count to mapped host memory), a l
 through a cache per table 3.1x. The Triton path's host cost is ~150 µs a lookup, ~1 ms
 more for one that inserts.
 
+**Training** goes through :class:`TrainCache` instead (write-back: rows with their optimizer
+state, updated on the device; see its module, ``embank._gpu_train``).
+
 Use it in eval mode as the source of :class:`embank.torch.Embedding`/``EmbeddingBag``/
 ``EmbeddingBagCollection``: ``EmbeddingBag(GpuCache(table, ...))``. Writes made
 through the same process's :class:`~embank.Table` objects of the store (``push``,
