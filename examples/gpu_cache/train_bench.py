@@ -174,9 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.small_run:
         args.rows, args.dim, args.batch, args.steps, args.warmup, args.repeats = 2000, 8, 64, 6, 2, 2
-    device = torch.device(args.device)
-    work = args.out or Path(tempfile.mkdtemp(prefix="embank-train-bench-"))
+    if args.out is None:  # the stores in a directory removed at the end, the figures printed
+        with tempfile.TemporaryDirectory(prefix="embank-train-bench-") as tmp:
+            return bench(args, Path(tmp))
+    return bench(args, args.out)
+
+
+def bench(args: argparse.Namespace, work: Path) -> int:
     work.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
     result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
