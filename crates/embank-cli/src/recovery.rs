@@ -54,6 +54,11 @@ pub struct RecoveryArgs {
     /// Keys in the first served batch.
     #[arg(long, default_value_t = 500)]
     pub batch: usize,
+    /// Before each reopen, write the store's dirty pages and drop its files from the page
+    /// cache (`fdatasync`, then `POSIX_FADV_DONTNEED`): a machine whose DRAM does not hold
+    /// the store, whatever this one's holds.
+    #[arg(long)]
+    pub cold: bool,
     /// Internal: run as the writer that gets killed.
     #[arg(long, hide = true)]
     pub writer: bool,
@@ -168,6 +173,9 @@ fn reopen(
     before: Option<&[f32]>,
 ) -> Result<(Reopen, Vec<f32>), String> {
     let dim = args.dim as usize;
+    if args.cold {
+        drop_cached(&args.path)?;
+    }
     let t0 = Instant::now();
     let store = open(&args.path, background)?;
     let table = store.table(TABLE).map_err(|e| e.to_string())?;
@@ -198,6 +206,23 @@ fn reopen(
     drop(table);
     store.close().map_err(|e| e.to_string())?;
     Ok((Reopen { open_s, first_batch_s, repaired_s }, now))
+}
+
+/// Writes every file under `dir` to the disk and drops it from the page cache.
+fn drop_cached(dir: &Path) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    for entry in std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))? {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        if path.is_dir() {
+            drop_cached(&path)?;
+            continue;
+        }
+        let Ok(file) = std::fs::File::open(&path) else { continue };
+        file.sync_data().map_err(|e| format!("{}: {e}", path.display()))?;
+        // SAFETY: an open descriptor; the advice only drops clean cached pages.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+    Ok(())
 }
 
 /// True when `row` is `written` as the table stores it: equal for f32 rows, within the
@@ -235,14 +260,15 @@ pub fn run(args: RecoveryArgs) -> Result<(), String> {
         .map(|m| m.len())
         .sum();
     println!(
-        "bench-recovery: {} rows x dim {} ({}) at {}, {} on disk; {} overwrites{}, then SIGKILL",
+        "bench-recovery: {} rows x dim {} ({}) at {}, {} on disk; {} overwrites{}, then SIGKILL{}",
         args.rows,
         args.dim,
         args.medium,
         args.path.display(),
         human_bytes(size),
         args.writes,
-        if args.no_checkpoint { " (no checkpoint)" } else { " after a checkpoint" }
+        if args.no_checkpoint { " (no checkpoint)" } else { " after a checkpoint" },
+        if args.cold { "; every reopen from a cold page cache" } else { "" }
     );
     let keys = KeyStream::new(args.rows, 0.99, 7)?.batches(1, args.batch);
     let (mut clean, mut bg_first, mut bg_open, mut bg_done, mut full_first) =
