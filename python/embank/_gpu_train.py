@@ -541,20 +541,25 @@ class TrainCache:
         s, nb = self.slots, self.n_buckets
         clock = self._clock
         self._clock += 1
-        bucket = torch.remainder(key_hash(uniq), nb)
-        base = bucket * s
-        cand = self.keys.view(nb, s)[bucket]
-        eq = cand == uniq[:, None]
-        hit = eq.any(dim=1)
-        slot = torch.where(hit, base + eq.to(torch.int8).argmax(dim=1), torch.full_like(base, -1))
-        hits = slot[hit]
-        self.used[hits] = clock
-        n_hit = int(hits.numel())
-        self._stats["hits"] += n_hit
+        if self.kernels == "triton":
+            from . import _triton_train
+
+            slot = _triton_train.find(uniq, self.keys, self.used, s, clock)
+            hit = slot >= 0
+        else:
+            bucket = torch.remainder(key_hash(uniq), nb)
+            base = bucket * s
+            eq = self.keys.view(nb, s)[bucket] == uniq[:, None]
+            hit = eq.any(dim=1)
+            slot = torch.where(hit, base + eq.to(torch.int8).argmax(dim=1), torch.full_like(base, -1))
+            self.used[slot[hit]] = clock
+        miss = (~hit).nonzero().reshape(-1)  # the call's one wait for the device when all hit
+        self._stats["hits"] += uniq.numel() - miss.numel()
         spill = None
-        if n_hit == uniq.numel():
+        if not miss.numel():
             return slot, spill
-        miss = (~hit).nonzero().reshape(-1)
+        bucket = torch.remainder(key_hash(uniq), nb)
+        hits = slot[hit]
         self._stats["misses"] += int(miss.numel())
         mb = bucket[miss]
         # Each bucket's slots in the order they are given out: empty ones, then the least

@@ -1,8 +1,9 @@
 # mypy: disable-error-code="misc, no-untyped-def, import-untyped"
-"""The Triton kernel of :class:`embank.gpu.TrainCache`'s updates: one launch applies the
-table's optimizer to the cached records of a step's rows in place (``records[slot]``:
-``dim`` row values, then the state), where the PyTorch path takes a dozen operations and
-a gather and scatter of the records.
+"""The Triton kernels of :class:`embank.gpu.TrainCache`: :func:`find` (each id's slot, a
+hit's clock touched: one launch where the PyTorch path takes a dozen operations) and
+:func:`update`, which applies the table's optimizer to the cached records of a step's
+rows in place (``records[slot]``: ``dim`` row values, then the state), where the PyTorch
+path takes a dozen operations and a gather and scatter of the records.
 
 Element-wise kinds only (SGD, Adagrad, Adam, AdamW, FTRL): their operations are the
 store's (``crates/embank-core/src/optim.rs``) one for one, square roots and divisions
@@ -26,6 +27,49 @@ import triton.language as tl
 SGD, ADAGRAD, ADAM, ADAMW, FTRL = 0, 1, 2, 3, 4
 KINDS = {"sgd": SGD, "adagrad": ADAGRAD, "adam": ADAM, "adamw": ADAMW, "ftrl": FTRL}
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _mix(key):
+    # splitmix64's finalizer in int64 arithmetic (embank.gpu.key_hash; _triton._mix).
+    h = key ^ ((key >> 30) & 0x3FFFFFFFF)
+    h = h * -4658895280553007687
+    h = h ^ ((h >> 27) & 0x1FFFFFFFFF)
+    h = h * -7723592293110705685
+    return h ^ ((h >> 31) & 0x1FFFFFFFF)
+
+
+@triton.jit(do_not_specialize=["n", "n_buckets", "clock"])
+def _find(
+    ids_ptr, n, keys_ptr, used_ptr, slot_out_ptr, n_buckets, clock, S: tl.constexpr, S_BLOCK: tl.constexpr
+):
+    # One program an id: its bucket's S keys compared at once; a hit's slot is touched.
+    i = tl.program_id(0)
+    key = tl.load(ids_ptr + i)
+    bucket = _mix(key) % n_buckets
+    bucket = tl.where(bucket < 0, bucket + n_buckets, bucket)  # floored, as torch.remainder
+    j = tl.arange(0, S_BLOCK)
+    cand = tl.load(keys_ptr + bucket * S + j, mask=j < S, other=-1)
+    at = tl.min(tl.where(cand == key, j, S_BLOCK), axis=0)
+    found = at < S_BLOCK
+    slot = tl.where(found, bucket * S + at, -1)
+    tl.store(slot_out_ptr + i, slot)
+    if found:
+        tl.store(used_ptr + slot, clock)
+
+
+def find(ids: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, slots: int, clock: int) -> torch.Tensor:
+    """Each id's slot in the cache (-1: not cached); the slots found get ``clock``."""
+    n = ids.numel()
+    out = torch.empty(n, dtype=torch.int64, device=ids.device)
+    if n:
+        nb = keys.numel() // slots
+        _find[(n,)](ids, n, keys, used, out, nb, clock, S=slots, S_BLOCK=_pow2(slots))
+    return out
+
+
+def _pow2(x: int) -> int:
+    return max(1, int(triton.next_power_of_2(x)))
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -96,7 +140,7 @@ def _update(
 
 
 def dim_block(dim: int) -> int:
-    return max(1, int(triton.next_power_of_2(dim)))
+    return _pow2(dim)
 
 
 def update(
@@ -147,3 +191,12 @@ def aot_variants(kind: str, dim: int) -> Iterator[tuple[Any, dict[str, str], dic
         "KIND": "constexpr", "DIM_BLOCK": "constexpr",
     }  # fmt: skip
     yield _update, sig, {"KIND": KINDS[kind], "DIM_BLOCK": dim_block(dim)}
+
+
+def aot_find_variants(slots: int) -> Iterator[tuple[Any, dict[str, str], dict[str, Any]]]:
+    """``(kernel, signature, constexprs)`` of the find for buckets of ``slots``."""
+    sig = {
+        "ids_ptr": "*i64", "n": "i64", "keys_ptr": "*i64", "used_ptr": "*i64", "slot_out_ptr": "*i64",
+        "n_buckets": "i64", "clock": "i64", "S": "constexpr", "S_BLOCK": "constexpr",
+    }  # fmt: skip
+    yield _find, sig, {"S": slots, "S_BLOCK": _pow2(slots)}

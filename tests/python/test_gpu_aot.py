@@ -103,7 +103,10 @@ def _compile_train(job: tuple[str, int, int]) -> tuple[str, list[str] | str]:
     from triton.compiler import ASTSource
 
     kind, arch, dim = job
-    for kernel, sig, consts in _triton_train.aot_variants(kind, dim):
+    variants = (
+        _triton_train.aot_find_variants(dim) if kind == "find" else _triton_train.aot_variants(kind, dim)
+    )
+    for kernel, sig, consts in variants:
         try:
             compiled = tr.compile(
                 ASTSource(fn=kernel, signature=sig, constexprs=consts),
@@ -117,11 +120,13 @@ def _compile_train(job: tuple[str, int, int]) -> tuple[str, list[str] | str]:
 
 
 def test_the_train_cache_update_compiles_for_sm80_and_sm90() -> None:
-    """embank.gpu.TrainCache's update (_triton_train.py): every kind, at a small, an odd
-    and the largest dim; no fused multiply-add in the PTX (the store's arithmetic has none)."""
+    """embank.gpu.TrainCache's kernels (_triton_train.py): the update of every kind, at a
+    small, an odd and the largest dim, with no fused multiply-add in the PTX (the store's
+    arithmetic has none); the find at the default, an odd and a one-slot bucket."""
     from embank import _triton_train
 
     jobs = [(k, arch, dim) for k in _triton_train.KINDS for arch in ARCHS for dim in (3, 64, 512)]
+    jobs += [("find", arch, slots) for arch in ARCHS for slots in (32, 7, 1)]  # (slots, not dim)
     ctx: Any = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), mp_context=ctx) as pool:
         results = list(pool.map(_compile_train, jobs))
