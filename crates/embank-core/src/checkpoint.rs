@@ -508,28 +508,20 @@ impl TableCheckpoints {
 /// record at checkpoint `to`. Journal `to` is emptied (new changes start from there), the
 /// later ones deleted. Each journal is deleted only once applied, so a crash in between
 /// applies it again (applying is idempotent).
-/// Journal entries a rollback asks the index's pages for at once.
-const ROLLBACK_CHUNK: usize = 1 << 16;
-
 pub(crate) fn rollback(dir: &Path, index: &Index, to: u64) -> Result<()> {
     let seqs: Vec<u64> = journal::list(dir).into_iter().filter(|&s| s >= to).collect();
     for &seq in seqs.iter().rev() {
         let j = Journal::open(dir, seq)?;
         let entries = j.entries();
-        // In chunks whose index pages are asked for first: after a crash the index may be
-        // colder than DRAM (a 300 M-key table's), and a fault a key costs a disk read each.
-        for chunk in entries.rchunks(ROLLBACK_CHUNK) {
-            let hashes: Vec<u64> = chunk.iter().map(|e| index.hash(e.key)).collect();
-            index.will_need(&hashes);
-            for (e, &h) in chunk.iter().zip(&hashes).rev() {
-                if e.old == 0 {
-                    index.remove(e.key, h);
-                } else if index.replace(e.key, h, e.old).is_none() && !index.insert_new(e.key, h, e.old)? {
-                    return Err(Error::new(
-                        ErrorKind::Recover,
-                        format!("no index slot to return key {} to checkpoint {to}", e.key),
-                    ));
-                }
+        for e in entries.iter().rev() {
+            let h = index.hash(e.key);
+            if e.old == 0 {
+                index.remove(e.key, h);
+            } else if index.replace(e.key, h, e.old).is_none() && !index.insert_new(e.key, h, e.old)? {
+                return Err(Error::new(
+                    ErrorKind::Recover,
+                    format!("no index slot to return key {} to checkpoint {to}", e.key),
+                ));
             }
         }
         tracing::info!(seq, entries = entries.len(), to, "undo journal applied");

@@ -363,31 +363,6 @@ impl Index {
         self.prefetch_bucket(self.geo.home(hash))
     }
 
-    /// Asks the kernel to read the pages holding the home buckets of `hashes` in the
-    /// background (`MADV_WILLNEED`, adjacent pages in one call), so that touching them next
-    /// finds them read: on an index colder than DRAM, a pass over many keys then waits
-    /// on one queue of reads the disk serves in parallel, not one fault at a time (a
-    /// rollback after a crash).
-    pub fn will_need(&self, hashes: &[u64]) {
-        const PAGE: usize = 4096;
-        let mut pages: Vec<usize> =
-            hashes.iter().map(|&h| (INDEX_HEADER_BYTES + self.geo.home(h) as usize * BUCKET_BYTES) / PAGE).collect();
-        pages.sort_unstable();
-        pages.dedup();
-        let mut i = 0;
-        while i < pages.len() {
-            let first = pages[i];
-            let mut end = first + 1;
-            while i + 1 < pages.len() && pages[i + 1] == end {
-                end += 1;
-                i += 1;
-            }
-            let len = ((end - first) * PAGE).min(self.map.len() - first * PAGE);
-            let _ = self.map.advise_range(memmap2::Advice::WillNeed, first * PAGE, len);
-            i += 1;
-        }
-    }
-
     /// Prefetches all four lines of bucket `b` (see [`Index::prefetch`]).
     #[inline(always)]
     fn prefetch_bucket(&self, b: u64) {
