@@ -389,3 +389,49 @@ def test_on_cuda_the_compiled_update_is_the_pytorch_path(tmp_path: Path) -> None
         text=True,
     )
     assert r.returncode == 0 and "kernels agree" in r.stdout, r.stderr[-3000:]
+
+
+def test_two_threads_train_through_one_cache(tmp_path: Path) -> None:
+    """Two trainers share a cache (and so its buckets, evictions and writer), each on its
+    own keys: every key ends as a reference trained by its thread's steps alone."""
+    import threading
+
+    opt = eo.Adagrad(lr=0.1, initial_accumulator_value=0.01)
+    s = embank.open(str(tmp_path / "s"))
+    t = s.create_table("emb", dim=DIM, optimizer=opt)
+    ref = s.create_table("ref", dim=DIM, optimizer=opt)
+    cache = gpu.TrainCache(t, rows_max=32, slots=8, device="cpu")
+    errors: list[BaseException] = []
+
+    def trainer(offset: int) -> None:
+        try:
+            rng = np.random.default_rng(offset)
+            for _ in range(40):
+                ids = _batch(rng, 32) * 2 + offset  # even keys for one, odd for the other
+                grads = rng.standard_normal((len(ids), DIM)).astype(np.float32)
+                cache.pull(torch.from_numpy(ids))
+                cache.push_grad(torch.from_numpy(ids), torch.from_numpy(grads))
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=trainer, args=(o,)) for o in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    cache.checkpoint(1)
+    for offset in (0, 1):  # the reference: each thread's steps, one thread at a time
+        rng = np.random.default_rng(offset)
+        for _ in range(40):
+            ids = (_batch(rng, 32) * 2 + offset).astype(np.uint64)
+            grads = rng.standard_normal((len(ids), DIM)).astype(np.float32)
+            ref.pull(ids)
+            ref.push_grad(ids, grads)
+    keys = np.arange(2 * KEYS, dtype=np.uint64)
+    a, fa = t.lookup_with_state(keys)
+    b, fb = ref.lookup_with_state(keys)
+    assert np.array_equal(fa, fb) and np.array_equal(a[fa], b[fb])
+    assert cache.stats()["evicted"] > 0
+    cache.close()
+    s.close()
