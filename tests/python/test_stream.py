@@ -348,3 +348,54 @@ def test_a_failing_publisher_does_not_hold_back_the_others(tmp_path: Path, redis
     finally:
         if second.proc is not None and second.proc.poll() is None:
             second.kill()
+
+
+def test_a_trainer_through_a_train_cache_publishes_what_its_checkpoints_hold(
+    tmp_path: Path, redis: Redis, tls_dir: Path
+) -> None:
+    """A trainer updating its rows on the device (``embank.gpu.TrainCache``, a cache small
+    enough to evict every step) publishes at each ``cache.checkpoint``: a replica serves
+    checkpoint 6 equal, row for row, to a trainer that never had a cache."""
+    torch = pytest.importorskip("torch")
+    from embank import gpu
+
+    opt = embank.optim.Adagrad(lr=0.1)
+    stores = {n: embank.open(tmp_path / n) for n in ("cached", "plain")}
+    for s in stores.values():
+        s.create_table("emb", dim=DIM, init=embank.init.normal(0, 0.1), optimizer=opt)
+    pub = stores["cached"].publisher("redis", redis.url, topic="tc", partitions=1)
+    cache = gpu.TrainCache(stores["cached"].table("emb"), rows_max=64, slots=8, device="cpu")
+    plain = stores["plain"].table("emb")
+    rng = np.random.default_rng(8)
+    for b in range(1, 7):
+        keys = rng.integers(0, 2000, 256)
+        grads = rng.random((256, DIM), dtype=np.float32) - 0.5
+        cache.pull(torch.from_numpy(keys))
+        cache.push_grad(torch.from_numpy(keys), torch.from_numpy(grads))
+        cache.checkpoint(b)
+        plain.pull(keys.astype(np.uint64))
+        plain.push_grad(keys.astype(np.uint64), grads)
+    assert cache.stats()["evicted"] > 0
+    pub.flush(timeout=30)
+    proc, addr = replica(tmp_path, redis.url, "tc", 0, tls_dir)
+    try:
+        keys = np.arange(2000, dtype=np.uint64)
+        with embank.connect([addr], min_checkpoint=6, tls_ca_file=str(tls_dir / "ca.pem")) as remote:
+            deadline = time.time() + 30
+            while True:
+                try:
+                    rows, found = remote.table("emb").lookup(keys)
+                    break
+                except (ShardUnavailableError, embank.NotFoundError):
+                    assert time.time() < deadline, "the replica never served checkpoint 6"
+                    time.sleep(0.05)
+        want, want_found = plain.lookup(keys)
+        np.testing.assert_array_equal(found, want_found)
+        np.testing.assert_array_equal(rows[found], want[want_found])
+    finally:
+        proc.kill()
+        proc.wait()
+        cache.close()
+        pub.close()
+        for s in stores.values():
+            s.close()
