@@ -93,7 +93,8 @@ class _Lookup(torch.nn.Module):
             def hook(grad: torch.Tensor) -> None:
                 g = grad.detach().to(torch.float32)
                 if self.push == "backward":
-                    trainer.push_grad(uniq, g, self._steps.next([self.table]))
+                    # One update a step: a table's features each have a module.
+                    trainer.add_grad(uniq, g, self._steps.next([self.table]))
                 else:
                     self.pending.add(uniq, g)  # type: ignore[arg-type]
 

@@ -311,6 +311,8 @@ class TrainCache:
         self._clock = 1
         self._placed = 0  # counts calls that placed rows: a slot found before still holds its key
         self._last_pull: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # add_grad's gradients of one step: (step, ids, grads), applied as one update.
+        self._gathered: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._opt = {k: (_f32(v) if isinstance(v, float) else v) for k, v in opt.items()}
         self._step = table.optimizer_step
         self._step_written = self._step
@@ -346,6 +348,7 @@ class TrainCache:
         """:meth:`pull` of ids already unique (an int64 tensor on the cache's device)."""
         with self._lock:
             self._check_open()
+            self._apply_gathered()
             self._stats["pulls"] += 1
             slot, spill = self._resident(uniq)
             # Its gradient's push_grad (the same tensor, no row placed since) finds nothing.
@@ -362,6 +365,9 @@ class TrainCache:
         gradients ``grads`` (``(n, dim)``), duplicates summed first: one update a row a
         call, as :meth:`embank.Table.push_grad`. ``step``: the training step for FBGEMM's
         kinds (default: the last + 1). Rows not cached are brought in first."""
+        if self._gathered is not None:
+            with self._lock:
+                self._apply_gathered()
         last = self._last_pull
         if last is not None and ids is last[0] and last[2] == self._placed:
             # The ids of the last pull_unique, all still where it found them.
@@ -435,6 +441,31 @@ class TrainCache:
         if self.write_back_every is not None and self._steps_since_flush >= self.write_back_every:
             self._flush()
 
+    def add_grad(self, ids: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        """Gathers a gradient of training step ``step`` (the backward of
+        :mod:`embank.torch`'s modules): every gradient of one step (a table's features
+        each pooled by a module of its own) is summed and applied as **one** update, as
+        FBGEMM's fused backward does, at the next :meth:`pull`, :meth:`push_grad`,
+        :meth:`flush` or :meth:`checkpoint`, or when a gradient of another step comes."""
+        with self._lock:
+            self._check_open()
+            if self._gathered is not None and self._gathered[0] != step:
+                self._apply_gathered()
+            if self._gathered is None:
+                self._gathered = (step, [], [])
+            self._gathered[1].append(ids)
+            self._gathered[2].append(grads)
+
+    def _apply_gathered(self) -> None:
+        got, self._gathered = self._gathered, None
+        if got is None:
+            return
+        step, ids, grads = got
+        if len(ids) == 1:  # one module's: its pull's slots may still hold
+            self.push_grad(ids[0], grads[0], step)
+        else:
+            self.push_grad(torch.cat(ids), torch.cat(grads), step)
+
     def flush(self) -> int:
         """Writes every dirty row (and its state) back to the table; returns how many.
         The rows stay cached, clean."""
@@ -458,6 +489,8 @@ class TrainCache:
         """Counters (pulls, hits, misses, created, evicted, written_back, overflow,
         updates, flushes), the rows cached and dirty now, and the bound."""
         with self._lock:
+            if not self._closed:
+                self._apply_gathered()
             out: dict[str, Any] = dict(self._stats)
             out["rows"] = int((self.keys != EMPTY).sum())
             out["dirty"] = int(self.dirty.sum())
@@ -497,6 +530,7 @@ class TrainCache:
         self._writer.raise_error()
 
     def _flush(self) -> int:
+        self._apply_gathered()
         d = self.dirty.nonzero().reshape(-1)
         n = int(d.numel())
         if n:
