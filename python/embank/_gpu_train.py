@@ -319,6 +319,10 @@ class TrainCache:
         self._steps_since_flush = 0
         self._lock = threading.RLock()
         self._closed = False
+        # The store's checkpoints, close and exports write this cache's rows first.
+        self._owner = table._owner() if table._owner is not None else None
+        if self._owner is not None:
+            self._owner._write_backs.add(self)
         self._stats = dict.fromkeys(
             (
                 "pulls",
@@ -474,16 +478,33 @@ class TrainCache:
             return self._flush()
 
     def checkpoint(self, batch_id: int, meta: bytes = b"") -> None:
-        """:meth:`flush`, then the table's store's ``checkpoint(batch_id, meta)``: the
-        checkpoint holds every update made through the cache. Tables trained through
-        several caches: :meth:`flush` each, then ``store.checkpoint``."""
+        """The table's store's ``checkpoint(batch_id, meta)``, which writes the dirty rows
+        of every open TrainCache over its tables first (this one's included): the
+        checkpoint holds every update made through them."""
         with self._lock:
             self._check_open()
-            self._flush()
-            store = self.table._store
-            if store is None:
+            if self._owner is None:
                 raise InvalidInputError("checkpoint needs a table obtained from its store")
-            store.checkpoint(batch_id, meta)
+            self._owner.checkpoint(batch_id, meta)
+
+    def _flush_for_store(self) -> None:
+        """The store's call before a checkpoint, a close or an export."""
+        with self._lock:
+            if not self._closed:
+                self._flush()
+
+    def _clear_for_store(self) -> None:
+        """The store's call before tables are written underneath (a state dict loaded):
+        dirty rows written back, then every row dropped, so the next pull reads them."""
+        with self._lock:
+            if self._closed:
+                return
+            self._flush()
+            self.keys.fill_(EMPTY)
+            self.dirty.fill_(False)
+            self.used.zero_()
+            self._placed += 1
+            self._last_pull = None
 
     def stats(self) -> dict[str, Any]:
         """Counters (pulls, hits, misses, created, evicted, written_back, overflow,
@@ -508,6 +529,8 @@ class TrainCache:
             finally:
                 self._writer.close()
             self._closed = True
+            if self._owner is not None:
+                self._owner._write_backs.discard(self)
             self.keys = self.records = self.dirty = self.used = torch.empty(0)
 
     def __enter__(self) -> TrainCache:

@@ -165,6 +165,7 @@ def _sources(
             "from_configs, "
             f"got {type(source).__name__}"
         )
+    store._flush_write_backs()  # rows trained through a TrainCache, as they are now
     names = list(tables) if tables is not None else list(sizes)
     missing = [n for n in names if n not in sizes]
     if missing:
@@ -356,6 +357,9 @@ def load_state_dict(
         )
     if chunk_rows < 1:
         raise InvalidInputError("chunk_rows must be at least 1")
+    # TrainCaches over the tables would answer with, and write back, the rows replaced.
+    for cache in list(store._write_backs):
+        cache._clear_for_store()
     if isinstance(state_dict, Mapping):
         entries = dict(state_dict)
         if optimizer_state_dict is not None:

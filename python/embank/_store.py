@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -77,6 +78,13 @@ class Store:
         self._s = native
         self._publishers: list[Publisher] = []
         self._listeners: dict[str, _WriteListeners] = {}
+        # Write-back caches over the tables (embank.gpu.TrainCache): a checkpoint, a close
+        # and a state-dict export write their dirty rows first.
+        self._write_backs: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def _flush_write_backs(self) -> None:
+        for cache in list(self._write_backs):
+            cache._flush_for_store()
 
     def _listeners_of(self, name: str) -> _WriteListeners:
         return self._listeners.setdefault(name, _WriteListeners())
@@ -231,7 +239,7 @@ class Store:
                 f"table {name!r} exists already ({_spec(t.options)}): open it with store.table({name!r}), "
                 "or pass exist_ok=True to get it when it matches"
             ) from None
-        return Table(native, self._listeners_of(name), self._s)
+        return Table(native, self._listeners_of(name), self._s, self)
 
     def _existing(self, name: str, asked: dict[str, Any]) -> Table:
         """The existing table ``name`` for ``create_table(exist_ok=True)``, if it matches."""
@@ -246,7 +254,7 @@ class Store:
 
     def table(self, name: str) -> Table:
         """The table called ``name``; raises :class:`~embank.errors.NotFoundError` (a ``KeyError``)."""
-        return Table(self._s.table(name), self._listeners_of(name), self._s)
+        return Table(self._s.table(name), self._listeners_of(name), self._s, self)
 
     def __getitem__(self, name: str) -> Table:
         return self.table(name)
@@ -283,7 +291,8 @@ class Store:
         medium; :meth:`restore` returns to any retained one on demand. Cheap: no copy of
         any table (each key's row at the checkpoint is journaled on its first change
         after it). Waits for batches in flight on other threads; tables behind the row
-        cache first write back their dirty rows. ``batch_id`` must increase. On a remote
+        cache first write back their dirty rows, and so does every open
+        :class:`~embank.gpu.TrainCache` over the store's tables. ``batch_id`` must increase. On a remote
         store every shard checkpoints (call it between batches).
 
         ``meta`` is a small opaque blob (at most 64 KiB) kept with the checkpoint — the
@@ -299,6 +308,7 @@ class Store:
             raise InvalidInputError(f"batch_id must be >= 0, got {batch_id}")
         if not isinstance(meta, (bytes, bytearray, memoryview)):
             raise TypeError(f"meta must be bytes, got {type(meta).__name__}")
+        self._flush_write_backs()
         self._s.checkpoint(int(batch_id), bytes(meta))
         publishers = [p for p in self._publishers if not p.closed]
         failed: list[PublishError] = []
@@ -458,7 +468,10 @@ class Store:
         Publishers of the store stop (what they had not sent waits for the next one).
 
         On a remote store: flushes every shard and closes this client's connections;
-        the servers keep running."""
+        the servers keep running. Open :class:`~embank.gpu.TrainCache` objects over its
+        tables write their dirty rows first."""
+        if not self.closed:
+            self._flush_write_backs()
         for p in self._publishers:
             p.close()
         self._publishers.clear()

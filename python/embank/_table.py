@@ -121,10 +121,13 @@ class Table:
         native: _native.Table,
         listeners: _WriteListeners | None = None,
         store: _native.Store | None = None,
+        owner: Any = None,
     ) -> None:
         self._t = native
         self._listeners = listeners if listeners is not None else _WriteListeners()
         self._store = store
+        # The embank.Store that made it (weak: a table does not keep its store open).
+        self._owner = weakref.ref(owner) if owner is not None else None
 
     def _write_listeners(self) -> _WriteListeners:
         return self._listeners

@@ -454,3 +454,64 @@ def test_two_threads_train_through_one_cache(tmp_path: Path) -> None:
     assert cache.stats()["evicted"] > 0
     cache.close()
     s.close()
+
+
+def test_the_store_writes_its_caches_rows_at_checkpoint_close_and_state_dict_export(tmp_path: Path) -> None:
+    """Whoever checkpoints the store (``store.checkpoint``, ``embank.torch.checkpoint``),
+    closes it, or exports a state dict gets the rows trained through its open TrainCaches;
+    a state dict loaded into the tables empties the caches, so the next pull reads it."""
+    from embank import torch as et
+
+    configs = [et.EmbeddingBagConfig(num_embeddings=KEYS, embedding_dim=DIM, name="t0", feature_names=["f0"])]
+    opt = eo.Adagrad(lr=0.1)
+    exports, at5 = {}, {}
+    for cached in (False, True):
+        store = embank.open(str(tmp_path / str(cached)))
+        ebc = et.EmbeddingBagCollection.from_configs(
+            store, configs, opt, train_cache_rows=40 if cached else None, device="cpu"
+        )
+        rng = np.random.default_rng(2)
+        for step in range(1, 11):
+            out = ebc({"f0": (torch.from_numpy(_batch(rng, 48)), torch.arange(0, 48, 3))})
+            out.values().square().sum().backward()
+            if step == 5:
+                et.checkpoint(store, step)  # no flush of the caches by hand
+                at5[cached] = _records(store.table("t0"))
+        if cached:
+            assert ebc.train_caches()[0].stats()["dirty"] > 0
+        exports[cached] = et.export_state_dict(ebc, optimizer_state=True)
+        if not cached:
+            store.close()
+            continue
+        # Closing the store writes the rows too: a reopen holds the cache's dirty ones.
+        cache = ebc.train_caches()[0]
+        assert cache.stats()["dirty"] == 0  # the export wrote them
+        out = ebc({"f0": (torch.from_numpy(_batch(rng, 48)), torch.arange(0, 48, 3))})
+        out.values().square().sum().backward()
+        cache.pull(torch.tensor([0]))  # applies the step's gathered gradient
+        dirty = cache.dirty.nonzero().reshape(-1)
+        assert dirty.numel() > 0
+        keys, records = cache.keys[dirty].numpy().astype(np.uint64), cache.records[dirty].numpy()
+        store.close()
+        again = embank.open(str(tmp_path / str(cached)))
+        got, found = again.table("t0").lookup_with_state(keys)
+        assert found.all() and np.array_equal(got, records)
+        assert again.checkpoints() == [5]
+        again.close()
+    assert np.array_equal(np.isnan(at5[True]), np.isnan(at5[False]))
+    np.testing.assert_allclose(
+        at5[True][~np.isnan(at5[True])], at5[False][~np.isnan(at5[False])], rtol=1e-5, atol=1e-6
+    )
+    for k in exports[False]:
+        np.testing.assert_allclose(exports[True][k].numpy(), exports[False][k].numpy(), rtol=1e-5, atol=1e-6)
+    # A state dict loaded underneath a cache: the next pull answers the loaded rows.
+    store = embank.open(str(tmp_path / "load"))
+    ebc = et.EmbeddingBagCollection.from_configs(store, configs, opt, train_cache_rows=40, device="cpu")
+    cache = ebc.train_caches()[0]
+    cache.pull(torch.arange(10))
+    cache.push_grad(torch.arange(10), torch.ones(10, DIM))
+    weight = torch.full((KEYS, DIM), 3.0)
+    et.load_state_dict(ebc, {"embedding_bags.t0.weight": weight})
+    assert (cache.pull(torch.arange(10)) == 3.0).all()
+    cache.close()
+    store.close()
