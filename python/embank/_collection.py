@@ -289,7 +289,8 @@ class EmbeddingBagCollection(torch.nn.Module):
         :class:`~embank.gpu.TrainCache` of that many rows a table (at most its
         ``num_embeddings``) on ``device`` (default: CUDA if available): the batch's rows
         are found, pooled and updated there, and only misses and evicted rows cross to
-        the store. Flush the caches (:meth:`train_caches`) before ``store.checkpoint``."""
+        the store. A table's features' gradients of a step make one update, as the fused
+        collection's; ``store.checkpoint`` writes the caches' dirty rows first."""
         if not tables:
             raise InvalidInputError("from_configs needs at least one table config")
         opt = None if optimizer is None else optimizer_from_spec(optimizer)
@@ -329,7 +330,7 @@ class EmbeddingBagCollection(torch.nn.Module):
 
     def train_caches(self) -> list[TrainCache]:
         """The :class:`~embank.gpu.TrainCache` of each table trained through one (in
-        feature order, each once): flush them before ``store.checkpoint(batch_id)``."""
+        feature order, each once; ``store.checkpoint`` writes their rows itself)."""
         found: list[TrainCache] = []
         for bag in self.bags.values():
             trainer = getattr(bag, "trainer", None)

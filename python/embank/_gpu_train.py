@@ -39,17 +39,19 @@ bit for bit the store's (the tests check it). FBGEMM's table-step kinds
 (``FbgemmAdam``, ``Lamb``, their partial row-wise forms) bias-correct with the step
 passed to :meth:`push_grad` (or the last + 1), and a flush gives the table that step.
 
-**What the table holds.** Between flushes the cache owns its rows: the table has each
-cached row as it was when it was last written back. A checkpoint through
-:meth:`checkpoint` holds every update, so a run resumed after a crash from that
-checkpoint continues exactly as the uninterrupted one (the cache starts empty; it
-changes where rows are, never their values). ``write_back_every=k`` flushes every ``k``
-steps: readers of the table (other ranks, ``embank serve`` replicas fed by the update
-stream) then see rows at most ``k`` steps behind the trainer; ``write_back_every=1``
-with the tables on shared shards keeps what ``SparseOptimizer(distributed=True)``
-means: every step's updates are in the table before the next step's pulls.
-Writes made to cached rows through the table by anyone else are overwritten at the
-next write-back: train a table through one cache.
+**What the table holds.** Between write-backs the cache owns its rows: the table has each
+cached row as it was when it was last written back. The table's store writes the dirty
+rows of its open caches before every checkpoint (``store.checkpoint``,
+:meth:`checkpoint`), ``close`` and state-dict export, so a checkpoint holds every update
+and a run resumed after a crash from it continues exactly as the uninterrupted one (the
+cache starts empty; it changes where rows are, never their values); rows updated after
+the last checkpoint and not written back are lost with the process, as a crash loses
+them anyway. ``write_back_every=k`` writes back every ``k`` steps: readers of the table
+(``embank serve`` replicas fed by the update stream, an evaluation process) then see rows
+at most ``k`` steps behind the trainer. Train a table through one cache: a write to a
+cached row through the table by anyone else is overwritten at the next write-back, and
+two trainers' caches would overwrite each other's updates
+(``SparseOptimizer(distributed=True)`` refuses a cache).
 """
 
 from __future__ import annotations
