@@ -304,7 +304,7 @@ class TrainCache:
         self.n_buckets = rows_max // self.slots
         self.rows_max = self.n_buckets * self.slots
         self.write_back_every = write_back_every
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = dev
         dev, cap = self.device, self.rows_max
         self.keys = torch.full((cap,), EMPTY, dtype=torch.int64, device=dev)
         self.records = torch.zeros((cap, self.width), dtype=torch.float32, device=dev)

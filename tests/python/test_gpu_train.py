@@ -383,31 +383,31 @@ print("kernels agree")
 """
 
 
+def _kernels_agree(tmp_path: Path, device: str) -> None:
+    """Runs the script above in a fresh Python: interpreted on the CPU, compiled on CUDA."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run(
+        [sys.executable, "-c", _KERNELS_SCRIPT, str(tmp_path / "s"), device],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0 and "kernels agree" in r.stdout, r.stderr[-3000:]
+
+
 def test_the_triton_update_is_the_pytorch_path_bit_for_bit_in_the_interpreter(tmp_path: Path) -> None:
     """The find and the update: every element-wise kind at dims 3, 8 and 33 (masked
     lanes; buckets of 8 and 5 slots), with evictions and overflow; the stats alike too;
     the PyTorch path is the store's arithmetic (the model test above)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run(
-        [sys.executable, "-c", _KERNELS_SCRIPT, str(tmp_path / "s"), "cpu"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0 and "kernels agree" in r.stdout, r.stderr[-3000:]
+    _kernels_agree(tmp_path, "cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_compiled_update_is_the_pytorch_path(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "-c", _KERNELS_SCRIPT, str(tmp_path / "s"), "cuda"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0 and "kernels agree" in r.stdout, r.stderr[-3000:]
+    _kernels_agree(tmp_path, "cuda")
 
 
 def test_two_threads_train_through_one_cache(tmp_path: Path) -> None:

@@ -432,7 +432,7 @@ def test_a_write_to_a_silent_primary_fails_at_its_deadline_naming_the_shard(
 
 
 def test_a_train_cache_over_two_served_shards_trains_as_the_embedded_table(
-    cluster: list[str], store_path: Path
+    tmp_path: Path, tls_dir: Path, store_path: Path
 ) -> None:
     """embank.gpu.TrainCache over a remote table: misses read with their state from each
     shard's primary (``LOOKUP_WITH_STATE``), evicted rows written back with it
@@ -441,28 +441,43 @@ def test_a_train_cache_over_two_served_shards_trains_as_the_embedded_table(
     torch = pytest.importorskip("torch")
     from embank import gpu
 
-    opt = embank.optim.Adam(lr=0.01)
-    rng = np.random.default_rng(6)
-    with embank.connect(cluster) as remote, embank.open(store_path) as local:
-        r = remote.create_table("tc", dim=8, init=embank.init.normal(0, 0.1), seed=5, optimizer=opt)
-        e = local.create_table("tc", dim=8, init=embank.init.normal(0, 0.1), seed=5, optimizer=opt)
-        cache = gpu.TrainCache(r, rows_max=40, slots=8, device="cpu")
-        base = max(remote.checkpoints(), default=0)  # the shards are shared with other tests
-        for b in range(1, 16):
-            keys = rng.integers(0, 300, size=120)
-            grads = rng.standard_normal((120, 8)).astype(np.float32)
-            cache.pull(torch.from_numpy(keys))
-            cache.push_grad(torch.from_numpy(keys), torch.from_numpy(grads))
-            e.pull(keys.astype(np.uint64))
-            e.push_grad(keys.astype(np.uint64), grads)
-            if b % 5 == 0:
-                cache.checkpoint(base + b)
-        assert cache.stats()["evicted"] > 0
-        cache.close()
-        keys = np.arange(300, dtype=np.uint64)
-        got, got_found = r.lookup_with_state(keys)
-        want, want_found = e.lookup_with_state(keys)
-        np.testing.assert_array_equal(got_found, want_found)
-        np.testing.assert_array_equal(got[got_found], want[want_found])
-        assert remote.checkpoints()[-1] == base + 15
-        remote.drop_table("tc")
+    # Shards of its own: checkpoints stay on a store (the shared cluster's would then refuse
+    # the lower batch ids of the tests that run after this one).
+    shards = []
+    for i in range(2):
+        config = tmp_path / f"shard{i}.toml"
+        config.write_text(f'store = "{tmp_path / f"s{i}"}"\nlisten = "127.0.0.1:0"\n' + tls_section(tls_dir))
+        shards.append(start_shard(config))
+    cluster = [addr for _, addr in shards]
+
+    try:
+        opt = embank.optim.Adam(lr=0.01)
+        rng = np.random.default_rng(6)
+        with (
+            embank.connect(cluster, tls_ca_file=str(tls_dir / "ca.pem")) as remote,
+            embank.open(store_path) as local,
+        ):
+            r = remote.create_table("tc", dim=8, init=embank.init.normal(0, 0.1), seed=5, optimizer=opt)
+            e = local.create_table("tc", dim=8, init=embank.init.normal(0, 0.1), seed=5, optimizer=opt)
+            cache = gpu.TrainCache(r, rows_max=40, slots=8, device="cpu")
+            for b in range(1, 16):
+                keys = rng.integers(0, 300, size=120)
+                grads = rng.standard_normal((120, 8)).astype(np.float32)
+                cache.pull(torch.from_numpy(keys))
+                cache.push_grad(torch.from_numpy(keys), torch.from_numpy(grads))
+                e.pull(keys.astype(np.uint64))
+                e.push_grad(keys.astype(np.uint64), grads)
+                if b % 5 == 0:
+                    cache.checkpoint(b)
+            assert cache.stats()["evicted"] > 0
+            cache.close()
+            keys = np.arange(300, dtype=np.uint64)
+            got, got_found = r.lookup_with_state(keys)
+            want, want_found = e.lookup_with_state(keys)
+            np.testing.assert_array_equal(got_found, want_found)
+            np.testing.assert_array_equal(got[got_found], want[want_found])
+            assert remote.checkpoints()[-1] == 15
+    finally:
+        for p, _ in shards:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=60)

@@ -12,9 +12,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import embank
 import numpy as np
+import numpy.typing as npt
 import pytest
 from conftest import tls_section
 from embank.errors import EmbankTimeoutError, PublishError, ShardUnavailableError, UnsupportedError
@@ -90,6 +92,17 @@ def replica(
     line = p.stdout.readline()
     assert "replica of" in line, line
     return p, line.split("listening on ")[1].split()[0].rstrip(",")
+
+
+def lookup_when_served(remote: embank.Store, keys: npt.NDArray[Any], batch: int) -> tuple[Any, Any]:
+    """``remote``'s lookup of ``keys`` once a replica serves checkpoint ``batch`` (30 s)."""
+    deadline = time.time() + 30
+    while True:
+        try:
+            return remote.table("emb").lookup(keys)
+        except (ShardUnavailableError, embank.NotFoundError):
+            assert time.time() < deadline, f"the replica never served checkpoint {batch}"
+            time.sleep(0.05)
 
 
 def train(store: embank.Store, batches: range, rng: np.random.Generator) -> None:
@@ -186,14 +199,7 @@ def test_a_replica_serves_the_stream_as_int8_rows(tmp_path: Path, redis: Redis, 
     try:
         remote = embank.connect([addr], tls_ca_file=str(tls_dir / "ca.pem"), min_checkpoint=3)
         keys = np.arange(2000, dtype=np.uint64)
-        deadline = time.time() + 30
-        while True:
-            try:
-                rows, found = remote.table("emb").lookup(keys)
-                break
-            except (ShardUnavailableError, embank.NotFoundError):
-                assert time.time() < deadline, "the replica never served checkpoint 3"
-                time.sleep(0.05)
+        rows, found = lookup_when_served(remote, keys, 3)
         assert remote.table("emb").stored_dtype == "int8"
         want: dict[int, np.ndarray[tuple[int, ...], np.dtype[np.float32]]] = {}
         for k, r in trainer.export_checkpoint("emb", 3):
@@ -381,14 +387,7 @@ def test_a_trainer_through_a_train_cache_publishes_what_its_checkpoints_hold(
     try:
         keys = np.arange(2000, dtype=np.uint64)
         with embank.connect([addr], min_checkpoint=6, tls_ca_file=str(tls_dir / "ca.pem")) as remote:
-            deadline = time.time() + 30
-            while True:
-                try:
-                    rows, found = remote.table("emb").lookup(keys)
-                    break
-                except (ShardUnavailableError, embank.NotFoundError):
-                    assert time.time() < deadline, "the replica never served checkpoint 6"
-                    time.sleep(0.05)
+            rows, found = lookup_when_served(remote, keys, 6)
         want, want_found = plain.lookup(keys)
         np.testing.assert_array_equal(found, want_found)
         np.testing.assert_array_equal(rows[found], want[want_found])
