@@ -182,7 +182,8 @@ fn reopen(
     let open_s = t0.elapsed().as_secs_f64();
     first_batch(&table, keys, dim)?;
     let first_batch_s = t0.elapsed().as_secs_f64();
-    let pending = table.stats().map_err(|e| e.to_string())?.recovered.is_some_and(|r| r.pending);
+    // (Not `stats()`, which walks the index.)
+    let pending = table.recover_stats().is_some_and(|r| r.pending);
     store.wait_repaired().map_err(|e| e.to_string())?;
     let repaired_s = pending.then(|| t0.elapsed().as_secs_f64());
     let len = table.len().map_err(|e| e.to_string())?;

@@ -110,6 +110,27 @@ pub(crate) struct CheckpointState {
     pub oldest: u64,
     /// Roll back to this checkpoint whatever state the table was left in (a restore).
     pub restore_to: Option<u64>,
+    /// A rollback on first touch is under way (set by the table's open): its journal's
+    /// entries before `upto` count as undone.
+    pub undoing: Option<PendingRollback>,
+}
+
+/// A rollback on first touch (`index/undo.rs`) not yet finished: the entries of journal
+/// `seq` before `upto` are being undone; once they all are, the journal is marked so.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PendingRollback {
+    pub seq: u64,
+    pub upto: u64,
+}
+
+impl CheckpointState {
+    /// The entries of `j` that no rollback undid or is undoing.
+    fn live_entries(&self, j: &Journal) -> Vec<journal::Entry> {
+        match self.undoing {
+            Some(p) if p.seq == j.seq() => j.entries_since(p.upto),
+            _ => j.entries_since_rollback(),
+        }
+    }
 }
 
 /// The checkpoint list of a store: `CHECKPOINTS.0` and `CHECKPOINTS.1`, written in turn.
@@ -252,6 +273,7 @@ impl CheckpointFile {
             latest: self.checkpoints.last().map_or(0, |c| c.seq),
             oldest: self.checkpoints.first().map_or(0, |c| c.seq),
             restore_to,
+            undoing: None,
         }
     }
 
@@ -324,7 +346,7 @@ impl TableCheckpoints {
         // whose next change is journaled again.
         if let Some(j) = journal.as_ref() {
             let tag = c.tag(j.seq());
-            for e in j.entries_since_rollback() {
+            for e in ckpt.live_entries(j) {
                 if let Some(f) = index.find(e.key, index.hash(e.key)) {
                     if f.ptr != e.old {
                         index.mark_journaled(f.bucket, f.slot, tag);
@@ -400,6 +422,12 @@ impl TableCheckpoints {
             index.mark_journaled(f.bucket, f.slot, tag);
         }
         Ok(found.map(|f| f.ptr))
+    }
+
+    /// Ends a rollback on first touch whose every entry the index has applied.
+    pub fn finish_rollback(&self, p: PendingRollback) -> Result<()> {
+        let j = self.journal.read();
+        finish_lazy_rollback(&self.dir, j.as_deref(), p)
     }
 
     /// Keeps replaced records that checkpoint `interval` still needs.
@@ -539,6 +567,42 @@ pub(crate) fn rollback(dir: &Path, index: &Index, to: u64) -> Result<()> {
     Ok(())
 }
 
+/// Journals of more entries are rolled back before the table serves: a rollback on
+/// first touch keeps its entries in DRAM (24 bytes each).
+const LAZY_ROLLBACK_ENTRIES_MAX: u64 = 16 << 20;
+
+/// Starts a rollback to checkpoint `to` on first touch (`index/undo.rs`): the journal is
+/// read, and each key is returned to its record at the checkpoint before anyone reads or
+/// writes it. Only when the journal of `to` is the only one to apply (a crash: no later
+/// checkpoint exists) and small enough; `None` otherwise (the caller rolls back now).
+/// Nothing on disk changes until [`finish_lazy_rollback`] (a crash meanwhile rolls back
+/// again from the same journal: applying it is idempotent, and entries appended since
+/// name the same checkpoint records).
+pub(crate) fn begin_lazy_rollback(dir: &Path, index: &mut Index, to: u64) -> Result<Option<PendingRollback>> {
+    if journal::list(dir).into_iter().filter(|&s| s >= to).ne([to]) {
+        return Ok(None);
+    }
+    let j = Journal::open(dir, to)?;
+    let upto = j.appended();
+    if upto.saturating_sub(j.rolled_back()) > LAZY_ROLLBACK_ENTRIES_MAX {
+        return Ok(None);
+    }
+    let entries = j.entries_since_rollback();
+    let keys = index.begin_lazy_undo(to, entries.iter().map(|e| (e.key, e.old)));
+    tracing::info!(seq = to, entries = entries.len(), keys, "undo journal applied on first touch");
+    Ok(Some(PendingRollback { seq: to, upto }))
+}
+
+/// Ends a rollback on first touch once the index has applied every entry: the journal
+/// says its entries before `upto` are undone (those after are the new interval's).
+fn finish_lazy_rollback(dir: &Path, current: Option<&Journal>, p: PendingRollback) -> Result<()> {
+    match current {
+        Some(j) if j.seq() == p.seq => j.mark_rolled_back_to(p.upto),
+        _ => Journal::open(dir, p.seq)?.mark_rolled_back_to(p.upto),
+    }
+    Ok(())
+}
+
 /// Records kept for the retained checkpoints: those the journals name.
 pub(crate) fn held_records(dir: &Path, ckpt: CheckpointState) -> Result<BTreeMap<u64, Vec<u64>>> {
     let mut held = BTreeMap::new();
@@ -548,7 +612,7 @@ pub(crate) fn held_records(dir: &Path, ckpt: CheckpointState) -> Result<BTreeMap
         }
         // Entries a rollback undid name records that are live again: not held.
         let v: Vec<u64> =
-            Journal::open(dir, seq)?.entries_since_rollback().iter().filter(|e| e.old != 0).map(|e| e.old).collect();
+            ckpt.live_entries(&Journal::open(dir, seq)?).iter().filter(|e| e.old != 0).map(|e| e.old).collect();
         if !v.is_empty() {
             held.insert(seq, v);
         }

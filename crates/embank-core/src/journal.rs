@@ -260,9 +260,25 @@ impl Journal {
         self.rolled_back_word().store(n.to_le(), Ordering::Release);
     }
 
+    /// Records that a rollback has applied every entry before `end` (a rollback on
+    /// first touch, which new entries followed while it ran).
+    pub fn mark_rolled_back_to(&self, end: u64) {
+        self.rolled_back_word().store(end.max(self.rolled_back()).to_le(), Ordering::Release);
+    }
+
+    /// Entries handed out so far (completed or not): where the next one goes.
+    pub fn appended(&self) -> u64 {
+        self.next().load(Ordering::Acquire)
+    }
+
     /// The completed entries appended since the last rollback to this checkpoint.
     pub fn entries_since_rollback(&self) -> Vec<Entry> {
         self.entries_from(self.rolled_back())
+    }
+
+    /// The completed entries from `first` on, none a rollback undid.
+    pub fn entries_since(&self, first: u64) -> Vec<Entry> {
+        self.entries_from(first.max(self.rolled_back()))
     }
 
     /// Appends one entry (the tests'; the table reserves and writes slots itself).

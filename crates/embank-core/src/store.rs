@@ -414,6 +414,8 @@ impl Store {
         }
         for t in inner.tables.values() {
             t.write_back_all_locked()?;
+            // Retention may drop the journal a rollback on first touch still reads.
+            t.finish_rollback()?;
         }
         let seq = file.next_seq.max(1);
         let mut replaced = Vec::with_capacity(inner.tables.len());

@@ -91,6 +91,7 @@ impl Index {
             seed,
             repairing: AtomicBool::new(false),
             lazy: None,
+            undo: None,
             watch: Default::default(),
         })
     }

@@ -360,3 +360,123 @@ fn an_index_built_in_dram_persists_equal_and_sparse() {
     let again = Index::create_in_memory(&sparse_path, 1 << 4, 7).unwrap();
     assert!(again.persist().is_err());
 }
+
+/// A rollback on first touch (`undo.rs`): while two readers look keys up (one key at a
+/// time and staged) and a writer inserts and removes keys of its own, every key the
+/// journal names reads as it was at the checkpoint (present with its pointer, or absent),
+/// before and after the background applies the rest; the index then holds exactly the
+/// checkpoint's keys and the writer's. A small index, so keys live past their home
+/// buckets and undos insert along probe paths.
+#[test]
+fn a_rollback_on_first_touch_answers_every_key_as_at_the_checkpoint() {
+    use std::sync::atomic::AtomicBool;
+    let dir = tempfile::tempdir().unwrap();
+    let mut index = new_index(&dir, 64); // 896 slots
+    let ptr = |key: u64, generation: u64| key << 32 | (generation + 1);
+    let mut at_ckpt: HashMap<u64, u64> = HashMap::new();
+    for k in 0..500u64 {
+        assert!(index.insert_new(k, index.hash(k), ptr(k, 0)).unwrap());
+        at_ckpt.insert(k, ptr(k, 0));
+    }
+    // After the checkpoint: replaced (some twice), removed, created; each key's first
+    // change journaled with its record at the checkpoint, a second change journaled too.
+    let mut journal = Vec::new();
+    for k in (0..500u64).step_by(3) {
+        journal.push((k, ptr(k, 0)));
+        index.replace(k, index.hash(k), ptr(k, 1));
+        if k % 2 == 0 {
+            journal.push((k, ptr(k, 1)));
+            index.replace(k, index.hash(k), ptr(k, 2));
+        }
+    }
+    for k in (1..500u64).step_by(7) {
+        // (A key replaced above is journaled again: its first entry wins.)
+        journal.push((k, index.get(k, index.hash(k)).unwrap()));
+        index.remove(k, index.hash(k)).unwrap();
+    }
+    for k in 500..650u64 {
+        journal.push((k, 0));
+        assert!(index.insert_new(k, index.hash(k), ptr(k, 1)).unwrap());
+    }
+    // Keep each key's first entry as the reference does.
+    let mut first: HashMap<u64, u64> = HashMap::new();
+    for &(k, old) in &journal {
+        first.entry(k).or_insert(old);
+    }
+    assert_eq!(first.iter().filter(|(k, &old)| old != 0 && at_ckpt[k] != old).count(), 0);
+    index.begin_lazy_repair();
+    let keys = index.begin_lazy_undo(7, journal.iter().copied());
+    assert_eq!(keys, first.len() as u64);
+    assert!(index.undo_pending());
+    let index = &index;
+    let done = AtomicBool::new(false);
+    let first_rounds = AtomicU64::new(0);
+    let writer_keys = 1000..1060u64;
+    std::thread::scope(|s| {
+        for reader in 0..2u64 {
+            let (at_ckpt, done, first_rounds) = (&at_ckpt, &done, &first_rounds);
+            s.spawn(move || {
+                let mut rng = crate::hash::splitmix64(reader + 1);
+                let mut rounds = 0;
+                while rounds < 3 || !done.load(Ordering::Acquire) {
+                    let batch: Vec<u64> = (0..STAGED_KEYS_MAX)
+                        .map(|_| {
+                            rng = crate::hash::splitmix64(rng);
+                            rng % 650
+                        })
+                        .collect();
+                    let got = if reader == 0 {
+                        batch.iter().map(|&k| index.get(k, index.hash(k))).collect()
+                    } else {
+                        staged(index, &batch)
+                    };
+                    for (&k, g) in batch.iter().zip(got) {
+                        assert_eq!(g, at_ckpt.get(&k).copied(), "key {k} read during the rollback");
+                    }
+                    rounds += 1;
+                    if rounds == 1 {
+                        first_rounds.fetch_add(1, Ordering::AcqRel);
+                    }
+                }
+            });
+        }
+        s.spawn(|| {
+            for round in 0..20u64 {
+                for k in writer_keys.clone() {
+                    let h = index.hash(k);
+                    if round % 2 == 0 {
+                        assert!(index.insert_new(k, h, ptr(k, round)).unwrap());
+                    } else {
+                        assert_eq!(index.remove(k, h), Some(ptr(k, round - 1)));
+                    }
+                }
+            }
+            assert!(index.insert_new(writer_keys.start, index.hash(writer_keys.start), 77).unwrap());
+        });
+        // The background's part, a few buckets at a time, once both readers have read a
+        // batch with every undo pending.
+        let t0 = std::time::Instant::now();
+        while first_rounds.load(Ordering::Acquire) < 2 && t0.elapsed().as_secs() < 20 {
+            std::thread::yield_now();
+        }
+        let mut at = 0;
+        loop {
+            let next = index.undo_some(at, 3);
+            if next == at {
+                break;
+            }
+            at = next;
+            std::thread::yield_now();
+        }
+        index.undo_all().unwrap();
+        done.store(true, Ordering::Release);
+    });
+    assert!(!index.undo_pending());
+    let mut all = HashMap::new();
+    index.for_each(0, index.bucket_count(), |k, p| {
+        assert!(all.insert(k, p).is_none(), "key {k} twice");
+    });
+    let mut want = at_ckpt.clone();
+    want.insert(writer_keys.start, 77);
+    assert_eq!(all, want, "the index after the rollback");
+}

@@ -141,6 +141,8 @@ struct Repairs {
     recovered: Option<RecoverStats>,
     /// The background repair after a crash (`None` when the open repaired everything).
     background: Option<Arc<repair::Repair>>,
+    /// A rollback on first touch not yet finished (`index/undo.rs`).
+    rollback: Mutex<Option<crate::checkpoint::PendingRollback>>,
 }
 
 /// A table, assembled from parts that each own their state and lock.

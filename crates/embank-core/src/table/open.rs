@@ -13,7 +13,7 @@ use super::options::{RecoverStats, RepairMode, LOAD_FACTOR_TARGET};
 use super::repair::{self, Repair};
 use super::{Config, Files, ReadCounters, Repairs, Shared, State, Table, Training, STRIPES};
 use crate::catalog::{Catalog, Placement, TableMeta};
-use crate::checkpoint::{self, CheckpointState, TableCheckpoints};
+use crate::checkpoint::{self, CheckpointState, PendingRollback, TableCheckpoints};
 use crate::error::{Error, Result};
 use crate::index::{buckets_for, Index, RecoverReport};
 use crate::lifecycle::Lifecycle;
@@ -139,6 +139,8 @@ struct Background {
     repair: Arc<Repair>,
     live: Vec<u64>,
     limit: u64,
+    /// A rollback on first touch, which the thread finishes before its pass.
+    rollback: Option<PendingRollback>,
 }
 
 /// After a killed process of this boot (or for a restore of a clean table): starts the
@@ -156,9 +158,16 @@ fn begin_background_repair(
     let t0 = Instant::now();
     tracing::info!(table = %name, "table was not closed cleanly by a process of this boot; serving while it is repaired");
     index.begin_lazy_repair();
+    let mut rollback = None;
     if let Some(to) = rollback_to {
-        checkpoint::rollback(dir, index, to).map_err(|e| e.context(format!("table {name:?}")))?;
+        // A key goes back to the checkpoint when first touched: the open reads the
+        // journal, not an index page per entry (`index/undo.rs`).
+        rollback = checkpoint::begin_lazy_rollback(dir, index, to).map_err(|e| e.context(format!("table {name:?}")))?;
+        if rollback.is_none() {
+            checkpoint::rollback(dir, index, to).map_err(|e| e.context(format!("table {name:?}")))?;
+        }
     }
+    let ckpt = CheckpointState { undoing: rollback, ..ckpt };
     let alloc = medium.alloc();
     let limit = alloc.begin_rebuild();
     let mut live = vec![0u64; limit.div_ceil(64) as usize];
@@ -167,8 +176,12 @@ fn begin_background_repair(
             alloc.mark_below(&mut live, limit, p);
         }
     }
-    let open = RecoverStats { seconds: t0.elapsed().as_secs_f64(), ..Default::default() };
-    Ok(Background { repair: Repair::new(open), live, limit })
+    let open = RecoverStats {
+        seconds: t0.elapsed().as_secs_f64(),
+        rollback_on_touch: rollback.is_some(),
+        ..Default::default()
+    };
+    Ok(Background { repair: Repair::new(open), live, limit, rollback })
 }
 
 impl Table {
@@ -193,7 +206,7 @@ impl Table {
         crate::fsutil::sync_dir(dir)?;
         let st = State { index, medium, generation: meta.index_generation };
         advise(&runtime, &st);
-        Ok(Self::new(dir, meta, st, catalog, None, None, runtime, placement, checkpoints))
+        Ok(Self::new(dir, meta, st, catalog, (None, None, None), runtime, placement, checkpoints))
     }
 
     /// Opens the files of a table; repairs them first if the last user did not close cleanly.
@@ -231,7 +244,8 @@ impl Table {
             (None, None)
         };
         let st = State { index, medium, generation: meta.index_generation };
-        let checkpoints = TableCheckpoints::open(dir, ckpt, &st.index)?;
+        let rollback = background.as_ref().and_then(|b| b.rollback);
+        let checkpoints = TableCheckpoints::open(dir, CheckpointState { undoing: rollback, ..ckpt }, &st.index)?;
         st.index.mark_open()?;
         advise(&runtime, &st);
         let repair = background.as_ref().map(|b| Arc::clone(&b.repair));
@@ -239,7 +253,7 @@ impl Table {
             Some(seq) => checkpoint_steps.get(&seq).copied().unwrap_or(0),
             None => meta.optimizer_step,
         };
-        let table = Self::new(dir, meta, st, catalog, recovered, repair, runtime, placement, checkpoints);
+        let table = Self::new(dir, meta, st, catalog, (recovered, repair, rollback), runtime, placement, checkpoints);
         table.set_optimizer_step(step);
         if let Some(b) = background {
             repair::spawn(&table, b.repair, b.live, b.limit, mode.throttle);
@@ -256,8 +270,7 @@ impl Table {
         meta: TableMeta,
         state: State,
         catalog: Arc<Catalog>,
-        recovered: Option<RecoverStats>,
-        repair: Option<Arc<Repair>>,
+        (recovered, repair, rollback): (Option<RecoverStats>, Option<Arc<Repair>>, Option<PendingRollback>),
         runtime: Arc<Runtime>,
         placement: Placement,
         checkpoints: TableCheckpoints,
@@ -309,7 +322,7 @@ impl Table {
                     holds,
                 },
                 checkpoints,
-                repairs: Repairs { recovered, background: repair },
+                repairs: Repairs { recovered, background: repair, rollback: Mutex::new(rollback) },
                 lifecycle,
                 hot: runtime.hot.as_ref().map(crate::hot::HotSampler::new),
                 counters: ReadCounters::default(),
@@ -333,6 +346,9 @@ impl Table {
         }
         // The free list and the key count are whole only once a background repair is done.
         self.wait_repaired();
+        // A rollback that could not return every key leaves the table not closed cleanly
+        // (the next open rolls back again, and says why it cannot).
+        self.finish_rollback()?;
         self.save_optimizer_step()?;
         self.write_back_all()?;
         let mut guard = self.shared.files.state.write();

@@ -233,6 +233,13 @@ pub struct RecoverStats {
     pub pending: bool,
     /// Seconds from the open until the background repair finished.
     pub background_seconds: Option<f64>,
+    /// True when the rollback to the latest checkpoint went on after the open: each key
+    /// the journal names was returned to the checkpoint when first read or written, the
+    /// rest by the background repair before its pass (see `index/undo.rs`).
+    pub rollback_on_touch: bool,
+    /// Seconds from the open until every key was back at the checkpoint (a rollback on
+    /// first touch; otherwise inside `seconds`).
+    pub rollback_seconds: Option<f64>,
 }
 
 /// How a table that was not closed cleanly is repaired at open.

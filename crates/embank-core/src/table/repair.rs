@@ -23,6 +23,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::options::RecoverStats;
 use super::{Shared, Table};
+use crate::error::Result;
 use crate::medium::Medium;
 
 /// Buckets per step of the background pass (the state lock is released in between).
@@ -91,6 +92,28 @@ pub(super) fn spawn(table: &Table, repair: Arc<Repair>, live: Vec<u64>, limit: u
 
 fn run(weak: Weak<Shared>, repair: &Repair, mut live: Vec<u64>, limit: u64, throttle: Option<(u64, Duration)>) {
     let (chunk, pause) = throttle.unwrap_or((CHUNK_BUCKETS, Duration::ZERO));
+    // A rollback on first touch ends first: the pass marks the records the index names,
+    // which must be the checkpoint's. In chunks, as the pass.
+    let mut undone = 0usize;
+    loop {
+        let Some(shared) = weak.upgrade() else { return };
+        let table = Table { shared };
+        let Ok(guard) = table.state() else { return };
+        if guard.index.undo_pending() {
+            undone = guard.index.undo_some(undone, chunk.max(1));
+            drop(guard);
+            if !pause.is_zero() {
+                std::thread::sleep(pause);
+            }
+            continue;
+        }
+        drop(guard);
+        if let Err(e) = table.finish_rollback() {
+            // The table then does not close cleanly: the next open rolls back again.
+            tracing::error!(table = %table.shared.config.name, error = %e, "rollback failed");
+        }
+        break;
+    }
     let mut next = 0u64;
     loop {
         let Some(shared) = weak.upgrade() else { return };
@@ -100,6 +123,11 @@ fn run(weak: Weak<Shared>, repair: &Repair, mut live: Vec<u64>, limit: u64, thro
         let buckets = st.index.bucket_count();
         if next < buckets {
             let end = (next + chunk.max(1)).min(buckets);
+            // Read ahead: this chunk (the first time) and the next, in large requests.
+            if next == 0 {
+                st.index.will_need(0, end);
+            }
+            st.index.will_need(end, end + chunk.max(1));
             let alloc = st.medium.alloc();
             st.index.repair_scan(next, end, |_, ptr| alloc.mark_below(&mut live, limit, ptr));
             next = end;
@@ -126,6 +154,24 @@ fn run(weak: Weak<Shared>, repair: &Repair, mut live: Vec<u64>, limit: u64, thro
 }
 
 impl Table {
+    /// Finishes a rollback on first touch (if one runs): every key the journal names
+    /// returned to the checkpoint, then the journal marked. Before a checkpoint (whose
+    /// retention may drop the journal) and a clean close; the background repair calls it
+    /// first. An error (a key with no slot to return to) stays: every later call fails.
+    pub(crate) fn finish_rollback(&self) -> Result<()> {
+        let mut pending = self.shared.repairs.rollback.lock();
+        let Some(p) = *pending else { return Ok(()) };
+        let st = self.state()?;
+        st.index.undo_all().map_err(|e| e.context(format!("rolling back table {:?}", self.shared.config.name)))?;
+        self.shared.checkpoints.finish_rollback(p)?;
+        *pending = None;
+        if let Some(r) = &self.shared.repairs.background {
+            r.stats.lock().rollback_seconds = Some(r.started.elapsed().as_secs_f64());
+        }
+        tracing::info!(table = %self.shared.config.name, seq = p.seq, "rollback on first touch done");
+        Ok(())
+    }
+
     /// What recovery repaired when the table was opened after a crash (`None` after a
     /// clean close): the same as `stats().recovered`, without the rest of the stats
     /// (which walk the whole index).
