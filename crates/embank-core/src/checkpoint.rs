@@ -570,6 +570,9 @@ pub(crate) fn rollback(dir: &Path, index: &Index, to: u64) -> Result<()> {
 /// Journals of more entries are rolled back before the table serves: a rollback on
 /// first touch keeps its entries in DRAM (24 bytes each).
 const LAZY_ROLLBACK_ENTRIES_MAX: u64 = 16 << 20;
+/// The most of the index's slots a rollback on first touch may fill (see
+/// `begin_lazy_rollback`): the load at which a table grows its index.
+const LAZY_ROLLBACK_LOAD_MAX: f64 = 0.9;
 
 /// Starts a rollback to checkpoint `to` on first touch (`index/undo.rs`): the journal is
 /// read, and each key is returned to its record at the checkpoint before anyone reads or
@@ -588,6 +591,13 @@ pub(crate) fn begin_lazy_rollback(dir: &Path, index: &mut Index, to: u64) -> Res
         return Ok(None);
     }
     let entries = j.entries_since_rollback();
+    // Undos run by bucket, not newest first: a key may come back before another leaves
+    // the slot it needs. Only with room for every key the journal may bring back (at
+    // the load at which the index grows) is that never short of a slot.
+    let returns = entries.iter().filter(|e| e.old != 0).count() as u64;
+    if (index.len() + returns) as f64 > LAZY_ROLLBACK_LOAD_MAX * index.slot_count() as f64 {
+        return Ok(None);
+    }
     let keys = index.begin_lazy_undo(to, entries.iter().map(|e| (e.key, e.old)));
     tracing::info!(seq = to, entries = entries.len(), keys, "undo journal applied on first touch");
     Ok(Some(PendingRollback { seq: to, upto }))

@@ -480,3 +480,31 @@ fn a_rollback_on_first_touch_answers_every_key_as_at_the_checkpoint() {
     want.insert(writer_keys.start, 77);
     assert_eq!(all, want, "the index after the rollback");
 }
+
+/// An undo with no slot to return its key to (every slot taken) is an error of
+/// `undo_all`, which stays; the other keys are returned. (The table rolls back on first
+/// touch only while the index keeps room for every key the journal may return:
+/// `checkpoint::begin_lazy_rollback`.)
+#[test]
+fn an_undo_without_a_slot_is_an_error_and_the_other_keys_are_returned() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut index = new_index(&dir, 4);
+    let slots = index.slot_count();
+    for key in 0..slots {
+        assert!(index.insert_new(key, index.hash(key), key + 1).unwrap());
+    }
+    // Key 0 deleted and its slot taken by key 1000 (not journaled: it stays); key 1
+    // replaced.
+    index.remove(0, index.hash(0)).unwrap();
+    assert!(index.insert_new(1000, index.hash(1000), 5000).unwrap());
+    index.replace(1, index.hash(1), 77).unwrap();
+    index.begin_lazy_repair();
+    index.begin_lazy_undo(3, [(0, 1), (1, 2)]);
+    let e = index.undo_all().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Recover, "{e}");
+    assert!(e.to_string().contains("no index slot to return key 0 to checkpoint 3"), "{e}");
+    assert_eq!(index.undo_all().unwrap_err().kind(), ErrorKind::Recover, "the error stays");
+    assert!(!index.undo_pending());
+    assert_eq!(index.get(1, index.hash(1)), Some(2));
+    assert_eq!(index.get(0, index.hash(0)), None);
+}
