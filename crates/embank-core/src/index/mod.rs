@@ -554,6 +554,11 @@ impl Index {
         }
     }
 
+    /// Clears the journaled mark of the key at `(bucket, slot)` (`undo.rs`).
+    fn clear_mark(&self, bucket: u64, slot: usize) {
+        self.raw_bucket(bucket).marks.fetch_and(!(1u64 << slot), Ordering::AcqRel);
+    }
+
     /// Lock-free lookup, returning where the key sits.
     #[inline]
     pub fn find(&self, key: u64, hash: u64) -> Option<Found> {

@@ -508,3 +508,32 @@ fn an_undo_without_a_slot_is_an_error_and_the_other_keys_are_returned() {
     assert_eq!(index.get(1, index.hash(1)), Some(2));
     assert_eq!(index.get(0, index.hash(0)), None);
 }
+
+/// A key an undo returns to a slot that held another key this interval (journaled,
+/// marked, then removed) is not marked journaled: its next change must be journaled.
+#[test]
+fn a_key_an_undo_returns_does_not_inherit_the_slots_mark() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut index = new_index(&dir, 8);
+    let tag = 0x1234;
+    let home = |i: &Index, k: u64| i.geo.home(i.hash(k));
+    // K, deleted after the checkpoint; its home bucket full of other keys.
+    let k = 1u64;
+    let h = home(&index, k);
+    for other in (2..).filter(|&o| home(&index, o) == h).take(SLOTS_PER_BUCKET) {
+        assert!(index.insert_new(other, index.hash(other), other + 1).unwrap());
+    }
+    // K2, homed where K's probe goes next, changed this interval: journaled, marked, removed.
+    let y = index.geo.next(h, index.geo.step(index.hash(k)));
+    let k2 = (1000..).find(|&o| home(&index, o) == y).unwrap();
+    assert!(index.insert_new(k2, index.hash(k2), 5).unwrap());
+    let f = index.find(k2, index.hash(k2)).unwrap();
+    index.mark_journaled(f.bucket, f.slot, tag);
+    assert!(index.journaled(f.bucket, f.slot, tag));
+    index.remove(k2, index.hash(k2)).unwrap();
+    index.begin_lazy_repair();
+    index.begin_lazy_undo(3, [(k, 777)]);
+    let back = index.find(k, index.hash(k)).unwrap();
+    assert_eq!((back.bucket, back.slot, back.ptr), (f.bucket, f.slot, 777), "K took K2's slot");
+    assert!(!index.journaled(back.bucket, back.slot, tag), "K inherited K2's mark");
+}

@@ -122,10 +122,12 @@ impl Index {
                 PENDING => {
                     if state.compare_exchange(PENDING, BUSY, Ordering::Acquire, Ordering::Acquire).is_ok() {
                         self.apply_bucket(u, b);
-                        state.store(CLEAR, Ordering::Release);
+                        // The count first: whoever finds the last bucket clear finds the
+                        // rollback over (`undo_all`).
                         if u.left.fetch_sub(1, Ordering::AcqRel) == 1 {
                             u.active.store(false, Ordering::Release);
                         }
+                        state.store(CLEAR, Ordering::Release);
                         return;
                     }
                 }
@@ -149,11 +151,18 @@ impl Index {
         let h = self.hash(e.key);
         if e.old == 0 {
             self.remove_ungated(e.key, h);
-        } else if self.replace_ungated(e.key, h, e.old).is_none() && !self.insert_new_ungated(e.key, h, e.old)? {
-            return Err(Error::new(
-                ErrorKind::Recover,
-                format!("no index slot to return key {} to checkpoint {to}", e.key),
-            ));
+        } else if self.replace_ungated(e.key, h, e.old).is_none() {
+            if !self.insert_new_ungated(e.key, h, e.old)? {
+                return Err(Error::new(
+                    ErrorKind::Recover,
+                    format!("no index slot to return key {} to checkpoint {to}", e.key),
+                ));
+            }
+            // A slot's mark says its key was journaled this interval; the key this slot
+            // held before may have been (and removed since), this one was not: its next
+            // change must be journaled. (Every other insert is journaled first.)
+            let f = self.find_ungated(e.key, h).expect("inserted above, under its bucket's undo");
+            self.clear_mark(f.bucket, f.slot);
         }
         Ok(())
     }

@@ -176,6 +176,11 @@ fn begin_background_repair(
             alloc.mark_below(&mut live, limit, p);
         }
     }
+    // The records a rollback on first touch returns keys to are live (kept even where an
+    // undo fails: the next open's rollback needs them).
+    for p in checkpoint::records_rolled_back_to(dir, rollback)? {
+        alloc.mark_below(&mut live, limit, p);
+    }
     let open = RecoverStats {
         seconds: t0.elapsed().as_secs_f64(),
         rollback_on_touch: rollback.is_some(),
