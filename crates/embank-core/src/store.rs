@@ -402,6 +402,11 @@ impl Store {
         }
         let guard = self.inner.read();
         let inner = guard.as_ref().ok_or_else(|| self.closed())?;
+        // Retention may drop the journal a rollback on first touch still reads: it ends
+        // first, before the gate (batches go on meanwhile; it cannot start again).
+        for t in inner.tables.values() {
+            t.finish_rollback()?;
+        }
         let _gate = inner.runtime.gate.lock.write();
         let mut file = inner.ckpts.lock();
         if let Some(last) = file.checkpoints.last() {
@@ -414,8 +419,6 @@ impl Store {
         }
         for t in inner.tables.values() {
             t.write_back_all_locked()?;
-            // Retention may drop the journal a rollback on first touch still reads.
-            t.finish_rollback()?;
         }
         let seq = file.next_seq.max(1);
         let mut replaced = Vec::with_capacity(inner.tables.len());
