@@ -402,11 +402,8 @@ impl Store {
         }
         let guard = self.inner.read();
         let inner = guard.as_ref().ok_or_else(|| self.closed())?;
-        // Retention may drop the journal a rollback on first touch still reads: it ends
-        // first, before the gate (batches go on meanwhile; it cannot start again).
-        for t in inner.tables.values() {
-            t.finish_rollback()?;
-        }
+        // A rollback on first touch ends first (retention may drop its journal), gate open.
+        inner.tables.values().try_for_each(|t| t.finish_rollback())?;
         let _gate = inner.runtime.gate.lock.write();
         let mut file = inner.ckpts.lock();
         if let Some(last) = file.checkpoints.last() {
