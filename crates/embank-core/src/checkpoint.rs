@@ -603,17 +603,6 @@ pub(crate) fn begin_lazy_rollback(dir: &Path, index: &mut Index, to: u64) -> Res
     Ok(Some(PendingRollback { seq: to, upto }))
 }
 
-/// The checkpoint records a rollback on first touch returns its keys to.
-pub(crate) fn records_rolled_back_to(dir: &Path, p: Option<PendingRollback>) -> Result<Vec<u64>> {
-    let Some(p) = p else { return Ok(Vec::new()) };
-    let mut first: Vec<(u64, u64)> =
-        Journal::open(dir, p.seq)?.entries_since_rollback().iter().map(|e| (e.key, e.old)).collect();
-    // Each key's first entry (stable sort): a later one names a record of after the checkpoint.
-    first.sort_by_key(|&(key, _)| key);
-    first.dedup_by_key(|&mut (key, _)| key);
-    Ok(first.into_iter().filter(|&(_, old)| old != 0).map(|(_, old)| old).collect())
-}
-
 /// Ends a rollback on first touch once the index has applied every entry: the journal
 /// says its entries before `upto` are undone (those after are the new interval's).
 fn finish_lazy_rollback(dir: &Path, current: Option<&Journal>, p: PendingRollback) -> Result<()> {

@@ -17,7 +17,7 @@ use std::time::Duration;
 use embank_core::{ErrorKind, Initializer, MediumKind, Optimizer, Placement, Store, StoreOptions, Table, TableOptions};
 
 mod common;
-use common::Rng;
+use common::{open_store, Rng};
 
 const DIM: usize = 4;
 const KEYS: u64 = 400;
@@ -206,21 +206,6 @@ fn sigkill_returns_to_the_last_checkpoint_exactly() {
     assert!(rolled_back > kills / 2, "only {rolled_back} of {kills} reopenings rolled back");
 }
 
-/// Opens the store again. The crash test in this binary forks children meanwhile, and a
-/// child holds copies of every descriptor — our store lock's too — from fork to exec:
-/// a lock released in that window looks held for a moment.
-fn reopen(path: &std::path::Path, opts: &StoreOptions) -> Store {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        match Store::open(path, opts.clone()) {
-            Err(e) if e.kind() == ErrorKind::Locked && std::time::Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(20))
-            }
-            r => return r.unwrap(),
-        }
-    }
-}
-
 type Snapshot = (BTreeMap<u64, Vec<u32>>, BTreeMap<u64, Vec<u32>>);
 
 /// A store trained through batch 20 and checkpointed there, and its snapshot then.
@@ -267,7 +252,7 @@ fn restore_returns_to_each_retained_checkpoint() {
         match round % 4 {
             1 => {
                 store.close().unwrap();
-                store = reopen(&path, &opts);
+                store = open_store(&path, opts.clone());
             }
             3 => {
                 let kept: Vec<u64> = store.checkpoints().unwrap().iter().map(|c| c.batch_id).collect();
@@ -483,7 +468,7 @@ fn lookup_at_each_retained_checkpoint_equals_its_export() {
         }
         if b == 30 {
             drop(store);
-            store = reopen(&dir.path().join("s"), &opts);
+            store = open_store(&dir.path().join("s"), opts.clone());
             check(&store, b);
         }
     }
@@ -510,7 +495,7 @@ fn checkpoint_metadata_survives_reopen_and_is_bounded() {
         store.checkpoint_with_meta(4, &[0, 255, 1]).unwrap();
         drop(store);
     }
-    let store = reopen(&path, &options());
+    let store = open_store(&path, options());
     let list = store.checkpoints().unwrap();
     let metas: Vec<(u64, Vec<u8>)> = list.iter().map(|c| (c.batch_id, c.meta.clone())).collect();
     assert_eq!(

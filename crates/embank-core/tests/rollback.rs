@@ -26,10 +26,10 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use embank_core::{ErrorKind, MediumKind, Placement, Store, StoreOptions, Table, TableOptions};
+use embank_core::{MediumKind, Placement, Store, StoreOptions, Table, TableOptions};
 
 mod common;
-use common::Rng;
+use common::{open_store, Rng};
 
 const DIM: usize = 4;
 const KEYS: u64 = 3000;
@@ -98,21 +98,6 @@ fn options(medium: MediumKind) -> TableOptions {
         o.placement = Placement::Cache;
     }
     o
-}
-
-/// Opens the store. The two scenarios run side by side in this binary and fork
-/// children: a child holds copies of every descriptor, the other scenario's store lock
-/// too, from fork to exec, so a lock just released can look held for a moment.
-fn open_store(dir: &Path, options: StoreOptions) -> Store {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        match Store::open(dir, options.clone()) {
-            Err(e) if e.kind() == ErrorKind::Locked && std::time::Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(20))
-            }
-            r => return r.unwrap(),
-        }
-    }
 }
 
 fn slow_repair() -> StoreOptions {

@@ -167,6 +167,12 @@ impl Index {
         Ok(())
     }
 
+    /// The checkpoint records a rollback on first touch returns keys to (each key's
+    /// first entry; none while no rollback runs).
+    pub fn undo_records(&self) -> impl Iterator<Item = u64> + '_ {
+        self.undo.iter().flat_map(|u| u.entries.iter().filter(|e| e.old != 0).map(|e| e.old))
+    }
+
     /// True while keys wait for their undo.
     pub fn undo_pending(&self) -> bool {
         self.undo.as_ref().is_some_and(|u| u.active.load(Ordering::Acquire))

@@ -178,7 +178,7 @@ fn begin_background_repair(
     }
     // The records a rollback on first touch returns keys to are live (kept even where an
     // undo fails: the next open's rollback needs them).
-    for p in checkpoint::records_rolled_back_to(dir, rollback)? {
+    for p in index.undo_records() {
         alloc.mark_below(&mut live, limit, p);
     }
     let open = RecoverStats {
