@@ -132,7 +132,7 @@ pub struct BenchArgs {
     pub hot_keys: u64,
     /// Capacity the embedded embank tables are created with (default: --keys). More
     /// than --keys leaves the index emptier (more keys in their home bucket, more bytes a
-    /// key); fewer changes nothing, as the load sizes the index for --keys (0.7 full).
+    /// key); fewer changes nothing, as the load sizes the index for --keys (0.76 full).
     #[arg(long)]
     pub capacity: Option<u64>,
     /// `bags`: ids per bag (a request holds `--batch / --bag-size` bags).

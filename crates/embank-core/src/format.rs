@@ -9,8 +9,12 @@ use crate::error::{Error, ErrorKind, Result};
 /// Format version of every file this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
 /// Format version of an index file whose bucket count is not a power of two (sized to
-/// its keys; its keys probe linearly: `hash::Geometry`). This build reads both.
+/// its keys; its keys probe linearly: `hash::Geometry`). Versions 1 and 2 hold 14 slots
+/// of `(key, row byte offset)` a bucket; this build converts them on open.
 pub const INDEX_FORMAT_VERSION_ANY_COUNT: u32 = 2;
+/// Format version of the index files this build writes: 18 slots a bucket, keys apart
+/// from 32-bit row numbers (`index::bucket`), the rows' base and stride in the header.
+pub const INDEX_FORMAT_VERSION: u32 = 3;
 
 pub const INDEX_MAGIC: [u8; 8] = *b"EMBKIDX\0";
 pub const ROWS_MAGIC: [u8; 8] = *b"EMBKROWS";
@@ -30,6 +34,8 @@ pub const INDEX_FREE_GENERATION_OFFSET: usize = 48;
 /// index opened again in the same boot was left by a killed process, whose writes all
 /// reached the page cache; after a reboot the pages may be torn.
 pub const INDEX_BOOT_ID_OFFSET: usize = 56;
+/// Format 3: the row pointer of row number 0 (u64), then the stride (u64).
+pub const INDEX_ROW_UNITS_OFFSET: usize = 72;
 
 /// `state` word: closed cleanly.
 pub const STATE_CLEAN: u32 = 0;
@@ -64,68 +70,110 @@ fn check_magic_version(b: &[u8], magic: &[u8; 8], what: &str) -> Result<()> {
     Ok(())
 }
 
+/// How an index's 32-bit row numbers map to the row pointers (byte offsets in the rows
+/// file) its callers see: `pointer = base + number * unit`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowUnits {
+    pub base: u64,
+    pub unit: u64,
+}
+
+impl RowUnits {
+    /// Pointers that are the numbers themselves (the index's unit tests).
+    #[cfg(test)]
+    pub const IDENTITY: RowUnits = RowUnits { base: 0, unit: 1 };
+
+    /// Rows of `stride` bytes after a rows-file header.
+    #[cfg(test)]
+    pub fn rows(stride: u64) -> RowUnits {
+        RowUnits { base: ROWS_HEADER_BYTES as u64, unit: stride }
+    }
+
+    /// Rows a 32-bit row number can name: a table's rows file holds at most this many.
+    pub const ROWS_MAX: u64 = 1 << 32;
+}
+
 /// Fixed fields of an index file header.
 ///
 /// ```text
 ///  0  magic "EMBKIDX\0"      8  format version u32   12 header bytes u32 (4096)
 /// 16  bucket count u64      24  hash seed u64
-/// 32  live keys u64 (*)     40  state u32 (*)        44 crc32c of bytes 0..32 u32
-/// 48  free-list generation u64 (*)
+/// 32  live keys u64 (*)     40  state u32 (*)        44 crc32c u32 (**)
+/// 48  free-list generation u64 (*)                   56 boot id, 16 bytes (*)
+/// 72  row units: base u64   80  unit u64             (format 3)
 /// (*) updated in place while the index is open
+/// (**) of bytes 0..32, and in format 3 of bytes 72..88 after them
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexHeader {
     pub bucket_count: u64,
     pub seed: u64,
+    /// `None` in a version 1 or 2 header (its slots hold row pointers).
+    pub units: Option<RowUnits>,
 }
 
 impl IndexHeader {
-    pub fn new(bucket_count: u64, seed: u64) -> Self {
-        IndexHeader { bucket_count, seed }
+    pub fn new(bucket_count: u64, seed: u64, units: RowUnits) -> Self {
+        IndexHeader { bucket_count, seed, units: Some(units) }
     }
 
-    /// The format version of an index of `bucket_count` buckets: 1 for a power of two
-    /// (what every build reads), [`INDEX_FORMAT_VERSION_ANY_COUNT`] otherwise (a build
-    /// that probes only powers of two refuses it as a newer format, not misreads it).
-    pub fn version_for(bucket_count: u64) -> u32 {
-        if bucket_count.is_power_of_two() {
-            FORMAT_VERSION
-        } else {
-            INDEX_FORMAT_VERSION_ANY_COUNT
+    fn crc(b: &[u8], version: u32) -> u32 {
+        let crc = crc32c::crc32c(&b[0..32]);
+        match version {
+            INDEX_FORMAT_VERSION => crc32c::crc32c_append(crc, &b[INDEX_ROW_UNITS_OFFSET..INDEX_ROW_UNITS_OFFSET + 16]),
+            _ => crc,
         }
     }
 
     pub fn write(&self, b: &mut [u8]) {
+        let units = self.units.expect("this build writes format 3 index headers");
         b[0..8].copy_from_slice(&INDEX_MAGIC);
-        b[8..12].copy_from_slice(&Self::version_for(self.bucket_count).to_le_bytes());
+        b[8..12].copy_from_slice(&INDEX_FORMAT_VERSION.to_le_bytes());
         b[12..16].copy_from_slice(&(INDEX_HEADER_BYTES as u32).to_le_bytes());
         b[16..24].copy_from_slice(&self.bucket_count.to_le_bytes());
         b[24..32].copy_from_slice(&self.seed.to_le_bytes());
         b[32..40].copy_from_slice(&0u64.to_le_bytes());
         b[40..44].copy_from_slice(&STATE_OPEN.to_le_bytes());
-        let crc = crc32c::crc32c(&b[0..32]);
-        b[44..48].copy_from_slice(&crc.to_le_bytes());
         b[48..56].copy_from_slice(&0u64.to_le_bytes());
+        let at = INDEX_ROW_UNITS_OFFSET;
+        b[at..at + 8].copy_from_slice(&units.base.to_le_bytes());
+        b[at + 8..at + 16].copy_from_slice(&units.unit.to_le_bytes());
+        let crc = Self::crc(b, INDEX_FORMAT_VERSION);
+        b[44..48].copy_from_slice(&crc.to_le_bytes());
     }
 
     pub fn read(b: &[u8]) -> Result<Self> {
-        let version = le_u32(b, 8);
-        match version {
-            INDEX_FORMAT_VERSION_ANY_COUNT if &b[0..8] == INDEX_MAGIC.as_slice() => {}
-            _ => check_magic_version(b, &INDEX_MAGIC, "index")?,
+        if b[0..8] != INDEX_MAGIC {
+            return Err(Error::new(ErrorKind::Recover, "not an embank index file (bad magic)"));
         }
-        let crc = crc32c::crc32c(&b[0..32]);
-        if crc != le_u32(b, 44) {
+        let version = le_u32(b, 8);
+        if !matches!(version, FORMAT_VERSION | INDEX_FORMAT_VERSION_ANY_COUNT | INDEX_FORMAT_VERSION) {
+            return Err(Error::new(
+                ErrorKind::FormatVersion,
+                format!(
+                    "index file has format version {version}; this build reads versions 1 to {INDEX_FORMAT_VERSION}"
+                ),
+            ));
+        }
+        if Self::crc(b, version) != le_u32(b, 44) {
             return Err(Error::new(ErrorKind::ChecksumMismatch, "index header checksum mismatch"));
         }
         let bucket_count = le_u64(b, 16);
-        if bucket_count == 0 || Self::version_for(bucket_count) != version {
+        // Versions 1 and 2 told power-of-two bucket counts from others.
+        let legacy_version =
+            if bucket_count.is_power_of_two() { FORMAT_VERSION } else { INDEX_FORMAT_VERSION_ANY_COUNT };
+        if bucket_count == 0 || (version != INDEX_FORMAT_VERSION && version != legacy_version) {
             return Err(Error::new(
                 ErrorKind::Recover,
                 format!("index header of format version {version} names {bucket_count} buckets"),
             ));
         }
-        Ok(IndexHeader { bucket_count, seed: le_u64(b, 24) })
+        let units = (version == INDEX_FORMAT_VERSION)
+            .then(|| RowUnits { base: le_u64(b, INDEX_ROW_UNITS_OFFSET), unit: le_u64(b, INDEX_ROW_UNITS_OFFSET + 8) });
+        if units.is_some_and(|u| u.unit == 0) {
+            return Err(Error::new(ErrorKind::Recover, "index header names a row stride of 0"));
+        }
+        Ok(IndexHeader { bucket_count, seed: le_u64(b, 24), units })
     }
 }
 
@@ -348,11 +396,21 @@ mod tests {
     #[test]
     fn headers_round_trip_and_reject_damage() {
         let mut b = vec![0u8; 4096];
-        let h = IndexHeader::new(64, 5);
+        let h = IndexHeader::new(64, 5, RowUnits::rows(80));
         h.write(&mut b);
         assert_eq!(IndexHeader::read(&b).unwrap(), h);
         b[17] ^= 1;
         assert_eq!(IndexHeader::read(&b).unwrap_err().kind(), ErrorKind::ChecksumMismatch);
+        h.write(&mut b);
+        b[INDEX_ROW_UNITS_OFFSET + 8] ^= 1;
+        assert_eq!(IndexHeader::read(&b).unwrap_err().kind(), ErrorKind::ChecksumMismatch, "the stride is covered");
+        // A version 2 header (CRC of bytes 0..32 only) reads without units.
+        h.write(&mut b);
+        b[8..12].copy_from_slice(&INDEX_FORMAT_VERSION_ANY_COUNT.to_le_bytes());
+        b[16..24].copy_from_slice(&63u64.to_le_bytes());
+        let crc = crc32c::crc32c(&b[0..32]);
+        b[44..48].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(IndexHeader::read(&b).unwrap(), IndexHeader { bucket_count: 63, seed: 5, units: None });
         h.write(&mut b);
         b[8] = 9;
         assert_eq!(IndexHeader::read(&b).unwrap_err().kind(), ErrorKind::FormatVersion);

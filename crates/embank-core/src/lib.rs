@@ -130,7 +130,7 @@ pub use workload::KeyStream;
 #[doc(hidden)]
 pub mod testing {
     pub use crate::format::INDEX_HEADER_BYTES;
-    pub use crate::index::{BUCKET_BYTES, SLOTS_PER_BUCKET};
+    pub use crate::index::{slot_offsets, BUCKET_BYTES, SLOTS_PER_BUCKET};
     pub use crate::pooled::pool;
 }
 

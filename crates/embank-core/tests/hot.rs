@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 use embank_core::{HotOptions, Store, StoreOptions, TableOptions};
 
 const DIM: usize = 4;
+/// Keys of the table: 0.84 of its slots.
+const KEYS: u64 = 11_000;
 
 fn row(k: u64) -> [f32; DIM] {
     [k as f32, 1.0, -(k as f32), 0.5]
@@ -15,9 +17,9 @@ fn row(k: u64) -> [f32; DIM] {
 /// A table filled to a load of about 0.85, and keys that are not in their home bucket.
 fn full_table(store: &Store) -> (embank_core::Table, Vec<u64>) {
     let mut o = TableOptions::new(DIM as u32);
-    o.capacity = 10_000; // 1024 buckets, 14,336 slots
+    o.capacity = 10_000; // 774 buckets, 13,158 slots
     let t = store.create_table("t", o).unwrap();
-    let keys: Vec<u64> = (0..12_000).collect();
+    let keys: Vec<u64> = (0..KEYS).collect();
     let rows: Vec<f32> = keys.iter().flat_map(|&k| row(k)).collect();
     t.push(&keys, &rows).unwrap();
     assert_eq!(t.stats().unwrap().grow_count, 0);
@@ -27,7 +29,7 @@ fn full_table(store: &Store) -> (embank_core::Table, Vec<u64>) {
 }
 
 fn check_all(t: &embank_core::Table) {
-    let keys: Vec<u64> = (0..12_000).collect();
+    let keys: Vec<u64> = (0..KEYS).collect();
     let mut out = vec![0f32; keys.len() * DIM];
     let mut found = vec![false; keys.len()];
     t.lookup(&keys, &mut out, &mut found).unwrap();
@@ -35,7 +37,7 @@ fn check_all(t: &embank_core::Table) {
     for (i, &k) in keys.iter().enumerate() {
         assert_eq!(&out[i * DIM..(i + 1) * DIM], &row(k));
     }
-    assert_eq!(t.len().unwrap(), 12_000);
+    assert_eq!(t.len().unwrap(), KEYS);
 }
 
 #[test]
@@ -87,7 +89,7 @@ fn automatic_placement_finds_the_hot_set_from_the_reads() {
     while t.stats().unwrap().hot_placements == 0 {
         assert!(Instant::now() < deadline, "no automatic placement in 20 s");
         let mut batch = hot.clone();
-        batch.extend((0..50).map(|i| (cold + i * 97) % 12_000));
+        batch.extend((0..50).map(|i| (cold + i * 97) % KEYS));
         cold += 1;
         let mut out = vec![0f32; batch.len() * DIM];
         let mut found = vec![false; batch.len()];

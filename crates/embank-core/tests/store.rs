@@ -336,24 +336,25 @@ fn rows_read_ahead_survive_the_traffic_before_their_pull() {
     assert!(hits >= 790, "only {hits} of 800 rows read ahead were still cached");
 }
 
-/// Swaps the row pointers of two keys in a closed table's index file (slots are
-/// `(key, ptr)` pairs from byte 24 of each bucket: after its version, overflow counter
-/// and fingerprints).
+/// Swaps the row pointers of two keys in a closed table's index file (format 3: each
+/// slot's key and 32-bit row number at `slot_offsets`).
 fn swap_row_pointers(index: &std::path::Path, a: u64, b: u64) {
-    use embank_core::testing::{BUCKET_BYTES, INDEX_HEADER_BYTES, SLOTS_PER_BUCKET};
+    use embank_core::testing::{slot_offsets, BUCKET_BYTES, INDEX_HEADER_BYTES, SLOTS_PER_BUCKET};
     let mut bytes = std::fs::read(index).unwrap();
     let word = |bytes: &[u8], at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
-    let slot_of = |bytes: &[u8], key: u64| {
+    // Where the row number of the occupied slot holding `key` lies.
+    let row_of = |bytes: &[u8], key: u64| {
         (INDEX_HEADER_BYTES..bytes.len())
             .step_by(BUCKET_BYTES)
-            .flat_map(|bucket| (0..SLOTS_PER_BUCKET).map(move |s| bucket + 24 + 16 * s))
-            .find(|&at| word(bytes, at) == key && word(bytes, at + 8) != 0)
+            .flat_map(|bucket| (0..SLOTS_PER_BUCKET).map(move |s| (bucket, slot_offsets(s))))
+            .find(|&(bucket, (key_at, _, fp_at))| bytes[bucket + fp_at] != 0 && word(bytes, bucket + key_at) == key)
+            .map(|(bucket, (_, row_at, _))| bucket + row_at)
             .unwrap_or_else(|| panic!("key {key} not in the index"))
     };
-    let (sa, sb) = (slot_of(&bytes, a), slot_of(&bytes, b));
-    let (pa, pb) = (word(&bytes, sa + 8), word(&bytes, sb + 8));
-    bytes[sa + 8..sa + 16].copy_from_slice(&pb.to_le_bytes());
-    bytes[sb + 8..sb + 16].copy_from_slice(&pa.to_le_bytes());
+    let (ra, rb) = (row_of(&bytes, a), row_of(&bytes, b));
+    let (pa, pb) = (bytes[ra..ra + 4].to_vec(), bytes[rb..rb + 4].to_vec());
+    bytes[ra..ra + 4].copy_from_slice(&pb);
+    bytes[rb..rb + 4].copy_from_slice(&pa);
     std::fs::write(index, bytes).unwrap();
 }
 

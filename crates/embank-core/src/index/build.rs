@@ -25,7 +25,7 @@ use memmap2::MmapOptions;
 use super::backing::{Backing, PAGE_BYTES};
 use super::{Index, BUCKET_BYTES, BUCKET_COUNT_MAX};
 use crate::error::{io_at, Error, Result};
-use crate::format::{self, IndexHeader, INDEX_HEADER_BYTES};
+use crate::format::{self, IndexHeader, RowUnits, INDEX_HEADER_BYTES};
 use crate::hash::Geometry;
 
 /// Bytes [`Index::persist`] hands one `pwrite` at most.
@@ -65,7 +65,7 @@ impl Index {
     /// Creates a new, empty index whose buckets live in DRAM until
     /// [`persist`](Self::persist) writes them to `path` (which must not exist then).
     /// Inserts, lookups and iteration work as on a mapped index; `flush` writes nothing.
-    pub fn create_in_memory(path: &Path, bucket_count: u64, seed: u64) -> Result<Index> {
+    pub fn create_in_memory(path: &Path, bucket_count: u64, seed: u64, units: RowUnits) -> Result<Index> {
         if bucket_count == 0 || bucket_count > BUCKET_COUNT_MAX {
             return Err(Error::config(format!("bucket count {bucket_count} must be in 1..=2^40")));
         }
@@ -78,7 +78,7 @@ impl Index {
         // miss, not a TLB miss and a page walk besides (refused quietly where the kernel
         // has no transparent huge pages).
         let _ = map.advise(memmap2::Advice::HugePage);
-        IndexHeader::new(bucket_count, seed).write(&mut map[..INDEX_HEADER_BYTES]);
+        IndexHeader::new(bucket_count, seed, units).write(&mut map[..INDEX_HEADER_BYTES]);
         let at = format::INDEX_BOOT_ID_OFFSET;
         map[at..at + 16].copy_from_slice(&crate::fsutil::boot_id());
         Ok(Index {
@@ -89,6 +89,7 @@ impl Index {
             bucket_count,
             geo: Geometry::new(bucket_count),
             seed,
+            units,
             repairing: AtomicBool::new(false),
             lazy: None,
             undo: None,

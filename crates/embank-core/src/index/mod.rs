@@ -1,8 +1,9 @@
 //! The one-read persistent hash index (after PETHash).
 //!
 //! A single level of 256-byte buckets in a memory-mapped file. A bucket holds
-//! a seqlock version, an overflow counter, one-byte fingerprints and 14 slots
-//! of `(key, row pointer)`. A key lives in its home bucket or, when that was
+//! a seqlock version, an overflow counter, one-byte fingerprints and 17 slots
+//! of a key and a 32-bit row number on one cache line (the row pointer is `base +
+//! number * stride`, [`RowUnits`]; 15.1 bytes a slot). A key lives in its home bucket or, when that was
 //! full at insert time, further along a probe sequence whose odd step comes
 //! from the key's hash; every bucket passed on the way counts it in its
 //! overflow counter, so a lookup stops at the key or at the first bucket
@@ -43,45 +44,31 @@ use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use memmap2::{MmapMut, MmapOptions};
 
 use crate::error::{io_at, Error, ErrorKind, Result};
-use crate::format::{self, IndexHeader, INDEX_HEADER_BYTES};
+use crate::format::{self, IndexHeader, RowUnits, INDEX_HEADER_BYTES};
 use crate::hash::{fingerprint, key_hash, Geometry};
 
 mod backing;
 mod bucket;
 mod build;
+mod legacy;
 mod repair;
+mod staged;
 mod undo;
 
 use backing::Backing;
 #[cfg(test)]
 use backing::PAGE_BYTES as BACKING_PAGE_BYTES;
-use bucket::{empty_slots, match_fp, MARK_SLOT_BITS};
+use bucket::{empty_slots, MARK_SLOT_BITS};
 pub use build::{fits_in_memory, index_file_bytes, mem_available_bytes};
 
-/// What the second stage of a pipelined lookup hands the third: the home bucket's
-/// version, whether keys overflow it, and its slots whose fingerprint matches.
-#[derive(Clone, Copy, Debug)]
-pub struct Probe(u64);
-/// Keys [`Index::get_staged`] should be given at once, at most: the lines it fetches (a
-/// bucket's first line, a slot's) and the rows its caller prefetches stay in the core's
-/// cache between stages.
-pub const STAGED_KEYS_MAX: usize = 256;
-/// A probe's mark for a key left to [`Index::get`] (its bucket was being written).
-const PROBE_SLOW: u64 = u64::MAX;
-const _: () = assert!(STAGED_KEYS_MAX <= 256, "get_staged keeps positions in a u8");
-
-/// What the last stage of a staged lookup found in the home bucket.
-enum Staged {
-    Found(u64),
-    Absent,
-    /// Past the home bucket, or the bucket changed between the stages: [`Index::get`].
-    Further,
-}
+#[cfg(feature = "testing")]
+pub use bucket::slot_offsets;
 pub use bucket::{
     Bucket, Found, RecoverReport, BUCKET_BYTES, BUCKET_COUNT_MAX, MARK_TAG_MASK, PROBE_BUCKETS_MAX,
     PROBE_SAMPLE_BUCKETS, SLOTS_PER_BUCKET,
 };
 use repair::LazyRepair;
+pub use staged::STAGED_KEYS_MAX;
 
 /// The index of one table: a mapped file of buckets.
 pub struct Index {
@@ -95,6 +82,8 @@ pub struct Index {
     /// Where keys' probe sequences run (`hash.rs`).
     geo: Geometry,
     seed: u64,
+    /// Row numbers to row pointers.
+    units: RowUnits,
     /// True while buckets are repaired on first touch (see the module docs).
     repairing: AtomicBool,
     lazy: Option<Box<LazyRepair>>,
@@ -125,7 +114,7 @@ pub fn buckets_for(capacity: u64, load: f64) -> u64 {
 
 impl Index {
     /// Creates a new, empty index file (fails if it exists).
-    pub fn create(path: &Path, bucket_count: u64, seed: u64) -> Result<Index> {
+    pub fn create(path: &Path, bucket_count: u64, seed: u64, units: RowUnits) -> Result<Index> {
         if bucket_count == 0 || bucket_count > BUCKET_COUNT_MAX {
             return Err(Error::config(format!("bucket count {bucket_count} must be in 1..=2^40")));
         }
@@ -146,7 +135,7 @@ impl Index {
             })?;
         let mut map =
             unsafe { MmapOptions::new().map_mut(&file) }.map_err(|e| io_at("cannot map index file", path, e))?;
-        let header = IndexHeader::new(bucket_count, seed);
+        let header = IndexHeader::new(bucket_count, seed, units);
         header.write(&mut map[..INDEX_HEADER_BYTES]);
         // A new index is in use (dirty) from the start, by this boot.
         let at = format::INDEX_BOOT_ID_OFFSET;
@@ -159,6 +148,7 @@ impl Index {
             bucket_count,
             geo: Geometry::new(bucket_count),
             seed,
+            units,
             repairing: AtomicBool::new(false),
             lazy: None,
             undo: None,
@@ -167,7 +157,26 @@ impl Index {
         Ok(index)
     }
 
-    /// Maps an existing index file and checks its header.
+    /// Opens the index of a table whose rows lie at `units`: an index of format 1 or 2
+    /// (before 18-slot buckets) is converted first (`legacy.rs`); one naming other units
+    /// than the rows file is refused.
+    pub fn open_for_rows(path: &Path, units: RowUnits) -> Result<Index> {
+        legacy::convert_if_legacy(path, units)?;
+        let index = Index::open(path)?;
+        if index.units != units {
+            return Err(Error::new(
+                ErrorKind::Recover,
+                format!(
+                    "the index names rows of {} bytes from byte {}, the rows file {} from {}",
+                    index.units.unit, index.units.base, units.unit, units.base
+                ),
+            )
+            .context(path.display().to_string()));
+        }
+        Ok(index)
+    }
+
+    /// Maps an existing index file (format 3) and checks its header.
     pub fn open(path: &Path) -> Result<Index> {
         let file = OpenOptions::new()
             .read(true)
@@ -182,6 +191,13 @@ impl Index {
         let map = unsafe { MmapOptions::new().map_mut(&file) }.map_err(|e| io_at("cannot map index file", path, e))?;
         let header =
             IndexHeader::read(&map[..INDEX_HEADER_BYTES]).map_err(|e| e.context(path.display().to_string()))?;
+        let Some(units) = header.units else {
+            return Err(Error::new(
+                ErrorKind::FormatVersion,
+                "index of format 1 or 2: open it through its table to convert it",
+            )
+            .context(path.display().to_string()));
+        };
         let want = INDEX_HEADER_BYTES as u64 + header.bucket_count * BUCKET_BYTES as u64;
         if len != want {
             return Err(Error::new(ErrorKind::Recover, format!("index file has {len} bytes, its header says {want}"))
@@ -196,6 +212,7 @@ impl Index {
             bucket_count: header.bucket_count,
             geo: Geometry::new(header.bucket_count),
             seed: header.seed,
+            units,
             repairing: AtomicBool::new(false),
             lazy: None,
             undo: None,
@@ -225,6 +242,31 @@ impl Index {
 
     pub fn seed(&self) -> u64 {
         self.seed
+    }
+
+    pub fn units(&self) -> RowUnits {
+        self.units
+    }
+
+    /// The row number a slot stores for row pointer `ptr`. Panics on a pointer the slot
+    /// cannot hold (not a row of these units, or past 2^32 rows: the rows file refuses
+    /// to grow that far, `RecordAlloc`).
+    #[inline(always)]
+    fn row_of(&self, ptr: u64) -> u32 {
+        let off = ptr.wrapping_sub(self.units.base);
+        let row = off / self.units.unit;
+        assert!(
+            ptr >= self.units.base && row * self.units.unit == off && row < RowUnits::ROWS_MAX,
+            "row pointer {ptr} is not a row of {:?}",
+            self.units
+        );
+        row as u32
+    }
+
+    /// The row pointer of row number `row`.
+    #[inline(always)]
+    fn ptr_of(&self, row: u32) -> u64 {
+        self.units.base + row as u64 * self.units.unit
     }
 
     /// Advises the kernel how to page the index (see `MmapMedium::advise`).
@@ -388,12 +430,11 @@ impl Index {
     #[inline(always)]
     fn prefetch_bucket(&self, b: u64) {
         let b = self.raw_bucket(b) as *const Bucket as *const u8;
-        // All four lines. At the default load (0.7) a bucket holds ~10 keys, so ~40 % of
-        // keys sit in slots 6..13, on the third and fourth lines: prefetching only the
-        // first two left those to a demand miss inside the probe (ycsb-c 10 M x 128 on huge
-        // pages: 24 M keys/s with two lines, 28 M with four; fetching the fingerprint line
-        // first and then only the matching slot's line was slower still, its second stage
-        // waits on the first). SAFETY: the bucket is 256 bytes long.
+        // All four lines: a key's slot may lie on any. (With 14-slot buckets, prefetching only the first two
+        // lines left ~40 % of keys to a demand miss inside the probe, ycsb-c 10 M x 128 on
+        // huge pages: 24 M keys/s with two lines, 28 M with four; fetching the
+        // fingerprint line first and then only the matching slot's line was slower
+        // still, its second stage waits on the first.) SAFETY: the bucket is 256 bytes.
         for line in 0..BUCKET_BYTES / 64 {
             crate::prefetch::prefetch_read(unsafe { b.add(line * 64) });
         }
@@ -403,132 +444,6 @@ impl Index {
     #[inline]
     pub fn get(&self, key: u64, hash: u64) -> Option<u64> {
         self.find(key, hash).map(|f| f.ptr)
-    }
-
-    /// First stage of a pipelined lookup ([`Index::probe_home`], then
-    /// [`Index::probe_slots`]): prefetches the first line of the key's home bucket, the
-    /// one holding its seqlock version, overflow counter and fingerprints.
-    #[inline(always)]
-    pub fn probe_start(&self, hash: u64) {
-        crate::prefetch::prefetch_read(self.raw_bucket(self.geo.home(hash)) as *const Bucket as *const u8);
-    }
-
-    /// Second stage: reads the home bucket's version, overflow counter and fingerprints
-    /// (prefetched by [`Index::probe_start`]) and prefetches the slots whose fingerprint
-    /// matches, so a lookup fetches one or two of its bucket's four lines. Returns what
-    /// [`Index::probe_slots`] needs.
-    #[inline(always)]
-    pub fn probe_home(&self, hash: u64) -> Probe {
-        let home = self.geo.home(hash);
-        self.undo_gate(home);
-        let bucket = self.bucket(home);
-        let v1 = bucket.version.load(Ordering::Acquire);
-        if v1 & 1 == 1 {
-            return Probe(PROBE_SLOW);
-        }
-        let candidates = match_fp(bucket.fp_words(), fingerprint(hash));
-        let overflow = (bucket.overflow.load(Ordering::Relaxed) != 0) as u64;
-        let mut c = candidates;
-        while c != 0 {
-            let slot = c.trailing_zeros() as usize;
-            c &= c - 1;
-            let at = &bucket.slots[slot] as *const [AtomicU64; 2] as *const u8;
-            crate::prefetch::prefetch_read(at);
-            // Slots 2, 6 and 10 straddle two lines: their pointer lies on the next.
-            // SAFETY: inside the 256-byte bucket (the slot's second word).
-            crate::prefetch::prefetch_read(unsafe { at.add(8) });
-        }
-        Probe((v1 as u64) << 32 | overflow << 16 | candidates as u64)
-    }
-
-    /// Last stage: the key's row pointer. Reads the candidate slots, then the version
-    /// again: [`Bucket::read`]'s seqlock read spread over the stages (version with
-    /// acquire, fingerprints, overflow and slots, a fence, the version). A key past its
-    /// home bucket, or in a bucket a writer changed meanwhile, takes [`Index::get`].
-    #[cfg(test)]
-    #[inline(always)]
-    pub fn probe_slots(&self, key: u64, hash: u64, probe: Probe) -> Option<u64> {
-        match self.probe_home_slots(key, hash, probe) {
-            Staged::Found(ptr) => Some(ptr),
-            Staged::Absent => None,
-            Staged::Further => self.get(key, hash),
-        }
-    }
-
-    /// [`Index::probe_slots`] without the fall-back: `Further` where the key may lie past
-    /// its home bucket or the bucket changed between the stages.
-    #[inline(always)]
-    fn probe_home_slots(&self, key: u64, hash: u64, probe: Probe) -> Staged {
-        let word = probe.0;
-        if word == PROBE_SLOW {
-            return Staged::Further;
-        }
-        let bucket = self.raw_bucket(self.geo.home(hash));
-        let mut ptr = None;
-        let mut c = (word & 0xffff) as u32;
-        while c != 0 {
-            let slot = c.trailing_zeros() as usize;
-            c &= c - 1;
-            if bucket.slots[slot][0].load(Ordering::Relaxed) == key {
-                ptr = Some(bucket.slots[slot][1].load(Ordering::Relaxed));
-                break;
-            }
-        }
-        fence(Ordering::Acquire);
-        if bucket.version.load(Ordering::Relaxed) != (word >> 32) as u32 {
-            return Staged::Further;
-        }
-        match ptr {
-            Some(ptr) => Staged::Found(ptr),
-            None if word & 1 << 16 == 0 => Staged::Absent,
-            None => Staged::Further,
-        }
-    }
-
-    /// Lock-free lookup of a batch, each stage of [`Index::probe_start`],
-    /// [`Index::probe_home`] and [`Index::probe_slots`] run over the whole batch before
-    /// the next, so every line a stage reads was asked for a batch earlier. `ptrs[i]`
-    /// becomes key `i`'s row pointer, 0 when absent. Keys not in their home bucket have
-    /// their next bucket prefetched by the last stage and are read by [`Index::get`]
-    /// after it, rather than waiting on that bucket inside it. Give it at most
-    /// [`STAGED_KEYS_MAX`] keys: the lines fetched stay in the core's cache. Callers
-    /// prefetch the rows in a pass of their own once it returns: prefetching each row as
-    /// its pointer was read, inside the last stage, was 6-11 % slower (ycsb-c 10 M x 128,
-    /// f32 and int8, two alternating pairs each): the row's nine lines filled the core's
-    /// misses in flight while the stage still waited on slot lines.
-    #[inline]
-    pub fn get_staged(&self, keys: &[u64], hashes: &[u64], ptrs: &mut [u64]) {
-        let n = keys.len();
-        debug_assert!(hashes.len() == n && ptrs.len() == n);
-        assert!(n <= STAGED_KEYS_MAX, "get_staged takes at most {STAGED_KEYS_MAX} keys, not {n}");
-        for &h in hashes {
-            self.probe_start(h);
-        }
-        // The probes wait in `ptrs` until their pointers replace them.
-        for i in 0..n {
-            ptrs[i] = self.probe_home(hashes[i]).0;
-        }
-        let mut further = [0u8; STAGED_KEYS_MAX];
-        let mut further_len = 0;
-        for i in 0..n {
-            ptrs[i] = match self.probe_home_slots(keys[i], hashes[i], Probe(ptrs[i])) {
-                Staged::Found(ptr) => ptr,
-                Staged::Absent => 0,
-                Staged::Further => {
-                    let next = self.geo.next(self.geo.home(hashes[i]), self.geo.step(hashes[i]));
-                    self.prefetch_bucket(next);
-                    further[further_len] = i as u8;
-                    further_len += 1;
-                    0
-                }
-            };
-        }
-        for &i in &further[..further_len] {
-            let i = i as usize;
-            if let Some(ptr) = self.get(keys[i], hashes[i]) {
-                ptrs[i] = ptr;
-            }
-        }
     }
 
     /// Whether the key at `(bucket, slot)` is marked journaled in the interval `tag`
@@ -573,8 +488,8 @@ impl Index {
         let mut b = self.geo.home(hash);
         for _ in 0..self.bucket_count {
             let (found, overflow) = self.bucket(b).read(key, fp);
-            if let Some((slot, ptr)) = found {
-                return Some(Found { bucket: b, slot, ptr });
+            if let Some((slot, row)) = found {
+                return Some(Found { bucket: b, slot, ptr: self.ptr_of(row) });
             }
             if overflow == 0 {
                 return None;
@@ -594,6 +509,7 @@ impl Index {
 
     fn insert_new_ungated(&self, key: u64, hash: u64, ptr: u64) -> Result<bool> {
         strict_assert!(ptr != 0);
+        let row = self.row_of(ptr);
         self.note_change();
         strict_assert!(self.find_ungated(key, hash).is_none(), "key {key} inserted twice");
         let fp = fingerprint(hash);
@@ -611,8 +527,7 @@ impl Index {
             let empty = empty_slots(bucket.fp_words());
             if empty != 0 {
                 let slot = empty.trailing_zeros() as usize;
-                bucket.slots[slot][0].store(key, Ordering::Relaxed);
-                bucket.slots[slot][1].store(ptr, Ordering::Release);
+                bucket.set_slot(slot, key, row);
                 bucket.set_fp(slot, fp);
                 if self.repairing.load(Ordering::Acquire) {
                     self.count_change(b, 1);
@@ -677,14 +592,15 @@ impl Index {
     }
 
     fn replace_ungated(&self, key: u64, hash: u64, ptr: u64) -> Option<u64> {
+        let row = self.row_of(ptr);
         self.note_change();
         let found = self.find_ungated(key, hash)?;
         let bucket = self.bucket(found.bucket);
         let v = bucket.lock();
-        let old = bucket.slots[found.slot][1].swap(ptr, Ordering::AcqRel);
-        strict_assert_eq!(bucket.slots[found.slot][0].load(Ordering::Relaxed), key);
+        let old = bucket.row(found.slot).swap(row, Ordering::AcqRel);
+        strict_assert_eq!(bucket.key(found.slot).load(Ordering::Relaxed), key);
         bucket.unlock(v);
-        Some(old)
+        Some(self.ptr_of(old))
     }
 
     /// Removes a key; returns its row pointer. The caller holds the key's writer lock.
@@ -698,10 +614,10 @@ impl Index {
         let found = self.find_ungated(key, hash)?;
         let bucket = self.bucket(found.bucket);
         let v = bucket.lock();
-        strict_assert_eq!(bucket.slots[found.slot][0].load(Ordering::Relaxed), key);
+        strict_assert_eq!(bucket.key(found.slot).load(Ordering::Relaxed), key);
         bucket.set_fp(found.slot, 0);
-        let old = bucket.slots[found.slot][1].swap(0, Ordering::AcqRel);
-        bucket.slots[found.slot][0].store(0, Ordering::Relaxed);
+        let old = self.ptr_of(bucket.row(found.slot).swap(0, Ordering::AcqRel));
+        bucket.key(found.slot).store(0, Ordering::Relaxed);
         if self.repairing.load(Ordering::Acquire) {
             self.count_change(found.bucket, -1);
         }
@@ -753,10 +669,8 @@ impl Index {
                 let mut n = 0;
                 for slot in 0..SLOTS_PER_BUCKET {
                     if (words[slot / 8] >> ((slot % 8) * 8)) & 0xff != 0 {
-                        snapshot[n] = (
-                            bucket.slots[slot][0].load(Ordering::Relaxed),
-                            bucket.slots[slot][1].load(Ordering::Relaxed),
-                        );
+                        let (key, row) = bucket.slot(slot);
+                        snapshot[n] = (key, self.ptr_of(row));
                         n += 1;
                     }
                 }

@@ -35,20 +35,18 @@ impl Index {
         let mut dropped = 0;
         for slot in 0..SLOTS_PER_BUCKET {
             let fp = bucket.fp(slot);
-            let key = bucket.slots[slot][0].load(Ordering::Relaxed);
-            let ptr = bucket.slots[slot][1].load(Ordering::Relaxed);
+            let (key, row) = bucket.slot(slot);
             if fp == 0 {
-                if key != 0 || ptr != 0 {
-                    bucket.slots[slot][0].store(0, Ordering::Relaxed);
-                    bucket.slots[slot][1].store(0, Ordering::Relaxed);
+                if key != 0 || row != 0 {
+                    bucket.set_slot(slot, 0, 0);
                 }
                 continue;
             }
-            if !(ptr != 0 && fingerprint(self.hash(key)) == fp && keep(key, ptr)) {
+            // Every row number is a row (0 included); `keep` checks it was handed out.
+            if !(fingerprint(self.hash(key)) == fp && keep(key, self.ptr_of(row))) {
                 dropped += 1;
                 bucket.set_fp(slot, 0);
-                bucket.slots[slot][0].store(0, Ordering::Relaxed);
-                bucket.slots[slot][1].store(0, Ordering::Relaxed);
+                bucket.set_slot(slot, 0, 0);
             }
         }
         dropped
@@ -170,7 +168,8 @@ impl Index {
         for slot in 0..SLOTS_PER_BUCKET {
             if bucket.fp(slot) != 0 {
                 n += 1;
-                f(bucket.slots[slot][0].load(Ordering::Relaxed), bucket.slots[slot][1].load(Ordering::Relaxed));
+                let (key, row) = bucket.slot(slot);
+                f(key, self.ptr_of(row));
             }
         }
         lazy.counted.fetch_add(n, Ordering::Relaxed);
@@ -226,7 +225,7 @@ impl Index {
                     continue;
                 }
                 keys += 1;
-                let h = self.hash(bucket.slots[slot][0].load(Ordering::Relaxed));
+                let h = self.hash(bucket.key(slot).load(Ordering::Relaxed));
                 let (home, step) = (self.geo.home(h), self.geo.step(h));
                 let mut p = home;
                 while p != b {

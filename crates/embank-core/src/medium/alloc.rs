@@ -196,7 +196,15 @@ impl RecordAlloc {
         }
         let had = ROWS_HEADER_BYTES as u64 + have * self.stride;
         let grow_bytes = (had / GROW_DIVISOR).clamp(GROW_BYTES_MIN, GROW_BYTES_MAX);
-        let want = records.max(have + (grow_bytes / self.stride).max(1));
+        // The index names a row by a 32-bit number (`format::RowUnits`).
+        let rows_max = crate::format::RowUnits::ROWS_MAX;
+        if records > rows_max {
+            return Err(Error::new(
+                ErrorKind::TableFull,
+                format!("rows file {} holds {rows_max} rows, the most one table of a store holds: shard the table over more stores", self.path.display()),
+            ));
+        }
+        let want = records.max(have + (grow_bytes / self.stride).max(1)).min(rows_max);
         let bytes = ROWS_HEADER_BYTES as u64 + want * self.stride;
         if bytes > self.limit_bytes {
             return Err(Error::new(

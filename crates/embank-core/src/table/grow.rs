@@ -96,7 +96,7 @@ impl Table {
         let path = super::open::index_path(&self.shared.config.dir, generation);
         let placed: std::collections::HashSet<u64> = first.iter().copied().collect();
         let index = loop {
-            let index = self.new_index(&path, buckets, old.seed())?;
+            let index = self.new_index(&path, buckets, old.seed(), old.units())?;
             // Every key inserted (`Ok(true)`), or one found no slot (`Ok(false)`: more
             // buckets), or the disk is full.
             let mut filled = Ok(true);
@@ -138,10 +138,16 @@ impl Table {
     /// built in DRAM when it fits comfortably (`index::fits_in_memory`: half of the
     /// memory available), to be written once by [`Index::persist`]; else in the mapped
     /// file, as every index was before, and the log says so.
-    pub(super) fn new_index(&self, path: &std::path::Path, buckets: u64, seed: u64) -> Result<Index> {
+    pub(super) fn new_index(
+        &self,
+        path: &std::path::Path,
+        buckets: u64,
+        seed: u64,
+        units: crate::format::RowUnits,
+    ) -> Result<Index> {
         let _ = std::fs::remove_file(path);
         if fits_in_memory(buckets) {
-            return Index::create_in_memory(path, buckets, seed);
+            return Index::create_in_memory(path, buckets, seed, units);
         }
         tracing::info!(
             table = %self.shared.config.name,
@@ -149,7 +155,7 @@ impl Table {
             mem_available_bytes = mem_available_bytes().unwrap_or(0),
             "index rebuilt in its mapped file: built in DRAM it would take over half of the memory available"
         );
-        Index::create(path, buckets, seed)
+        Index::create(path, buckets, seed, units)
     }
 
     /// Makes a built index the table's: durable, named by the catalog (a crash from

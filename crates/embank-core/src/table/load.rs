@@ -144,7 +144,7 @@ impl Table {
                 false => live.bucket_count(),
             };
             let path = super::open::loading_index_path(&self.shared.config.dir, st.generation + 1);
-            let index = self.new_index(&path, buckets, live.seed())?;
+            let index = self.new_index(&path, buckets, live.seed(), live.units())?;
             // An empty table's index is not read: a large, sparse one would fill the page
             // cache with its holes.
             if !live.is_empty() {
@@ -397,7 +397,7 @@ impl Bulk {
         }
         let mut buckets = index.bucket_count() * 2;
         loop {
-            let next = table.new_index(&self.path, buckets, index.seed())?;
+            let next = table.new_index(&self.path, buckets, index.seed(), index.units())?;
             match copy_into(&next, index) {
                 Ok(()) => {
                     self.index = Some(next);

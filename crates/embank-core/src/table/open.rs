@@ -143,6 +143,12 @@ struct Background {
     rollback: Option<PendingRollback>,
 }
 
+/// How the index's row numbers map to the medium's row pointers.
+fn row_units(medium: &AnyMedium) -> crate::format::RowUnits {
+    let alloc = medium.alloc();
+    crate::format::RowUnits { base: alloc.ptr_of(0), unit: alloc.stride() }
+}
+
 /// After a killed process of this boot (or for a restore of a clean table): starts the
 /// repair on first touch, rolls back to a checkpoint if asked (touching only the
 /// journaled keys' buckets), and starts the free list's rebuild, which the background
@@ -199,12 +205,13 @@ impl Table {
         runtime: Arc<Runtime>,
     ) -> Result<Table> {
         let placement = resolve_placement(&meta, &runtime, true)?;
+        let medium = AnyMedium::create(dir, meta.medium, meta.layout(), &runtime.io)?;
         let index = Index::create(
             &index_path(dir, meta.index_generation),
             buckets_for(capacity, LOAD_FACTOR_TARGET),
             meta.seed,
+            row_units(&medium),
         )?;
-        let medium = AnyMedium::create(dir, meta.medium, meta.layout(), &runtime.io)?;
         index.flush()?;
         medium.flush()?;
         let checkpoints = TableCheckpoints::create(dir, runtime.gate.interval())?;
@@ -228,9 +235,9 @@ impl Table {
     ) -> Result<Table> {
         let placement = resolve_placement(&meta, &runtime, false)?;
         remove_other_indexes(dir, meta.index_generation);
-        let mut index = Index::open(&index_path(dir, meta.index_generation))?;
         let medium = AnyMedium::open(dir, meta.medium, meta.layout(), &runtime.io)
             .map_err(|e| e.context(dir.display().to_string()))?;
+        let mut index = Index::open_for_rows(&index_path(dir, meta.index_generation), row_units(&medium))?;
         let closed_cleanly = index.was_closed_cleanly();
         let clean = closed_cleanly && medium.alloc().load_free_list(index.free_list_generation());
         // After a crash the table returns to its latest checkpoint; a restore to the one asked.
