@@ -48,10 +48,22 @@ cache starts empty; it changes where rows are, never their values); rows updated
 the last checkpoint and not written back are lost with the process, as a crash loses
 them anyway. ``write_back_every=k`` writes back every ``k`` steps: readers of the table
 (``embank serve`` replicas fed by the update stream, an evaluation process) then see rows
-at most ``k`` steps behind the trainer. Train a table through one cache: a write to a
+at most ``k`` steps behind the trainer. A write-back cache owns its rows: a write to a
 cached row through the table by anyone else is overwritten at the next write-back, and
-two trainers' caches would overwrite each other's updates
-(``SparseOptimizer(distributed=True)`` refuses a cache).
+two trainers' write-back caches would overwrite each other's updates
+(``SparseOptimizer(distributed=True)`` refuses one).
+
+**Many trainers** (``write="through"``, :mod:`embank._gpu_shared`): every update is applied
+to the cached rows on the device *and* its gradient pushed to the table, whose optimizer
+applies it; no row is ever dirty. Under ``SparseOptimizer(distributed=True)`` each rank
+applies the step's global gradient (every rank's, averaged) to the rows it caches, and
+the rank owning a row pushes it to the table once, before the step's barrier: after
+every step each rank's cached rows equal the table's (bit for bit where the device rounds
+as the host, the CPU; on a GPU an update may differ in the last bit, and
+``refresh_every=k`` re-reads every cached row every ``k`` steps). A row changed in the
+table by anyone outside the group (another job's pushes) reaches a rank's cache within
+``refresh_every`` steps: the staleness bound, as ``delay`` / ``staleness_bound`` bound a
+worker's.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from . import _gpu_shared
 from ._gpu_buckets import EMPTY, _triton_usable, key_hash
 from ._table import Table
 from .errors import InvalidInputError
@@ -243,6 +256,11 @@ class TrainCache:
             SGD, Adagrad, Adam, AdamW, FTRL; on the CPU under ``TRITON_INTERPRET=1``),
             ``"torch"`` (PyTorch operations), or ``"auto"`` (default: Triton on CUDA when
             it is installed). Both give the same bits.
+        write: ``"back"`` (default: one trainer owns the table's rows; dirty rows go back
+            when evicted or flushed) or ``"through"`` (each update also pushed to the
+            table: many trainers, see the module's text).
+        refresh_every: with ``write="through"``, drop every cached row every this many
+            steps, so rows others change reach the cache within that many steps.
     """
 
     def __init__(
@@ -257,6 +275,8 @@ class TrainCache:
         write_back: str = "background",
         queue_rows_max: int = 1 << 20,
         kernels: str = "auto",
+        write: str = "back",
+        refresh_every: int | None = None,
     ) -> None:
         if not isinstance(table, Table):
             raise InvalidInputError(f"TrainCache caches an embank Table, got {type(table).__name__}")
@@ -291,6 +311,11 @@ class TrainCache:
             raise InvalidInputError(f'write_back must be "background" or "inline", got {write_back!r}')
         if queue_rows_max < 1:
             raise InvalidInputError(f"queue_rows_max must be >= 1, got {queue_rows_max}")
+        if write not in ("back", "through"):
+            raise InvalidInputError(f'write must be "back" or "through", got {write!r}')
+        if refresh_every is not None and (write != "through" or refresh_every < 1):
+            raise InvalidInputError('refresh_every needs write="through" and must be >= 1')
+        self.write, self.refresh_every, self._steps_since_refresh = write, refresh_every, 0
         self._writer = _Writer(table, write_back == "background", queue_rows_max)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if kernels == "auto":
@@ -336,6 +361,7 @@ class TrainCache:
                 "overflow",
                 "updates",
                 "flushes",
+                "refreshes",
             ),
             0,
         )
@@ -385,7 +411,9 @@ class TrainCache:
             with self._lock:
                 self._check_open()
                 if self._last_pull is last and last[2] == self._placed:
-                    self._apply(last[1], None, g, self._next_step(step), ids.numel())
+                    self._apply(last[1], None, g, step := self._next_step(step), ids.numel())
+                    if self.write == "through":
+                        _gpu_shared.push_through(self, ids, g, step)
                     return
         k = _keys_tensor(ids, self.device)
         if not isinstance(grads, torch.Tensor):
@@ -411,6 +439,8 @@ class TrainCache:
                 summed.index_add_(0, inverse, g)
             slot, spill = self._resident(uniq)
             self._apply(slot, spill, summed, step, uniq.numel())
+            if self.write == "through":
+                _gpu_shared.push_through(self, uniq, summed, step)
 
     def _next_step(self, step: int | None) -> int:
         step = self._step + 1 if step is None else int(step)
@@ -438,10 +468,11 @@ class TrainCache:
                 self._update_in_place(s, mine)
             else:
                 self.records[s] = self._update(self.records[s], mine, step)
-            self.dirty[s] = True
-            if spill is not None:
-                keys, recs = spill
-                self._write_back(keys, self._update(recs, summed[slot < 0], step))
+            if self.write == "back":  # written through: the caller pushes the gradient
+                self.dirty[s] = True
+                if spill is not None:
+                    keys, recs = spill
+                    self._write_back(keys, self._update(recs, summed[slot < 0], step))
         self._stats["updates"] += n
         self._steps_since_flush += 1
         if self.write_back_every is not None and self._steps_since_flush >= self.write_back_every:
@@ -510,7 +541,7 @@ class TrainCache:
 
     def stats(self) -> dict[str, Any]:
         """Counters (pulls, hits, misses, created, evicted, written_back, overflow,
-        updates, flushes), the rows cached and dirty now, and the bound."""
+        updates, flushes, refreshes), the rows cached and dirty now, and the bound."""
         with self._lock:
             if not self._closed:
                 self._apply_gathered()
@@ -544,7 +575,7 @@ class TrainCache:
     def __repr__(self) -> str:
         return (
             f"TrainCache(table={self.table.name!r}, rows_max={self.rows_max}, slots={self.slots}, "
-            f"device={str(self.device)!r}, optimizer={self._opt['kind']!r})"
+            f"device={str(self.device)!r}, optimizer={self._opt['kind']!r}, write={self.write!r})"
         )
 
     # ---- the structure ----

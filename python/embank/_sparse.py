@@ -12,6 +12,8 @@ import torch
 
 from ._collection import EmbeddingBagCollection, _FusedPending
 from ._embedding import _Lookup
+from ._gpu_shared import apply_global
+from ._gpu_train import TrainCache
 from ._gradients import _Pending, _StepCounter
 from ._table import Source, _table_of
 from .errors import InvalidInputError
@@ -48,7 +50,10 @@ class SparseOptimizer:
     averages the dense ones, and pushes each row once, from the rank that owns it (key
     modulo world size), then waits at a barrier: every row gets one update per step
     with the whole global batch's gradient, whatever the ranks' timing, so a run is
-    reproducible and matches one process training on the global batch.
+    reproducible and matches one process training on the global batch. Modules over a
+    :class:`~embank.gpu.TrainCache` made with ``write="through"`` train on each rank's
+    device: each rank applies the global gradient to the rows it caches as the owner's
+    push applies it to the table, so every cached row equals the table's after each step.
 
     Each step is numbered, from the tables' own :attr:`~embank.Table.optimizer_step` at
     the first one: every push of step t carries t, which FBGEMM's optimizers
@@ -80,10 +85,10 @@ class SparseOptimizer:
             raise InvalidInputError(f"delay must be >= 0, got {delay}")
         self.delay = delay
         self.distributed = distributed
-        if distributed and any(lk.trainer is not None for lk in lookups):
+        if distributed and any(lk.trainer is not None and lk.trainer.write != "through" for lk in lookups):
             raise InvalidInputError(
-                "distributed=True averages every rank's gradients in the tables: a TrainCache keeps "
-                "its rows on one trainer (train each table through one cache, or through the tables)"
+                "distributed=True averages every rank's gradients in the tables: a write-back TrainCache "
+                'keeps its rows on one trainer (make each rank\'s cache with write="through")'
             )
         if distributed:
             import torch.distributed as dist
@@ -126,8 +131,9 @@ class SparseOptimizer:
         world, rank = dist.get_world_size(), dist.get_rank()
         # One entry per table source, in an order every rank shares: the per-table
         # modules', then each fused collection's tables.
-        sources: list[Source] = [p.source for p in self._pending]
-        mine: list[Any] = [p.take() for p in self._pending]
+        sources: list[Any] = [p.source for p in self._pending]
+        # A TrainCache's gradients are device tensors: gathered as numpy, as the tables'.
+        mine: list[Any] = [_host(p.take()) for p in self._pending]
         for f in self._fused:
             got = f.take()
             by_source = dict((id(s), kg) for s, kg in f.per_table(got)) if got else {}
@@ -144,7 +150,9 @@ class SparseOptimizer:
             keys = np.concatenate([k for k, _ in parts])
             grads = np.concatenate([g for _, g in parts]) / np.float32(world)
             own = (keys % np.uint64(world)) == np.uint64(rank)
-            if own.any():
+            if isinstance(source, TrainCache):
+                n += apply_global(source, keys, grads, step, own)
+            elif own.any():
                 source.push_grad(keys[own], np.ascontiguousarray(grads[own]), step)
                 n += int(own.sum())
         dist.barrier()  # no rank pulls the next batch before every row is updated
@@ -182,3 +190,12 @@ class SparseOptimizer:
         for f in self._fused:
             names += [_table_of(s).name for s in f.collection._sources]
         return names
+
+
+def _host(got: Any) -> Any:
+    """A pending's ``(keys, grads)`` as numpy (a TrainCache's are device tensors)."""
+    if got is None or isinstance(got[0], np.ndarray):
+        return got
+    keys, grads = got
+    host = np.ascontiguousarray(grads.to("cpu", torch.float32).numpy())
+    return keys.to("cpu").numpy().astype(np.uint64), host

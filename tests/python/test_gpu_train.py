@@ -265,7 +265,7 @@ def test_distributed_sparse_optimizer_refuses_a_train_cache(tmp_path: Path) -> N
     s = embank.open(str(tmp_path / "s"))
     t = s.create_table("emb", dim=DIM, optimizer=eo.SGD(lr=0.1))
     bag = et.EmbeddingBag(gpu.TrainCache(t, rows_max=8, device="cpu"))
-    with pytest.raises(InvalidInputError, match="TrainCache keeps its rows on one trainer"):
+    with pytest.raises(InvalidInputError, match="write-back TrainCache keeps its rows on one trainer"):
         et.SparseOptimizer(bag, distributed=True)
     s.close()
 
