@@ -5,7 +5,8 @@
 //! records never handed out, so a table without free records (a new one, one that only
 //! grew) is written sequentially. Their keys go
 //! into the next generation of the index, built in DRAM (`index/build.rs`) from a copy
-//! of the table's index taken when the load starts: the table's keys are kept, a key
+//! of the table's index taken when the load starts, gathered and put in 2 M at a time
+//! in bucket order (`Bulk::index_pending`): the table's keys are kept, a key
 //! loaded again points at its new row, a key loaded twice keeps the last row (as `push`
 //! does). `finish` journals the loaded keys for the latest checkpoint (as any write
 //! does), flushes the rows, writes the new index to its file once and installs it as a
