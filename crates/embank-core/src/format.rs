@@ -12,8 +12,8 @@ pub const FORMAT_VERSION: u32 = 1;
 /// its keys; its keys probe linearly: `hash::Geometry`). Versions 1 and 2 hold 14 slots
 /// of `(key, row byte offset)` a bucket; this build converts them on open.
 pub const INDEX_FORMAT_VERSION_ANY_COUNT: u32 = 2;
-/// Format version of the index files this build writes: 18 slots a bucket, keys apart
-/// from 32-bit row numbers (`index::bucket`), the rows' base and stride in the header.
+/// Format version of the index files this build writes: 17 slots a bucket, keys beside
+/// their 32-bit row numbers (`index::bucket`), the rows' base and stride in the header.
 pub const INDEX_FORMAT_VERSION: u32 = 3;
 
 pub const INDEX_MAGIC: [u8; 8] = *b"EMBKIDX\0";

@@ -40,7 +40,7 @@ pub(super) fn convert_if_legacy(path: &Path, units: RowUnits) -> Result<()> {
     if state != format::STATE_CLEAN {
         return Err(Error::new(
             ErrorKind::FormatVersion,
-            "this index (format 1 or 2, from an embank before 18-slot buckets) was not closed cleanly: \
+            "this index (format 1 or 2, from an embank before 17-slot buckets) was not closed cleanly: \
              open the store once with the embank that wrote it, so it repairs it, then with this one, which converts it",
         )
         .context(path.display().to_string()));
@@ -93,7 +93,7 @@ pub(super) fn convert_if_legacy(path: &Path, units: RowUnits) -> Result<()> {
         buckets_from = header.bucket_count,
         buckets_to = buckets,
         seconds = t0.elapsed().as_secs_f64(),
-        "index converted from format 1/2 to format 3 (18 slots a bucket)"
+        "index converted from format 1/2 to format 3 (17 slots a bucket)"
     );
     Ok(())
 }

@@ -158,7 +158,7 @@ impl Index {
     }
 
     /// Opens the index of a table whose rows lie at `units`: an index of format 1 or 2
-    /// (before 18-slot buckets) is converted first (`legacy.rs`); one naming other units
+    /// (before 17-slot buckets) is converted first (`legacy.rs`); one naming other units
     /// than the rows file is refused.
     pub fn open_for_rows(path: &Path, units: RowUnits) -> Result<Index> {
         legacy::convert_if_legacy(path, units)?;

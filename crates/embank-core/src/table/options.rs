@@ -20,7 +20,7 @@ pub const NAME_BYTES_MAX: usize = 128;
 /// 17-slot buckets, 97.7 % of keys in their home bucket (2 M random keys; 14-slot buckets
 /// at 0.7: 26.1 bytes, 98.2 %; `docs/BENCHMARKS.md`, "Scale").
 pub(crate) const LOAD_FACTOR_TARGET: f64 = 0.76;
-/// Lowest `load_factor_max` taken (the target before 18-slot buckets: a table made with
+/// Lowest `load_factor_max` taken (the target before 17-slot buckets: a table made with
 /// one opens as before; growth doubles the index, so a maximum under the target grows a
 /// table a little before its capacity, never over and over).
 const LOAD_FACTOR_MAX_MIN: f64 = 0.7;
