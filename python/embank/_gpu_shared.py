@@ -31,11 +31,11 @@ if TYPE_CHECKING:
 
 def push_through(cache: TrainCache, uniq: torch.Tensor, summed: torch.Tensor, step: int) -> None:
     """Pushes one step's gradients (``uniq`` unique ids, ``summed`` their gradients, as
-    the cache applied them) to the table, then counts the step towards a refresh."""
+    the cache applies them next) to the table: first, so a push that fails (the table
+    closed, a full disk) leaves the cache as the table."""
     keys = uniq.to("cpu").numpy().astype(np.uint64)
     grads = np.ascontiguousarray(summed.detach().to("cpu", torch.float32).numpy())
     cache.table.push_grad(keys, grads, step)
-    _count_step(cache)
 
 
 def apply_global(
@@ -52,6 +52,8 @@ def apply_global(
         cache._check_open()
         cache._apply_gathered()
         step = cache._next_step(step)
+        if own.any():  # the table first, as push_through
+            cache.table.push_grad(keys[own], np.ascontiguousarray(grads[own]), step)
         if keys.size:
             k = torch.from_numpy(keys.astype(np.int64)).to(cache.device)
             uniq, inverse = torch.unique(k, return_inverse=True)
@@ -64,10 +66,11 @@ def apply_global(
                 # Only the rows this rank caches: the others are read from the table when
                 # missed, after the owners' pushes of this step.
                 cache._apply(slot[held], None, summed[held], step, int(held.sum()))
+            else:
+                count_step(cache)
             cache._last_pull = None
-        if own.any():
-            cache.table.push_grad(keys[own], np.ascontiguousarray(grads[own]), step)
-        _count_step(cache)
+        else:
+            count_step(cache)
     return int(own.sum())
 
 
@@ -81,8 +84,9 @@ def _find(cache: TrainCache, uniq: torch.Tensor) -> torch.Tensor:
     return torch.where(hit, bucket * s + eq.to(torch.int8).argmax(dim=1), torch.full_like(bucket, -1))
 
 
-def _count_step(cache: TrainCache) -> None:
-    """Every ``refresh_every`` steps, drops every cached row (none is dirty)."""
+def count_step(cache: TrainCache) -> None:
+    """Counts a step applied (``TrainCache._apply``): every ``refresh_every`` steps, drops
+    every cached row (none is dirty)."""
     cache._steps_since_refresh += 1
     if cache.refresh_every is not None and cache._steps_since_refresh >= cache.refresh_every:
         cache._clear_for_store()

@@ -411,9 +411,10 @@ class TrainCache:
             with self._lock:
                 self._check_open()
                 if self._last_pull is last and last[2] == self._placed:
-                    self._apply(last[1], None, g, step := self._next_step(step), ids.numel())
-                    if self.write == "through":
+                    step = self._next_step(step)
+                    if self.write == "through":  # the table first: a failed push changes nothing
                         _gpu_shared.push_through(self, ids, g, step)
+                    self._apply(last[1], None, g, step, ids.numel())
                     return
         k = _keys_tensor(ids, self.device)
         if not isinstance(grads, torch.Tensor):
@@ -437,10 +438,10 @@ class TrainCache:
             else:
                 summed = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
                 summed.index_add_(0, inverse, g)
-            slot, spill = self._resident(uniq)
-            self._apply(slot, spill, summed, step, uniq.numel())
             if self.write == "through":
                 _gpu_shared.push_through(self, uniq, summed, step)
+            slot, spill = self._resident(uniq)
+            self._apply(slot, spill, summed, step, uniq.numel())
 
     def _next_step(self, step: int | None) -> int:
         step = self._step + 1 if step is None else int(step)
@@ -474,6 +475,8 @@ class TrainCache:
                     keys, recs = spill
                     self._write_back(keys, self._update(recs, summed[slot < 0], step))
         self._stats["updates"] += n
+        if self.write == "through":
+            _gpu_shared.count_step(self)
         self._steps_since_flush += 1
         if self.write_back_every is not None and self._steps_since_flush >= self.write_back_every:
             self._flush()

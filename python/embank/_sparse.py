@@ -90,6 +90,11 @@ class SparseOptimizer:
                 "distributed=True averages every rank's gradients in the tables: a write-back TrainCache "
                 'keeps its rows on one trainer (make each rank\'s cache with write="through")'
             )
+        if distributed and any(lk.trainer is not None and lk.push != "step" for lk in lookups):
+            raise InvalidInputError(
+                "distributed=True applies each step's global gradient: a TrainCache's modules need push=\"step\" "
+                '(with push="backward" each rank\'s cache would see only its own gradients)'
+            )
         if distributed:
             import torch.distributed as dist
 

@@ -97,6 +97,20 @@ def test_refresh_every_bounds_how_long_a_row_written_elsewhere_stays_stale(tmp_p
     s.close()
 
 
+def test_distributed_takes_write_through_caches_of_step_modules_only(tmp_path: Path) -> None:
+    from embank import torch as et
+
+    s = embank.open(str(tmp_path / "s"))
+    t = s.create_table("emb", dim=DIM, optimizer=eo.SGD(lr=0.1))
+    back = et.EmbeddingBag(gpu.TrainCache(t, rows_max=8, device="cpu"))
+    with pytest.raises(InvalidInputError, match='write="through"'):
+        et.SparseOptimizer(back, distributed=True)
+    through = gpu.TrainCache(t, rows_max=8, device="cpu", write="through")
+    with pytest.raises(InvalidInputError, match='need push="step"'):
+        et.SparseOptimizer(et.EmbeddingBag(through, push="backward"), distributed=True)
+    s.close()
+
+
 def _plain_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("EMBANK_TLS_")}
 

@@ -170,8 +170,10 @@ impl IndexHeader {
         }
         let units = (version == INDEX_FORMAT_VERSION)
             .then(|| RowUnits { base: le_u64(b, INDEX_ROW_UNITS_OFFSET), unit: le_u64(b, INDEX_ROW_UNITS_OFFSET + 8) });
-        if units.is_some_and(|u| u.unit == 0) {
-            return Err(Error::new(ErrorKind::Recover, "index header names a row stride of 0"));
+        // A stride is at most a few tens of KiB (DIM_MAX f32 values and their state), the
+        // base a header: bounds that keep `base + number * stride` far inside a u64.
+        if units.is_some_and(|u| u.unit == 0 || u.unit > 1 << 24 || u.base > 1 << 32) {
+            return Err(Error::new(ErrorKind::Recover, format!("index header names rows at {units:?}")));
         }
         Ok(IndexHeader { bucket_count, seed: le_u64(b, 24), units })
     }

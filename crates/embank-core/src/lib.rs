@@ -141,6 +141,7 @@ pub mod testing {
 pub mod fuzzing {
     pub use crate::catalog::{Catalog, CATALOG_FILE};
     pub use crate::checkpoint::load_checkpoints;
+    pub use crate::format::RowUnits;
     pub use crate::index::Index;
     pub use crate::journal::{path_of as journal_path_of, Journal};
     pub use crate::medium::MmapMedium;

@@ -76,6 +76,21 @@ fn growth_off_reports_table_full_and_keeps_data() {
 }
 
 #[test]
+fn growth_off_holds_its_capacity_at_any_load_factor_max() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    // Maxima under the index's load target (0.76) as well as above it.
+    for (i, max) in [0.71, 0.72, 0.76, 0.9, 0.98].into_iter().enumerate() {
+        let mut o = opts(2);
+        (o.capacity, o.growth, o.load_factor_max) = (10_000, false, max);
+        let t = store.create_table(&format!("t{i}"), o).unwrap();
+        let keys: Vec<u64> = (0..10_000).collect();
+        t.push(&keys, &vec![1.0; keys.len() * 2]).unwrap_or_else(|e| panic!("load_factor_max {max}: {e}"));
+        assert!(t.stats().unwrap().capacity >= 10_000, "load_factor_max {max}");
+    }
+}
+
+#[test]
 fn bad_input_is_refused_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();

@@ -33,7 +33,7 @@ pub struct Bucket {
     pub(super) version: AtomicU32,
     /// How many keys whose probe sequence passed this bucket live further on.
     pub(super) overflow: AtomicU32,
-    /// Checkpoint marks: a 46-bit interval tag and one bit per slot whose key has been
+    /// Checkpoint marks: a 47-bit interval tag and one bit per slot whose key has been
     /// journaled in that interval ([`Index::journaled`]). Meaningful only to the process
     /// that wrote them (tags are per open), so garbage after a restart is harmless.
     pub(super) marks: AtomicU64,

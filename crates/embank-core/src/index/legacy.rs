@@ -128,7 +128,13 @@ fn fill(index: &Index, file: &mut File, path: &Path, bucket_count: u64, units: R
                     return Err(Error::corrupt(format!("key {key} points at byte {ptr}, not a row of {units:?}"))
                         .context(path.display().to_string()));
                 }
-                if !index.insert_new(key, index.hash(key), ptr)? {
+                let hash = index.hash(key);
+                if index.get(key, hash).is_some() {
+                    return Err(
+                        Error::corrupt(format!("key {key} is in two slots")).context(path.display().to_string())
+                    );
+                }
+                if !index.insert_new(key, hash, ptr)? {
                     return Ok(false);
                 }
             }

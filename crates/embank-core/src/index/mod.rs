@@ -447,7 +447,7 @@ impl Index {
     }
 
     /// Whether the key at `(bucket, slot)` is marked journaled in the interval `tag`
-    /// (50 bits). Callers hold the key's writer lock, so its slot does not change.
+    /// (47 bits). Callers hold the key's writer lock, so its slot does not change.
     #[inline]
     pub fn journaled(&self, bucket: u64, slot: usize, tag: u64) -> bool {
         let m = self.bucket(bucket).marks.load(Ordering::Acquire);

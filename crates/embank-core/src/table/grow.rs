@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use super::options::LOAD_FACTOR_TARGET;
+use super::options::load_target;
 use super::{State, Table};
 use crate::error::{Error, ErrorKind, Result};
 use crate::index::{buckets_for, fits_in_memory, index_file_bytes, mem_available_bytes, Index};
@@ -68,7 +68,8 @@ impl Table {
         }
         let t0 = Instant::now();
         let old_buckets = st.index.bucket_count();
-        let buckets = buckets_for(rows.max(1) * 2, LOAD_FACTOR_TARGET).max(old_buckets * 2);
+        let target = load_target(self.shared.config.load_factor_max);
+        let buckets = buckets_for(rows.max(1) * 2, target).max(old_buckets * 2);
         let (index, buckets, generation) = self.build_index(st, buckets, &[])?;
         self.install_index(st, index, generation, true)?;
         tracing::info!(
@@ -187,7 +188,7 @@ impl Table {
     /// whole. `lookup`s go on during the rebuild; writes and pulls of every table of the
     /// store wait for it (it holds the checkpoint gate, as a checkpoint does), about the
     /// time of one pass over the index (see `docs/BENCHMARKS.md`). Keys the table does
-    /// not hold are ignored; at most 14 hot keys share a home bucket, the rest land next.
+    /// not hold are ignored; at most 17 hot keys share a home bucket, the rest land next.
     pub fn place_hot(&self, keys: &[u64]) -> Result<PlaceReport> {
         self.wait_repaired();
         let t0 = Instant::now();

@@ -29,7 +29,7 @@
 
 use std::time::Instant;
 
-use super::options::LOAD_FACTOR_TARGET;
+use super::options::load_target;
 use super::Table;
 use crate::error::{Error, ErrorKind, Result};
 use crate::index::{buckets_for, Index};
@@ -151,7 +151,8 @@ impl Table {
             let live = &st.index;
             // Without growth the table keeps its size (a load that does not fit fails).
             let buckets = match self.shared.config.growth {
-                true => buckets_for(live.len() + rows_hint.max(1), LOAD_FACTOR_TARGET).max(live.bucket_count()),
+                true => buckets_for(live.len() + rows_hint.max(1), load_target(self.shared.config.load_factor_max))
+                    .max(live.bucket_count()),
                 false => live.bucket_count(),
             };
             let path = super::open::loading_index_path(&self.shared.config.dir, st.generation + 1);
@@ -364,6 +365,9 @@ impl Bulk {
         self.write += writing.elapsed();
         let index = self.index.as_ref().expect("a bulk load not installed yet");
         self.pending.extend(items.iter().map(|&(key, ptr, _)| (key, index.hash(key), ptr)));
+        // `index_pending` reads the state again: a read lock taken twice by one thread
+        // waits forever once a writer queues between the two (parking_lot is fair).
+        drop(st);
         if self.pending.len() >= PENDING_KEYS_MAX {
             self.index_pending(table)?;
         }

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, RwLock};
 
-use super::options::{RecoverStats, RepairMode, LOAD_FACTOR_TARGET};
+use super::options::{load_target, RecoverStats, RepairMode};
 use super::repair::{self, Repair};
 use super::{Config, Files, ReadCounters, Repairs, Shared, State, Table, Training, STRIPES};
 use crate::catalog::{Catalog, Placement, TableMeta};
@@ -208,7 +208,7 @@ impl Table {
         let medium = AnyMedium::create(dir, meta.medium, meta.layout(), &runtime.io)?;
         let index = Index::create(
             &index_path(dir, meta.index_generation),
-            buckets_for(capacity, LOAD_FACTOR_TARGET),
+            buckets_for(capacity, load_target(meta.load_factor_max)),
             meta.seed,
             row_units(&medium),
         )?;

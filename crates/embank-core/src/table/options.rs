@@ -27,6 +27,13 @@ const LOAD_FACTOR_MAX_MIN: f64 = 0.7;
 
 const _: () = assert!(LOAD_FACTOR_TARGET < 0.95 && LOAD_FACTOR_MAX_MIN <= LOAD_FACTOR_TARGET);
 
+/// The load a table's index is sized for: the target, or a little under the table's
+/// `load_factor_max` where that is set below it (a table of growth off then holds its
+/// capacity, as it did when the target was 0.7).
+pub(crate) fn load_target(load_factor_max: f64) -> f64 {
+    LOAD_FACTOR_TARGET.min(load_factor_max - 0.02)
+}
+
 /// Options of a new table. Every field has a default (see [`TableOptions::new`]).
 ///
 /// Deserializable (a server's config file, a remote `create_table`): absent fields take
