@@ -92,8 +92,8 @@ class SparseOptimizer:
             )
         if distributed and any(lk.trainer is not None and lk.push != "step" for lk in lookups):
             raise InvalidInputError(
-                "distributed=True applies each step's global gradient: a TrainCache's modules need push=\"step\" "
-                '(with push="backward" each rank\'s cache would see only its own gradients)'
+                "distributed=True applies each step's global gradient: a TrainCache's modules "
+                'need push="step" (with push="backward" each rank\'s cache sees only its own gradients)'
             )
         if distributed:
             import torch.distributed as dist
