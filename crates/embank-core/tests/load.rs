@@ -405,3 +405,45 @@ fn sigkill_during_a_bulk_load_reopens_before_or_after_it_whole() {
         rounds * N
     );
 }
+
+/// A load's batch that fills its gathered keys (2 M) puts them in the next index while
+/// another thread asks the table for its write lock (a second loader, refused): neither
+/// waits forever (the batch once read the table's state twice, and parking_lot's fair
+/// lock queues a second read behind a waiting writer: this test then hung). Threads of
+/// their own, not scoped: a deadlock fails the test rather than hanging it.
+#[test]
+fn a_load_putting_its_keys_in_the_index_does_not_block_a_waiting_writer() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("s"), StoreOptions::default()).unwrap();
+    let t = small_table(&store, "t", MediumKind::Mmap);
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    // The load's loader exists before the other thread asks for one.
+    let mut loader = t.loader(1 << 21).unwrap();
+    std::thread::spawn(move || {
+        for chunk in (0..(1u64 << 21) + 1000).collect::<Vec<u64>>().chunks(100_000) {
+            loader.push(chunk, &rows_of(chunk, 1)).unwrap();
+        }
+        loader.finish().unwrap();
+        done_tx.send(()).unwrap();
+    });
+    let writer = {
+        let (t, stop) = (t.clone(), stop.clone());
+        // Writers queue on the state's write lock again and again meanwhile.
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let err = t.loader(1).err().map(|e| e.to_string()).unwrap_or_default();
+                assert!(err.is_empty() || err.contains("running already"), "{err}");
+            }
+        })
+    };
+    if done_rx.recv_timeout(Duration::from_secs(120)).is_err() {
+        // Closing the store would wait on the same lock: leak it and fail.
+        std::mem::forget((t, store));
+        panic!("the load and a writer waited on each other");
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+    assert_eq!(t.len().unwrap(), (1 << 21) + 1000);
+}
