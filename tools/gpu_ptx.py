@@ -1,4 +1,4 @@
-"""Compiles the GPU cache's kernels (crates/embank-gpu/kernels/cache.cu) to PTX with NVRTC,
+"""Compiles the GPU cache's kernels (crates/embank-gpu/kernels/cache.cu, with train.cuh) to PTX with NVRTC,
 the CUDA compiler as a library (PyPI's nvidia-cuda-nvrtc-cu12: no CUDA toolkit, no host
 compiler), and checks the PTX with ptxas for the real targets (sm_80, sm_90).
 
@@ -45,11 +45,11 @@ def _find(pattern: str) -> str:
 def compile_ptx() -> str:
     lib = ctypes.CDLL(_find("nvidia/cuda_nvrtc/lib/libnvrtc.so.12"))
     src = (KERNELS / "cache.cu").read_bytes()
-    header = (KERNELS / "target.h").read_bytes()
+    headers = ("target.h", "train.cuh")  # what cache.cu includes
     prog = ctypes.c_void_p()
-    names = (ctypes.c_char_p * 1)(b"target.h")
-    bodies = (ctypes.c_char_p * 1)(header)
-    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"cache.cu", 1, bodies, names)
+    names = (ctypes.c_char_p * len(headers))(*(h.encode() for h in headers))
+    bodies = (ctypes.c_char_p * len(headers))(*((KERNELS / h).read_bytes() for h in headers))
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"cache.cu", len(headers), bodies, names)
     if rc:
         raise SystemExit(f"gpu_ptx: nvrtcCreateProgram failed ({rc})")
     opts = [f"--gpu-architecture={ARCH}".encode(), b"-std=c++17", b"--fmad=false", b"-lineinfo"]

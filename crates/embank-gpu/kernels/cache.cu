@@ -495,3 +495,5 @@ KERNEL embank_count(CountArgs a) {
     u32 m = ballot(live);
     if (lane_id() == 0 && m) atomic_add64((u64*)a.c.counters + C_ROWS, (u64)popcount32(m));
 }
+
+#include "train.cuh"

@@ -39,6 +39,9 @@ extern "C" int embank_emu_launch(u32 kernel, u64 threads, const void* args, u64 
         case 3: if (args_len != sizeof(RefreshArgs)) return -1; run(embank_refresh, threads, args); return 0;
         case 4: if (args_len != sizeof(CountArgs)) return -1; run(embank_count, threads, args); return 0;
         case 5: if (args_len != sizeof(PoolArgs)) return -1; run(embank_pool, threads, args); return 0;
+        case 6: if (args_len != sizeof(TrainFindArgs)) return -1; run(embank_train_find, threads, args); return 0;
+        case 7: if (args_len != sizeof(TrainPlaceArgs)) return -1; run(embank_train_place, threads, args); return 0;
+        case 8: if (args_len != sizeof(TrainUpdateArgs)) return -1; run(embank_train_update, threads, args); return 0;
     }
     return -2;
 }

@@ -3,6 +3,7 @@
 #pragma once
 #include <atomic>
 #include <barrier>
+#include <cmath>
 #include <cstring>
 
 #define KERNEL static void
@@ -47,6 +48,10 @@ DEV void atomic_max64(u64* p, u64 v) {
 }
 DEV float fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 DEV float fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+DEV float fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+DEV float fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
+DEV float fsqrt_rn(float a) { return std::sqrt(a); }
+DEV float pow_f32(float b, float t) { return (float)std::pow((double)b, (double)t); }
 DEV u32 lowest_bit(u32 m) { return (u32)__builtin_ctz(m); }
 DEV u32 popcount32(u32 m) { return (u32)__builtin_popcount(m); }
 DEV void warp_sync() { emu_warp->bar.arrive_and_wait(); }

@@ -23,6 +23,10 @@ DEV void atomic_max64(u64* p, u64 v) { atomicMax(p, v); }
 DEV void atomic_add_f32(float* p, float v) { atomicAdd(p, v); }
 DEV float fmul_rn(float a, float b) { return __fmul_rn(a, b); }
 DEV float fadd_rn(float a, float b) { return __fadd_rn(a, b); }
+DEV float fsub_rn(float a, float b) { return __fsub_rn(a, b); }
+DEV float fdiv_rn(float a, float b) { return __fdiv_rn(a, b); }
+DEV float fsqrt_rn(float a) { return __fsqrt_rn(a); }
+DEV float pow_f32(float b, float t) { return (float)pow((double)b, (double)t); }
 DEV u32 lowest_bit(u32 m) { return (u32)(__ffs((int)m) - 1); }
 DEV u32 popcount32(u32 m) { return (u32)__popc(m); }
 DEV void warp_sync() { __syncwarp(); }

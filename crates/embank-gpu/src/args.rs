@@ -124,3 +124,69 @@ pub(crate) fn bytes_of<T: Copy>(t: &T) -> &[u8] {
     // SAFETY: plain #[repr(C)] structs of integers, read as bytes.
     unsafe { std::slice::from_raw_parts((t as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
 }
+
+// ---- training (kernels/train.cuh) ----
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TrainDesc {
+    pub(crate) keys: u64,
+    pub(crate) used: u64,
+    pub(crate) records: u64,
+    pub(crate) dirty: u64,
+    pub(crate) n_buckets: u64,
+    pub(crate) slots: u32,
+    pub(crate) width: u32,
+    pub(crate) dim: u32,
+    pub(crate) pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct TrainFindArgs {
+    pub(crate) t: TrainDesc,
+    pub(crate) ids: u64,
+    pub(crate) slot: u64,
+    pub(crate) out: u64,
+    pub(crate) payload: u64,
+    pub(crate) n: u64,
+    pub(crate) clock: u64,
+    pub(crate) r: Report,
+    pub(crate) parity: u32,
+    pub(crate) pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct TrainPlaceArgs {
+    pub(crate) t: TrainDesc,
+    pub(crate) keys: u64,
+    pub(crate) at: u64,
+    pub(crate) recs: u64,
+    pub(crate) groups: u64,
+    pub(crate) slot: u64,
+    pub(crate) out: u64,
+    pub(crate) ev: u64,
+    pub(crate) m: u64,
+    pub(crate) n_groups: u64,
+    pub(crate) clock: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct TrainUpdateArgs {
+    pub(crate) t: TrainDesc,
+    pub(crate) slots: u64,
+    pub(crate) grads: u64,
+    pub(crate) n: u64,
+    pub(crate) kind: u32,
+    pub(crate) mark_dirty: u32,
+    pub(crate) lr: f32,
+    pub(crate) eps: f32,
+    pub(crate) beta1: f32,
+    pub(crate) beta2: f32,
+    pub(crate) weight_decay: f32,
+    pub(crate) l1: f32,
+    pub(crate) l2: f32,
+    pub(crate) beta: f32,
+}

@@ -18,11 +18,23 @@ pub enum Kernel {
     Refresh = 3,
     Count = 4,
     Pool = 5,
+    TrainFind = 6,
+    TrainPlace = 7,
+    TrainUpdate = 8,
 }
 
 impl Kernel {
-    const ALL: [Kernel; 6] =
-        [Kernel::Find, Kernel::Fill, Kernel::Invalidate, Kernel::Refresh, Kernel::Count, Kernel::Pool];
+    const ALL: [Kernel; 9] = [
+        Kernel::Find,
+        Kernel::Fill,
+        Kernel::Invalidate,
+        Kernel::Refresh,
+        Kernel::Count,
+        Kernel::Pool,
+        Kernel::TrainFind,
+        Kernel::TrainPlace,
+        Kernel::TrainUpdate,
+    ];
 
     fn symbol(self) -> &'static [u8] {
         match self {
@@ -32,6 +44,9 @@ impl Kernel {
             Kernel::Refresh => b"embank_refresh\0",
             Kernel::Count => b"embank_count\0",
             Kernel::Pool => b"embank_pool\0",
+            Kernel::TrainFind => b"embank_train_find\0",
+            Kernel::TrainPlace => b"embank_train_place\0",
+            Kernel::TrainUpdate => b"embank_train_update\0",
         }
     }
 }

@@ -29,6 +29,7 @@ mod insert;
 mod lookup;
 mod mem;
 mod refresh;
+pub mod train;
 
 use std::collections::{HashMap, VecDeque};
 
@@ -43,6 +44,7 @@ use embank_core::{DType, Error, ErrorKind, Result, TableApi};
 use parking_lot::{Condvar, Mutex};
 
 pub use device::{Device, Event, Kernel, Stream};
+pub use train::{Missed, Placed, Rule, RuleKind, TrainKernels, TrainLayout};
 
 const LOCKED_KEY: u64 = u64::MAX - 1;
 /// Miss ids a lookup copies to the host with the count, at least.
