@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from . import _gpu_train_native
 from ._gpu_buckets import EMPTY, key_hash
 
 if TYPE_CHECKING:
@@ -76,6 +77,8 @@ def apply_global(
 
 def _find(cache: TrainCache, uniq: torch.Tensor) -> torch.Tensor:
     """The slots of ``uniq`` (unique ids) in the cache, -1 where absent; nothing placed."""
+    if cache._nk is not None:
+        return _gpu_train_native.find(cache, uniq)
     s, nb = cache.slots, cache.n_buckets
     bucket = torch.remainder(key_hash(uniq), nb)
     eq = cache.keys.view(nb, s)[bucket] == uniq[:, None]

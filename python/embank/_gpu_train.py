@@ -75,8 +75,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from . import _gpu_shared
+from . import _gpu_shared, _gpu_train_native
 from ._gpu_buckets import EMPTY, _triton_usable, key_hash
+from ._gpu_writer import _Writer
 from ._table import Table
 from .errors import InvalidInputError
 
@@ -134,104 +135,6 @@ def _keys_tensor(keys: Any, device: torch.device) -> torch.Tensor:
     if k.numel() and bool((k < 0).any()):
         raise InvalidInputError(f"ids must be non-negative, got {int(k[k < 0][0])}")
     return k
-
-
-class _Writer:
-    """Rows going back to the table, oldest first, written by a thread of their own: an
-    eviction costs the step a copy to the host, not the table's write. A batch leaves
-    the queue once written, so a read of the table never misses a row in flight:
-    :meth:`TrainCache._fetch` reads the queue first (the newest copy of a key wins)."""
-
-    def __init__(self, table: Table, background: bool, rows_max: int) -> None:
-        self.table = table
-        self.background = background
-        self.rows_max = rows_max  # rows queued at most: an eviction waits beyond it
-        self.queue: list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]] = []
-        self.queued = 0
-        self.written = 0
-        self.error: BaseException | None = None
-        self.stop = False
-        self.cond = threading.Condition()
-        self.thread: threading.Thread | None = None
-
-    def put(self, keys: npt.NDArray[np.uint64], records: npt.NDArray[np.float32]) -> None:
-        if not self.background:
-            self.table.push_with_state(keys, records)
-            self.written += int(keys.size)
-            return
-        with self.cond:
-            self.raise_error()
-            while self.queued and self.queued + keys.size > self.rows_max and self.error is None:
-                self.cond.wait()
-            self.raise_error()
-            self.queue.append((keys, records))
-            self.queued += int(keys.size)
-            if self.thread is None:
-                self.thread = threading.Thread(target=self.run, name="embank-train-cache-writer", daemon=True)
-                self.thread.start()
-            self.cond.notify_all()
-
-    def run(self) -> None:
-        while True:
-            with self.cond:
-                while not self.queue and not self.stop:
-                    self.cond.wait()
-                if not self.queue:
-                    return
-                keys, records = self.queue[0]
-            try:
-                self.table.push_with_state(keys, records)
-            except BaseException as e:  # handed to the trainer's next call
-                with self.cond:
-                    self.error = e
-                    self.cond.notify_all()
-                return
-            with self.cond:
-                self.queue.pop(0)
-                self.queued -= int(keys.size)
-                self.written += int(keys.size)
-                self.cond.notify_all()
-
-    def drain(self) -> None:
-        """Waits until every queued row is in the table."""
-        with self.cond:
-            while self.queue and self.error is None:
-                self.cond.wait()
-            self.raise_error()
-
-    def close(self) -> None:
-        with self.cond:
-            self.stop = True
-            self.cond.notify_all()
-        if self.thread is not None:
-            self.thread.join()
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise InvalidInputError(
-                f"writing rows back to table {self.table.name!r} failed: {self.error}"
-            ) from self.error
-
-    def take(
-        self, keys: npt.NDArray[np.uint64]
-    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32] | None]:
-        """The queued records of ``keys`` (the newest of each): which were queued, and
-        their records (rows of the others undefined)."""
-        with self.cond:
-            if not self.queue:
-                return np.zeros(keys.size, dtype=bool), None
-            got = np.zeros(keys.size, dtype=bool)
-            out: npt.NDArray[np.float32] | None = None
-            for qk, qr in reversed(self.queue):
-                pos = np.searchsorted(qk, keys)
-                pos[pos >= qk.size] = 0
-                hit = (qk[pos] == keys) & ~got
-                if hit.any():
-                    if out is None:
-                        out = np.empty((keys.size, qr.shape[1]), dtype=np.float32)
-                    out[hit] = qr[pos[hit]]
-                    got |= hit
-            return got, out
 
 
 class TrainCache:
@@ -320,8 +223,8 @@ class TrainCache:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if kernels == "auto":
             kernels = "triton" if dev.type == "cuda" and _triton_usable(dev) else "torch"
-        if kernels not in ("triton", "torch"):
-            raise InvalidInputError(f'kernels must be "triton", "torch" or "auto", got {kernels!r}')
+        if kernels not in ("triton", "torch", "native"):
+            raise InvalidInputError(f'kernels must be "native", "triton", "torch" or "auto", got {kernels!r}')
         if kernels == "triton" and not _triton_usable(dev):
             raise InvalidInputError("Triton kernels need CUDA, or TRITON_INTERPRET=1 on the CPU")
         self.kernels = kernels
@@ -346,6 +249,10 @@ class TrainCache:
         self._steps_since_flush = 0
         self._lock = threading.RLock()
         self._closed = False
+        self._stream_of: Any = None
+        self._nk: Any = None  # the native kernels over the tensors above (kernels="native")
+        if kernels == "native":
+            _gpu_train_native.attach(self)
         # The store's checkpoints, close and exports write this cache's rows first.
         self._owner = table._owner() if table._owner is not None else None
         if self._owner is not None:
@@ -382,6 +289,11 @@ class TrainCache:
             self._check_open()
             self._apply_gathered()
             self._stats["pulls"] += 1
+            if self._nk is not None:  # the rows written by the kernels
+                rows = torch.empty((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
+                slot, spill = _gpu_train_native.resident(self, uniq, rows)
+                self._last_pull = (uniq, slot, self._placed) if spill is None else None
+                return rows
             slot, spill = self._resident(uniq)
             # Its gradient's push_grad (the same tensor, no row placed since) finds nothing.
             self._last_pull = (uniq, slot, self._placed) if spill is None else None
@@ -460,17 +372,21 @@ class TrainCache:
     ) -> None:
         """One update of the rows at ``slot`` (and of ``spill``'s, written through)."""
         if slot is not None:
-            if spill is None:
-                s, mine = slot, summed
+            if self._nk is not None:  # one launch: slots < 0 skipped, rows marked dirty
+                _gpu_train_native.update(self, slot, summed)
             else:
-                inside = slot >= 0
-                s, mine = slot[inside], summed[inside]
-            if self.kernels == "triton" and self._opt["kind"] in ("sgd", "adagrad", "adam", "adamw", "ftrl"):
-                self._update_in_place(s, mine)
-            else:
-                self.records[s] = self._update(self.records[s], mine, step)
+                if spill is None:
+                    s, mine = slot, summed
+                else:
+                    inside = slot >= 0
+                    s, mine = slot[inside], summed[inside]
+                if self.kernels == "triton" and self._opt["kind"] in ("sgd", "adagrad", "adam", "adamw", "ftrl"):
+                    self._update_in_place(s, mine)
+                else:
+                    self.records[s] = self._update(self.records[s], mine, step)
+                if self.write == "back":
+                    self.dirty[s] = True
             if self.write == "back":  # written through: the caller pushes the gradient
-                self.dirty[s] = True
                 if spill is not None:
                     keys, recs = spill
                     self._write_back(keys, self._update(recs, summed[slot < 0], step))
@@ -565,6 +481,7 @@ class TrainCache:
             finally:
                 self._writer.close()
             self._closed = True
+            self._nk = None
             if self._owner is not None:
                 self._owner._write_backs.discard(self)
             self.keys = self.records = self.dirty = self.used = torch.empty(0)
@@ -605,17 +522,21 @@ class TrainCache:
         return n
 
     def _write_back(self, keys: torch.Tensor, records: torch.Tensor) -> None:
-        if not keys.numel():
-            return
-        k = keys.to("cpu").numpy().astype(np.uint64)
+        if keys.numel():
+            k = keys.to("cpu").numpy().astype(np.uint64)
+            self._write_back_np(k, records.detach().to("cpu", torch.float32).numpy())
+
+    def _write_back_np(self, k: npt.NDArray[np.uint64], records: npt.NDArray[np.float32]) -> None:
         order = np.argsort(k)  # sorted: the queue is searched by key
-        r = np.ascontiguousarray(records.detach().to("cpu", torch.float32).numpy()[order])
-        self._writer.put(np.ascontiguousarray(k[order]), r)
+        self._writer.put(np.ascontiguousarray(k[order]), np.ascontiguousarray(records[order]))
         self._stats["written_back"] += int(k.size)
 
     def _fetch(self, keys: torch.Tensor) -> torch.Tensor:
-        """Records of ``keys`` from the table; rows it does not hold are created there."""
         k = keys.to("cpu").numpy().astype(np.uint64)
+        return torch.from_numpy(self._fetch_np(k)).to(self.device)
+
+    def _fetch_np(self, k: npt.NDArray[np.uint64]) -> npt.NDArray[np.float32]:
+        """Records of ``k`` from the table; rows it does not hold are created there."""
         queued, rows = self._writer.take(k)
         records, found = self.table.lookup_with_state(k)
         if rows is not None:
@@ -625,12 +546,14 @@ class TrainCache:
             missing = ~found
             records[missing, : self.dim] = self.table.pull(k[missing])
             self._stats["created"] += int(missing.sum())
-        return torch.from_numpy(np.ascontiguousarray(records, dtype=np.float32)).to(self.device)
+        return np.ascontiguousarray(records, dtype=np.float32)
 
     def _resident(self, uniq: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Makes ``uniq`` (unique ids) resident where their buckets have room: their slots
         (-1 for those that do not fit) and, for those, ``(keys, records)`` read from the
         table."""
+        if self._nk is not None:
+            return _gpu_train_native.resident(self, uniq, None)
         s, nb = self.slots, self.n_buckets
         clock = self._clock
         self._clock += 1

@@ -16,7 +16,7 @@ fn invalid(msg: String) -> Error {
 
 /// The device a cache runs on: a CUDA ordinal, or -1 for the CPU emulator (only in a
 /// build with the `gpu-emulator` feature, for tests).
-fn device(ordinal: i32) -> Result<Arc<dyn Device>, Error> {
+pub(crate) fn device(ordinal: i32) -> Result<Arc<dyn Device>, Error> {
     if ordinal >= 0 {
         return Ok(Arc::new(embank_gpu::device::Cuda::new(ordinal)?));
     }

@@ -20,6 +20,7 @@ use pyo3::types::PyType;
 
 mod fused;
 mod gpu;
+mod gpu_train;
 mod plan;
 mod rows;
 
@@ -728,6 +729,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<fused::Step>()?;
     m.add_class::<fused::Grads>()?;
     m.add_class::<gpu::GpuTable>()?;
+    m.add_class::<gpu_train::TrainKernels>()?;
     m.add_function(wrap_pyfunction!(gpu::gpu_emulator, m)?)?;
     m.add_function(wrap_pyfunction!(rows::row_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(rows::encode_rows, m)?)?;
