@@ -87,6 +87,7 @@ SLOTS_DEFAULT = 32
 _PINNED = 1 << 62  # a slot the call uses itself: never its victim
 _FREE = -(1 << 62)  # an empty slot: taken first
 _TABLE_STEP = ("fbgemm_adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
+_TRITON_KINDS = ("sgd", "adagrad", "adam", "adamw", "ftrl")  # updated by the Triton kernel
 _KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw", "ftrl", *_TABLE_STEP)
 
 
@@ -380,7 +381,7 @@ class TrainCache:
                 else:
                     inside = slot >= 0
                     s, mine = slot[inside], summed[inside]
-                if self.kernels == "triton" and self._opt["kind"] in ("sgd", "adagrad", "adam", "adamw", "ftrl"):
+                if self.kernels == "triton" and self._opt["kind"] in _TRITON_KINDS:
                     self._update_in_place(s, mine)
                 else:
                     self.records[s] = self._update(self.records[s], mine, step)

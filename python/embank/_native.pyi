@@ -186,3 +186,47 @@ class GpuTable:
     def wait(self) -> None: ...
     def close(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
+
+class TrainKernels:
+    def __init__(
+        self,
+        device_ordinal: int,
+        keys: int,
+        used: int,
+        records: int,
+        dirty: int,
+        n_buckets: int,
+        slots: int,
+        width: int,
+        dim: int,
+    ) -> None: ...
+    def find(
+        self, ids: int, n: int, slot: int, out: int, clock: int, stream: int
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint32]]: ...
+    def place(
+        self,
+        keys: npt.NDArray[np.uint64],
+        at: npt.NDArray[np.uint32],
+        records: npt.NDArray[np.float32],
+        slot: int,
+        out: int,
+        clock: int,
+        stream: int,
+    ) -> tuple[int, npt.NDArray[np.uint64], npt.NDArray[np.float32], npt.NDArray[np.uint32]]: ...
+    def update(
+        self,
+        slots: int,
+        grads: int,
+        n: int,
+        kind: str,
+        lr: float,
+        eps: float = 0.0,
+        beta1: float = 0.0,
+        beta2: float = 0.0,
+        weight_decay: float = 0.0,
+        l1: float = 0.0,
+        l2: float = 0.0,
+        beta: float = 0.0,
+        mark_dirty: bool = True,
+        stream: int = 0,
+    ) -> None: ...

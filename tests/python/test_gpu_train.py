@@ -59,15 +59,31 @@ def _assert_same(got: npt.NDArray[Any], want: npt.NDArray[Any], exact: bool, wha
     return diff
 
 
+NATIVE_KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw", "ftrl")
+# The native kernels on the CPU: their emulator, in a test build (make test builds it).
+EMULATOR = embank._native.gpu_emulator()
+NEEDS_EMULATOR = pytest.mark.skipif(not EMULATOR, reason="a build without the emulator")
+
+
 @pytest.mark.parametrize(
-    ("kind", "write_back"), [(k, "background") for k in OPTIMIZERS] + [("adagrad", "inline")]
+    ("kind", "write_back", "kernels"),
+    [(k, "background", "torch") for k in OPTIMIZERS]
+    + [("adagrad", "inline", "torch")]
+    + [
+        pytest.param(k, w, "native", marks=NEEDS_EMULATOR)
+        for k, w in [(k, "background") for k in NATIVE_KINDS] + [("adam", "inline")]
+    ],
 )
-def test_a_write_back_cache_trains_as_the_table_alone(tmp_path: Path, kind: str, write_back: str) -> None:
+def test_a_write_back_cache_trains_as_the_table_alone(
+    tmp_path: Path, kind: str, write_back: str, kernels: str
+) -> None:
     opt = OPTIMIZERS[kind]
     stores = {name: embank.open(str(tmp_path / name)) for name in ("cached", "reference")}
     tables = {name: s.create_table("emb", dim=DIM, optimizer=opt) for name, s in stores.items()}
     # Small buckets: evictions every step, and now and then more misses than a bucket holds.
-    cache = gpu.TrainCache(tables["cached"], rows_max=48, slots=8, device="cpu", write_back=write_back)
+    cache = gpu.TrainCache(
+        tables["cached"], rows_max=48, slots=8, device="cpu", write_back=write_back, kernels=kernels
+    )
     rng = np.random.default_rng(11)
     # The cache's arithmetic is the store's, bit for bit, for every kind (on the CPU).
     exact = True
@@ -103,7 +119,7 @@ def test_a_write_back_cache_trains_as_the_table_alone(tmp_path: Path, kind: str,
                 stores[name] = embank.open(str(tmp_path / name))
                 tables[name] = stores[name].table("emb")
             cache = gpu.TrainCache(
-                tables["cached"], rows_max=48, slots=8, device="cpu", write_back=write_back
+                tables["cached"], rows_max=48, slots=8, device="cpu", write_back=write_back, kernels=kernels
             )
     st = cache.stats()
     assert seen["evicted"] > 0 and st["evicted"] > 0, (seen, st)
@@ -360,11 +376,13 @@ from embank import gpu
 store, device = embank.open(sys.argv[1]), sys.argv[2]
 kinds = {"sgd": eo.SGD(lr=0.05), "adagrad": eo.Adagrad(lr=0.1, initial_accumulator_value=0.01),
          "adam": eo.Adam(lr=0.01), "adamw": eo.AdamW(lr=0.01, weight_decay=0.05),
-         "ftrl": eo.Ftrl(lr=0.1, l1=0.001, l2=0.01)}
+         "ftrl": eo.Ftrl(lr=0.1, l1=0.001, l2=0.01), "rowwise_adagrad": eo.RowWiseAdagrad(lr=0.1)}
+# The native kernels too where they run (CUDA; the CPU in a build with their emulator).
+paths = ("triton", "torch") + (("native",) if device == "cuda" or embank._native.gpu_emulator() else ())
 for name, opt in kinds.items():
     for dim in (3, 8, 33):
-        got, stats = {}, {}
-        for kernels in ("triton", "torch"):
+        got, stats, tensors = {}, {}, {}
+        for kernels in paths:
             t = store.create_table(f"{name}-{dim}-{kernels}", dim=dim, optimizer=opt)
             c = gpu.TrainCache(t, rows_max=32, slots=8 if dim != 33 else 5, device=device, kernels=kernels)
             rng = np.random.default_rng(1)
@@ -374,12 +392,16 @@ for name, opt in kinds.items():
                 c.pull(ids)
                 c.push_grad(ids, g)
             stats[kernels] = {k: v for k, v in c.stats().items() if k != "hit_rate"}
+            tensors[kernels] = [x.cpu().clone() for x in (c.keys, c.used, c.dirty, c.records)]
             c.close()
             got[kernels] = t.lookup_with_state(np.arange(60, dtype=np.uint64))[0]
-        assert stats["triton"] == stats["torch"], stats
-        diff = np.abs(got["triton"] - got["torch"]).max()
-        assert diff == 0, f"{name} dim {dim}: the Triton kernel differs from the PyTorch path by {diff}"
-print("kernels agree")
+        for p in paths[1:]:
+            assert stats[p] == stats["triton"], (p, stats)
+            diff = np.abs(got[p] - got["triton"]).max()
+            assert diff == 0, f"{name} dim {dim}: the {p} path differs from the Triton one by {diff}"
+            same = [torch.equal(a, b) for a, b in zip(tensors[p], tensors["triton"])]
+            assert all(same), f"{name} dim {dim}: {p}'s keys, used, dirty, records alike: {same}"
+print("kernels agree:", ", ".join(paths))
 """
 
 
@@ -395,12 +417,15 @@ def _kernels_agree(tmp_path: Path, device: str) -> None:
         text=True,
     )
     assert r.returncode == 0 and "kernels agree" in r.stdout, r.stderr[-3000:]
+    if device == "cuda" or embank._native.gpu_emulator():
+        assert "native" in r.stdout, r.stdout
 
 
 def test_the_triton_update_is_the_pytorch_path_bit_for_bit_in_the_interpreter(tmp_path: Path) -> None:
-    """The find and the update: every element-wise kind at dims 3, 8 and 33 (masked
-    lanes; buckets of 8 and 5 slots), with evictions and overflow; the stats alike too;
-    the PyTorch path is the store's arithmetic (the model test above)."""
+    """The find and the update: every element-wise kind (and row-wise Adagrad) at dims 3, 8
+    and 33 (masked lanes; buckets of 8 and 5 slots), with evictions and overflow; the stats
+    and the cache's tensors alike too; the PyTorch path is the store's arithmetic (the
+    model test above). The native kernels (in their emulator) against both."""
     pytest.importorskip("triton")
     _kernels_agree(tmp_path, "cpu")
 

@@ -1,6 +1,6 @@
 // The CPU emulator of the GPU cache's kernels (built only with the crate's `emulator`
-// feature, for tests): each launch runs its warps in turn, a warp's 32 lanes as 32
-// threads. "Device" memory is host memory, so the kernels' pointers are plain pointers.
+// feature, for tests): each launch runs its warps in turn on 32 lane threads. "Device"
+// memory is host memory, so the kernels' pointers are plain pointers.
 #include <thread>
 #include <vector>
 #include "target.h"
@@ -16,19 +16,22 @@ static void run(void (*k)(A), u64 threads, const void* args) {
     A a;
     std::memcpy(&a, args, sizeof(A));
     u64 warps = (threads + 31) / 32;
-    for (u64 w = 0; w < warps; w++) {
-        EmuWarp warp;
-        std::vector<std::thread> lanes;
-        lanes.reserve(32);
-        for (u32 l = 0; l < 32; l++)
-            lanes.emplace_back([&, l] {
-                emu_lane = l;
+    // 32 lane threads for the whole launch, running the warps one after another in
+    // step (a thread a lane and warp was most of a test's time).
+    EmuWarp warp;
+    std::vector<std::thread> lanes;
+    lanes.reserve(32);
+    for (u32 l = 0; l < 32; l++)
+        lanes.emplace_back([&, l] {
+            emu_lane = l;
+            emu_warp = &warp;
+            for (u64 w = 0; w < warps; w++) {
                 emu_thread = w * 32 + l;
-                emu_warp = &warp;
                 k(a);
-            });
-        for (auto& t : lanes) t.join();
-    }
+                warp.bar.arrive_and_wait();  // every lane done with this warp before the next
+            }
+        });
+    for (auto& t : lanes) t.join();
 }
 
 extern "C" int embank_emu_launch(u32 kernel, u64 threads, const void* args, u64 args_len) {

@@ -156,7 +156,8 @@ impl TrainKernels {
             return Err(invalid(format!("records of width {} cannot hold rows of dim {}", l.width, l.dim)));
         }
         dev.enter()?;
-        let st = Scratches { find: Scratch::new(&dev, 1 << 16)?, place: Scratch::new(&dev, 1 << 16)?, hint: MISS_HINT_MIN };
+        let st =
+            Scratches { find: Scratch::new(&dev, 1 << 16)?, place: Scratch::new(&dev, 1 << 16)?, hint: MISS_HINT_MIN };
         let t = TrainDesc {
             keys: l.keys,
             used: l.used,
@@ -286,7 +287,9 @@ impl TrainKernels {
             for (k, &i) in order.iter().enumerate() {
                 let src = &records[i as usize * w..(i as usize + 1) * w];
                 // SAFETY: `w` f32 into the `4 * w` bytes of record `k` (in bounds above).
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), recs.as_mut_ptr().add(4 * k * w), 4 * w) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), recs.as_mut_ptr().add(4 * k * w), 4 * w)
+                };
             }
         }
         s.host.u64s(keys_off, m).iter_mut().zip(&order).for_each(|(d, &i)| *d = keys[i as usize]);
@@ -327,7 +330,11 @@ impl TrainKernels {
                     let src = &ev_recs[4 * k * w..4 * (k + 1) * w];
                     // SAFETY: `4 * w` bytes into the `w` f32 just made room for.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(src.as_ptr(), placed.dirty_records[at..].as_mut_ptr().cast::<u8>(), 4 * w)
+                        std::ptr::copy_nonoverlapping(
+                            src.as_ptr(),
+                            placed.dirty_records[at..].as_mut_ptr().cast::<u8>(),
+                            4 * w,
+                        )
                     };
                 }
                 PLACED_NONE => placed.unplaced.push(order[k]),
@@ -341,7 +348,15 @@ impl TrainKernels {
     /// `rule` applied to the `n` rows at `slots` (i64; < 0: skipped) with gradients
     /// `grads` (`n * dim` f32, one a row: duplicates summed by the caller), in place on
     /// `stream`; `mark_dirty` flags them. No wait.
-    pub fn update(&self, slots: u64, grads: u64, n: usize, rule: &Rule, mark_dirty: bool, stream: Stream) -> Result<()> {
+    pub fn update(
+        &self,
+        slots: u64,
+        grads: u64,
+        n: usize,
+        rule: &Rule,
+        mark_dirty: bool,
+        stream: Stream,
+    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }

@@ -30,7 +30,16 @@ struct Cache {
 
 impl Cache {
     fn new(nb: usize, s: usize, dim: usize, w: usize) -> Cache {
-        Cache { keys: vec![EMPTY; nb * s], used: vec![0; nb * s], records: vec![0.0; nb * s * w], dirty: vec![0; nb * s], nb, s, w, dim }
+        Cache {
+            keys: vec![EMPTY; nb * s],
+            used: vec![0; nb * s],
+            records: vec![0.0; nb * s * w],
+            dirty: vec![0; nb * s],
+            nb,
+            s,
+            w,
+            dim,
+        }
     }
     fn layout(&mut self) -> TrainLayout {
         TrainLayout {
@@ -112,7 +121,8 @@ fn run(kind: RuleKind, seed: u64) {
         let before = (c.keys.clone(), c.used.clone());
         let mut slot = vec![-7i64; n];
         let mut out = vec![f32::NAN; n * dim];
-        let missed = k.find(ids.as_ptr() as u64, n, slot.as_mut_ptr() as u64, out.as_mut_ptr() as u64, call as u64, 0).unwrap();
+        let missed =
+            k.find(ids.as_ptr() as u64, n, slot.as_mut_ptr() as u64, out.as_mut_ptr() as u64, call as u64, 0).unwrap();
         // Hits: the cached rows and slots, touched; misses: listed in the call's order.
         let mut want_miss = Vec::new();
         for (i, &id) in ids.iter().enumerate() {
@@ -136,7 +146,9 @@ fn run(kind: RuleKind, seed: u64) {
             recs.extend(table.get(&key).cloned().unwrap_or_else(|| fresh(key, dim, w)));
         }
         let want = model_place(&c, &missed.keys, call);
-        let placed = k.place(&missed.keys, &missed.at, &recs, slot.as_mut_ptr() as u64, out.as_mut_ptr() as u64, call as u64, 0).unwrap();
+        let placed = k
+            .place(&missed.keys, &missed.at, &recs, slot.as_mut_ptr() as u64, out.as_mut_ptr() as u64, call as u64, 0)
+            .unwrap();
         for (q, (&key, &i)) in missed.keys.iter().zip(&missed.at).enumerate() {
             let i = i as usize;
             assert_eq!(&out[i * dim..(i + 1) * dim], &recs[q * w..q * w + dim], "call {call}: row of miss {key}");
@@ -190,7 +202,9 @@ fn run(kind: RuleKind, seed: u64) {
 
 #[test]
 fn each_optimizer_through_the_kernels_equals_the_store_bit_for_bit() {
-    for kind in [RuleKind::Sgd, RuleKind::Adagrad, RuleKind::RowWiseAdagrad, RuleKind::Adam, RuleKind::AdamW, RuleKind::Ftrl] {
+    for kind in
+        [RuleKind::Sgd, RuleKind::Adagrad, RuleKind::RowWiseAdagrad, RuleKind::Adam, RuleKind::AdamW, RuleKind::Ftrl]
+    {
         run(kind, 7);
     }
 }
