@@ -1,6 +1,7 @@
-"""Compiles the GPU cache's kernels (crates/embank-gpu/kernels/cache.cu, with train.cuh) to PTX with NVRTC,
-the CUDA compiler as a library (PyPI's nvidia-cuda-nvrtc-cu12: no CUDA toolkit, no host
-compiler), and checks the PTX with ptxas for the real targets (sm_80, sm_90).
+"""Compiles the GPU cache's kernels (crates/embank-gpu/kernels/cache.cu, with train.cuh) to
+PTX with NVRTC, the CUDA compiler as a library (PyPI's nvidia-cuda-nvrtc-cu12: no CUDA
+toolkit, no host compiler), and checks the PTX with ptxas for the real targets (sm_80,
+sm_90), and that the training update has no fused multiply-add.
 
     python tools/gpu_ptx.py            # writes crates/embank-gpu/kernels/cache.ptx
     python tools/gpu_ptx.py --check    # fails if cache.ptx is not what cache.cu compiles to,
@@ -92,11 +93,24 @@ def check_targets(ptx: str) -> None:
                 print(f"gpu_ptx: {t}: {ln.strip()}")
 
 
+def check_rounding(ptx: str) -> None:
+    """The training update (train.cuh's embank_train_update) rounds each operation as the
+    store does: no fused multiply-add in it (a contraction changes the last bit)."""
+    body = re.search(r"\.entry embank_train_update\b.*?^}", ptx, flags=re.S | re.M)
+    if body is None:
+        raise SystemExit("gpu_ptx: no embank_train_update in the PTX")
+    fused = re.findall(r"\bfma\.\S+", body.group(0))
+    if fused:
+        raise SystemExit(f"gpu_ptx: embank_train_update fuses multiply-adds ({len(fused)}: {fused[0]})")
+    print("gpu_ptx: embank_train_update: no fused multiply-add")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare with the committed PTX, do not write it")
     args = ap.parse_args()
     ptx = compile_ptx()
+    check_rounding(ptx)
     out = KERNELS / "cache.ptx"
     if args.check:
         if not out.exists() or out.read_text() != ptx:

@@ -10,10 +10,13 @@ in the same run, Adagrad on the tables and SGD on the dense part:
 (b) ``host``: ``embank.torch.EmbeddingBagCollection`` over the tables (pulled and pooled
     on the host, the pooled rows sent up, their gradients down, updated on the host);
 (c) ``cache``: a ``TrainCache`` of ``--cache-fraction`` of each table's rows, updates on
-    the device, dirty rows written back when evicted.
+    the device, dirty rows written back when evicted: its finds, placements and updates
+    through the native kernels (``--kernels native``, the default where they run: CUDA,
+    or the CPU in a build with their emulator); ``cache_triton``: the same cache through
+    the Triton kernels and PyTorch operations (CUDA only).
 
-Reported: examples/s of each (median of ``--repeats`` timed windows), (c) against (a) and
-(b), the caches' hit rate beside the hit rate the planner's model predicts for a cache of
+Reported: examples/s of each (median of ``--repeats`` timed windows; ``train.json`` is
+rewritten after each way, so a run cut short keeps the ways done), (c) against (a) and (b), the caches' hit rate beside the hit rate the planner's model predicts for a cache of
 that size over the same Zipf (the share of draws falling on the most popular rows), the
 rows (c) wrote back, and the largest difference between (b)'s and (c)'s losses.
 
@@ -37,6 +40,7 @@ import embank.optim as eo
 import numpy as np
 import torch
 from embank import torch as et
+from embank import _gpu_train_native
 from embank.gpu import TrainCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dlrm"))
@@ -101,7 +105,8 @@ def run(kind: str, args: argparse.Namespace, device: torch.device, work: Path) -
             tables = et.EmbeddingBagCollection({t.name: t for t in ts}, push="backward")
         else:
             rows = max(1, int(args.rows * args.cache_fraction))
-            caches = [TrainCache(t, rows_max=rows, device=device) for t in ts]
+            kernels = "triton" if kind == "cache_triton" else args.kernels
+            caches = [TrainCache(t, rows_max=rows, device=device, kernels=kernels) for t in ts]
             tables = Bags([et.EmbeddingBag(c, "sum", push="backward") for c in caches])
     model = DLRM(tables, args.dim, [64, args.dim], [64, 32]).to(device)
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=LR_DENSE)
@@ -169,9 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed windows (the median is reported)")
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--cache-fraction", type=float, default=0.1)
-    p.add_argument("--ways", default="resident,host,cache")
+    p.add_argument("--ways", default="resident,host,cache,cache_triton")
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        help='the cache way\'s kernels: "native", "triton", "torch" (default: native where it runs, else torch)',
+    )
     p.add_argument("--small-run", action="store_true", help="a smoke test: tiny sizes")
     args = p.parse_args(argv)
+    if args.kernels == "auto":
+        args.kernels = "native" if _gpu_train_native.usable(torch.device(args.device)) else "torch"
     if args.small_run:
         args.rows, args.dim, args.batch, args.steps, args.warmup, args.repeats = 2000, 8, 64, 6, 2, 2
     if args.out is None:  # the stores in a directory removed at the end, the figures printed
@@ -187,6 +199,9 @@ def bench(args: argparse.Namespace, work: Path) -> int:
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
     for kind in args.ways.split(","):
+        if kind == "cache_triton" and device.type != "cuda":
+            print(f"{kind:>8}: skipped (the Triton kernels run on CUDA)", flush=True)
+            continue
         r = run(kind, args, device, work)
         result[kind] = {k: v for k, v in r.items() if k != "losses"}
         result[kind]["last_loss"] = r["losses"][-1]
@@ -200,13 +215,15 @@ def bench(args: argparse.Namespace, work: Path) -> int:
             },
             flush=True,
         )
+        (work / "train.json").write_text(json.dumps({k: v for k, v in result.items() if k != "_losses"}, indent=1))
     losses = result.pop("_losses")
-    if "cache" in result:
+    for cache in ("cache", "cache_triton"):
         for base in ("resident", "host"):
-            if base in result:
-                ratio = result["cache"]["examples_per_s"] / result[base]["examples_per_s"]
-                result[f"cache_over_{base}"] = ratio
-                print(f"cache / {base}: {ratio:.2f}x")
+            if cache in result and base in result:
+                ratio = result[cache]["examples_per_s"] / result[base]["examples_per_s"]
+                result[f"{cache}_over_{base}"] = ratio
+                print(f"{cache} / {base}: {ratio:.2f}x")
+    if "cache" in result:
         if "host" in losses:
             diff = float(np.max(np.abs(np.array(losses["cache"]) - np.array(losses["host"]))))
             result["largest_loss_difference_cache_host"] = diff

@@ -301,6 +301,8 @@ def test_the_training_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     r = json.loads((tmp_path / "train.json").read_text())
     assert r["largest_loss_difference_cache_host"] == 0.0
     assert 0 < r["cache"]["hit_rate"] < 1 and r["cache"]["written_back"] > 0
+    # The cache way runs the native kernels where they run (here: their emulator).
+    assert r["args"]["kernels"] == ("native" if EMULATOR else "torch")
 
 
 def test_from_configs_trains_through_caches_as_the_fused_collection(tmp_path: Path) -> None:
