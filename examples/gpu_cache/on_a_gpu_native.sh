@@ -2,8 +2,10 @@
 # The native GPU path's checks and measurements on a machine with an NVIDIA GPU, in one
 # call of about four minutes: the CUDA tests (the native path on CUDA and on the emulator
 # where the build has it; the Triton/PyTorch paths' tests too), then
-# examples/gpu_cache/native_bench.py at full size, then examples/gpu_cache/train_bench.py
-# (training through TrainCache). Each step has its own time limit.
+# examples/gpu_cache/native_bench.py at full size, then TrainCache's CUDA test (its native,
+# Triton and PyTorch paths alike) and examples/gpu_cache/train_bench.py (DLRM trained
+# through TrainCache: its native kernels, then its Triton ones). Each step has its own time
+# limit.
 #
 #   bash examples/gpu_cache/on_a_gpu_native.sh OUT_DIR [WORK_DIR]
 #
@@ -35,6 +37,10 @@ step native bench
 timeout "${BENCH_TIMEOUT:-330}" "$py" examples/gpu_cache/native_bench.py --out "$work" ${BENCH_ARGS:-} \
     2>&1 | tee "$out/bench.txt" | tail -150
 cp "$work/native.json" "$out/" 2>/dev/null
+
+step train tests
+timeout "${TRAIN_TESTS_TIMEOUT:-120}" "$py" -m pytest -q -p no:cacheprovider -rs -x -k cuda \
+    tests/python/test_gpu_train.py 2>&1 | tee "$out/pytest_train.txt" | tail -20
 
 step train bench
 timeout "${TRAIN_TIMEOUT:-240}" "$py" examples/gpu_cache/train_bench.py --out "$work/train" ${TRAIN_ARGS:-} \

@@ -31,7 +31,8 @@ initializer (``pull``), as a pull through the table creates it. Ids of a call th
 fit their bucket (more misses than the bucket has slots free for them) are answered
 from the table and updated straight through to it.
 
-**Updates** run on the device with PyTorch operations in the order of the store's own
+**Updates** run on the device (``kernels="native"``: one launch of a CUDA kernel,
+:mod:`embank._gpu_train_native`; else PyTorch operations) in the order of the store's own
 optimizer (``crates/embank-core/src/optim.rs``), in float32, with square roots, powers
 and divisions rounded as the host rounds them (PyTorch's vectorized ``sqrt`` and its
 division by a scalar through a reciprocal can be an ulp off): on the CPU every kind is
@@ -156,10 +157,14 @@ class TrainCache:
             a thread of the cache's, off the step's path; at most ``queue_rows_max``
             rows wait) or ``"inline"`` (before the step goes on).
         queue_rows_max: rows waiting for the background writer at most (default 1 Mi).
-        kernels: ``"triton"`` (the updates of the element-wise kinds in one Triton launch:
-            SGD, Adagrad, Adam, AdamW, FTRL; on the CPU under ``TRITON_INTERPRET=1``),
-            ``"torch"`` (PyTorch operations), or ``"auto"`` (default: Triton on CUDA when
-            it is installed). Both give the same bits.
+        kernels: ``"native"`` (a pull is two native calls, find and place, an update one
+            launch: the CUDA kernels of ``crates/embank-gpu/kernels/train.cuh``, launched
+            from Rust on the current stream; SGD, Adagrad, row-wise Adagrad, Adam, AdamW,
+            FTRL; on the CPU their emulator, in a test build), ``"triton"`` (the updates of
+            the element-wise kinds in one Triton launch: SGD, Adagrad, Adam, AdamW, FTRL;
+            on the CPU under ``TRITON_INTERPRET=1``), ``"torch"`` (PyTorch operations), or
+            ``"auto"`` (default: Triton on CUDA when it is installed; the native kernels
+            have not run on a GPU yet). All give the same bits and place rows alike.
         write: ``"back"`` (default: one trainer owns the table's rows; dirty rows go back
             when evicted or flushed) or ``"through"`` (each update also pushed to the
             table: many trainers, see the module's text).
