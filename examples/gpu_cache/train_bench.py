@@ -16,7 +16,8 @@ in the same run, Adagrad on the tables and SGD on the dense part:
     the Triton kernels and PyTorch operations (CUDA only).
 
 Reported: examples/s of each (median of ``--repeats`` timed windows; ``train.json`` is
-rewritten after each way, so a run cut short keeps the ways done), (c) against (a) and (b), the caches' hit rate beside the hit rate the planner's model predicts for a cache of
+rewritten after each way, so a run cut short keeps the ways done), (c) against (a) and
+(b), the caches' hit rate beside the hit rate the planner's model predicts for a cache of
 that size over the same Zipf (the share of draws falling on the most popular rows), the
 rows (c) wrote back, and the largest difference between (b)'s and (c)'s losses.
 
@@ -39,8 +40,8 @@ import embank.datasets as ds
 import embank.optim as eo
 import numpy as np
 import torch
-from embank import torch as et
 from embank import _gpu_train_native
+from embank import torch as et
 from embank.gpu import TrainCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dlrm"))
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kernels",
         default="auto",
-        help='the cache way\'s kernels: "native", "triton", "torch" (default: native where it runs, else torch)',
+        help='the cache way\'s kernels: "native", "triton", "torch" (default: native where it runs)',
     )
     p.add_argument("--small-run", action="store_true", help="a smoke test: tiny sizes")
     args = p.parse_args(argv)
@@ -215,7 +216,9 @@ def bench(args: argparse.Namespace, work: Path) -> int:
             },
             flush=True,
         )
-        (work / "train.json").write_text(json.dumps({k: v for k, v in result.items() if k != "_losses"}, indent=1))
+        (work / "train.json").write_text(
+            json.dumps({k: v for k, v in result.items() if k != "_losses"}, indent=1)
+        )
     losses = result.pop("_losses")
     for cache in ("cache", "cache_triton"):
         for base in ("resident", "host"):
