@@ -164,6 +164,37 @@ def test_between_write_backs_the_table_keeps_the_rows_of_the_last(tmp_path: Path
     s.close()
 
 
+@NEEDS_EMULATOR
+def test_native_kernels_refuse_what_they_do_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels="native": a table-step optimizer and a build without the kernels' emulator
+    (on the CPU) are refused by name; bad input is refused before any kernel runs, with
+    nothing changed."""
+    s = embank.open(str(tmp_path / "s"))
+    lamb = s.create_table("lamb", dim=DIM, optimizer=eo.PartialRowWiseLamb(lr=0.01))
+    with pytest.raises(InvalidInputError, match="partial_rowwise_lamb.*needs"):
+        gpu.TrainCache(lamb, rows_max=8, device="cpu", kernels="native")
+    t = s.create_table("emb", dim=DIM, optimizer=eo.SGD(lr=1.0))
+    t.push([1], np.ones((1, DIM), np.float32))
+    cache = gpu.TrainCache(t, rows_max=8, device="cpu", kernels="native")
+    cache.push_grad(torch.tensor([1]), torch.ones(1, DIM))
+    with pytest.raises(InvalidInputError, match="not finite"):
+        cache.push_grad(torch.tensor([1]), torch.full((1, DIM), float("inf")))
+    with pytest.raises(InvalidInputError, match="shape"):
+        cache.push_grad(torch.tensor([1, 2]), torch.ones(1, DIM))
+    with pytest.raises(InvalidInputError, match="non-negative"):
+        cache.pull(torch.tensor([-3]))
+    assert cache.pull(torch.tensor([1]))[0].tolist() == [0.0] * DIM
+    assert cache.stats()["updates"] == 1
+    cache.close()
+    assert t.pull([1])[0].tolist() == [0.0] * DIM
+    monkeypatch.setattr(embank._native, "gpu_emulator", lambda: False)
+    with pytest.raises(InvalidInputError, match="gpu-emulator"):
+        gpu.TrainCache(t, rows_max=8, device="cpu", kernels="native")
+    with pytest.raises(InvalidInputError, match='"native", "triton"'):
+        gpu.TrainCache(t, rows_max=8, device="cpu", kernels="cuda")
+    s.close()
+
+
 _TRAIN = textwrap.dedent(
     """
     import sys
@@ -437,7 +468,8 @@ def test_on_cuda_the_compiled_update_is_the_pytorch_path(tmp_path: Path) -> None
     _kernels_agree(tmp_path, "cuda")
 
 
-def test_two_threads_train_through_one_cache(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("native", marks=NEEDS_EMULATOR)])
+def test_two_threads_train_through_one_cache(tmp_path: Path, kernels: str) -> None:
     """Two trainers share a cache (and so its buckets, evictions and writer), each on its
     own keys: every key ends as a reference trained by its thread's steps alone."""
     import threading
@@ -446,7 +478,7 @@ def test_two_threads_train_through_one_cache(tmp_path: Path) -> None:
     s = embank.open(str(tmp_path / "s"))
     t = s.create_table("emb", dim=DIM, optimizer=opt)
     ref = s.create_table("ref", dim=DIM, optimizer=opt)
-    cache = gpu.TrainCache(t, rows_max=32, slots=8, device="cpu")
+    cache = gpu.TrainCache(t, rows_max=32, slots=8, device="cpu", kernels=kernels)
     errors: list[BaseException] = []
 
     def trainer(offset: int) -> None:

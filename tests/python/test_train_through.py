@@ -46,12 +46,23 @@ def _cached_equal_table(cache: Any, table: embank.Table, what: str) -> int:
     return int(keys.size)
 
 
-@pytest.mark.parametrize("kind", list(OPTIMIZERS))
-def test_a_write_through_cache_trains_as_the_table_and_equals_it_each_step(tmp_path: Path, kind: str) -> None:
+# The native kernels on the CPU: their emulator, in a test build (make test builds it).
+NEEDS_EMULATOR = pytest.mark.skipif(not embank._native.gpu_emulator(), reason="a build without the emulator")
+
+
+@pytest.mark.parametrize(
+    ("kind", "kernels"),
+    [(k, "torch") for k in OPTIMIZERS] + [pytest.param(k, "native", marks=NEEDS_EMULATOR) for k in ("sgd", "adam")],
+)
+def test_a_write_through_cache_trains_as_the_table_and_equals_it_each_step(
+    tmp_path: Path, kind: str, kernels: str
+) -> None:
     stores = {name: embank.open(str(tmp_path / name)) for name in ("cached", "reference")}
     tables = {name: s.create_table("emb", dim=DIM, optimizer=OPTIMIZERS[kind]) for name, s in stores.items()}
     # Small buckets: evictions every step, and more misses than a bucket holds now and then.
-    cache = gpu.TrainCache(tables["cached"], rows_max=48, slots=8, device="cpu", write="through")
+    cache = gpu.TrainCache(
+        tables["cached"], rows_max=48, slots=8, device="cpu", write="through", kernels=kernels
+    )
     rng = np.random.default_rng(5)
     checked = 0
     for step in range(1, 41):
@@ -129,19 +140,23 @@ def test_two_ranks_through_their_caches_train_the_table_as_through_the_table(
     addrs = shards.start(tmp_path, 2, fresh=True)
     try:
         out = {}
-        for cached in (False, True):
-            name = "cached" if cached else "plain"
-            cmd = [str(TORCHRUN), "--nproc_per_node", "2", "--master_port", str(29600 + cached)]
+        # Through the table, through caches of PyTorch operations, and (in a test build)
+        # through caches of the native kernels.
+        runs = ["plain", "torch"] + (["native"] if embank._native.gpu_emulator() else [])
+        for i, name in enumerate(runs):
+            cmd = [str(TORCHRUN), "--nproc_per_node", "2", "--master_port", str(29600 + i)]
             cmd += [str(ROOT / "tests" / "python" / "train_through_child.py"), "--addrs", ",".join(addrs)]
             cmd += ["--table", name, "--out", str(tmp_path / f"{name}.npy")]
-            cmd += ["--cached"] if cached else []
+            cmd += ["--cached", "--kernels", name] if name != "plain" else []
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_plain_env())
             assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
             out[name] = (np.load(tmp_path / f"{name}.npy"), r.stdout + r.stderr)
-        assert "cached rows checked" in out["cached"][1], out["cached"][1][-2000:]
-        plain, cached = out["plain"][0], out["cached"][0]
-        assert np.array_equal(np.isnan(plain), np.isnan(cached))
-        same = np.array_equal(plain[~np.isnan(plain)], cached[~np.isnan(cached)])
-        assert same, np.nanmax(np.abs(plain - cached))
+        plain = out["plain"][0]
+        for name in runs[1:]:
+            assert "cached rows checked" in out[name][1], out[name][1][-2000:]
+            cached = out[name][0]
+            assert np.array_equal(np.isnan(plain), np.isnan(cached)), name
+            same = np.array_equal(plain[~np.isnan(plain)], cached[~np.isnan(cached)])
+            assert same, (name, np.nanmax(np.abs(plain - cached)))
     finally:
         shards.stop(tmp_path)

@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--table", required=True)
     ap.add_argument("--optimizer", default="adagrad")
     ap.add_argument("--cached", action="store_true")
+    ap.add_argument("--kernels", default="torch", help="the caches' kernels")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dist.init_process_group("gloo")
@@ -37,7 +38,11 @@ def main() -> None:
     dist.barrier()
     table = store.table(a.table)
     # Small buckets: rows evicted and read again every step.
-    cache = gpu.TrainCache(table, rows_max=48, slots=8, device="cpu", write="through") if a.cached else None
+    cache = (
+        gpu.TrainCache(table, rows_max=48, slots=8, device="cpu", write="through", kernels=a.kernels)
+        if a.cached
+        else None
+    )
     bag = et.EmbeddingBag(cache if cache is not None else table, mode="sum")
     sparse = et.SparseOptimizer(bag, distributed=True)
     w = torch.linspace(-1.0, 1.0, DIM)
