@@ -171,7 +171,7 @@ def test_native_kernels_refuse_what_they_do_not_run(tmp_path: Path, monkeypatch:
     nothing changed."""
     s = embank.open(str(tmp_path / "s"))
     lamb = s.create_table("lamb", dim=DIM, optimizer=eo.PartialRowWiseLamb(lr=0.01))
-    with pytest.raises(InvalidInputError, match="partial_rowwise_lamb.*needs"):
+    with pytest.raises(InvalidInputError, match=r"partial_rowwise_lamb.*needs"):
         gpu.TrainCache(lamb, rows_max=8, device="cpu", kernels="native")
     t = s.create_table("emb", dim=DIM, optimizer=eo.SGD(lr=1.0))
     t.push([1], np.ones((1, DIM), np.float32))

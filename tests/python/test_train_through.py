@@ -52,7 +52,8 @@ NEEDS_EMULATOR = pytest.mark.skipif(not embank._native.gpu_emulator(), reason="a
 
 @pytest.mark.parametrize(
     ("kind", "kernels"),
-    [(k, "torch") for k in OPTIMIZERS] + [pytest.param(k, "native", marks=NEEDS_EMULATOR) for k in ("sgd", "adam")],
+    [(k, "torch") for k in OPTIMIZERS]
+    + [pytest.param(k, "native", marks=NEEDS_EMULATOR) for k in ("sgd", "adam")],
 )
 def test_a_write_through_cache_trains_as_the_table_and_equals_it_each_step(
     tmp_path: Path, kind: str, kernels: str
