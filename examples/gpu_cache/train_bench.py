@@ -19,7 +19,8 @@ Reported: examples/s of each (median of ``--repeats`` timed windows; ``train.jso
 rewritten after each way, so a run cut short keeps the ways done), (c) against (a) and
 (b), the caches' hit rate beside the hit rate the planner's model predicts for a cache of
 that size over the same Zipf (the share of draws falling on the most popular rows), the
-rows (c) wrote back, and the largest difference between (b)'s and (c)'s losses.
+rows (c) wrote back, the largest difference between (b)'s and (c)'s losses, and each way's
+AUC over held-out batches (the same for every way; goal: (c) within 0.001 of (b)).
 
 ``python examples/gpu_cache/train_bench.py --out W`` (CUDA; ``W/train.json``); on the CPU
 ``--device cpu --small-run`` is a smoke test (``make test`` runs it).
@@ -45,7 +46,7 @@ from embank import torch as et
 from embank.gpu import TrainCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dlrm"))
-from model import DLRM
+from model import DLRM, auc
 
 LR_TABLES, LR_DENSE = 0.05, 0.1
 
@@ -59,7 +60,10 @@ def batch(rng: np.random.Generator, n: int, rows: int, cdf: np.ndarray) -> tuple
     draw = np.minimum(np.searchsorted(cdf, rng.random((n, ds.NUM_SPARSE))), rows - 1)
     sparse = (draw * 2654435761) % rows  # popular ids scattered over the table
     dense = rng.standard_normal((n, ds.NUM_DENSE)).astype(np.float32)
-    labels = (rng.random(n) < 1 / (1 + np.exp(-dense[:, 0] - 0.001 * (draw[:, 0] % 7)))).astype(np.float32)
+    # The label leans on the first dense feature and on the first table's id (a learned
+    # sign a row), so the AUC measures the tables' training too.
+    sign = np.where((draw[:, 0] * 40503 >> 4) & 1, 1.0, -1.0)
+    labels = (rng.random(n) < 1 / (1 + np.exp(-dense[:, 0] - 0.8 * sign))).astype(np.float32)
     return torch.from_numpy(dense), torch.from_numpy(sparse.astype(np.int64)), torch.from_numpy(labels)
 
 
@@ -143,6 +147,7 @@ def run(kind: str, args: argparse.Namespace, device: torch.device, work: Path) -
         "examples_per_s": float(np.median(windows)),
         "windows": windows,
         "losses": [float(x) for x in losses],
+        "auc": evaluate(model, args, device, cdf),
     }
     if caches:
         st = [c.stats() for c in caches]
@@ -163,6 +168,20 @@ def run(kind: str, args: argparse.Namespace, device: torch.device, work: Path) -
     return out
 
 
+def evaluate(model: torch.nn.Module, args: argparse.Namespace, device: torch.device, cdf: np.ndarray) -> float:
+    """AUC over ``--eval-batches`` held-out batches (the same for every way), in eval mode."""
+    model.eval()
+    rng = np.random.default_rng(99)
+    scores, labels = [], []
+    with torch.no_grad():
+        for _ in range(args.eval_batches):
+            dense, sparse, y = (x.to(device) for x in batch(rng, args.batch, args.rows, cdf))
+            scores.append(torch.sigmoid(model(dense, sparse)).cpu().numpy())
+            labels.append(y.cpu().numpy())
+    model.train()
+    return auc(np.concatenate(labels), np.concatenate(scores))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="directory for train.json and the stores")
@@ -175,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed windows (the median is reported)")
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--cache-fraction", type=float, default=0.1)
+    p.add_argument("--eval-batches", type=int, default=20, help="held-out batches for the AUC")
     p.add_argument("--ways", default="resident,host,cache,cache_triton")
     p.add_argument(
         "--kernels",
@@ -187,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         args.kernels = "native" if _gpu_train_native.usable(torch.device(args.device)) else "torch"
     if args.small_run:
         args.rows, args.dim, args.batch, args.steps, args.warmup, args.repeats = 2000, 8, 64, 6, 2, 2
+        args.eval_batches = 2
     if args.out is None:  # the stores in a directory removed at the end, the figures printed
         with tempfile.TemporaryDirectory(prefix="embank-train-bench-") as tmp:
             return bench(args, Path(tmp))
@@ -212,7 +233,7 @@ def bench(args: argparse.Namespace, work: Path) -> int:
             {
                 k: v
                 for k, v in r.items()
-                if k in ("hit_rate", "hit_rate_model", "written_back", "overflow", "flush_s")
+                if k in ("auc", "hit_rate", "hit_rate_model", "written_back", "overflow", "flush_s")
             },
             flush=True,
         )
@@ -230,7 +251,9 @@ def bench(args: argparse.Namespace, work: Path) -> int:
         if "host" in losses:
             diff = float(np.max(np.abs(np.array(losses["cache"]) - np.array(losses["host"]))))
             result["largest_loss_difference_cache_host"] = diff
+            result["auc_difference_cache_host"] = abs(result["cache"]["auc"] - result["host"]["auc"])
             print(f"largest loss difference, cache against host: {diff:.3g}")
+            print(f"AUC difference, cache against host: {result['auc_difference_cache_host']:.2g}")
     (work / "train.json").write_text(json.dumps(result, indent=1))
     return 0
 
