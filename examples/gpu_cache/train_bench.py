@@ -168,7 +168,9 @@ def run(kind: str, args: argparse.Namespace, device: torch.device, work: Path) -
     return out
 
 
-def evaluate(model: torch.nn.Module, args: argparse.Namespace, device: torch.device, cdf: np.ndarray) -> float:
+def evaluate(
+    model: torch.nn.Module, args: argparse.Namespace, device: torch.device, cdf: np.ndarray
+) -> float:
     """AUC over ``--eval-batches`` held-out batches (the same for every way), in eval mode."""
     model.eval()
     rng = np.random.default_rng(99)
