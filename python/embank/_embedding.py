@@ -36,6 +36,10 @@ class _Lookup(torch.nn.Module):
             # Eval-mode lookups answered on the cache's device (see embank.gpu).
             self.cache, source = source, source.table
         if isinstance(source, TrainCache):
+            if len(source.tables) > 1:
+                raise InvalidInputError(
+                    "a module pulls one table: a TrainCache over several is pulled by keys_of(table, ids)"
+                )
             self.trainer, source = source, source.table
         if push not in ("step", "backward"):
             raise InvalidInputError(f'push must be "step" or "backward", got {push!r}')

@@ -25,6 +25,8 @@ import torch
 
 from . import _gpu_train_native
 from ._gpu_buckets import EMPTY, key_hash
+from ._gpu_writer import split_keys
+from .errors import InvalidInputError
 
 if TYPE_CHECKING:
     from ._gpu_train import TrainCache
@@ -36,7 +38,8 @@ def push_through(cache: TrainCache, uniq: torch.Tensor, summed: torch.Tensor, st
     closed, a full disk) leaves the cache as the table."""
     keys = uniq.to("cpu").numpy().astype(np.uint64)
     grads = np.ascontiguousarray(summed.detach().to("cpu", torch.float32).numpy())
-    cache.table.push_grad(keys, grads, step)
+    for table, at, ids in split_keys(cache.tables, keys):
+        table.push_grad(ids, grads if at is None else np.ascontiguousarray(grads[at]), step)
 
 
 def apply_global(
@@ -49,6 +52,8 @@ def apply_global(
     """One step of ``SparseOptimizer(distributed=True)`` for this rank's cache: ``keys``
     and ``grads`` are every rank's (averaged, duplicates not summed yet), ``own`` marks
     the keys this rank pushes to the table. Returns the keys pushed."""
+    if len(cache.tables) > 1:
+        raise InvalidInputError("SparseOptimizer(distributed=True) takes caches of one table")
     with cache._lock:
         cache._check_open()
         cache._apply_gathered()

@@ -78,7 +78,7 @@ import torch
 
 from . import _gpu_shared, _gpu_train_native
 from ._gpu_buckets import EMPTY, _triton_usable, key_hash
-from ._gpu_writer import _Writer
+from ._gpu_writer import TABLE_SHIFT, _Writer, split_keys
 from ._table import Table
 from .errors import InvalidInputError
 
@@ -122,6 +122,38 @@ def _pow(base: float, t: torch.Tensor) -> torch.Tensor:
     return torch.pow(torch.tensor(base, dtype=torch.float64, device=t.device), t.double()).float()
 
 
+def _tables_of(table: Any) -> list[Table]:
+    """The table, or the tables, a cache is over: each with an optimizer; several share
+    their dim, optimizer and store."""
+    tables = list(table) if isinstance(table, (list, tuple)) else [table]
+    if not tables:
+        raise InvalidInputError("a TrainCache needs a table")
+    for t in tables:
+        if not isinstance(t, Table):
+            raise InvalidInputError(f"TrainCache caches embank Tables, got {type(t).__name__}")
+        if t.optimizer is None:
+            raise InvalidInputError(
+                f"table {t.name!r} has no optimizer: a TrainCache applies the table's optimizer "
+                "on the device (create the table with optimizer=...)"
+            )
+    first = tables[0]
+    for t in tables[1:]:
+        if (t.dim, t.optimizer) != (first.dim, first.optimizer):
+            raise InvalidInputError(
+                f"a TrainCache over several tables needs one dim and optimizer: {first.name!r} has "
+                f"{first.dim}, {first.optimizer}; {t.name!r} has {t.dim}, {t.optimizer}"
+            )
+        if (t._owner is None) != (first._owner is None) or (
+            t._owner is not None and first._owner is not None and t._owner() is not first._owner()
+        ):
+            raise InvalidInputError("a TrainCache over several tables needs them from one store")
+    if len({t.name for t in tables}) != len(tables):
+        raise InvalidInputError("a TrainCache over several tables needs them distinct")
+    if len(tables) > 1 << (63 - TABLE_SHIFT):
+        raise InvalidInputError(f"a TrainCache holds at most {1 << (63 - TABLE_SHIFT)} tables")
+    return tables
+
+
 def _keys_tensor(keys: Any, device: torch.device) -> torch.Tensor:
     if isinstance(keys, torch.Tensor):
         if keys.dtype not in (torch.int64, torch.int32):
@@ -145,7 +177,10 @@ class TrainCache:
 
     Args:
         table: an embank :class:`~embank.Table` with an optimizer (embedded or remote;
-            a remote one's primaries answer ``lookup_with_state``).
+            a remote one's primaries answer ``lookup_with_state``), or a list of tables
+            of one dim, optimizer and store: one cache for all of them (a step's rows of
+            every table found, placed and updated in one call each), keyed by
+            :meth:`keys_of`.
         rows_max: rows the cache holds at most (rounded down to whole buckets), or
         bytes_max: device bytes for the cache instead: rows and state (``4 * (dim +
             state_len)`` a row) and 17 bytes of bookkeeping a row.
@@ -187,17 +222,13 @@ class TrainCache:
         write: str = "back",
         refresh_every: int | None = None,
     ) -> None:
-        if not isinstance(table, Table):
-            raise InvalidInputError(f"TrainCache caches an embank Table, got {type(table).__name__}")
+        tables = _tables_of(table)
+        table = tables[0]
         opt = table.optimizer
-        if opt is None:
-            raise InvalidInputError(
-                f"table {table.name!r} has no optimizer: a TrainCache applies the table's optimizer "
-                "on the device (create the table with optimizer=...)"
-            )
+        assert opt is not None
         if opt["kind"] not in _KINDS:
             raise InvalidInputError(f"optimizer {opt['kind']!r} is not applied on the device yet")
-        self.table = table
+        self.table, self.tables = table, tables
         self.dim = table.dim
         self.state_len = table.state_len
         self.width = self.dim + self.state_len
@@ -225,7 +256,7 @@ class TrainCache:
         if refresh_every is not None and (write != "through" or refresh_every < 1):
             raise InvalidInputError('refresh_every needs write="through" and must be >= 1')
         self.write, self.refresh_every, self._steps_since_refresh = write, refresh_every, 0
-        self._writer = _Writer(table, write_back == "background", queue_rows_max)
+        self._writer = _Writer(tables, write_back == "background", queue_rows_max)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if kernels == "auto":
             kernels = "triton" if dev.type == "cuda" and _triton_usable(dev) else "torch"
@@ -250,7 +281,7 @@ class TrainCache:
         # add_grad's gradients of one step: (step, ids, grads), applied as one update.
         self._gathered: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._opt = {k: (_f32(v) if isinstance(v, float) else v) for k, v in opt.items()}
-        self._step = table.optimizer_step
+        self._step = max(t.optimizer_step for t in tables)
         self._step_written = self._step
         self._steps_since_flush = 0
         self._lock = threading.RLock()
@@ -498,9 +529,31 @@ class TrainCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def keys_of(self, table: int | str | Table, ids: Any) -> torch.Tensor:
+        """The cache's keys of ``ids`` of ``table`` (its index in the tables, its name, or
+        the Table): for a cache over several tables, ``(index << 48) | id`` (ids below
+        2**48), what its pulls and updates take; for one table, the ids. An int64 tensor
+        on the cache's device."""
+        if isinstance(table, Table):
+            names = [t.name for t in self.tables]
+            index = names.index(table.name) if table.name in names else -1
+        elif isinstance(table, str):
+            index = next((i for i, t in enumerate(self.tables) if t.name == table), -1)
+        else:
+            index = int(table) if 0 <= int(table) < len(self.tables) else -1
+        if index < 0:
+            raise InvalidInputError(f"table {table!r} is not one of this cache's")
+        k = _keys_tensor(ids, self.device)
+        if len(self.tables) == 1:
+            return k
+        if k.numel() and int(k.max()) >> TABLE_SHIFT:
+            raise InvalidInputError(f"ids of a cache over several tables must be below 2**{TABLE_SHIFT}")
+        return k | (index << TABLE_SHIFT)
+
     def __repr__(self) -> str:
+        names = ", ".join(repr(t.name) for t in self.tables)
         return (
-            f"TrainCache(table={self.table.name!r}, rows_max={self.rows_max}, slots={self.slots}, "
+            f"TrainCache(table{'s' if len(self.tables) > 1 else ''}={names}, rows_max={self.rows_max}, slots={self.slots}, "
             f"device={str(self.device)!r}, optimizer={self._opt['kind']!r}, write={self.write!r})"
         )
 
@@ -521,7 +574,8 @@ class TrainCache:
         self._writer.drain()  # after the evictions queued before them
         if self._step > self._step_written and self._opt["kind"] in _TABLE_STEP:
             # The table's step is the cache's: a checkpoint records it.
-            self.table.push_grad(np.empty(0, np.uint64), np.empty((0, self.dim), np.float32), self._step)
+            for t in self.tables:
+                t.push_grad(np.empty(0, np.uint64), np.empty((0, self.dim), np.float32), self._step)
         self._step_written = self._step
         self._steps_since_flush = 0
         self._stats["flushes"] += 1
@@ -543,15 +597,28 @@ class TrainCache:
 
     def _fetch_np(self, k: npt.NDArray[np.uint64]) -> npt.NDArray[np.float32]:
         """Records of ``k`` from the table; rows it does not hold are created there."""
+        if len(self.tables) > 1 and k.size and int(k.max()) >> TABLE_SHIFT >= len(self.tables):
+            bad = int(k.max())
+            raise InvalidInputError(
+                f"id {bad} names no table of this cache (table index {bad >> TABLE_SHIFT} of "
+                f"{len(self.tables)}): a cache over several tables takes keys_of(table, ids)"
+            )
         queued, rows = self._writer.take(k)
-        records, found = self.table.lookup_with_state(k)
-        if rows is not None:
-            records[queued] = rows[queued]
-            found |= queued
-        if not found.all():
-            missing = ~found
-            records[missing, : self.dim] = self.table.pull(k[missing])
-            self._stats["created"] += int(missing.sum())
+        records = np.empty((k.size, self.width), dtype=np.float32)
+        for table, at, ids in split_keys(self.tables, k):
+            got, found = table.lookup_with_state(ids)
+            if rows is not None:
+                q = queued if at is None else queued[at]
+                got[q] = (rows if at is None else rows[at])[q]
+                found |= q
+            if not found.all():
+                missing = ~found
+                got[missing, : self.dim] = table.pull(ids[missing])
+                self._stats["created"] += int(missing.sum())
+            if at is None:
+                records = got
+            else:
+                records[at] = got
         return np.ascontiguousarray(records, dtype=np.float32)
 
     def _resident(self, uniq: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:

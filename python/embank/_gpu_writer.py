@@ -11,7 +11,26 @@ import numpy.typing as npt
 from ._table import Table
 from .errors import InvalidInputError
 
-__all__ = ["_Writer"]
+__all__ = ["_Writer", "split_keys", "TABLE_SHIFT"]
+
+# A cache over several tables keys each row by (its table's index << TABLE_SHIFT) | id.
+TABLE_SHIFT = 48
+
+
+def split_keys(
+    tables: list[Table], keys: npt.NDArray[np.uint64]
+) -> list[tuple[Table, npt.NDArray[np.intp] | None, npt.NDArray[np.uint64]]]:
+    """``keys`` of a cache over ``tables`` as ``(table, positions, ids)`` a table (for one
+    table: every key, positions None)."""
+    if len(tables) == 1:
+        return [(tables[0], None, keys)] if keys.size else []
+    index = keys >> np.uint64(TABLE_SHIFT)
+    out = []
+    for i in np.unique(index):
+        at = np.nonzero(index == i)[0]
+        ids = np.ascontiguousarray(keys[at] & np.uint64((1 << TABLE_SHIFT) - 1))
+        out.append((tables[int(i)], at, ids))
+    return out
 
 
 class _Writer:
@@ -20,8 +39,8 @@ class _Writer:
     the queue once written, so a read of the table never misses a row in flight:
     :meth:`TrainCache._fetch` reads the queue first (the newest copy of a key wins)."""
 
-    def __init__(self, table: Table, background: bool, rows_max: int) -> None:
-        self.table = table
+    def __init__(self, tables: list[Table], background: bool, rows_max: int) -> None:
+        self.tables = tables  # a cache over several: keys carry their table's index
         self.background = background
         self.rows_max = rows_max  # rows queued at most: an eviction waits beyond it
         self.queue: list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]] = []
@@ -34,7 +53,7 @@ class _Writer:
 
     def put(self, keys: npt.NDArray[np.uint64], records: npt.NDArray[np.float32]) -> None:
         if not self.background:
-            self.table.push_with_state(keys, records)
+            self.write(keys, records)
             self.written += int(keys.size)
             return
         with self.cond:
@@ -58,7 +77,7 @@ class _Writer:
                     return
                 keys, records = self.queue[0]
             try:
-                self.table.push_with_state(keys, records)
+                self.write(keys, records)
             except BaseException as e:  # handed to the trainer's next call
                 with self.cond:
                     self.error = e
@@ -69,6 +88,11 @@ class _Writer:
                 self.queued -= int(keys.size)
                 self.written += int(keys.size)
                 self.cond.notify_all()
+
+    def write(self, keys: npt.NDArray[np.uint64], records: npt.NDArray[np.float32]) -> None:
+        """Writes rows to their tables (split by the tables' indexes in the keys)."""
+        for table, at, ids in split_keys(self.tables, keys):
+            table.push_with_state(ids, records if at is None else np.ascontiguousarray(records[at]))
 
     def drain(self) -> None:
         """Waits until every queued row is in the table."""
@@ -87,7 +111,7 @@ class _Writer:
     def raise_error(self) -> None:
         if self.error is not None:
             raise InvalidInputError(
-                f"writing rows back to table {self.table.name!r} failed: {self.error}"
+                f"writing rows back to table {', '.join(repr(t.name) for t in self.tables)} failed: {self.error}"
             ) from self.error
 
     def take(

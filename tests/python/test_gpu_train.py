@@ -21,6 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from embank import gpu  # noqa: E402
+from embank import torch as et  # noqa: E402
 from embank.errors import InvalidInputError  # noqa: E402
 
 DIM = 8
@@ -162,6 +163,52 @@ def test_between_write_backs_the_table_keeps_the_rows_of_the_last(tmp_path: Path
     assert by_bytes.rows_max > 0 and by_bytes.rows_max * (4 * DIM + 17) <= 1 << 20
     by_bytes.close()
     s.close()
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("native", marks=NEEDS_EMULATOR)])
+def test_one_cache_over_several_tables_trains_each_as_alone(tmp_path: Path, kernels: str) -> None:
+    """A TrainCache over three tables (one dim, optimizer, store), keyed by keys_of: the
+    same ids in every table are distinct rows; each table ends as a reference trained by
+    its own pushes; evicted rows go back to their own tables."""
+    opt = OPTIMIZERS["adam"]
+    s, r = embank.open(str(tmp_path / "s")), embank.open(str(tmp_path / "r"))
+    tables = [s.create_table(f"t{i}", dim=DIM, optimizer=opt) for i in range(3)]
+    refs = [r.create_table(f"t{i}", dim=DIM, optimizer=opt) for i in range(3)]
+    cache = gpu.TrainCache(tables, rows_max=48, slots=8, device="cpu", kernels=kernels)
+    rng = np.random.default_rng(3)
+    for step in range(1, 31):
+        ids = [_batch(rng, 40) for _ in tables]
+        keys = torch.cat([cache.keys_of(i, torch.from_numpy(x)) for i, x in enumerate(ids)])
+        want = np.concatenate([t.pull(x.astype(np.uint64)) for t, x in zip(refs, ids)])
+        np.testing.assert_array_equal(cache.pull(keys).numpy(), want, err_msg=f"step {step}")
+        grads = rng.standard_normal((len(keys), DIM)).astype(np.float32)
+        cache.push_grad(keys, torch.from_numpy(grads), step)
+        for t, x, g in zip(refs, ids, np.split(grads, 3)):
+            t.push_grad(x.astype(np.uint64), g, step)
+        if step % 10 == 0:
+            cache.checkpoint(step)
+            for a, b in zip(tables, refs):
+                _assert_same(_records(a), _records(b), True, f"{a.name}, checkpoint {step}")
+    st = cache.stats()
+    assert st["evicted"] > 0 and st["written_back"] > 0 and st["overflow"] > 0, st
+    assert "tables='t0', 't1', 't2'" in repr(cache)
+    # Keys naming no table, ids too large, a table not the cache's: refused.
+    with pytest.raises(InvalidInputError, match="names no table"):
+        cache.pull(torch.tensor([3 << 48]))
+    with pytest.raises(InvalidInputError, match="below 2"):
+        cache.keys_of(1, torch.tensor([1 << 48]))
+    with pytest.raises(InvalidInputError, match="not one of"):
+        cache.keys_of("t9", torch.tensor([1]))
+    with pytest.raises(InvalidInputError, match="pulls one table"):
+        et.EmbeddingBag(cache)
+    cache.close()
+    other = s.create_table("wide", dim=DIM + 1, optimizer=opt)
+    with pytest.raises(InvalidInputError, match="one dim and optimizer"):
+        gpu.TrainCache([tables[0], other], rows_max=8, device="cpu")
+    with pytest.raises(InvalidInputError, match="one store"):
+        gpu.TrainCache([tables[0], refs[1]], rows_max=8, device="cpu")
+    s.close()
+    r.close()
 
 
 @NEEDS_EMULATOR
