@@ -547,13 +547,14 @@ class TrainCache:
         if len(self.tables) == 1:
             return k
         if k.numel() and int(k.max()) >> TABLE_SHIFT:
-            raise InvalidInputError(f"ids of a cache over several tables must be below 2**{TABLE_SHIFT}")
+            raise InvalidInputError(f"ids of a cache over several tables are below 2**{TABLE_SHIFT}")
         return k | (index << TABLE_SHIFT)
 
     def __repr__(self) -> str:
         names = ", ".join(repr(t.name) for t in self.tables)
         return (
-            f"TrainCache(table{'s' if len(self.tables) > 1 else ''}={names}, rows_max={self.rows_max}, slots={self.slots}, "
+            f"TrainCache(table{'s' if len(self.tables) > 1 else ''}={names}, rows_max={self.rows_max}, "
+            f"slots={self.slots}, "
             f"device={str(self.device)!r}, optimizer={self._opt['kind']!r}, write={self.write!r})"
         )
 

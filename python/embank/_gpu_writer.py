@@ -11,7 +11,7 @@ import numpy.typing as npt
 from ._table import Table
 from .errors import InvalidInputError
 
-__all__ = ["_Writer", "split_keys", "TABLE_SHIFT"]
+__all__ = ["TABLE_SHIFT", "_Writer", "split_keys"]
 
 # A cache over several tables keys each row by (its table's index << TABLE_SHIFT) | id.
 TABLE_SHIFT = 48
@@ -111,7 +111,7 @@ class _Writer:
     def raise_error(self) -> None:
         if self.error is not None:
             raise InvalidInputError(
-                f"writing rows back to table {', '.join(repr(t.name) for t in self.tables)} failed: {self.error}"
+                f"writing rows back to {', '.join(repr(t.name) for t in self.tables)} failed: {self.error}"
             ) from self.error
 
     def take(
