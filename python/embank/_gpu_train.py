@@ -209,7 +209,7 @@ class TrainCache:
 
     def __init__(
         self,
-        table: Table,
+        table: Table | list[Table],
         rows_max: int | None = None,
         *,
         bytes_max: int | None = None,
@@ -605,7 +605,7 @@ class TrainCache:
                 f"{len(self.tables)}): a cache over several tables takes keys_of(table, ids)"
             )
         queued, rows = self._writer.take(k)
-        records = np.empty((k.size, self.width), dtype=np.float32)
+        records: npt.NDArray[np.float32] = np.empty((k.size, self.width), dtype=np.float32)
         for table, at, ids in split_keys(self.tables, k):
             got, found = table.lookup_with_state(ids)
             if rows is not None:

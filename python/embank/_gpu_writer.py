@@ -25,7 +25,7 @@ def split_keys(
     if len(tables) == 1:
         return [(tables[0], None, keys)] if keys.size else []
     index = keys >> np.uint64(TABLE_SHIFT)
-    out = []
+    out: list[tuple[Table, npt.NDArray[np.intp] | None, npt.NDArray[np.uint64]]] = []
     for i in np.unique(index):
         at = np.nonzero(index == i)[0]
         ids = np.ascontiguousarray(keys[at] & np.uint64((1 << TABLE_SHIFT) - 1))
