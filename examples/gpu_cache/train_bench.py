@@ -13,7 +13,9 @@ in the same run, Adagrad on the tables and SGD on the dense part:
     the device, dirty rows written back when evicted: its finds, placements and updates
     through the native kernels (``--kernels native``, the default where they run: CUDA,
     or the CPU in a build with their emulator); ``cache_triton``: the same cache through
-    the Triton kernels and PyTorch operations (CUDA only).
+    the Triton kernels and PyTorch operations (CUDA only); ``cache_shared``: one cache
+    over every table (``TrainCache(tables)``) the size of the 26 caches together, a
+    step's ids of every feature found, placed and updated in one call each.
 
 Reported: examples/s of each (median of ``--repeats`` timed windows; ``train.json`` is
 rewritten after each way, so a run cut short keeps the ways done), (c) against (a) and
@@ -81,6 +83,31 @@ class Resident(torch.nn.Module):
         return {f"c{i}": b(sparse[:, i : i + 1]) for i, b in enumerate(self.bags)}
 
 
+class SharedBags(torch.nn.Module):
+    """Every table through one ``TrainCache`` over all of them: a step's ids of every
+    feature found, placed and updated in one call each (one id a bag, as here), not one a
+    table."""
+
+    def __init__(self, cache: TrainCache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.steps = 0
+        n = len(cache.tables)
+        self.register_buffer("shift", torch.arange(n, dtype=torch.int64) << 48, persistent=False)
+
+    def forward(self, sparse: torch.Tensor) -> dict[str, torch.Tensor]:
+        keys = (sparse + self.shift).reshape(-1)  # cache.keys_of, every feature at once
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        rows = self.cache.pull_unique(uniq)
+        if torch.is_grad_enabled() and self.training:
+            rows.requires_grad_(True)
+            self.steps += 1
+            step, cache = self.steps, self.cache
+            rows.register_hook(lambda g: cache.add_grad(uniq, g.detach().float(), step))
+        out = torch.nn.functional.embedding(inverse, rows).view(sparse.shape[0], len(self.shift), -1)
+        return {f"c{i}": out[:, i] for i in range(out.shape[1])}
+
+
 class Bags(torch.nn.Module):
     """Per-feature embank bags (one id per feature) in feature order."""
 
@@ -108,6 +135,10 @@ def run(kind: str, args: argparse.Namespace, device: torch.device, work: Path) -
         ]
         if kind == "host":
             tables = et.EmbeddingBagCollection({t.name: t for t in ts}, push="backward")
+        elif kind == "cache_shared":
+            rows = max(1, int(args.rows * args.cache_fraction)) * len(ts)
+            caches = [TrainCache(ts, rows_max=rows, device=device, kernels=args.kernels)]
+            tables = SharedBags(caches[0])
         else:
             rows = max(1, int(args.rows * args.cache_fraction))
             kernels = "triton" if kind == "cache_triton" else args.kernels
@@ -197,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--cache-fraction", type=float, default=0.1)
     p.add_argument("--eval-batches", type=int, default=20, help="held-out batches for the AUC")
-    p.add_argument("--ways", default="resident,host,cache,cache_triton")
+    p.add_argument("--ways", default="resident,host,cache,cache_shared,cache_triton")
     p.add_argument(
         "--kernels",
         default="auto",
@@ -243,7 +274,7 @@ def bench(args: argparse.Namespace, work: Path) -> int:
             json.dumps({k: v for k, v in result.items() if k != "_losses"}, indent=1)
         )
     losses = result.pop("_losses")
-    for cache in ("cache", "cache_triton"):
+    for cache in ("cache", "cache_shared", "cache_triton"):
         for base in ("resident", "host"):
             if cache in result and base in result:
                 ratio = result[cache]["examples_per_s"] / result[base]["examples_per_s"]
@@ -254,6 +285,9 @@ def bench(args: argparse.Namespace, work: Path) -> int:
             diff = float(np.max(np.abs(np.array(losses["cache"]) - np.array(losses["host"]))))
             result["largest_loss_difference_cache_host"] = diff
             result["auc_difference_cache_host"] = abs(result["cache"]["auc"] - result["host"]["auc"])
+            if "cache_shared" in losses:
+                d = float(np.max(np.abs(np.array(losses["cache_shared"]) - np.array(losses["host"]))))
+                result["largest_loss_difference_cache_shared_host"] = d
             print(f"largest loss difference, cache against host: {diff:.3g}")
             print(f"AUC difference, cache against host: {result['auc_difference_cache_host']:.2g}")
     (work / "train.json").write_text(json.dumps(result, indent=1))

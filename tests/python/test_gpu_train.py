@@ -378,6 +378,7 @@ def test_the_training_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     )
     r = json.loads((tmp_path / "train.json").read_text())
     assert r["largest_loss_difference_cache_host"] == 0.0 and r["auc_difference_cache_host"] == 0.0
+    assert r["largest_loss_difference_cache_shared_host"] == 0.0
     assert 0.0 < r["cache"]["auc"] < 1.0
     assert 0 < r["cache"]["hit_rate"] < 1 and r["cache"]["written_back"] > 0
     # The cache way runs the native kernels where they run (here: their emulator).
