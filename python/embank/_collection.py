@@ -16,6 +16,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from ._collection_cache import SharedCacheBags, shared_inputs
 from ._device import _to_device
 from ._embedding import EmbeddingBag
 from ._gradients import _StepCounter
@@ -203,6 +204,7 @@ class EmbeddingBagCollection(torch.nn.Module):
         # Moved by ``module.to(device)`` with the model: where outputs go (not saved).
         self.register_buffer("_where", torch.empty(0), persistent=False)
         self.bags = torch.nn.ModuleDict()
+        self._shared: SharedCacheBags | None = None  # from_configs(shared_train_cache=True)
         if not fused:
             self.bags.update(
                 {
@@ -254,6 +256,8 @@ class EmbeddingBagCollection(torch.nn.Module):
         allow_ids_beyond_num_embeddings: bool = False,
         train_cache_rows: int | None = None,
         device: str | torch.device | None = None,
+        shared_train_cache: bool = False,
+        train_cache_options: Mapping[str, Any] | None = None,
     ) -> EmbeddingBagCollection:
         """A drop-in for ``torchrec.EmbeddingBagCollection(tables=...)`` with a fused
         optimizer: ``forward(kjt)`` takes a ``KeyedJaggedTensor`` and returns a
@@ -290,7 +294,12 @@ class EmbeddingBagCollection(torch.nn.Module):
         ``num_embeddings``) on ``device`` (default: CUDA if available): the batch's rows
         are found, pooled and updated there, and only misses and evicted rows cross to
         the store. A table's features' gradients of a step make one update, as the fused
-        collection's; ``store.checkpoint`` writes the caches' dirty rows first."""
+        collection's; ``store.checkpoint`` writes the caches' dirty rows first.
+        ``shared_train_cache=True``: one TrainCache over every table instead (tables of
+        one dim and optimizer; ``train_cache_rows`` rows a table, together), a step's ids
+        of every feature found, placed, pooled and updated in one call each, not one a
+        feature (``push="backward"``). ``train_cache_options``: more of
+        :class:`~embank.gpu.TrainCache`'s arguments (``kernels``, ``slots``, ...)."""
         if not tables:
             raise InvalidInputError("from_configs needs at least one table config")
         opt = None if optimizer is None else optimizer_from_spec(optimizer)
@@ -303,6 +312,11 @@ class EmbeddingBagCollection(torch.nn.Module):
             )
         if train_cache_rows is not None and train_cache_rows < 1:
             raise InvalidInputError(f"train_cache_rows must be >= 1, got {train_cache_rows}")
+        if shared_train_cache and (train_cache_rows is None or push != "backward"):
+            raise InvalidInputError('shared_train_cache=True needs train_cache_rows and push="backward"')
+        shared = shared_train_cache
+        made_tables: list[Table] = []
+        cache_rows = 0
         modes: dict[str, str] = {}
         features: dict[str, Source | GpuCache | TrainCache] = {}
         bounds: list[tuple[int, str]] = []
@@ -311,7 +325,11 @@ class EmbeddingBagCollection(torch.nn.Module):
             source: Table | TrainCache = table
             if train_cache_rows is not None:
                 rows = min(train_cache_rows, int(c.num_embeddings))
-                source = TrainCache(table, rows_max=rows, device=device)
+                if shared:
+                    made_tables.append(table)
+                    cache_rows += rows
+                else:
+                    source = TrainCache(table, rows_max=rows, device=device, **(train_cache_options or {}))
             for f in c.feature_names:
                 if f in features:
                     raise InvalidInputError(f"feature {f!r} is in two table configs")
@@ -322,16 +340,35 @@ class EmbeddingBagCollection(torch.nn.Module):
             raise InvalidInputError("the table configs name no feature_names")
         alike = set(modes.values())
         mode: str | dict[str, str] = alike.pop() if len(alike) == 1 else modes
-        made = cls(features, mode, push=push, threads=threads, output="keyed_tensor", is_weighted=is_weighted)
+        fused = False if shared else None
+        made = cls(
+            features,
+            mode,
+            push=push,
+            threads=threads,
+            output="keyed_tensor",
+            is_weighted=is_weighted,
+            fused=fused,
+        )
         made._configs = list(tables)
         made._features.id_bounds = None if allow_ids_beyond_num_embeddings else bounds
         made.store = store
+        if shared:
+            cache = TrainCache(made_tables, rows_max=cache_rows, device=device, **(train_cache_options or {}))
+            names = [t.name for t in made_tables]
+            made._shared = SharedCacheBags(
+                cache,
+                [names.index(_table_of(features[f]).name) for f in made.feature_names],  # type: ignore[arg-type]
+                [None if allow_ids_beyond_num_embeddings else b for b, _ in bounds],
+            )
         return made
 
     def train_caches(self) -> list[TrainCache]:
         """The :class:`~embank.gpu.TrainCache` of each table trained through one (in
         feature order, each once; ``store.checkpoint`` writes their rows itself)."""
         found: list[TrainCache] = []
+        if self._shared is not None:
+            return [self._shared.cache]
         for bag in self.bags.values():
             trainer = getattr(bag, "trainer", None)
             if trainer is not None and trainer not in found:
@@ -347,8 +384,12 @@ class EmbeddingBagCollection(torch.nn.Module):
     def forward(self, features: Any) -> Any:
         """Pooled rows of every feature: ``name -> (batch, dim)``, or a ``KeyedTensor``
         with ``output="keyed_tensor"``."""
-        if not self.fused:
-            out = self._forward_per_table(features)
+        if self._shared is not None or not self.fused:
+            out = (
+                self._forward_shared(features)
+                if self._shared is not None
+                else self._forward_per_table(features)
+            )
             if self._keyed_tensor is None:
                 return out
             pooled = [out[n] for n in self.feature_names]
@@ -427,6 +468,17 @@ class EmbeddingBagCollection(torch.nn.Module):
         if isinstance(features, torch.Tensor) and features.device.type != "cpu":
             return features.device
         return self._where.device
+
+    def _forward_shared(self, features: Any) -> dict[str, torch.Tensor]:
+        """Through one TrainCache over every table (``shared_train_cache=True``)."""
+        assert self._shared is not None
+        jagged = None if isinstance(features, torch.Tensor) else self._features.jagged(features)
+        inputs = shared_inputs(features, self.feature_names, jagged)
+        given = self._features.weights([w for _, _, w in inputs])
+        inputs = [(v, o, w) for (v, o, _), w in zip(inputs, given)]
+        training = torch.is_grad_enabled() and self.training
+        pooled = self._shared.forward(self.feature_names, self.modes, inputs, training)
+        return {n: p.to(self._output_device(features)) for n, p in zip(self.feature_names, pooled)}
 
     def _forward_per_table(self, features: Any) -> dict[str, torch.Tensor]:
         if isinstance(features, torch.Tensor):

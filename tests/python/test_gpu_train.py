@@ -385,13 +385,14 @@ def test_the_training_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     assert r["args"]["kernels"] == ("native" if EMULATOR else "torch")
 
 
-def test_from_configs_trains_through_caches_as_the_fused_collection(tmp_path: Path) -> None:
+@pytest.mark.parametrize("way", ["caches", "shared", pytest.param("shared_native", marks=NEEDS_EMULATOR)])
+def test_from_configs_trains_through_caches_as_the_fused_collection(tmp_path: Path, way: str) -> None:
     """TorchRec's drop-in with ``train_cache_rows``: a table with two features, another
     with one, trained with a fused row-wise Adagrad as the default (fused, on the host)
     collection trains them: one update a table a step, its features' gradients summed
-    (within float rounding: the two sum them in other orders)."""
-    from embank import torch as et
-
+    (within float rounding: the two sum them in other orders). Through a cache a table,
+    or one cache over both (``shared_train_cache``: every feature in one call), its
+    kernels PyTorch's or the native ones."""
     configs = [
         et.EmbeddingBagConfig(num_embeddings=KEYS, embedding_dim=DIM, name="t0", feature_names=["f0", "f1"]),
         et.EmbeddingBagConfig(num_embeddings=KEYS, embedding_dim=DIM, name="t1", feature_names=["f2"]),
@@ -400,10 +401,17 @@ def test_from_configs_trains_through_caches_as_the_fused_collection(tmp_path: Pa
 
     def train(cached: bool) -> npt.NDArray[Any]:
         store = embank.open(str(tmp_path / str(cached)))
+        shared = cached and way.startswith("shared")
         ebc = et.EmbeddingBagCollection.from_configs(
-            store, configs, opt, train_cache_rows=40 if cached else None, device="cpu"
+            store,
+            configs,
+            opt,
+            train_cache_rows=40 if cached else None,
+            device="cpu",
+            shared_train_cache=shared,
+            train_cache_options={"kernels": "native"} if way == "shared_native" and cached else None,
         )
-        assert ebc.fused != cached and len(ebc.train_caches()) == (2 if cached else 0)
+        assert ebc.fused != cached and len(ebc.train_caches()) == (0 if not cached else 1 if shared else 2)
         rng = np.random.default_rng(9)
         for step in range(1, 21):
             inputs = {
@@ -422,6 +430,69 @@ def test_from_configs_trains_through_caches_as_the_fused_collection(tmp_path: Pa
         return got
 
     want, got = train(False), train(True)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_shared_cache_pools_mixed_modes_and_weights_as_the_fused_collection(
+    tmp_path: Path, weighted: bool
+) -> None:
+    """shared_train_cache with tables pooling SUM and MEAN (bags of several ids, an
+    empty bag), or weighted bags whose weights want their gradient: the outputs, the
+    weights' gradients and the trained tables are the fused host collection's (within
+    float rounding), and an id past num_embeddings is refused as there."""
+    pools = ["sum", "sum"] if weighted else ["sum", "mean"]
+    configs = [
+        et.EmbeddingBagConfig(
+            num_embeddings=KEYS, embedding_dim=DIM, name=f"t{i}", feature_names=[f"f{i}"], pooling=p
+        )
+        for i, p in enumerate(pools)
+    ]
+    opt = eo.Adagrad(lr=0.1)
+    offsets = torch.tensor([0, 3, 3, 7, 12, 20, 30])  # bag 1 empty
+
+    def train(shared: bool) -> tuple[list[Any], npt.NDArray[Any]]:
+        store = embank.open(str(tmp_path / str(shared)))
+        ebc = et.EmbeddingBagCollection.from_configs(
+            store,
+            configs,
+            opt,
+            train_cache_rows=40 if shared else None,
+            shared_train_cache=shared,
+            device="cpu",
+            is_weighted=weighted,
+        )
+        rng = np.random.default_rng(4)
+        seen: list[Any] = []
+        for _ in range(12):
+            inputs: dict[str, Any] = {}
+            for f in ("f0", "f1"):
+                w = torch.from_numpy(rng.random(36).astype(np.float32)).requires_grad_(True)
+                inputs[f] = (
+                    (torch.from_numpy(_batch(rng, 36)), offsets, w)
+                    if weighted
+                    else (
+                        torch.from_numpy(_batch(rng, 36)),
+                        offsets,
+                    )
+                )
+            out = ebc(inputs)
+            out.values().square().sum().backward()
+            seen.append(out.values().detach().numpy().copy())
+            if weighted:
+                seen.extend(inputs[f][2].grad.numpy().copy() for f in ("f0", "f1"))
+        with pytest.raises(InvalidInputError, match="not below num_embeddings"):
+            bad = (torch.tensor([KEYS]), torch.tensor([0])) + ((torch.ones(1),) if weighted else ())
+            ebc({f: bad for f in ("f0", "f1")})
+        store.checkpoint(1)
+        got: npt.NDArray[Any] = np.concatenate([_records(store.table(c.name)) for c in configs], 1)
+        store.close()
+        return seen, got
+
+    (want_seen, want), (got_seen, got) = train(False), train(True)
+    for a, b in zip(got_seen, want_seen):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert np.array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=1e-5, atol=1e-6)
 
