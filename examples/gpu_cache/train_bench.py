@@ -13,9 +13,10 @@ in the same run, Adagrad on the tables and SGD on the dense part:
     the device, dirty rows written back when evicted: its finds, placements and updates
     through the native kernels (``--kernels native``, the default where they run: CUDA,
     or the CPU in a build with their emulator); ``cache_triton``: the same cache through
-    the Triton kernels and PyTorch operations (CUDA only); ``cache_shared``: one cache
-    over every table (``TrainCache(tables)``) the size of the 26 caches together, a
-    step's ids of every feature found, placed and updated in one call each.
+    the Triton kernels and PyTorch operations (CUDA only); ``cache_shared``: TorchRec's
+    drop-in (``EmbeddingBagCollection.from_configs(..., shared_train_cache=True)``), one
+    cache over every table the size of the 26 caches together, a step's ids of every
+    feature found, placed, pooled and updated in one call each.
 
 Reported: examples/s of each (median of ``--repeats`` timed windows; ``train.json`` is
 rewritten after each way, so a run cut short keeps the ways done), (c) against (a) and
@@ -83,29 +84,16 @@ class Resident(torch.nn.Module):
         return {f"c{i}": b(sparse[:, i : i + 1]) for i, b in enumerate(self.bags)}
 
 
-class SharedBags(torch.nn.Module):
-    """Every table through one ``TrainCache`` over all of them: a step's ids of every
-    feature found, placed and updated in one call each (one id a bag, as here), not one a
-    table."""
+class Keyed(torch.nn.Module):
+    """A collection's ``KeyedTensor`` as the dict DLRM takes."""
 
-    def __init__(self, cache: TrainCache) -> None:
+    def __init__(self, ebc: torch.nn.Module) -> None:
         super().__init__()
-        self.cache = cache
-        self.steps = 0
-        n = len(cache.tables)
-        self.register_buffer("shift", torch.arange(n, dtype=torch.int64) << 48, persistent=False)
+        self.ebc = ebc
 
     def forward(self, sparse: torch.Tensor) -> dict[str, torch.Tensor]:
-        keys = (sparse + self.shift).reshape(-1)  # cache.keys_of, every feature at once
-        uniq, inverse = torch.unique(keys, return_inverse=True)
-        rows = self.cache.pull_unique(uniq)
-        if torch.is_grad_enabled() and self.training:
-            rows.requires_grad_(True)
-            self.steps += 1
-            step, cache = self.steps, self.cache
-            rows.register_hook(lambda g: cache.add_grad(uniq, g.detach().float(), step))
-        out = torch.nn.functional.embedding(inverse, rows).view(sparse.shape[0], len(self.shift), -1)
-        return {f"c{i}": out[:, i] for i in range(out.shape[1])}
+        out: dict[str, torch.Tensor] = self.ebc(sparse).to_dict()
+        return out
 
 
 class Bags(torch.nn.Module):
@@ -135,10 +123,29 @@ def run(kind: str, args: argparse.Namespace, device: torch.device, work: Path) -
         ]
         if kind == "host":
             tables = et.EmbeddingBagCollection({t.name: t for t in ts}, push="backward")
-        elif kind == "cache_shared":
-            rows = max(1, int(args.rows * args.cache_fraction)) * len(ts)
-            caches = [TrainCache(ts, rows_max=rows, device=device, kernels=args.kernels)]
-            tables = SharedBags(caches[0])
+        elif kind == "cache_shared":  # TorchRec's drop-in, one cache over every table
+            configs = [
+                et.EmbeddingBagConfig(
+                    num_embeddings=args.rows,
+                    embedding_dim=args.dim,
+                    name=t.name,
+                    feature_names=[t.name],
+                    weight_init_min=-0.05,
+                    weight_init_max=0.05,
+                )
+                for t in ts
+            ]
+            ebc = et.EmbeddingBagCollection.from_configs(
+                store,
+                configs,
+                opt,
+                train_cache_rows=max(1, int(args.rows * args.cache_fraction)),
+                shared_train_cache=True,
+                device=device,
+                train_cache_options={"kernels": args.kernels},
+            )
+            caches = ebc.train_caches()
+            tables = Keyed(ebc)
         else:
             rows = max(1, int(args.rows * args.cache_fraction))
             kernels = "triton" if kind == "cache_triton" else args.kernels
