@@ -387,9 +387,11 @@ class TrainCache:
             else:
                 summed = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
                 summed.index_add_(0, inverse, g)
-            if self.write == "through":
-                _gpu_shared.push_through(self, uniq, summed, step)
+            # Rows missed are read (and placed) before the push: read after it, they would
+            # get this step's update twice.
             slot, spill = self._resident(uniq)
+            if self.write == "through":  # the table before the cache's rows
+                _gpu_shared.push_through(self, uniq, summed, step)
             self._apply(slot, spill, summed, step, uniq.numel())
 
     def _next_step(self, step: int | None) -> int:

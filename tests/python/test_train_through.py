@@ -85,6 +85,22 @@ def test_a_write_through_cache_trains_as_the_table_and_equals_it_each_step(
         s.close()
 
 
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("native", marks=NEEDS_EMULATOR)])
+def test_a_push_of_rows_not_cached_updates_them_once(tmp_path: Path, kernels: str) -> None:
+    """push_grad of ids no pull brought in (or evicted since): the rows are read before
+    the table takes the push, so the cache holds them updated once, as the table does
+    (read after it, they were updated twice)."""
+    s = embank.open(str(tmp_path / "s"))
+    t = s.create_table("emb", dim=DIM, optimizer=eo.SGD(lr=0.5))
+    cache = gpu.TrainCache(t, rows_max=16, device="cpu", write="through", kernels=kernels)
+    cache.push_grad(torch.tensor([3, 7]), torch.ones(2, DIM))
+    assert t.pull([3, 7])[:, 0].tolist() == [-0.5, -0.5]
+    assert cache.pull(torch.tensor([3, 7]))[:, 0].tolist() == [-0.5, -0.5]
+    assert _cached_equal_table(cache, t, "after the push") == 2
+    cache.close()
+    s.close()
+
+
 def test_refresh_every_bounds_how_long_a_row_written_elsewhere_stays_stale(tmp_path: Path) -> None:
     s = embank.open(str(tmp_path / "s"))
     t = s.create_table("emb", dim=DIM, optimizer=eo.SGD(lr=1.0))  # zero gradients: rows stay

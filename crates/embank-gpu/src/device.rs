@@ -116,7 +116,7 @@ pub struct Cuda {
     device: sys::CUdevice,
     ctx: usize,
     module: usize,
-    functions: [usize; 6],
+    functions: [usize; Kernel::ALL.len()],
 }
 
 fn check(rc: sys::CUresult, what: &str) -> Result<()> {
@@ -157,7 +157,7 @@ impl Cuda {
             let ptx = std::ffi::CString::new(PTX).expect("PTX has no NUL");
             let mut module: sys::CUmodule = std::ptr::null_mut();
             check(sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()), "loading the kernels (cuModuleLoadData)")?;
-            let mut functions = [0usize; 6];
+            let mut functions = [0usize; Kernel::ALL.len()];
             for k in Kernel::ALL {
                 let mut f: sys::CUfunction = std::ptr::null_mut();
                 check(sys::cuModuleGetFunction(&mut f, module, k.symbol().as_ptr().cast()), "cuModuleGetFunction")?;
@@ -413,3 +413,20 @@ mod emulator {
 
 #[cfg(feature = "emulator")]
 pub use emulator::Emulator;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Cuda` keeps one function a kernel, indexed by the kernel's number (a table sized
+    /// for fewer kernels than `Kernel::ALL` panicked at the first CUDA device made), and
+    /// loads each by its symbol from the PTX.
+    #[test]
+    fn every_kernel_has_its_index_and_its_entry_in_the_ptx() {
+        for (i, k) in Kernel::ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i, "{k:?}");
+            let name = std::str::from_utf8(&k.symbol()[..k.symbol().len() - 1]).unwrap();
+            assert!(PTX.contains(&format!(".entry {name}(")), "{name} is not in the PTX");
+        }
+    }
+}
