@@ -53,10 +53,16 @@ class _Writer:
 
     def put(self, keys: npt.NDArray[np.uint64], records: npt.NDArray[np.float32]) -> None:
         if not self.background:
-            self.write(keys, records)
-            self.written += int(keys.size)
+            # Rows a failed write left parked go first (and stay readable by `take`).
+            with self.cond:
+                self.queue.append((keys, records))
+                self.queued += int(keys.size)
+            self.write_parked()
             return
         with self.cond:
+            if self.error is not None:  # parked, readable by `take`, not lost with the call
+                self.queue.append((keys, records))
+                self.queued += int(keys.size)
             self.raise_error()
             while self.queued and self.queued + keys.size > self.rows_max and self.error is None:
                 self.cond.wait()
@@ -94,8 +100,25 @@ class _Writer:
         for table, at, ids in split_keys(self.tables, keys):
             table.push_with_state(ids, records if at is None else np.ascontiguousarray(records[at]))
 
+    def write_parked(self) -> None:
+        """Inline: writes the queued rows in order, each batch leaving the queue once
+        written; a failure leaves it and the rest queued (the caller's flush retries)."""
+        while True:
+            with self.cond:
+                if not self.queue:
+                    return
+                keys, records = self.queue[0]
+            self.write(keys, records)
+            with self.cond:
+                self.queue.pop(0)
+                self.queued -= int(keys.size)
+                self.written += int(keys.size)
+
     def drain(self) -> None:
         """Waits until every queued row is in the table."""
+        if not self.background:
+            self.write_parked()
+            return
         with self.cond:
             while self.queue and self.error is None:
                 self.cond.wait()

@@ -211,6 +211,45 @@ def test_one_cache_over_several_tables_trains_each_as_alone(tmp_path: Path, kern
     r.close()
 
 
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("native", marks=NEEDS_EMULATOR)])
+@pytest.mark.parametrize("write_back", ["inline", "background"])
+def test_a_failed_write_back_loses_no_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: str, write_back: str
+) -> None:
+    """An evicted dirty row whose write to the table fails stays readable (a miss reads
+    it) and, inline, reaches the table at the next flush; the native path overwrites the
+    row's slot on the device before the write, so the writer parks it."""
+    s = embank.open(str(tmp_path / "s"))
+    t = s.create_table("emb", dim=2, optimizer=eo.SGD(lr=0.5))
+    cache = gpu.TrainCache(t, rows_max=1, slots=1, device="cpu", write_back=write_back, kernels=kernels)
+    cache.push_grad(torch.tensor([1]), torch.ones(1, 2))  # row 1: -0.5, dirty
+
+    def fail(keys: Any, records: Any) -> None:
+        raise OSError("disk full")
+
+    writer = cache._writer
+    monkeypatch.setattr(writer, "write", fail)
+    if write_back == "inline":
+        with pytest.raises(OSError, match="disk full"):
+            cache.pull(torch.tensor([2]))  # evicts row 1: its write fails
+    else:
+        cache.pull(torch.tensor([2]))
+        writer.close()  # the writer thread failed and stopped
+        with pytest.raises(InvalidInputError, match="disk full"):
+            cache.pull(torch.tensor([3]))
+    assert writer.take(np.array([1], np.uint64))[1][0, 0] == -0.5  # parked, readable
+    monkeypatch.undo()
+    if write_back == "background":  # the writer stopped: the store does not close over the row
+        with pytest.raises(InvalidInputError, match="disk full"):
+            s.close()
+        return
+    assert cache.pull(torch.tensor([1]))[0].tolist() == [-0.5, -0.5]  # a miss reads it
+    cache.flush()
+    assert t.pull([1])[0].tolist() == [-0.5, -0.5]
+    cache.close()
+    s.close()
+
+
 @NEEDS_EMULATOR
 def test_native_kernels_refuse_what_they_do_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """kernels="native": a table-step optimizer and a build without the kernels' emulator
