@@ -312,6 +312,12 @@ class EmbeddingBagCollection(torch.nn.Module):
             )
         if train_cache_rows is not None and train_cache_rows < 1:
             raise InvalidInputError(f"train_cache_rows must be >= 1, got {train_cache_rows}")
+        taken = {"table", "rows_max", "bytes_max", "device"} & set(train_cache_options or {})
+        if taken:
+            raise InvalidInputError(
+                f"train_cache_options cannot set {sorted(taken)}: from_configs sets them "
+                "(train_cache_rows, device)"
+            )
         if shared_train_cache and (train_cache_rows is None or push != "backward"):
             raise InvalidInputError('shared_train_cache=True needs train_cache_rows and push="backward"')
         shared = shared_train_cache

@@ -118,7 +118,7 @@ def _div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
 
 
 def _pow(base: float, t: torch.Tensor) -> torch.Tensor:
-    """``base ** t`` in float32 as the host's ``powf`` gives it (float64, then rounded)."""
+    """``base ** t`` in float32 as the store computes it (float64, then rounded once)."""
     return torch.pow(torch.tensor(base, dtype=torch.float64, device=t.device), t.double()).float()
 
 
@@ -258,6 +258,8 @@ class TrainCache:
         self.write, self.refresh_every, self._steps_since_refresh = write, refresh_every, 0
         self._writer = _Writer(tables, write_back == "background", queue_rows_max)
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda" and dev.index is None:  # one device for the cache's life
+            dev = torch.device("cuda", torch.cuda.current_device())
         if kernels == "auto":
             kernels = "triton" if dev.type == "cuda" and _triton_usable(dev) else "torch"
         if kernels not in ("triton", "torch", "native"):

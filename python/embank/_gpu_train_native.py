@@ -45,7 +45,7 @@ def attach(cache: TrainCache) -> None:
     if dev.type == "cuda":
         torch.cuda.init()  # type: ignore[no-untyped-call]  # the primary context, shared with PyTorch
         ordinal = dev.index if dev.index is not None else torch.cuda.current_device()
-    cache._stream_of = _stream_getter(torch.device("cuda", ordinal) if ordinal >= 0 else dev)
+    cache._stream_of = _stream_getter(dev)
     cache._nk = _native.TrainKernels(
         ordinal,
         cache.keys.data_ptr(),
@@ -65,6 +65,10 @@ def resident(
     """``TrainCache._resident`` natively: the slots of ``uniq`` (unique int64 ids), misses
     read from the table and placed where their buckets have room; with ``rows`` (n x dim
     float32), every id's row written there too."""
+    if uniq.dtype != torch.int64 or uniq.device != cache.device:
+        raise InvalidInputError(
+            f"pull_unique takes unique int64 ids on {cache.device}, got {uniq.dtype} on {uniq.device}"
+        )
     n = uniq.numel()
     clock = cache._clock
     cache._clock += 1

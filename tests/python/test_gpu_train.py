@@ -269,6 +269,8 @@ def test_native_kernels_refuse_what_they_do_not_run(tmp_path: Path, monkeypatch:
         cache.push_grad(torch.tensor([1, 2]), torch.ones(1, DIM))
     with pytest.raises(InvalidInputError, match="non-negative"):
         cache.pull(torch.tensor([-3]))
+    with pytest.raises(InvalidInputError, match="unique int64 ids"):
+        cache.pull_unique(torch.tensor([1], dtype=torch.int32))  # an address of other ids
     assert cache.pull(torch.tensor([1]))[0].tolist() == [0.0] * DIM
     assert cache.stats()["updates"] == 1
     cache.close()
@@ -521,6 +523,10 @@ def test_a_shared_cache_pools_mixed_modes_and_weights_as_the_fused_collection(
             seen.append(out.values().detach().numpy().copy())
             if weighted:
                 seen.extend(inputs[f][2].grad.numpy().copy() for f in ("f0", "f1"))
+        with pytest.raises(InvalidInputError, match="cannot set"):
+            et.EmbeddingBagCollection.from_configs(
+                store, configs, opt, train_cache_rows=8, train_cache_options={"rows_max": 3}
+            )
         with pytest.raises(InvalidInputError, match="not below num_embeddings"):
             bad = (torch.tensor([KEYS]), torch.tensor([0])) + ((torch.ones(1),) if weighted else ())
             ebc({f: bad for f in ("f0", "f1")})

@@ -386,8 +386,11 @@ impl Optimizer {
                 let (v, t) = rest.split_at_mut(dim);
                 t[0] += 1.0;
                 let step = t[0];
-                let bc1 = 1.0 - beta1.powf(step);
-                let bc2 = 1.0 - beta2.powf(step);
+                // beta^t in f64, rounded once: what the GPU cache's kernels compute (a
+                // libm `powf` is not correctly rounded and varies by libm: 0.999f32^2958
+                // was an ulp off, and a hot row trained on the device drifted from it).
+                let bc1 = 1.0 - pow_rounded(beta1, step);
+                let bc2 = 1.0 - pow_rounded(beta2, step);
                 for (((w, m), v), &g) in w.iter_mut().zip(&mut m[..dim]).zip(&mut v[..dim]).zip(g) {
                     *m = beta1 * *m + (1.0 - beta1) * g;
                     *v = beta2 * *v + (1.0 - beta2) * g * g;
@@ -399,6 +402,11 @@ impl Optimizer {
             _ => unreachable!("apply_adam on {}", self.name()),
         }
     }
+}
+
+/// `base^t` computed in f64 and rounded to f32 once (see Adam's bias correction).
+fn pow_rounded(base: f32, t: f32) -> f32 {
+    (base as f64).powf(t as f64) as f32
 }
 
 impl TableStepRule {
