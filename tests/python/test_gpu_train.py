@@ -237,7 +237,8 @@ def test_a_failed_write_back_loses_no_row(
         writer.close()  # the writer thread failed and stopped
         with pytest.raises(InvalidInputError, match="disk full"):
             cache.pull(torch.tensor([3]))
-    assert writer.take(np.array([1], np.uint64))[1][0, 0] == -0.5  # parked, readable
+    parked = writer.take(np.array([1], np.uint64))[1]
+    assert parked is not None and parked[0, 0] == -0.5  # parked, readable
     monkeypatch.undo()
     if write_back == "background":  # the writer stopped: the store does not close over the row
         with pytest.raises(InvalidInputError, match="disk full"):
