@@ -253,6 +253,8 @@ class TrainCache:
             raise InvalidInputError(f"queue_rows_max must be >= 1, got {queue_rows_max}")
         if write not in ("back", "through"):
             raise InvalidInputError(f'write must be "back" or "through", got {write!r}')
+        if write == "through" and len(tables) > 1:  # a push failing midway would leave them apart
+            raise InvalidInputError('write="through" takes a cache of one table')
         if refresh_every is not None and (write != "through" or refresh_every < 1):
             raise InvalidInputError('refresh_every needs write="through" and must be >= 1')
         self.write, self.refresh_every, self._steps_since_refresh = write, refresh_every, 0

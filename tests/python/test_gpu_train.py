@@ -207,6 +207,8 @@ def test_one_cache_over_several_tables_trains_each_as_alone(tmp_path: Path, kern
         gpu.TrainCache([tables[0], other], rows_max=8, device="cpu")
     with pytest.raises(InvalidInputError, match="one store"):
         gpu.TrainCache([tables[0], refs[1]], rows_max=8, device="cpu")
+    with pytest.raises(InvalidInputError, match="a cache of one table"):
+        gpu.TrainCache(tables[:2], rows_max=8, device="cpu", write="through")
     s.close()
     r.close()
 
