@@ -137,15 +137,17 @@ def _tables_of(table: Any) -> list[Table]:
                 "on the device (create the table with optimizer=...)"
             )
     first = tables[0]
+
+    def store_of(t: Table) -> Any:
+        return t._owner() if t._owner is not None else None
+
     for t in tables[1:]:
         if (t.dim, t.optimizer) != (first.dim, first.optimizer):
             raise InvalidInputError(
                 f"a TrainCache over several tables needs one dim and optimizer: {first.name!r} has "
                 f"{first.dim}, {first.optimizer}; {t.name!r} has {t.dim}, {t.optimizer}"
             )
-        if (t._owner is None) != (first._owner is None) or (
-            t._owner is not None and first._owner is not None and t._owner() is not first._owner()
-        ):
+        if store_of(t) is not store_of(first):
             raise InvalidInputError("a TrainCache over several tables needs them from one store")
     if len({t.name for t in tables}) != len(tables):
         raise InvalidInputError("a TrainCache over several tables needs them distinct")
