@@ -249,6 +249,15 @@ def refresh(store: embank.Store, args: argparse.Namespace, device: torch.device)
         "refresh_seconds": best["seconds"],
         "refresh_gb_per_s": best["bytes"] / best["seconds"] / 1e9,
         "refresh_gb_per_s_all": [r["bytes"] / r["seconds"] / 1e9 for r in runs],
+        # Where the best run's seconds went (the first run allocates the buffers).
+        "refresh_setup_seconds": best.get("setup_seconds"),
+        "refresh_read_seconds": best.get("read_seconds"),
+        "refresh_wait_seconds": best.get("wait_seconds"),
+        "refresh_setup_seconds_all": [r.get("setup_seconds") for r in runs],
+        "refresh_reader_threads": best.get("reader_threads"),
+        "refresh_read_gb_per_s": (
+            best["rows"] * dim * 4 / best["read_seconds"] / 1e9 if best.get("read_seconds") else None
+        ),
     }
 
 

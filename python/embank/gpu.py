@@ -466,11 +466,24 @@ class GpuCache(_NativeCache, _Inserts):
         its bucket's version has not moved since its key was read, so a write through
         the table meanwhile (which invalidates) is never overwritten by the older row.
         Returns rows, changed, bytes moved between host and device (keys down, rows
-        up: float32, or as stored with ``stored_rows``) and seconds. Waits for the device
-        (it is not the lookup's path)."""
+        up: float32, or as stored with ``stored_rows``) and seconds; the native path adds
+        where the seconds went (``setup_seconds``: the buffers, allocated by the first
+        refresh and kept, and the keys copied down and listed;
+        ``read_seconds``: waiting for its ``reader_threads`` reading the table;
+        ``wait_seconds``: waiting for the device). Waits for the device (it is not the
+        lookup's path)."""
         if self._n is not None:
-            rows, changed, moved, seconds = self._n.refresh()
-            return {"rows": rows, "changed": changed, "bytes": moved, "seconds": seconds}
+            rows, changed, moved, seconds, setup, read, wait, threads = self._n.refresh()
+            return {
+                "rows": rows,
+                "changed": changed,
+                "bytes": moved,
+                "seconds": seconds,
+                "setup_seconds": setup,
+                "read_seconds": read,
+                "wait_seconds": wait,
+                "reader_threads": threads,
+            }
         t0 = time.perf_counter()
         with self._ordered():
             keys_flat = self.keys.view(-1)

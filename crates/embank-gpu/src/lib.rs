@@ -62,8 +62,9 @@ pub const ASYNC_MISS_CAP: usize = 1 << 16;
 pub const REPORT_WARPS_MAX: usize = 4096;
 /// Async lookups left unread before a lookup polls them (an event query each).
 const POLL_AT: usize = 2;
-/// Rows a refresh reads from the table a chunk.
-const REFRESH_CHUNK: usize = 1 << 16;
+/// Rows a refresh reads from the table a chunk, by default (two chunk buffers of pinned
+/// memory: 2 x 35 MB at dim 128).
+pub const REFRESH_CHUNK: usize = 1 << 16;
 // Device counters (cache.cu's C_*).
 const C_INVALIDATED: usize = 0;
 const C_SYNC_INSERTS: u32 = 1;
@@ -154,6 +155,9 @@ pub struct Options {
     /// Lookups of at most this many warps report their misses from the kernel
     /// ([`REPORT_WARPS_MAX`] by default); larger ones copy them.
     pub report_warps_max: usize,
+    /// Rows a refresh reads from the table a chunk ([`REFRESH_CHUNK`] by default); a
+    /// reader takes at least a 64th of a chunk.
+    pub refresh_chunk: usize,
 }
 
 /// Counts kept on the host.
@@ -196,6 +200,17 @@ pub struct Refreshed {
     pub changed: u64,
     pub bytes: u64,
     pub seconds: f64,
+    /// Of `seconds`: the buffers (allocated by the first refresh, then kept) and the
+    /// snapshot of the cache's keys (copied down, the live slots listed).
+    pub setup_seconds: f64,
+    /// Of `seconds`: the host waiting for its readers of the table (the chunks' rows, keys
+    /// and slots written into pinned memory).
+    pub read_seconds: f64,
+    /// Of `seconds`: the host waiting for the device (a buffer's copy and launch before
+    /// it is refilled, and the last ones).
+    pub wait_seconds: f64,
+    /// Reader threads.
+    pub threads: u64,
 }
 
 /// What a pooled lookup adds to a plain one: the bags (device addresses).
@@ -254,6 +269,8 @@ struct Inner {
     side: Stream,
     state: Mutex<State>,
     pool: Mutex<Vec<Scratch>>,
+    /// The refresh's buffers, kept between refreshes.
+    refreshing: Mutex<Option<refresh::Kept>>,
     pending: Mutex<Vec<u64>>,
     /// Async lookups whose miss counts were not read yet, oldest first.
     unread: Mutex<VecDeque<Job>>,
@@ -358,6 +375,7 @@ impl GpuTable {
                 inval: None,
             }),
             pool: Mutex::new(Vec::new()),
+            refreshing: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
             unread: Mutex::new(VecDeque::new()),
             stats: Mutex::new(HostStats::default()),
@@ -474,6 +492,11 @@ impl GpuTable {
         if let Some(h) = self.inserter.lock().take() {
             let _ = h.join();
         }
+        // A refresh running now puts its buffers back after this: the drop frees them.
+        let kept = self.inner.refreshing.lock().take();
+        if let Some(k) = kept {
+            k.free(&self.inner.dev);
+        }
         result
     }
 }
@@ -489,6 +512,9 @@ impl Drop for Inner {
         let _ = self.dev.enter();
         let last = self.state.get_mut().last;
         let _ = self.dev.wait(last);
+        if let Some(k) = self.refreshing.get_mut().take() {
+            k.free(&self.dev);
+        }
         let mut pool = std::mem::take(&mut *self.pool.lock());
         pool.extend(self.unread.get_mut().drain(..).map(|j| j.scratch));
         pool.extend(self.queue.get_mut().jobs.drain(..).map(|j| j.scratch));

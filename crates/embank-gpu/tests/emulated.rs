@@ -41,6 +41,7 @@ fn options(n_buckets: usize, slots: usize, dim: usize) -> Options {
         stored_rows: true,
         async_miss_cap: embank_gpu::ASYNC_MISS_CAP,
         report_warps_max: embank_gpu::REPORT_WARPS_MAX,
+        refresh_chunk: embank_gpu::REFRESH_CHUNK,
     }
 }
 
@@ -186,6 +187,65 @@ fn refresh_rewrites_rows_written_behind_the_caches_back() {
     let (fresh, hits) = lookup(&cache, &ids);
     assert_eq!(fresh, reference(&f.table, &ids));
     assert_eq!(hits, Some(39));
+}
+
+#[test]
+fn refresh_in_small_chunks_by_several_readers_twice_and_two_at_once_with_lookups_between() {
+    // 900 cached rows in chunks of 128 (readers of 2 rows at least): every chunk's
+    // keys, slots, versions and rows come from the readers, the buffers from the first
+    // refresh are kept for the next, and lookups run while two threads refresh.
+    let f = table(DType::F32, 4, 2000);
+    let mut o = options(64, 32, 4);
+    o.refresh_chunk = 128;
+    let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
+    let ids: Vec<u64> = (0..900).collect();
+    assert_eq!(lookup(&cache, &ids).1, Some(0));
+    let held = cache.stats().unwrap().rows_cached;
+    assert_eq!(held, 900);
+    for round in 0..2u64 {
+        // Behind the cache's back: every seventh row rewritten, every 50th dropped.
+        let rewritten: Vec<u64> = ids.iter().copied().filter(|k| k % 7 == round).collect();
+        let rows: Vec<f32> = rewritten.iter().flat_map(|&k| [k as f32 + 0.5 + round as f32; 4]).collect();
+        f.table.push(&rewritten, &rows).unwrap();
+        let dropped: Vec<u64> = ids.iter().copied().filter(|k| k % 50 == 49 - round).collect();
+        f.table.delete(&dropped).unwrap();
+        let r = cache.refresh().unwrap();
+        let gone = dropped.iter().filter(|k| **k % 7 != round).count() as u64;
+        assert_eq!(r.rows, held, "round {round}");
+        assert_eq!(r.changed, rewritten.len() as u64 + gone, "round {round}");
+        assert!(r.threads >= 1 && r.read_seconds <= r.seconds);
+        let (fresh, _) = lookup(&cache, &ids);
+        assert_eq!(fresh, reference(&f.table, &ids), "round {round}");
+        // The dropped rows come back on that lookup (the table holds the default).
+        for k in &dropped {
+            f.table.push(&[*k], &[*k as f32; 4]).unwrap();
+        }
+        cache.refresh().unwrap();
+        assert_eq!(lookup(&cache, &ids).0, reference(&f.table, &ids), "round {round}");
+    }
+    let cache = Arc::new(cache);
+    f.table.push(&[3, 4, 5], &[2.0; 12]).unwrap();
+    cache.refresh().unwrap();
+    f.table.push(&[3, 4, 5], &[1.25; 12]).unwrap();
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            let c = cache.clone();
+            s.spawn(move || {
+                for _ in 0..3 {
+                    c.refresh().unwrap();
+                }
+            });
+        }
+        for _ in 0..5 {
+            let (out, _) = lookup(&cache, &[3, 4, 5, 800]);
+            // Before or after the refresh of rows 3-5, never a mix within a row.
+            for row in out[..12].chunks(4) {
+                assert!(row == [2.0; 4] || row == [1.25; 4], "{row:?}");
+            }
+        }
+    });
+    assert_eq!(lookup(&cache, &ids).0, reference(&f.table, &ids));
+    assert_eq!(cache.stats().unwrap().host.refreshes, 4 + 1 + 6);
 }
 
 #[test]

@@ -98,6 +98,7 @@ impl GpuTable {
                 stored_rows,
                 async_miss_cap: embank_gpu::ASYNC_MISS_CAP,
                 report_warps_max: embank_gpu::REPORT_WARPS_MAX,
+                refresh_chunk: embank_gpu::REFRESH_CHUNK,
             };
             let inner = Engine::new(device(device_ordinal)?, table_api, opts)?;
             if let Some(store) = embedded {
@@ -151,10 +152,11 @@ impl GpuTable {
         self.inner.notice(&keys)
     }
 
-    /// (rows, changed, bytes, seconds).
-    fn refresh(&self, py: Python<'_>) -> PyResult<(u64, u64, u64, f64)> {
+    /// (rows, changed, bytes, seconds, setup_seconds, read_seconds, wait_seconds, threads).
+    #[allow(clippy::type_complexity)]
+    fn refresh(&self, py: Python<'_>) -> PyResult<(u64, u64, u64, f64, f64, f64, f64, u64)> {
         let r = detached(py, || self.inner.refresh())?;
-        Ok((r.rows, r.changed, r.bytes, r.seconds))
+        Ok((r.rows, r.changed, r.bytes, r.seconds, r.setup_seconds, r.read_seconds, r.wait_seconds, r.threads))
     }
 
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
