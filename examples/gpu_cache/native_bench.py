@@ -147,15 +147,36 @@ def throughput(store: embank.Store, args: argparse.Namespace, device: torch.devi
         for name, fn in runs:
             fn()
             sync(device)
-            times = []
+            owner = {"native": cache, "native_sync": sync_cache}.get(name)
+            before_stats = owner.stats() if owner is not None else None
+            times, issued = [], []
             for _ in range(5):
                 t0 = time.perf_counter()
                 for _ in range(args.reps):
                     fn()
+                issued.append((time.perf_counter() - t0) / args.reps)
                 sync(device)
                 times.append((time.perf_counter() - t0) / args.reps)
             res[f"{name}_keys_per_s_best"] = batch / min(times)
             res[f"{name}_keys_per_s_median"] = batch / float(np.median(times))
+            # The host's time a call before the device's end (an async path that waits
+            # for nothing shows here what it costs the host).
+            res[f"{name}_host_us_per_call_median"] = float(np.median(issued)) * 1e6
+            if owner is not None and before_stats is not None:
+                after = owner.stats()
+                res[f"{name}_stats_while_timed"] = {
+                    k: after[k] - before_stats[k]
+                    for k in (
+                        "lookups",
+                        "hits",
+                        "misses",
+                        "async_inserts",
+                        "sync_inserts",
+                        "host_syncs",
+                        "scratch_allocations",
+                    )
+                    if k in after and k in before_stats
+                }
         res["native_vs_gather"] = res["native_keys_per_s_median"] / res["gather_keys_per_s_median"]
         res["native_sync_vs_gather"] = res["native_sync_keys_per_s_median"] / res["gather_keys_per_s_median"]
         out["batches"].append(res)

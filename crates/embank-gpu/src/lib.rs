@@ -175,6 +175,9 @@ pub struct HostStats {
     pub refresh_bytes: u64,
     pub refresh_seconds: f64,
     pub notices: u64,
+    /// Per-call scratch buffers (device and pinned) allocated: a pool's growth; steady
+    /// once as many are held as calls are in flight.
+    pub scratch_allocations: u64,
     pub host_syncs: u64,
 }
 
@@ -655,7 +658,10 @@ impl Inner {
         let popped = self.pool.lock().pop();
         let mut s = match popped {
             Some(s) => s,
-            None => Scratch::new(&self.dev, bytes.max(1 << 16))?,
+            None => {
+                self.stats.lock().scratch_allocations += 1;
+                Scratch::new(&self.dev, bytes.max(1 << 16))?
+            }
         };
         s.reserve(&self.dev, bytes)?;
         Ok(s)

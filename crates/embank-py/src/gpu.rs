@@ -184,6 +184,7 @@ impl GpuTable {
             ("refresh_changed", h.refresh_changed),
             ("refresh_bytes", h.refresh_bytes),
             ("notices", h.notices),
+            ("scratch_allocations", h.scratch_allocations),
             ("host_syncs", h.host_syncs),
             ("invalidated", s.invalidated),
             ("sync_inserts", s.sync_inserts),
