@@ -74,7 +74,11 @@ def test_a_model_of_lookups_writes_refreshes_and_invalidations(gpu_store: embank
                 ks = (rng.integers(0, 330, 5) * 7).astype(np.uint64)
                 t._t.push(ks, rng.standard_normal((5, DIM)).astype(np.float32))  # no notice
                 before = cache.stats()["rows_cached"]
-                assert cache.refresh()["rows"] == before
+                r = cache.refresh()
+                assert r["rows"] == before
+                # Where its seconds went (the native path's own account).
+                parts = r["setup_seconds"] + r["read_seconds"] + r["wait_seconds"]
+                assert r["reader_threads"] >= 1 and 0 <= parts <= r["seconds"] * 1.0001 + 1e-6
             else:
                 cache.invalidate((rng.integers(0, 330, 4) * 7).astype(np.uint64))
             s = cache.stats()
