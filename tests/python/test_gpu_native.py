@@ -237,3 +237,37 @@ def test_pooled_lookups_equal_embedding_bag(gpu_store: embank.Store, device: str
     with pytest.raises(InvalidInputError, match="per_sample_weights"):
         cache.lookup_pooled(_ids(keys, device), offsets, weights, "mean")
     cache.close()
+
+
+@pytest.mark.skipif(not _native.gpu_emulator(), reason="the small run needs the kernels' emulator")
+def test_the_native_bench_runs_on_the_cpu(tmp_path: Any) -> None:
+    """examples/gpu_cache/native_bench.py, the GPU check's script, at tiny sizes through the
+    emulator: every section runs and writes native.json, and what holds on any device
+    holds here (a warm all-hit lookup's host syncs 0 async / 1 sync, a write through the
+    table in the next lookup, the DLRM predictions equal, the refresh's account)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "examples" / "gpu_cache" / "native_bench.py"
+    subprocess.run(
+        [sys.executable, str(bench), "--device", "cpu", "--small-run", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    r = json.loads((tmp_path / "native.json").read_text())
+    assert r["all_hit"]["async"]["host_syncs_per_lookup"] == 0.0
+    assert r["all_hit"]["sync"]["host_syncs_per_lookup"] == 1.0
+    (b,) = r["throughput"]["batches"]
+    assert (
+        b["native_stats_while_timed"]["misses"] == 0 and b["native_sync_stats_while_timed"]["host_syncs"] == 5
+    )
+    assert r["throughput"]["misses_while_timed"] == 0
+    for zipf in ("zipf_0.99", "zipf_1.2"):
+        assert 0 < r["end_to_end"][zipf]["gpu_cache_native_sync"]["hit_rate"] < 1
+    d = r["refresh"]
+    assert d["write_reached_next_lookup"] and d["refresh_rows"] == d["rows_cached"]
+    assert d["refresh_reader_threads"] >= 1 and d["refresh_setup_seconds_all"][0] > 0
+    assert r["dlrm"]["max_prediction_difference"] == 0.0
