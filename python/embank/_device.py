@@ -48,6 +48,25 @@ class _Transfer:
         return host
 
 
+class StreamFollower:
+    """Orders one object's calls across CUDA streams: a call on another stream than the
+    last call's makes its stream wait (on the device) for the last one first. For an
+    object that launches work it does not wait for (a TrainCache's update), so that a call
+    on another stream (a look-ahead's, another thread's) never races it. A no-op off CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.last: Any = None
+
+    def follow(self) -> None:
+        if self.device.type != "cuda":
+            return
+        cur = torch.cuda.current_stream(self.device)
+        if self.last is not None and self.last != cur:
+            cur.wait_stream(self.last)
+        self.last = cur
+
+
 @functools.cache
 def _cuda_transfer(device: torch.device) -> _Transfer:
     return _Transfer(device)  # one copy stream a device, shared by every module

@@ -77,6 +77,7 @@ import numpy.typing as npt
 import torch
 
 from . import _gpu_shared, _gpu_train_native
+from ._device import StreamFollower
 from ._gpu_buckets import EMPTY, _triton_usable, key_hash
 from ._gpu_writer import TABLE_SHIFT, _Writer, split_keys
 from ._table import Table
@@ -207,6 +208,9 @@ class TrainCache:
             table: many trainers, see the module's text).
         refresh_every: with ``write="through"``, drop every cached row every this many
             steps, so rows others change reach the cache within that many steps.
+
+    Threads may share a cache (its calls take a lock); on CUDA a call on another stream
+    than the last call's waits for that stream first (an update is not waited for).
     """
 
     def __init__(
@@ -293,6 +297,7 @@ class TrainCache:
         self._lock = threading.RLock()
         self._closed = False
         self._stream_of: Any = None
+        self._streams = StreamFollower(self.device)
         self._nk: Any = None  # the native kernels over the tensors above (kernels="native")
         if kernels == "native":
             _gpu_train_native.attach(self)
@@ -572,8 +577,10 @@ class TrainCache:
         if self._closed:
             raise InvalidInputError("this TrainCache is closed")
         self._writer.raise_error()
+        self._streams.follow()  # after another stream's update (see StreamFollower)
 
     def _flush(self) -> int:
+        self._streams.follow()
         self._apply_gathered()
         d = self.dirty.nonzero().reshape(-1)
         n = int(d.numel())

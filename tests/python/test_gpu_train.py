@@ -742,3 +742,43 @@ def test_the_store_writes_its_caches_rows_at_checkpoint_close_and_state_dict_exp
     assert (cache.pull(torch.arange(10)) == 3.0).all()
     cache.close()
     store.close()
+
+
+def test_a_call_on_another_stream_waits_for_the_last_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An update is launched and not waited for: a pull, push or flush on another CUDA
+    stream than the last call's first makes its stream wait for that one (never on the
+    same stream). CUDA's streams stood in for by fakes that record the waits."""
+    from embank._device import StreamFollower
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name, self.waited = name, []  # type: ignore[var-annotated]
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Stream) and other.name == self.name
+
+        def wait_stream(self, other: Stream) -> None:
+            self.waited.append(other.name)
+
+    a, b = Stream("a"), Stream("b")
+    now = [a]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: now[0])
+    s = embank.open(str(tmp_path / "s"))
+    t = s.create_table("emb", dim=DIM, optimizer=eo.Adagrad(lr=0.1))
+    cache = gpu.TrainCache(t, rows_max=32, slots=8, device="cpu")
+    cache._streams = StreamFollower(torch.device("cuda", 0))  # the CPU cache, CUDA's ordering
+    ids, grads = torch.arange(5), torch.ones(5, DIM)
+    cache.pull(ids)
+    cache.push_grad(ids, grads)
+    assert a.waited == [] and b.waited == []
+    now[0] = b
+    cache.pull(ids)  # after a's update
+    assert b.waited == ["a"]
+    cache.push_grad(ids, grads)
+    now[0] = a
+    assert cache.flush() == 5  # after b's update
+    assert a.waited == ["b"] and b.waited == ["a"]
+    cache.close()
+    s.close()
