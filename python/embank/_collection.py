@@ -478,11 +478,18 @@ class EmbeddingBagCollection(torch.nn.Module):
     def _forward_shared(self, features: Any) -> dict[str, torch.Tensor]:
         """Through one TrainCache over every table (``shared_train_cache=True``)."""
         assert self._shared is not None
-        jagged = None if isinstance(features, torch.Tensor) else self._features.jagged(features)
+        training = torch.is_grad_enabled() and self.training
+        if isinstance(features, torch.Tensor):
+            if features.dim() != 2 or features.shape[1] != len(self.feature_names):
+                shared_inputs(features, self.feature_names, None)  # raises: the shape
+            self._features.weights([None] * len(self.feature_names))  # a weighted one refuses
+            pooled = self._shared.forward_dense(self.feature_names, features, training)
+            out = self._output_device(features)
+            return {n: p if p.device == out else p.to(out) for n, p in zip(self.feature_names, pooled)}
+        jagged = self._features.jagged(features)
         inputs = shared_inputs(features, self.feature_names, jagged)
         given = self._features.weights([w for _, _, w in inputs])
         inputs = [(v, o, w) for (v, o, _), w in zip(inputs, given)]
-        training = torch.is_grad_enabled() and self.training
         pooled = self._shared.forward(self.feature_names, self.modes, inputs, training)
         return {n: p.to(self._output_device(features)) for n, p in zip(self.feature_names, pooled)}
 

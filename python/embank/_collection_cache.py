@@ -29,6 +29,7 @@ class SharedCacheBags:
         self.index = index  # each feature's table in the cache
         self.bounds = bounds  # each feature's num_embeddings (None: unbounded)
         self.steps = _StepCounter()
+        self._made: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -38,16 +39,36 @@ class SharedCacheBags:
         training: bool,
     ) -> list[torch.Tensor]:
         """Each feature's pooled rows ``(bags, dim)`` from ``inputs`` (values, bag
-        starts, weights), in one find, one placement and one pooling."""
-        cache, dev = self.cache, self.cache.device
+        starts, weights), in one find, one placement and one pooling. The features are
+        joined in a few operations whatever their number (a model of 26 features pays
+        no launch a feature): one copy of the sizes up, no wait but the bounds check's."""
+        dev = self.cache.device
         values = [v.reshape(-1).to(dev, torch.int64) for v, _, _ in inputs]
         offsets = [o.reshape(-1).to(dev, torch.int64) for _, o, _ in inputs]
-        self._check(names, values)
-        keys = torch.cat([v | (i << TABLE_SHIFT) for v, i in zip(values, self.index)])
-        starts, at = [], 0
-        for v, o in zip(values, offsets):
-            starts.append(o + at)
-            at += v.numel()
+        counts = [v.numel() for v in values]
+        bags = [o.numel() for o in offsets]
+        total = sum(counts)
+        bases = [0]
+        for c in counts[:-1]:
+            bases.append(bases[-1] + c)
+        sizes = torch.tensor(counts + bags + bases, dtype=torch.int64).to(dev, non_blocking=True)
+        counts_t, bags_t, bases_t = (
+            sizes[: len(counts)],
+            sizes[len(counts) : 2 * len(counts)],
+            sizes[2 * len(counts) :],
+        )
+        bits, bounds = self._constants(dev)
+        vals = torch.cat(values)
+        if total:
+            per_value = torch.repeat_interleave(
+                torch.stack([bits, bounds]), counts_t, dim=1, output_size=total
+            )
+            if bool(((vals < 0) | (vals >= per_value[1])).any()):  # the step's one wait but the cache's
+                self._refuse(names, values)
+            keys = vals | per_value[0]
+        else:
+            keys = vals
+        starts = torch.cat(offsets) + torch.repeat_interleave(bases_t, bags_t, output_size=sum(bags))
         mixed = len(set(modes)) > 1
         weighted = any(w is not None for _, _, w in inputs)
         weights = None
@@ -62,6 +83,34 @@ class SharedCacheBags:
                 else:
                     parts.append(torch.ones(v.numel(), device=dev))
             weights = torch.cat(parts)
+        mode = "sum" if weights is not None else modes[0]
+        return self._pool(keys, starts, bags, mode, weights, training)
+
+    def forward_dense(self, names: list[str], features: torch.Tensor, training: bool) -> list[torch.Tensor]:
+        """:meth:`forward` of a ``(batch, features)`` tensor of ids (one id a bag: MEAN
+        pools as SUM), joined in a handful of operations, none a feature."""
+        dev = self.cache.device
+        ids = features.to(dev, torch.int64)
+        n, nf = ids.shape
+        bits, bounds = self._constants(dev)
+        if ids.numel() and bool(((ids < 0) | (ids >= bounds)).any()):
+            self._refuse(names, list(ids.t()))
+        keys = (ids | bits).t().reshape(-1)  # feature by feature, as the jagged path
+        starts = torch.arange(n * nf, dtype=torch.int64, device=dev)
+        return self._pool(keys, starts, [n] * nf, "sum", None, training)
+
+    def _pool(
+        self,
+        keys: torch.Tensor,
+        starts: torch.Tensor,
+        bags: list[int],
+        mode: str,
+        weights: torch.Tensor | None,
+        training: bool,
+    ) -> list[torch.Tensor]:
+        """The bags of ``keys`` pooled from the cache's rows, one find, placement and
+        update for all; each feature's ``(bags, dim)``."""
+        cache = self.cache
         uniq, inverse = torch.unique(keys, return_inverse=True)
         rows = cache.pull_unique(uniq)
         if training:
@@ -72,18 +121,25 @@ class SharedCacheBags:
                 cache.add_grad(uniq, grad.detach().to(torch.float32), step)
 
             rows.register_hook(hook)  # type: ignore[no-untyped-call]
-        mode = "sum" if weights is not None else modes[0]
-        pooled = F.embedding_bag(inverse, rows, torch.cat(starts), mode=mode, per_sample_weights=weights)
-        return list(torch.split(pooled, [o.numel() for o in offsets]))
+        pooled = F.embedding_bag(inverse, rows, starts, mode=mode, per_sample_weights=weights)
+        return list(torch.split(pooled, bags))
 
-    def _check(self, names: list[str], values: list[torch.Tensor]) -> None:
-        """Ids non-negative, below 2**48 and each table's ``num_embeddings``: one wait for
-        the device for every feature."""
-        present = [(n, v, b) for n, v, b in zip(names, values, self.bounds) if v.numel()]
-        if not present:
-            return
-        ends = torch.stack([torch.stack([v.min(), v.max()]) for _, v, _ in present]).tolist()
-        for (name, _, bound), (low, top) in zip(present, ends):
+    def _constants(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each feature's key bits (its table's index << 48) and id bound (its table's
+        num_embeddings, at most 2**48), on ``dev``: made once."""
+        if self._made is None or self._made[0].device != dev:
+            top = 1 << TABLE_SHIFT
+            bits = torch.tensor([i << TABLE_SHIFT for i in self.index], dtype=torch.int64, device=dev)
+            bounds = torch.tensor([top if b is None else min(b, top) for b in self.bounds], device=dev)
+            self._made = (bits, bounds.to(torch.int64))
+        return self._made
+
+    def _refuse(self, names: list[str], values: list[torch.Tensor]) -> None:
+        """Raises for the first feature with an id out of its bounds (a step refused)."""
+        for name, v, bound in zip(names, values, self.bounds):
+            if not v.numel():
+                continue
+            low, top = (int(x) for x in torch.stack([v.min(), v.max()]).tolist())
             if low < 0:
                 raise InvalidInputError(f"feature {name!r}: ids must be non-negative, got {low}")
             if bound is not None and top >= bound:
@@ -96,6 +152,7 @@ class SharedCacheBags:
                 raise InvalidInputError(
                     f"feature {name!r}: id {top} is not below 2**{TABLE_SHIFT} (a shared train cache's)"
                 )
+        raise InvalidInputError("an id is out of its feature's bounds")  # not reached
 
 
 def shared_inputs(features: Any, names: list[str], jagged: Any) -> list[Any]:

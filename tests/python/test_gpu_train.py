@@ -545,6 +545,50 @@ def test_a_shared_cache_pools_mixed_modes_and_weights_as_the_fused_collection(
     np.testing.assert_allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=1e-5, atol=1e-6)
 
 
+def test_a_shared_cache_takes_a_tensor_of_ids_as_the_same_ids_jagged(tmp_path: Path) -> None:
+    """A ``(batch, features)`` tensor through a shared cache (its own path: the features
+    joined without a launch each) pools and trains as the same ids given jagged, and
+    refuses what the jagged path refuses: an id past num_embeddings, a bad shape."""
+    configs = [
+        et.EmbeddingBagConfig(
+            num_embeddings=KEYS,
+            embedding_dim=DIM,
+            name=f"t{i}",
+            feature_names=[f"f{i}"],
+            pooling="mean" if i == 1 else "sum",
+        )
+        for i in range(3)
+    ]
+
+    def train(dense: bool) -> tuple[list[Any], npt.NDArray[Any]]:
+        store = embank.open(str(tmp_path / str(dense)))
+        ebc = et.EmbeddingBagCollection.from_configs(
+            store, configs, eo.Adagrad(lr=0.1), train_cache_rows=40, shared_train_cache=True, device="cpu"
+        )
+        rng = np.random.default_rng(2)
+        seen = []
+        for _ in range(8):
+            ids = torch.from_numpy(np.stack([_batch(rng, 32) for _ in range(3)], 1))
+            x = ids if dense else {f"f{i}": (ids[:, i], torch.arange(32)) for i in range(3)}
+            out = ebc(x)
+            out.values().square().sum().backward()
+            seen.append(out.values().detach().numpy().copy())
+        if dense:
+            with pytest.raises(InvalidInputError, match="'f2': id 400 is not below num_embeddings 400"):
+                ebc(torch.tensor([[1, 2, KEYS]]))
+            with pytest.raises(InvalidInputError, match="must be"):
+                ebc(torch.tensor([[1, 2]]))
+        store.checkpoint(1)
+        got: npt.NDArray[Any] = np.concatenate([_records(store.table(c.name)) for c in configs], 1)
+        store.close()
+        return seen, got
+
+    (want_seen, want), (got_seen, got) = train(False), train(True)
+    for a, b in zip(got_seen, want_seen):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_gradients_of_one_step_are_one_update(tmp_path: Path) -> None:
     """add_grad (what the modules' backward calls): two gradients of step 1 for a row make
     one update of their sum, applied by the next pull; a gradient of step 2 applies
