@@ -97,9 +97,18 @@ def resident(
     return slot, (spill_keys, torch.from_numpy(np.ascontiguousarray(records[unplaced])).to(cache.device))
 
 
+def _given(cache: TrainCache, what: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Refuses a tensor whose address the kernels could not read as ``dtype`` x ``shape``."""
+    if t.dtype != dtype or t.device != cache.device or tuple(t.shape) != shape:
+        raise InvalidInputError(
+            f"{what}: {dtype} {shape} on {cache.device} wanted, got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
+
+
 def find(cache: TrainCache, uniq: torch.Tensor) -> torch.Tensor:
     """The slots of ``uniq`` in the cache (-1 where absent): nothing placed, nothing
     touched."""
+    _given(cache, "ids", uniq, torch.int64, (uniq.numel(),))
     u = uniq.contiguous()
     slot = torch.empty(u.numel(), dtype=torch.int64, device=cache.device)
     cache._nk.find(u.data_ptr(), u.numel(), slot.data_ptr(), 0, 0, cache._stream_of())
@@ -109,6 +118,8 @@ def find(cache: TrainCache, uniq: torch.Tensor) -> torch.Tensor:
 def update(cache: TrainCache, slot: torch.Tensor, grads: torch.Tensor) -> None:
     """The table's optimizer on the rows at ``slot`` (int64, < 0 skipped) with ``grads``
     (one row each), in one launch; marked dirty when the cache writes back."""
+    _given(cache, "slots", slot, torch.int64, (slot.numel(),))
+    _given(cache, "grads", grads, torch.float32, (slot.numel(), cache.dim))
     o = cache._opt
     s = slot.contiguous()
     g = grads.contiguous()
