@@ -277,13 +277,13 @@ def test_native_kernels_refuse_what_they_do_not_run(tmp_path: Path, monkeypatch:
     from embank import _gpu_train_native as native  # the kernels' own guards (internal callers)
 
     slot = native.find(cache, torch.tensor([1]))
-    with pytest.raises(InvalidInputError, match="grads: torch.float32"):
+    with pytest.raises(InvalidInputError, match=r"grads: torch\.float32"):
         native.update(cache, slot, torch.ones(1, DIM, dtype=torch.float64))
-    with pytest.raises(InvalidInputError, match="grads: torch.float32"):
+    with pytest.raises(InvalidInputError, match=r"grads: torch\.float32"):
         native.update(cache, slot, torch.ones(1, DIM + 1))
-    with pytest.raises(InvalidInputError, match="slots: torch.int64"):
+    with pytest.raises(InvalidInputError, match=r"slots: torch\.int64"):
         native.update(cache, slot.int(), torch.ones(1, DIM))
-    with pytest.raises(InvalidInputError, match="ids: torch.int64"):
+    with pytest.raises(InvalidInputError, match=r"ids: torch\.int64"):
         native.find(cache, torch.tensor([1.0]))
     assert cache.pull(torch.tensor([1]))[0].tolist() == [0.0] * DIM
     assert cache.stats()["updates"] == 1
