@@ -5,7 +5,8 @@
 # Triton/PyTorch paths' tests too), then
 # examples/gpu_cache/native_bench.py at full size, then TrainCache's CUDA test (its native,
 # Triton and PyTorch paths alike) and examples/gpu_cache/train_bench.py (DLRM trained
-# through TrainCache: one shared cache, the host path, a cache a table, Triton's).
+# through TrainCache: one shared cache, the host path, a cache a table, Triton's; 3 steps
+# of each under PyTorch's profiler: the host's and the device's time a step).
 #
 #   bash examples/gpu_cache/on_a_gpu_native.sh OUT_DIR [WORK_DIR]
 #
@@ -45,7 +46,7 @@ timeout "${TRAIN_TESTS_TIMEOUT:-90}" "$py" -m pytest -q -p no:cacheprovider -rs 
 step train bench
 # The ways most wanted first (train.json is rewritten after each: a cut run keeps them).
 timeout "${TRAIN_TIMEOUT:-240}" "$py" examples/gpu_cache/train_bench.py --out "$work/train" \
-    ${TRAIN_ARGS:---steps 100 --warmup 20 --ways resident,cache_shared,host,cache,cache_triton} \
+    ${TRAIN_ARGS:---steps 100 --warmup 20 --profile-steps 3 --ways resident,cache_shared,host,cache,cache_triton} \
     2>&1 | tee "$out/train.txt" | tail -20
 cp "$work/train/train.json" "$out/" 2>/dev/null
 step done

@@ -159,24 +159,26 @@ def run(kind: str, args: argparse.Namespace, device: torch.device, work: Path) -
     losses: list[torch.Tensor] = []
     windows: list[float] = []
     per_window = max(1, args.steps // args.repeats)
-    step = 0
+
+    def train_step() -> torch.Tensor:
+        dense, sparse, labels = (x.to(device) for x in batch(rng, args.batch, args.rows, cdf))
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse), labels)
+        dense_opt.zero_grad()
+        if sparse_opt is not None:
+            sparse_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        if sparse_opt is not None:
+            sparse_opt.step()
+        return loss.detach()  # no host wait a step
+
     for w in range(args.repeats + 1):  # window 0 warms up
         n = args.warmup if w == 0 else per_window
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         for _ in range(n):
-            dense, sparse, labels = (x.to(device) for x in batch(rng, args.batch, args.rows, cdf))
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse), labels)
-            dense_opt.zero_grad()
-            if sparse_opt is not None:
-                sparse_opt.zero_grad()
-            loss.backward()
-            dense_opt.step()
-            if sparse_opt is not None:
-                sparse_opt.step()
-            losses.append(loss.detach())  # no host wait a step
-            step += 1
+            losses.append(train_step())
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if w > 0:
@@ -185,8 +187,10 @@ def run(kind: str, args: argparse.Namespace, device: torch.device, work: Path) -
         "examples_per_s": float(np.median(windows)),
         "windows": windows,
         "losses": [float(x) for x in losses],
-        "auc": evaluate(model, args, device, cdf),
     }
+    if args.profile_steps:
+        out["profile"] = profile(train_step, args.profile_steps, device)
+    out["auc"] = evaluate(model, args, device, cdf)
     if caches:
         st = [c.stats() for c in caches]
         hits, misses = sum(s["hits"] for s in st), sum(s["misses"] for s in st)
@@ -204,6 +208,49 @@ def run(kind: str, args: argparse.Namespace, device: torch.device, work: Path) -
     if store is not None:
         store.close()
     return out
+
+
+def profile(train_step: Any, steps: int, device: torch.device) -> dict[str, float]:
+    """Where a step's time goes, over ``steps`` steps under PyTorch's profiler (after the
+    timed ones): the host's wall time, PyTorch operations called from Python, and on CUDA
+    the kernels run (the native ones too) and the time the device was busy with them. A
+    device busy for a small share of the step says the host bounds it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=acts) as prof:
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            train_step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    ops = [
+        e
+        for e in events
+        if e.name.startswith("aten::")
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    ]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    syncs = [
+        e
+        for e in events
+        if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    ]
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall * 1e3 / steps,
+        "torch_ops_per_step": len(ops) / steps,
+        "kernels_per_step": len(kernels) / steps,
+        "device_busy_ms_per_step": sum(e.device_time for e in kernels) / 1e3 / steps,
+        "runtime_syncs_per_step": len(syncs) / steps,
+    }
 
 
 def evaluate(
@@ -241,13 +288,19 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help='the cache way\'s kernels: "native", "triton", "torch" (default: native where it runs)',
     )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after the timed steps, this many under PyTorch's profiler (the host's and the device's time)",
+    )
     p.add_argument("--small-run", action="store_true", help="a smoke test: tiny sizes")
     args = p.parse_args(argv)
     if args.kernels == "auto":
         args.kernels = "native" if _gpu_train_native.usable(torch.device(args.device)) else "torch"
     if args.small_run:
         args.rows, args.dim, args.batch, args.steps, args.warmup, args.repeats = 2000, 8, 64, 6, 2, 2
-        args.eval_batches = 2
+        args.eval_batches, args.profile_steps = 2, min(args.profile_steps, 2)
     if args.out is None:  # the stores in a directory removed at the end, the figures printed
         with tempfile.TemporaryDirectory(prefix="embank-train-bench-") as tmp:
             return bench(args, Path(tmp))
