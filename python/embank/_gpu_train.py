@@ -305,21 +305,9 @@ class TrainCache:
         self._owner = table._owner() if table._owner is not None else None
         if self._owner is not None:
             self._owner._write_backs.add(self)
-        self._stats = dict.fromkeys(
-            (
-                "pulls",
-                "hits",
-                "misses",
-                "created",
-                "evicted",
-                "written_back",
-                "overflow",
-                "updates",
-                "flushes",
-                "refreshes",
-            ),
-            0,
-        )
+        counters = "pulls hits misses created evicted written_back overflow updates flushes refreshes"
+        self._stats = dict.fromkeys(counters.split(), 0)
+        self._streams.follow()  # the arrays above were made on this stream
 
     # ---- the API ----
 
@@ -513,6 +501,7 @@ class TrainCache:
         updates, flushes, refreshes), the rows cached and dirty now, and the bound."""
         with self._lock:
             if not self._closed:
+                self._streams.follow()
                 self._apply_gathered()
             out: dict[str, Any] = dict(self._stats)
             out["rows"] = int((self.keys != EMPTY).sum())

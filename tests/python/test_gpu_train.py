@@ -840,6 +840,7 @@ def test_a_call_on_another_stream_waits_for_the_last_calls(
     t = s.create_table("emb", dim=DIM, optimizer=eo.Adagrad(lr=0.1))
     cache = gpu.TrainCache(t, rows_max=32, slots=8, device="cpu")
     cache._streams = StreamFollower(torch.device("cuda", 0))  # the CPU cache, CUDA's ordering
+    cache._streams.follow()  # as the constructor does: its arrays were made on a
     ids, grads = torch.arange(5), torch.ones(5, DIM)
     cache.pull(ids)
     cache.push_grad(ids, grads)
@@ -851,5 +852,8 @@ def test_a_call_on_another_stream_waits_for_the_last_calls(
     now[0] = a
     assert cache.flush() == 5  # after b's update
     assert a.waited == ["b"] and b.waited == ["a"]
+    now[0] = b
+    assert cache.stats()["rows"] == 5  # counts after a's flush
+    assert b.waited == ["a", "a"]
     cache.close()
     s.close()

@@ -17,6 +17,10 @@ use crate::device::Kernel;
 use crate::mem::{align, Host, Scratch};
 use crate::{Inner, Refreshed, C_REFRESH_CHANGED, LOCKED_KEY};
 
+/// A chunk buffer's most bytes (rows, slots, keys, versions, found flags): chunks of wide
+/// rows hold fewer than `refresh_chunk` rows (64 k rows of dim 128 f32: 35 MB).
+const REFRESH_BUFFER_BYTES: usize = 40 << 20;
+
 /// A chunk buffer's bytes for `n` rows: rows, slots, keys, versions, found flags.
 fn chunk_bytes(n: usize, row_bytes: usize) -> usize {
     align(n * row_bytes, 8) + n * 8 * 2 + n * 4 + align(n, 8) + 256
@@ -88,7 +92,9 @@ impl Source<'_> {
 
 /// A refresh's pinned and device buffers: allocated by the first refresh (pinned memory
 /// is slow to allocate: tens of milliseconds for the two chunk buffers), kept for the
-/// next, freed with the cache.
+/// next, freed at `close` (two chunk buffers of at most `REFRESH_BUFFER_BYTES` each, on
+/// the host, pinned, and on the device; the key snapshot: 8 bytes a slot and 4 a bucket,
+/// pinned). A refresh that fails frees its buffers.
 pub(crate) struct Kept {
     snap: Host,
     bufs: [Scratch; 2],
@@ -117,10 +123,11 @@ impl Inner {
         let t0 = Instant::now();
         let slots_total = self.desc.n_buckets as usize * self.desc.slots as usize;
         let nb = self.desc.n_buckets as usize;
-        let mut kept = match self.refreshing.lock().take() {
+        let taken = self.refreshing.lock().take(); // not held while allocating
+        let mut kept = match taken {
             Some(k) => k,
             None => {
-                let per = self.opts.refresh_chunk.max(1).min(slots_total);
+                let per = self.chunk_rows(slots_total);
                 let bytes = chunk_bytes(per, self.row_bytes);
                 Kept {
                     snap: Host::new(&self.dev, slots_total * 8 + nb * 4)?,
@@ -129,10 +136,27 @@ impl Inner {
             }
         };
         let r = self.refresh_with(&mut kept, t0);
-        if let Some(other) = self.refreshing.lock().replace(kept) {
+        if r.is_err() {
+            // A copy may be queued after a buffer's last `done` (a launch that failed
+            // after it): mark both after everything queued, wait, and free them.
+            for s in &kept.bufs {
+                let _ = self.dev.record(s.done, self.side);
+            }
+            kept.free(&self.dev);
+            return r;
+        }
+        let other = self.refreshing.lock().replace(kept);
+        if let Some(other) = other {
             other.free(&self.dev); // two refreshes at once: keep one set
         }
         r
+    }
+
+    /// Rows a chunk: `refresh_chunk`, fewer for wide rows (a chunk buffer holds at most
+    /// `REFRESH_BUFFER_BYTES`), at most the cache's slots.
+    fn chunk_rows(&self, slots_total: usize) -> usize {
+        let by_bytes = (REFRESH_BUFFER_BYTES / (self.row_bytes + 21)).max(1);
+        self.opts.refresh_chunk.min(by_bytes).max(1).min(slots_total.max(1))
     }
 
     fn refresh_with(&self, kept: &mut Kept, t0: Instant) -> Result<Refreshed> {
@@ -165,7 +189,7 @@ impl Inner {
         let live: Vec<usize> = (0..slots_total).filter(|&i| keys[i] < LOCKED_KEY).collect();
         let setup_seconds = t0.elapsed().as_secs_f64();
         let rb = self.row_bytes;
-        let per = self.opts.refresh_chunk.max(1).min(live.len().max(1));
+        let per = self.chunk_rows(slots_total).min(live.len().max(1));
         let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).clamp(1, 16);
         let source = Source {
             table: &*self.table,
@@ -183,15 +207,18 @@ impl Inner {
             for _ in 0..threads {
                 let (give, pieces) = mpsc::channel::<Piece<'_>>();
                 let answer = answer.clone();
-                scope.spawn(move || {
-                    for p in pieces {
-                        let r = catch_unwind(AssertUnwindSafe(|| source.read(p)))
-                            .unwrap_or_else(|_| Err(Error::new(ErrorKind::Corrupt, "a refresh reader panicked")));
-                        if answer.send(r).is_err() {
-                            return;
+                std::thread::Builder::new()
+                    .name("embank-refresh".into())
+                    .spawn_scoped(scope, move || {
+                        for p in pieces {
+                            let r = catch_unwind(AssertUnwindSafe(|| source.read(p)))
+                                .unwrap_or_else(|_| Err(Error::new(ErrorKind::Corrupt, "a refresh reader panicked")));
+                            if answer.send(r).is_err() {
+                                return;
+                            }
                         }
-                    }
-                });
+                    })
+                    .map_err(|e| Error::new(ErrorKind::Io, format!("a refresh reader did not start: {e}")))?;
                 readers.push(give);
             }
             drop(answer);

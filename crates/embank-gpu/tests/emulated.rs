@@ -249,6 +249,25 @@ fn refresh_in_small_chunks_by_several_readers_twice_and_two_at_once_with_lookups
 }
 
 #[test]
+fn a_refresh_whose_table_read_fails_says_so_and_the_cache_still_answers() {
+    let f = table(DType::F32, 4, 300);
+    let mut o = options(16, 32, 4);
+    o.refresh_chunk = 64;
+    let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
+    let ids: Vec<u64> = (0..300).collect();
+    let (want, _) = lookup(&cache, &ids);
+    cache.refresh().unwrap(); // the buffers kept
+    f.store.close().unwrap();
+    let e = cache.refresh().unwrap_err();
+    assert!(!e.to_string().is_empty());
+    // Its buffers freed, not kept half-used; the cached rows answer as before.
+    let (out, hits) = lookup(&cache, &ids);
+    assert_eq!((out, hits), (want, Some(300)));
+    assert_eq!(cache.stats().unwrap().host.refreshes, 1);
+    cache.close().unwrap();
+}
+
+#[test]
 fn async_lookups_answer_the_default_then_the_rows() {
     let f = table(DType::F32, 4, 100);
     let mut o = options(8, 16, 4);
