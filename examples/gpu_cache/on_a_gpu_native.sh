@@ -11,14 +11,19 @@
 #   bash examples/gpu_cache/on_a_gpu_native.sh OUT_DIR [WORK_DIR]
 #
 # Needs python3 with torch (CUDA), numpy, pytest (triton for the Triton tests); embank
-# importable (installed, or python/embank with its built extension: the script puts
-# ./python first on PYTHONPATH).
+# importable (installed: tools/device_bundle.sh readies a wheel and says how; or
+# python/embank with its built extension, which the script then puts first).
 set -u
 out=${1:?usage: on_a_gpu_native.sh OUT_DIR [WORK_DIR]}
 work=${2:-/tmp/embank-gpu-native}
 py=${PYTHON:-python3}
 mkdir -p "$out" "$work"
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
+# The checkout's package first where it holds a built extension (make develop); else the
+# installed one (tools/device_bundle.sh's wheel).
+if compgen -G "python/embank/_native*.so" >/dev/null; then
+    export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+fi
 step() { echo "== $(date -u +%H:%M:%S) $*" >&2; }
 
 step env
