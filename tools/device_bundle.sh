@@ -17,6 +17,6 @@ rm -rf .device && mkdir -p .device
 cp dist/embank-*.whl .device/
 ls -l .device
 cat <<'RUN'
-carry [".device"], timeout_s 700, command:
+carry [".device"], timeout_s 600, command (OUT gets 8 files at most: this makes 8):
   set -o pipefail; python3 -m pip install -q --no-deps --no-index .device/embank-*.whl && bash examples/gpu_cache/on_a_gpu_native.sh "$OUT" 2>&1 | tee "$OUT/run.log"
 RUN

@@ -377,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dlrm-batches", type=int, default=100, help="timed batches of (e)")
     p.add_argument("--dlrm-warm", type=int, default=200, help="batches that warm (e)'s caches, untimed")
     p.add_argument("--only", default="a,b,c,d,e", help="sections to run")
+    p.add_argument("--json", type=Path, default=None, help="the results (default: OUT/native.json)")
     p.add_argument("--small-run", action="store_true", help="tiny sizes (a CPU smoke test)")
     args = p.parse_args(argv)
     if args.small_run:
@@ -405,9 +406,10 @@ def main(argv: list[str] | None = None) -> int:
             result[name] = fn(store, args, device)
             result[name]["section_seconds"] = time.perf_counter() - t0
             print(json.dumps({name: result[name]}, indent=1, default=str), flush=True)
+            # After each section: a run cut short keeps the sections done.
+            (args.json or args.out / "native.json").write_text(json.dumps(result, indent=1, default=str))
             for tname in list(store.tables()):
                 store.drop_table(tname)
-    (args.out / "native.json").write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The native GPU path's checks and measurements on a machine with an NVIDIA GPU, in one
-# call of at most 11 minutes (each step has its own time limit; ~6 expected): the CUDA
+# device call (at most 10 minutes): each step has its own limit, ~9.3 minutes together
+# (~6 expected), and native.json / train.json are written into OUT_DIR as each bench's
+# sections end, so a cut run keeps what was done. The CUDA
 # tests (the native path on CUDA and on the emulator where the build has it; the
 # Triton/PyTorch paths' tests too), then
 # examples/gpu_cache/native_bench.py at full size, then TrainCache's CUDA test (its native,
@@ -35,23 +37,21 @@ step env
 } 2>&1 | tee "$out/env.txt"
 
 step tests
-timeout "${TESTS_TIMEOUT:-150}" "$py" -m pytest -q -p no:cacheprovider -rs -x \
+timeout "${TESTS_TIMEOUT:-130}" "$py" -m pytest -q -p no:cacheprovider -rs -x \
     tests/python/test_gpu_native.py tests/python/test_gpu.py tests/python/test_gpu_regressions.py \
     2>&1 | tee "$out/pytest.txt" | tail -40
 
 step native bench
-timeout "${BENCH_TIMEOUT:-210}" "$py" examples/gpu_cache/native_bench.py --out "$work" ${BENCH_ARGS:-} \
-    2>&1 | tee "$out/bench.txt" | tail -150
-cp "$work/native.json" "$out/" 2>/dev/null
+timeout "${BENCH_TIMEOUT:-170}" "$py" examples/gpu_cache/native_bench.py --out "$work" --json "$out/native.json" \
+    ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.txt" | tail -150
 
 step train tests
-timeout "${TRAIN_TESTS_TIMEOUT:-90}" "$py" -m pytest -q -p no:cacheprovider -rs -x -k cuda \
+timeout "${TRAIN_TESTS_TIMEOUT:-60}" "$py" -m pytest -q -p no:cacheprovider -rs -x -k cuda \
     tests/python/test_gpu_train.py 2>&1 | tee "$out/pytest_train.txt" | tail -20
 
 step train bench
 # The ways most wanted first (train.json is rewritten after each: a cut run keeps them).
-timeout "${TRAIN_TIMEOUT:-240}" "$py" examples/gpu_cache/train_bench.py --out "$work/train" \
+timeout "${TRAIN_TIMEOUT:-190}" "$py" examples/gpu_cache/train_bench.py --out "$work/train" --json "$out/train.json" \
     ${TRAIN_ARGS:---steps 100 --warmup 20 --profile-steps 3 --ways resident,cache_shared,host,cache,cache_triton} \
     2>&1 | tee "$out/train.txt" | tail -20
-cp "$work/train/train.json" "$out/" 2>/dev/null
 step done

@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="after the timed steps, this many under PyTorch's profiler (the host's and the device's time)",
     )
+    p.add_argument("--json", type=Path, default=None, help="the results (default: OUT/train.json)")
     p.add_argument("--small-run", action="store_true", help="a smoke test: tiny sizes")
     args = p.parse_args(argv)
     if args.kernels == "auto":
@@ -330,7 +331,7 @@ def bench(args: argparse.Namespace, work: Path) -> int:
             },
             flush=True,
         )
-        (work / "train.json").write_text(
+        (args.json or work / "train.json").write_text(
             json.dumps({k: v for k, v in result.items() if k != "_losses"}, indent=1)
         )
     losses = result.pop("_losses")
@@ -350,7 +351,7 @@ def bench(args: argparse.Namespace, work: Path) -> int:
                 result["largest_loss_difference_cache_shared_host"] = d
             print(f"largest loss difference, cache against host: {diff:.3g}")
             print(f"AUC difference, cache against host: {result['auc_difference_cache_host']:.2g}")
-    (work / "train.json").write_text(json.dumps(result, indent=1))
+    (args.json or work / "train.json").write_text(json.dumps(result, indent=1))
     return 0
 
 
