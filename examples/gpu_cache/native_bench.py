@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -301,8 +303,6 @@ def dlrm(store: embank.Store, args: argparse.Namespace, device: torch.device) ->
     ``--dlrm-rows`` rows, Zipf 1.05 ids, batches of ``--dlrm-batch``): tables read from
     the CPU store every batch against through a GpuCache per table (sync inserts, so
     every row is the table's: the predictions must be equal)."""
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "dlrm"))
     from model import DLRM  # type: ignore[import-not-found]
 
@@ -403,13 +403,21 @@ def main(argv: list[str] | None = None) -> int:
         for key in args.only.split(","):
             name, fn = sections[key]
             t0 = time.perf_counter()
-            result[name] = fn(store, args, device)
+            try:
+                result[name] = fn(store, args, device)
+            except Exception as e:  # one section failing on a lent GPU must not cost the others
+                traceback.print_exc()
+                result[name] = {"error": f"{type(e).__name__}: {e}"}
             result[name]["section_seconds"] = time.perf_counter() - t0
             print(json.dumps({name: result[name]}, indent=1, default=str), flush=True)
             # After each section: a run cut short keeps the sections done.
             (args.json or args.out / "native.json").write_text(json.dumps(result, indent=1, default=str))
             for tname in list(store.tables()):
                 store.drop_table(tname)
+    failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -36,6 +36,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -318,7 +319,16 @@ def bench(args: argparse.Namespace, work: Path) -> int:
         if kind == "cache_triton" and device.type != "cuda":
             print(f"{kind:>8}: skipped (the Triton kernels run on CUDA)", flush=True)
             continue
-        r = run(kind, args, device, work)
+        try:
+            r = run(kind, args, device, work)
+        except Exception as e:  # one way failing on a lent GPU must not cost the others
+            traceback.print_exc()
+            result[kind] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{kind:>8}: failed: {result[kind]['error']}", flush=True)
+            (args.json or work / "train.json").write_text(
+                json.dumps({k: v for k, v in result.items() if k != "_losses"}, indent=1)
+            )
+            continue
         result[kind] = {k: v for k, v in r.items() if k != "losses"}
         result[kind]["last_loss"] = r["losses"][-1]
         result.setdefault("_losses", {})[kind] = r["losses"]
@@ -337,11 +347,11 @@ def bench(args: argparse.Namespace, work: Path) -> int:
     losses = result.pop("_losses")
     for cache in ("cache", "cache_shared", "cache_triton"):
         for base in ("resident", "host"):
-            if cache in result and base in result:
+            if "examples_per_s" in result.get(cache, {}) and "examples_per_s" in result.get(base, {}):
                 ratio = result[cache]["examples_per_s"] / result[base]["examples_per_s"]
                 result[f"{cache}_over_{base}"] = ratio
                 print(f"{cache} / {base}: {ratio:.2f}x")
-    if "cache" in result:
+    if "cache" in losses:
         if "host" in losses:
             diff = float(np.max(np.abs(np.array(losses["cache"]) - np.array(losses["host"]))))
             result["largest_loss_difference_cache_host"] = diff
@@ -352,6 +362,10 @@ def bench(args: argparse.Namespace, work: Path) -> int:
             print(f"largest loss difference, cache against host: {diff:.3g}")
             print(f"AUC difference, cache against host: {result['auc_difference_cache_host']:.2g}")
     (args.json or work / "train.json").write_text(json.dumps(result, indent=1))
+    failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -456,6 +456,22 @@ def test_the_training_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     assert r["args"]["kernels"] == ("native" if EMULATOR else "torch")
 
 
+def test_the_training_bench_keeps_going_past_a_way_that_fails(tmp_path: Path) -> None:
+    """A way that fails (here: kernels no cache takes) is recorded with its error in
+    train.json, the next ways still run, and the bench exits non-zero."""
+    import json
+
+    bench = Path(__file__).resolve().parents[2] / "examples" / "gpu_cache" / "train_bench.py"
+    out = tmp_path / "r.json"
+    args = ["--device", "cpu", "--small-run", "--ways", "cache,host", "--kernels", "nope", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(bench), *args, "--out", str(tmp_path)], capture_output=True, timeout=300
+    )
+    assert run.returncode == 1, run.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert "kernels must be" in r["cache"]["error"] and r["host"]["examples_per_s"] > 0
+
+
 @pytest.mark.parametrize("way", ["caches", "shared", pytest.param("shared_native", marks=NEEDS_EMULATOR)])
 def test_from_configs_trains_through_caches_as_the_fused_collection(tmp_path: Path, way: str) -> None:
     """TorchRec's drop-in with ``train_cache_rows``: a table with two features, another
