@@ -9,6 +9,7 @@ another order, so within float rounding)."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -48,15 +49,9 @@ class SharedCacheBags:
         counts = [v.numel() for v in values]
         bags = [o.numel() for o in offsets]
         total = sum(counts)
-        bases = [0]
-        for c in counts[:-1]:
-            bases.append(bases[-1] + c)
-        sizes = torch.tensor(counts + bags + bases, dtype=torch.int64).to(dev, non_blocking=True)
-        counts_t, bags_t, bases_t = (
-            sizes[: len(counts)],
-            sizes[len(counts) : 2 * len(counts)],
-            sizes[2 * len(counts) :],
-        )
+        bases = list(itertools.accumulate(counts, initial=0))[:-1]
+        sizes = torch.tensor([counts, bags, bases], dtype=torch.int64).to(dev, non_blocking=True)
+        counts_t, bags_t, bases_t = sizes  # each feature's ids, bags, first id
         bits, bounds = self._constants(dev)
         vals = torch.cat(values)
         if total:
