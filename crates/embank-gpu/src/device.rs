@@ -56,10 +56,40 @@ pub type Stream = u64;
 /// An event handle (`CUevent`).
 pub type Event = u64;
 
+/// A device's context made current on the calling thread by [`Device::enter`], until
+/// dropped: then the context the thread had before is current again, so a caller's
+/// current device (PyTorch's, in a process with caches on several GPUs) is left as it
+/// was. Entering a context already current costs a lookup and restores nothing.
+#[must_use = "the device's context is current only while this lives"]
+pub struct Entered {
+    prev: usize,
+    restore: Option<fn(usize)>,
+    /// Bound to the thread it was made on.
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Entered {
+    fn restoring(prev: usize, restore: fn(usize)) -> Entered {
+        Entered { prev, restore: Some(restore), _thread: std::marker::PhantomData }
+    }
+    fn kept() -> Entered {
+        Entered { prev: 0, restore: None, _thread: std::marker::PhantomData }
+    }
+}
+
+impl Drop for Entered {
+    fn drop(&mut self) {
+        if let Some(r) = self.restore.take() {
+            r(self.prev);
+        }
+    }
+}
+
 /// Where the kernels run. Every method may be called from any thread.
 pub trait Device: Send + Sync {
-    /// Makes the device's context current on the calling thread.
-    fn enter(&self) -> Result<()>;
+    /// Makes the device's context current on the calling thread while the guard lives
+    /// (every other method needs it current; nested enters are cheap).
+    fn enter(&self) -> Result<Entered>;
     fn alloc(&self, bytes: usize) -> Result<u64>;
     /// # Safety
     /// `ptr` came from [`Device::alloc`] with `bytes`, and no launch uses it any more.
@@ -153,7 +183,13 @@ impl Cuda {
             check(sys::cuDeviceGet(&mut device, ordinal), "cuDeviceGet")?;
             let mut ctx: sys::CUcontext = std::ptr::null_mut();
             check(sys::cuDevicePrimaryCtxRetain(&mut ctx, device), "cuDevicePrimaryCtxRetain")?;
-            check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
+            let _cx = match cuda_enter(ctx as usize) {
+                Ok(cx) => cx,
+                Err(e) => {
+                    let _ = sys::cuDevicePrimaryCtxRelease_v2(device);
+                    return Err(e);
+                }
+            };
             let ptx = std::ffi::CString::new(PTX).expect("PTX has no NUL");
             let mut module: sys::CUmodule = std::ptr::null_mut();
             check(sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()), "loading the kernels (cuModuleLoadData)")?;
@@ -172,17 +208,33 @@ impl Drop for Cuda {
     fn drop(&mut self) {
         // SAFETY: the module and the context's retain are ours; nothing launches any more.
         unsafe {
-            let _ = sys::cuCtxSetCurrent(self.ctx as sys::CUcontext);
+            let _cx = cuda_enter(self.ctx);
             let _ = sys::cuModuleUnload(self.module as sys::CUmodule);
             let _ = sys::cuDevicePrimaryCtxRelease_v2(self.device);
         }
     }
 }
 
+/// Makes `ctx` current on this thread until the guard drops (then the previous one).
+fn cuda_enter(ctx: usize) -> Result<Entered> {
+    let mut cur: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: an out-pointer to a local.
+    check(unsafe { sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
+    if cur as usize == ctx {
+        return Ok(Entered::kept());
+    }
+    // SAFETY: a context retained by its `Cuda` while that lives.
+    check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) }, "cuCtxSetCurrent")?;
+    Ok(Entered::restoring(cur as usize, |prev| {
+        // SAFETY: the context that was current before (null: none); a context that
+        // another owner released since is reported by the driver, not a crash.
+        let _ = unsafe { sys::cuCtxSetCurrent(prev as sys::CUcontext) };
+    }))
+}
+
 impl Device for Cuda {
-    fn enter(&self) -> Result<()> {
-        // SAFETY: the context is retained while self lives.
-        check(unsafe { sys::cuCtxSetCurrent(self.ctx as sys::CUcontext) }, "cuCtxSetCurrent")
+    fn enter(&self) -> Result<Entered> {
+        cuda_enter(self.ctx)
     }
 
     fn alloc(&self, bytes: usize) -> Result<u64> {
@@ -328,19 +380,58 @@ mod emulator {
     }
 
     /// The kernels compiled for the CPU (kernels/emu.cpp): every call is done when it
-    /// returns, streams and events are tokens.
+    /// returns, streams and events are tokens. Its context is a token too, current per
+    /// thread as a driver's is: every call outside [`Device::enter`] is refused (a
+    /// panic where the call cannot fail), so the emulated tests check that the host
+    /// logic enters before each driver call and restores the caller's context after.
     #[derive(Default)]
     pub struct Emulator;
+
+    /// The emulator's context token.
+    pub const EMULATOR_CONTEXT: usize = 0xE3;
+
+    thread_local! {
+        static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// The context current on this thread (0: none; for tests).
+    pub fn current_context() -> usize {
+        CURRENT.with(|c| c.get())
+    }
+
+    /// Makes `token` this thread's current context (for tests: what a caller had).
+    pub fn set_current_context(token: usize) {
+        CURRENT.with(|c| c.set(token));
+    }
+
+    fn entered(what: &str) -> Result<()> {
+        if current_context() == EMULATOR_CONTEXT {
+            return Ok(());
+        }
+        Err(Error::new(ErrorKind::Corrupt, format!("emulator: {what} called without the device's context current")))
+    }
+
+    fn must_be_entered(what: &str) {
+        if let Err(e) = entered(what) {
+            panic!("{e}");
+        }
+    }
 
     fn layout(bytes: usize) -> Layout {
         Layout::from_size_align(bytes.max(1), 256).expect("a valid layout")
     }
 
     impl Device for Emulator {
-        fn enter(&self) -> Result<()> {
-            Ok(())
+        fn enter(&self) -> Result<Entered> {
+            let prev = current_context();
+            if prev == EMULATOR_CONTEXT {
+                return Ok(Entered::kept());
+            }
+            set_current_context(EMULATOR_CONTEXT);
+            Ok(Entered::restoring(prev, set_current_context))
         }
         fn alloc(&self, bytes: usize) -> Result<u64> {
+            entered("alloc")?;
             // SAFETY: a non-zero size.
             let p = unsafe { alloc_zeroed(layout(bytes)) };
             if p.is_null() {
@@ -349,31 +440,38 @@ mod emulator {
             Ok(p as u64)
         }
         unsafe fn free(&self, ptr: u64, bytes: usize) {
+            must_be_entered("free");
             dealloc(ptr as *mut u8, layout(bytes));
         }
         fn alloc_host(&self, bytes: usize) -> Result<*mut u8> {
             Ok(self.alloc(bytes)? as *mut u8)
         }
         unsafe fn free_host(&self, ptr: *mut u8, bytes: usize) {
+            must_be_entered("free_host");
             dealloc(ptr, layout(bytes));
         }
         fn host_device_ptr(&self, ptr: *mut u8) -> Result<u64> {
+            entered("host_device_ptr")?;
             Ok(ptr as u64)
         }
         fn memset(&self, dst: u64, byte: u8, bytes: usize, _stream: Stream) -> Result<()> {
+            entered("memset")?;
             // SAFETY: dst is emulated device memory (host memory) of `bytes` at least.
             unsafe { std::ptr::write_bytes(dst as *mut u8, byte, bytes) };
             Ok(())
         }
         unsafe fn htod(&self, dst: u64, src: *const u8, bytes: usize, _stream: Stream) -> Result<()> {
+            entered("htod")?;
             std::ptr::copy_nonoverlapping(src, dst as *mut u8, bytes);
             Ok(())
         }
         unsafe fn dtoh(&self, dst: *mut u8, src: u64, bytes: usize, _stream: Stream) -> Result<()> {
+            entered("dtoh")?;
             std::ptr::copy_nonoverlapping(src as *const u8, dst, bytes);
             Ok(())
         }
         fn launch(&self, kernel: Kernel, threads: u64, args: &[u8], _stream: Stream) -> Result<()> {
+            entered("launch")?;
             if threads == 0 {
                 return Ok(());
             }
@@ -386,25 +484,32 @@ mod emulator {
             Ok(())
         }
         fn event(&self) -> Result<Event> {
+            entered("event")?;
             Ok(1)
         }
         fn record(&self, _event: Event, _stream: Stream) -> Result<()> {
-            Ok(())
+            entered("record")
         }
         fn wait(&self, _event: Event) -> Result<()> {
-            Ok(())
+            entered("wait")
         }
         fn done(&self, _event: Event) -> Result<bool> {
+            entered("done")?;
             Ok(true)
         }
         fn stream_wait(&self, _stream: Stream, _event: Event) -> Result<()> {
-            Ok(())
+            entered("stream_wait")
         }
         fn stream(&self) -> Result<Stream> {
+            entered("stream")?;
             Ok(0)
         }
-        unsafe fn drop_event(&self, _event: Event) {}
-        unsafe fn drop_stream(&self, _stream: Stream) {}
+        unsafe fn drop_event(&self, _event: Event) {
+            must_be_entered("drop_event");
+        }
+        unsafe fn drop_stream(&self, _stream: Stream) {
+            must_be_entered("drop_stream");
+        }
         fn name(&self) -> String {
             "emulator".to_owned()
         }
@@ -412,7 +517,7 @@ mod emulator {
 }
 
 #[cfg(feature = "emulator")]
-pub use emulator::Emulator;
+pub use emulator::{current_context, set_current_context, Emulator, EMULATOR_CONTEXT};
 
 #[cfg(test)]
 mod tests {

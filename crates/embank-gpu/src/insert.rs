@@ -7,12 +7,12 @@ impl Inner {
     /// The background inserter's work: the misses of the queued lookups, fetched and
     /// inserted together on the side stream.
     pub(crate) fn insert_jobs(&self, jobs: Vec<Job>) -> Result<()> {
+        let _cx = self.dev.enter()?;
         let mut misses: Vec<u64> = Vec::new();
         let mut give = Vec::with_capacity(jobs.len());
         let mut first_err = None;
         for mut job in jobs {
             let r = (|| -> Result<()> {
-                self.dev.enter()?;
                 self.dev.wait(job.scratch.copied)?;
                 let counted = job.scratch.host.u64s(0, PAYLOAD_HEAD)[job.parity] as usize;
                 let m = counted.min(job.cap);
@@ -81,7 +81,7 @@ pub(crate) fn insert_loop(weak: Weak<Inner>) {
                 if q.jobs.is_empty() {
                     drop(q);
                     // Lookups that stopped coming leave their misses unread: read them.
-                    if inner.dev.enter().is_ok() {
+                    if let Ok(_cx) = inner.dev.enter() {
                         let _ = inner.poll_unread(false);
                     }
                     continue;

@@ -315,7 +315,7 @@ impl GpuTable {
             (true, DType::Int8) => (2, meta.dtype.row_bytes(dim)),
             _ => (0, 4 * dim),
         };
-        dev.enter()?;
+        let _cx = dev.enter()?;
         let slots_total = opts.n_buckets * s;
         let keys = Buffer::new(&dev, slots_total * 8)?;
         let digests = Buffer::new(&dev, slots_total)?;
@@ -436,6 +436,7 @@ impl GpuTable {
     /// of a row read before this lands); returns the rows dropped. Waits for the device.
     pub fn invalidate(&self, keys: &[u64]) -> Result<u64> {
         self.inner.check_open()?;
+        let _cx = self.inner.dev.enter()?;
         self.inner.pending.lock().extend_from_slice(keys);
         let before = self.inner.counters()?[C_INVALIDATED];
         {
@@ -467,7 +468,7 @@ impl GpuTable {
 
     /// Waits until the background inserter has inserted everything queued.
     pub fn wait(&self) -> Result<()> {
-        self.inner.dev.enter()?;
+        let _cx = self.inner.dev.enter()?;
         self.inner.poll_unread(true)?;
         let mut q = self.inner.queue.lock();
         while !q.jobs.is_empty() || q.busy {
@@ -498,6 +499,7 @@ impl GpuTable {
         // A refresh running now puts its buffers back after this: the drop frees them.
         let kept = self.inner.refreshing.lock().take();
         if let Some(k) = kept {
+            let _cx = self.inner.dev.enter();
             k.free(&self.inner.dev);
         }
         result
@@ -512,7 +514,7 @@ impl Drop for GpuTable {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let _ = self.dev.enter();
+        let _cx = self.dev.enter();
         let last = self.state.get_mut().last;
         let _ = self.dev.wait(last);
         if let Some(k) = self.refreshing.get_mut().take() {
@@ -573,7 +575,6 @@ impl Inner {
 
     /// Under the launch lock: `stream` waits for the cache's previous launch.
     fn enter_ordered(&self, st: &mut State, stream: Stream) -> Result<()> {
-        self.dev.enter()?;
         if st.last_stream == Some(stream) {
             return Ok(()); // in order already
         }
@@ -697,7 +698,7 @@ impl Inner {
     }
 
     fn counters_locked(&self, st: &mut State, count_rows: bool) -> Result<[u64; COUNTERS]> {
-        self.dev.enter()?;
+        let _cx = self.dev.enter()?;
         let mut h = Host::new(&self.dev, COUNTERS * 8)?;
         self.enter_ordered(st, self.side)?;
         if count_rows {
@@ -717,7 +718,7 @@ impl Inner {
     }
 
     fn stats(&self) -> Result<Stats> {
-        self.dev.enter()?;
+        let _cx = self.dev.enter()?;
         self.poll_unread(true)?;
         let c = {
             let mut st = self.state.lock();

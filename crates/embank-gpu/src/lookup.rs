@@ -15,7 +15,7 @@ impl Inner {
         pooled: Option<Bags>,
     ) -> Result<Option<usize>> {
         self.check_open()?;
-        self.dev.enter()?; // the caller's thread may never have used the device
+        let _cx = self.dev.enter()?; // the caller's thread may never have used the device
         if let Some(e) = self.queue.lock().error.take() {
             return Err(Error::new(ErrorKind::Io, format!("a background insert of the GPU cache failed: {e}")));
         }

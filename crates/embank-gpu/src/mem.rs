@@ -26,7 +26,8 @@ impl Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // SAFETY: ours; owners drop buffers only after the launches using them are done.
+        let _cx = self.dev.enter(); // a last owner may drop it on any thread
+                                    // SAFETY: ours; owners drop buffers only after the launches using them are done.
         unsafe { self.dev.free(self.ptr, self.bytes) }
     }
 }
@@ -78,6 +79,7 @@ impl Host {
 
 impl Drop for Host {
     fn drop(&mut self) {
+        let _cx = self.dev.enter();
         // SAFETY: ours; owners drop it only after the copies using it are done.
         unsafe { self.dev.free_host(self.ptr, self.bytes) }
     }

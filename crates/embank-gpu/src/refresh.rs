@@ -119,7 +119,7 @@ impl Kept {
 impl Inner {
     pub(crate) fn refresh(&self) -> Result<Refreshed> {
         self.check_open()?;
-        self.dev.enter()?;
+        let _cx = self.dev.enter()?;
         let t0 = Instant::now();
         let slots_total = self.desc.n_buckets as usize * self.desc.slots as usize;
         let nb = self.desc.n_buckets as usize;

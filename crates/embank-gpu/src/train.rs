@@ -155,7 +155,7 @@ impl TrainKernels {
         if l.dim == 0 || l.width < l.dim || l.width > u32::MAX as usize {
             return Err(invalid(format!("records of width {} cannot hold rows of dim {}", l.width, l.dim)));
         }
-        dev.enter()?;
+        let _cx = dev.enter()?;
         let st =
             Scratches { find: Scratch::new(&dev, 1 << 16)?, place: Scratch::new(&dev, 1 << 16)?, hint: MISS_HINT_MIN };
         let t = TrainDesc {
@@ -180,7 +180,7 @@ impl TrainKernels {
         if n == 0 {
             return Ok(Missed::default());
         }
-        self.dev.enter()?;
+        let _cx = self.dev.enter()?;
         let mut st = self.st.lock();
         let hint = st.hint.min(n);
         let s = &mut st.find;
@@ -258,7 +258,7 @@ impl TrainKernels {
         if clock == 0 {
             return Err(invalid("place needs the call's clock (> 0)"));
         }
-        self.dev.enter()?;
+        let _cx = self.dev.enter()?;
         // Grouped by bucket, the call's order kept within one.
         let nb = self.t.n_buckets;
         let buckets: Vec<u64> = keys.iter().map(|&k| train_bucket(k, nb)).collect();
@@ -368,7 +368,7 @@ impl TrainKernels {
                 self.t.width - self.t.dim
             )));
         }
-        self.dev.enter()?;
+        let _cx = self.dev.enter()?;
         let args = TrainUpdateArgs {
             t: self.t,
             slots,
@@ -391,7 +391,7 @@ impl TrainKernels {
 
 impl Drop for TrainKernels {
     fn drop(&mut self) {
-        let _ = self.dev.enter();
+        let _cx = self.dev.enter();
         let st = self.st.get_mut();
         for s in [&st.find, &st.place] {
             let _ = self.dev.wait(s.last);

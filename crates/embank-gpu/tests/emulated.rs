@@ -284,6 +284,40 @@ fn async_lookups_answer_the_default_then_the_rows() {
     assert_eq!((s.async_inserts, s.host.default_answers, s.host.host_syncs), (3, 4, 0));
 }
 
+/// The emulator refuses a driver call made without the cache's context current, so every
+/// test here checks the host logic enters before its calls; this one checks each call
+/// leaves the caller's context as it found it (a process with caches on several GPUs:
+/// PyTorch's current device must not change under it), on the caller's thread and on
+/// the background inserter's.
+#[test]
+fn every_call_leaves_the_callers_context_as_it_was() {
+    use embank_gpu::device::{current_context, set_current_context, EMULATOR_CONTEXT};
+    let f = table(DType::F32, 4, 100);
+    for caller in [0x77, 0, EMULATOR_CONTEXT] {
+        set_current_context(caller);
+        for insert in [Insert::Sync, Insert::Async] {
+            let mut o = options(8, 16, 4);
+            o.insert = insert;
+            let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
+            assert_eq!(current_context(), caller, "after new");
+            lookup(&cache, &[1, 2, 3, 2]);
+            assert_eq!(current_context(), caller, "after lookup");
+            cache.wait().unwrap();
+            assert_eq!(current_context(), caller, "after wait");
+            cache.invalidate(&[2]).unwrap();
+            assert_eq!(current_context(), caller, "after invalidate");
+            cache.refresh().unwrap();
+            assert_eq!(current_context(), caller, "after refresh");
+            assert_eq!(cache.stats().unwrap().rows_cached, 2);
+            assert_eq!(current_context(), caller, "after stats");
+            cache.close().unwrap();
+            drop(cache);
+            assert_eq!(current_context(), caller, "after close and drop");
+        }
+    }
+    set_current_context(0);
+}
+
 #[test]
 fn invalidate_drops_the_rows_and_counts_them() {
     let f = table(DType::F32, 4, 100);

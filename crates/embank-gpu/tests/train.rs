@@ -108,7 +108,11 @@ fn run(kind: RuleKind, seed: u64) {
     let (nb, s) = (4usize, 4usize);
     let dev: Arc<dyn Device> = Arc::new(Emulator);
     let mut c = Cache::new(nb, s, dim, w);
+    // The caller's thread has another context current (PyTorch's on another GPU): every
+    // call makes the cache's current for itself and leaves the caller's as it was.
+    embank_gpu::device::set_current_context(0x77);
     let k = TrainKernels::new(dev, c.layout()).unwrap();
+    assert_eq!(embank_gpu::device::current_context(), 0x77);
     let mut table: HashMap<u64, Vec<f32>> = HashMap::new(); // what the cache writes back
     let mut reference: HashMap<u64, Vec<f32>> = HashMap::new(); // every update applied here
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -128,6 +132,7 @@ fn run(kind: RuleKind, seed: u64) {
         let mut out = vec![f32::NAN; n * dim];
         let missed =
             k.find(ids.as_ptr() as u64, n, slot.as_mut_ptr() as u64, out.as_mut_ptr() as u64, call as u64, 0).unwrap();
+        assert_eq!(embank_gpu::device::current_context(), 0x77, "after find");
         // Hits: the cached rows and slots, touched; misses: listed in the call's order.
         let mut want_miss = Vec::new();
         for (i, &id) in ids.iter().enumerate() {
@@ -177,6 +182,7 @@ fn run(kind: RuleKind, seed: u64) {
         // One update of every id (a miss with no slot goes straight to the table).
         let grads: Vec<f32> = (0..n * dim).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         k.update(slot.as_ptr() as u64, grads.as_ptr() as u64, n, &rule, true, 0).unwrap();
+        assert_eq!(embank_gpu::device::current_context(), 0x77, "after place and update");
         for (i, &id) in ids.iter().enumerate() {
             let g = &grads[i * dim..(i + 1) * dim];
             let r = reference.entry(id).or_insert_with(|| fresh(id, dim, w));
