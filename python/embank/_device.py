@@ -5,6 +5,7 @@ gradient down), through pinned memory and a copy stream a device."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,10 +53,15 @@ class StreamFollower:
     """Orders one object's calls across CUDA streams: a call on another stream than the
     last call's makes its stream wait (on the device) for the last one first. For an
     object that launches work it does not wait for (a TrainCache's update), so that a call
-    on another stream (a look-ahead's, another thread's) never races it. A no-op off CUDA."""
+    on another stream (a look-ahead's, another thread's) never races it. The tensors the
+    object holds from one call to a later one (``kept()``) are recorded on the new stream
+    too, so the caching allocator does not hand their memory to another allocation on
+    the stream they were made on while the new stream may still read them. A no-op off
+    CUDA."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, kept: Callable[[], list[torch.Tensor]] = list) -> None:
         self.device = device
+        self.kept = kept
         self.last: Any = None
 
     def follow(self) -> None:
@@ -64,6 +70,8 @@ class StreamFollower:
         cur = torch.cuda.current_stream(self.device)
         if self.last is not None and self.last != cur:
             cur.wait_stream(self.last)
+            for t in self.kept():
+                t.record_stream(cur)
         self.last = cur
 
 

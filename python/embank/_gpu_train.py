@@ -297,7 +297,7 @@ class TrainCache:
         self._lock = threading.RLock()
         self._closed = False
         self._stream_of: Any = None
-        self._streams = StreamFollower(self.device)
+        self._streams = StreamFollower(self.device, self._kept)
         self._nk: Any = None  # the native kernels over the tensors above (kernels="native")
         if kernels == "native":
             _gpu_train_native.attach(self)
@@ -449,6 +449,11 @@ class TrainCache:
                 self._gathered = (step, [], [])
             self._gathered[1].append(ids)
             self._gathered[2].append(grads)
+
+    def _kept(self) -> list[torch.Tensor]:
+        """The tensors held from one call to a later one (StreamFollower records them)."""
+        held = list(self._last_pull[:2]) if self._last_pull is not None else []
+        return held + (self._gathered[1] + self._gathered[2] if self._gathered is not None else [])
 
     def _apply_gathered(self) -> None:
         got, self._gathered = self._gathered, None

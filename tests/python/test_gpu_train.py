@@ -852,10 +852,12 @@ def test_a_call_on_another_stream_waits_for_the_last_calls(
     a, b = Stream("a"), Stream("b")
     now = [a]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: now[0])
+    recorded: list[tuple[int, str]] = []  # the tensors held across calls, used on a new stream
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, st: recorded.append((t.data_ptr(), st.name)))
     s = embank.open(str(tmp_path / "s"))
     t = s.create_table("emb", dim=DIM, optimizer=eo.Adagrad(lr=0.1))
     cache = gpu.TrainCache(t, rows_max=32, slots=8, device="cpu")
-    cache._streams = StreamFollower(torch.device("cuda", 0))  # the CPU cache, CUDA's ordering
+    cache._streams = StreamFollower(torch.device("cuda", 0), cache._kept)  # the CPU cache, CUDA's
     cache._streams.follow()  # as the constructor does: its arrays were made on a
     ids, grads = torch.arange(5), torch.ones(5, DIM)
     cache.pull(ids)
@@ -871,5 +873,19 @@ def test_a_call_on_another_stream_waits_for_the_last_calls(
     now[0] = b
     assert cache.stats()["rows"] == 5  # counts after a's flush
     assert b.waited == ["a", "a"]
+    # A pull's slots held for its gradient, which comes on another stream: recorded there.
+    recorded.clear()
+    cache.pull(ids)
+    slot = cache._last_pull[1]  # type: ignore[index]
+    now[0] = a
+    cache.push_grad(ids, grads)
+    assert (slot.data_ptr(), "a") in recorded
+    # Gradients gathered on a, applied by a flush on b: recorded on b.
+    recorded.clear()
+    cache.add_grad(ids, grads, step=cache._step + 1)
+    g = cache._gathered[2][0]  # type: ignore[index]
+    now[0] = b
+    cache.flush()
+    assert (g.data_ptr(), "b") in recorded
     cache.close()
     s.close()
