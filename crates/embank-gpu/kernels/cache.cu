@@ -168,6 +168,7 @@ DEV void report(const Report& r, const u64* payload, u32 parity) {
         thread_fence();
         last = atomic_add32((u32*)r.done, 1u) == (u32)(r.warps - 1) ? 1u : 0u;
     }
+    warp_sync();  // lane 0's fence and atomic ordered before the other lanes' reads below
     last = shfl32(last, 0);
     if (!last) return;
     thread_fence();

@@ -94,7 +94,7 @@ pub trait Device: Send + Sync {
     /// # Safety
     /// `ptr` came from [`Device::alloc`] with `bytes`, and no launch uses it any more.
     unsafe fn free(&self, ptr: u64, bytes: usize);
-    /// Page-locked host memory (zeroed where the device allows).
+    /// Page-locked host memory (not zeroed).
     fn alloc_host(&self, bytes: usize) -> Result<*mut u8>;
     /// # Safety
     /// `ptr` came from [`Device::alloc_host`] and no copy uses it any more.
@@ -183,23 +183,35 @@ impl Cuda {
             check(sys::cuDeviceGet(&mut device, ordinal), "cuDeviceGet")?;
             let mut ctx: sys::CUcontext = std::ptr::null_mut();
             check(sys::cuDevicePrimaryCtxRetain(&mut ctx, device), "cuDevicePrimaryCtxRetain")?;
-            let _cx = match cuda_enter(ctx as usize) {
-                Ok(cx) => cx,
+            // The kernels loaded, or the context's retain given back (a failed start
+            // leaks nothing).
+            let loaded = (|| -> Result<(usize, [usize; Kernel::ALL.len()])> {
+                let _cx = cuda_enter(ctx as usize)?;
+                let ptx = std::ffi::CString::new(PTX).expect("PTX has no NUL");
+                let mut module: sys::CUmodule = std::ptr::null_mut();
+                check(
+                    sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()),
+                    "loading the kernels (cuModuleLoadData)",
+                )?;
+                let mut functions = [0usize; Kernel::ALL.len()];
+                for k in Kernel::ALL {
+                    let mut f: sys::CUfunction = std::ptr::null_mut();
+                    let rc = sys::cuModuleGetFunction(&mut f, module, k.symbol().as_ptr().cast());
+                    if let Err(e) = check(rc, "cuModuleGetFunction") {
+                        let _ = sys::cuModuleUnload(module);
+                        return Err(e);
+                    }
+                    functions[k as usize] = f as usize;
+                }
+                Ok((module as usize, functions))
+            })();
+            match loaded {
+                Ok((module, functions)) => Ok(Cuda { ordinal, device, ctx: ctx as usize, module, functions }),
                 Err(e) => {
                     let _ = sys::cuDevicePrimaryCtxRelease_v2(device);
-                    return Err(e);
+                    Err(e)
                 }
-            };
-            let ptx = std::ffi::CString::new(PTX).expect("PTX has no NUL");
-            let mut module: sys::CUmodule = std::ptr::null_mut();
-            check(sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()), "loading the kernels (cuModuleLoadData)")?;
-            let mut functions = [0usize; Kernel::ALL.len()];
-            for k in Kernel::ALL {
-                let mut f: sys::CUfunction = std::ptr::null_mut();
-                check(sys::cuModuleGetFunction(&mut f, module, k.symbol().as_ptr().cast()), "cuModuleGetFunction")?;
-                functions[k as usize] = f as usize;
             }
-            Ok(Cuda { ordinal, device, ctx: ctx as usize, module: module as usize, functions })
         }
     }
 }
@@ -373,7 +385,7 @@ impl Device for Cuda {
 #[cfg(feature = "emulator")]
 mod emulator {
     use super::*;
-    use std::alloc::{alloc_zeroed, dealloc, Layout};
+    use std::alloc::{alloc, dealloc, Layout};
 
     extern "C" {
         fn embank_emu_launch(kernel: u32, threads: u64, args: *const u8, args_len: u64) -> i32;
@@ -386,6 +398,10 @@ mod emulator {
     /// logic enters before each driver call and restores the caller's context after.
     #[derive(Default)]
     pub struct Emulator;
+
+    /// What the emulator's fresh device and pinned memory holds (0xA5 bytes: as an f32,
+    /// -2.9e-16; as a u64 count, huge).
+    pub const POISON: u8 = 0xA5;
 
     /// The emulator's context token.
     pub const EMULATOR_CONTEXT: usize = 0xE3;
@@ -433,10 +449,14 @@ mod emulator {
         fn alloc(&self, bytes: usize) -> Result<u64> {
             entered("alloc")?;
             // SAFETY: a non-zero size.
-            let p = unsafe { alloc_zeroed(layout(bytes)) };
+            let p = unsafe { alloc(layout(bytes)) };
             if p.is_null() {
                 return Err(Error::new(ErrorKind::Io, format!("emulator: cannot allocate {bytes} bytes")));
             }
+            // Neither cuMemAlloc nor cuMemHostAlloc zeroes: poison, so that the tests
+            // fail where the host logic or a kernel reads memory nobody wrote.
+            // SAFETY: just allocated, `bytes` long.
+            unsafe { std::ptr::write_bytes(p, POISON, bytes) };
             Ok(p as u64)
         }
         unsafe fn free(&self, ptr: u64, bytes: usize) {

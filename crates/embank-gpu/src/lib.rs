@@ -239,6 +239,9 @@ struct State {
     miss_hint: usize,
     window: VecDeque<(u64, u64)>,
     inval: Option<Scratch>,
+    /// Where the device's counters are copied down (kept: pinned memory is slow to
+    /// allocate and its free may wait for the device; stats are read often).
+    counters_host: Option<Host>,
 }
 
 struct Job {
@@ -376,6 +379,7 @@ impl GpuTable {
                 miss_hint: MISS_HINT_MIN,
                 window: VecDeque::new(),
                 inval: None,
+                counters_host: None,
             }),
             pool: Mutex::new(Vec::new()),
             refreshing: Mutex::new(None),
@@ -600,10 +604,10 @@ impl Inner {
         let bytes = keys.len() * 8;
         let c = self.desc_now(st);
         if st.inval.is_none() {
-            st.inval = Some(Scratch::new(&self.dev, bytes.max(4096))?);
+            st.inval = Some(Scratch::new(&self.dev, bytes.max(4096), stream)?);
         }
         let s = st.inval.as_mut().expect("made above");
-        s.reserve(&self.dev, bytes)?;
+        s.reserve(&self.dev, bytes, stream)?;
         self.dev.wait(s.done)?;
         s.host.u64s(0, keys.len()).copy_from_slice(&keys);
         // SAFETY: the pinned buffer is not written again before `done` (waited above).
@@ -661,10 +665,10 @@ impl Inner {
             Some(s) => s,
             None => {
                 self.stats.lock().scratch_allocations += 1;
-                Scratch::new(&self.dev, bytes.max(1 << 16))?
+                Scratch::new(&self.dev, bytes.max(1 << 16), self.side)?
             }
         };
-        s.reserve(&self.dev, bytes)?;
+        s.reserve(&self.dev, bytes, self.side)?;
         Ok(s)
     }
 
@@ -699,7 +703,16 @@ impl Inner {
 
     fn counters_locked(&self, st: &mut State, count_rows: bool) -> Result<[u64; COUNTERS]> {
         let _cx = self.dev.enter()?;
-        let mut h = Host::new(&self.dev, COUNTERS * 8)?;
+        let mut h = match st.counters_host.take() {
+            Some(h) => h,
+            None => Host::new(&self.dev, COUNTERS * 8)?,
+        };
+        let r = self.read_counters(st, &mut h, count_rows);
+        st.counters_host = Some(h); // kept even after an error: a copy may still use it
+        r
+    }
+
+    fn read_counters(&self, st: &mut State, h: &mut Host, count_rows: bool) -> Result<[u64; COUNTERS]> {
         self.enter_ordered(st, self.side)?;
         if count_rows {
             let c = self.desc_now(st);
@@ -708,7 +721,7 @@ impl Inner {
             let args = CountArgs { c, n };
             self.dev.launch(Kernel::Count, n.div_ceil(32) * 32, bytes_of(&args), self.side)?;
         }
-        // SAFETY: `h` lives until the wait below.
+        // SAFETY: `h` is kept by the cache until a later call, after the wait below.
         unsafe { self.dev.dtoh(h.ptr, self.desc.counters, COUNTERS * 8, self.side)? };
         self.mark(st, self.order, self.side)?;
         self.dev.wait(self.order)?;

@@ -22,7 +22,8 @@ impl Inner {
         if self.opts.policy == Policy::Custom && given == 0 {
             return Err(invalid("policy custom needs the scores of the ids"));
         }
-        if n == 0 && pooled.is_none_or(|b| b.bags == 0) {
+        // No ids, or no bags to pool them into: nothing to launch (and no count to read).
+        if pooled.map_or(n == 0, |b| b.bags == 0) {
             return Ok(Some(0));
         }
         if self.unread.lock().len() >= POLL_AT {
@@ -193,7 +194,7 @@ impl Inner {
         let u_n = uniq.len();
         let answers = if answer.is_some() { m } else { 0 };
         let most = FillLayout::new(base, self.row_bytes, answers, u_n, u_n, u_n);
-        s.reserve(&self.dev, most.end)?;
+        s.reserve(&self.dev, most.end, stream)?;
         let mut found = vec![false; u_n];
         {
             let rows = s.host.slice_mut(most.rows, u_n * self.row_bytes);

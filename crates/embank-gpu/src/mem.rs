@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use embank_core::Result;
 
-use crate::device::{Device, Event};
+use crate::device::{Device, Event, Stream};
 use crate::PAYLOAD_HEAD;
 
 // ---- memory ----
@@ -99,7 +99,9 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    pub(crate) fn new(dev: &Arc<dyn Device>, bytes: usize) -> Result<Scratch> {
+    /// Its payload counts zeroed on `stream` (the cache's own: not the legacy default
+    /// stream, which would wait for every blocking stream's work, PyTorch's included).
+    pub(crate) fn new(dev: &Arc<dyn Device>, bytes: usize, stream: Stream) -> Result<Scratch> {
         let done = dev.event()?;
         let mut s = Scratch {
             dev_buf: Buffer::new(dev, bytes)?,
@@ -109,18 +111,18 @@ impl Scratch {
             last: done,
             parity: 0,
         };
-        s.zero_counts(dev)?;
+        s.zero_counts(dev, stream)?;
         Ok(s)
     }
     /// The payload's miss counts start at zero (the first user waits for `done`).
-    pub(crate) fn zero_counts(&mut self, dev: &Arc<dyn Device>) -> Result<()> {
-        dev.memset(self.dev_buf.ptr, 0, 8 * PAYLOAD_HEAD, 0)?;
-        dev.record(self.done, 0)?;
+    pub(crate) fn zero_counts(&mut self, dev: &Arc<dyn Device>, stream: Stream) -> Result<()> {
+        dev.memset(self.dev_buf.ptr, 0, 8 * PAYLOAD_HEAD, stream)?;
+        dev.record(self.done, stream)?;
         self.last = self.done;
         Ok(())
     }
     /// Room for `bytes` on both sides (waits for the last use before growing).
-    pub(crate) fn reserve(&mut self, dev: &Arc<dyn Device>, bytes: usize) -> Result<()> {
+    pub(crate) fn reserve(&mut self, dev: &Arc<dyn Device>, bytes: usize, stream: Stream) -> Result<()> {
         if self.dev_buf.bytes >= bytes && self.host.bytes >= bytes {
             return Ok(());
         }
@@ -129,7 +131,7 @@ impl Scratch {
         self.dev_buf = Buffer::new(dev, bytes)?;
         self.host = Host::new(dev, bytes)?;
         self.parity = 0;
-        self.zero_counts(dev)
+        self.zero_counts(dev, stream)
     }
 }
 

@@ -131,7 +131,7 @@ impl Inner {
                 let bytes = chunk_bytes(per, self.row_bytes);
                 Kept {
                     snap: Host::new(&self.dev, slots_total * 8 + nb * 4)?,
-                    bufs: [Scratch::new(&self.dev, bytes)?, Scratch::new(&self.dev, bytes)?],
+                    bufs: [Scratch::new(&self.dev, bytes, self.side)?, Scratch::new(&self.dev, bytes, self.side)?],
                 }
             }
         };

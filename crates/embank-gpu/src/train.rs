@@ -156,8 +156,11 @@ impl TrainKernels {
             return Err(invalid(format!("records of width {} cannot hold rows of dim {}", l.width, l.dim)));
         }
         let _cx = dev.enter()?;
-        let st =
-            Scratches { find: Scratch::new(&dev, 1 << 16)?, place: Scratch::new(&dev, 1 << 16)?, hint: MISS_HINT_MIN };
+        let st = Scratches {
+            find: Scratch::new(&dev, 1 << 16, 0)?,
+            place: Scratch::new(&dev, 1 << 16, 0)?,
+            hint: MISS_HINT_MIN,
+        };
         let t = TrainDesc {
             keys: l.keys,
             used: l.used,
@@ -184,7 +187,7 @@ impl TrainKernels {
         let mut st = self.st.lock();
         let hint = st.hint.min(n);
         let s = &mut st.find;
-        s.reserve(&self.dev, align(8 * (PAYLOAD_HEAD + 3 * n), 256))?;
+        s.reserve(&self.dev, align(8 * (PAYLOAD_HEAD + 3 * n), 256), stream)?;
         self.dev.wait(s.last)?;
         let payload = s.dev_buf.ptr;
         let reported = n <= REPORT_WARPS_MAX;
@@ -280,7 +283,7 @@ impl TrainKernels {
         let ev_bytes = 16 * m + 4 * m * w;
         let mut st = self.st.lock();
         let s = &mut st.place;
-        s.reserve(&self.dev, ev_off + ev_bytes)?;
+        s.reserve(&self.dev, ev_off + ev_bytes, stream)?;
         self.dev.wait(s.last)?;
         {
             let recs = s.host.slice_mut(0, 4 * m * w);

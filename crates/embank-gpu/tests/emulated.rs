@@ -361,6 +361,34 @@ fn two_threads_on_one_cache() {
     assert_eq!(s.host.lookups, 8);
 }
 
+/// No bags over some ids (empty offsets): nothing to answer, nothing launched, and no
+/// count read that no kernel wrote (the emulator's memory starts poisoned, as a GPU's
+/// is not zeroed); the next lookups stay exact.
+#[test]
+fn a_pooled_lookup_of_no_bags_answers_nothing_and_reads_nothing() {
+    use embank_gpu::Bags;
+    let f = table(DType::F32, 3, 100);
+    for insert in [Insert::Sync, Insert::Async] {
+        let mut o = options(4, 16, 3);
+        o.insert = insert;
+        let cache = GpuTable::new(dev(), f.table.clone(), o).unwrap();
+        let ids: Vec<u64> = vec![1, 2, 3];
+        let offsets: Vec<i64> = vec![];
+        let bags = Bags { offsets: offsets.as_ptr() as u64, bags: 0, weights: 0, mean: false };
+        let mut out = [f32::NAN; 3];
+        let r = cache.lookup_pooled(ids.as_ptr() as u64, ids.len(), bags, out.as_mut_ptr() as u64, 0, 0).unwrap();
+        assert_eq!(r, Some(0));
+        assert!(out.iter().all(|v| v.is_nan()), "nothing written");
+        cache.wait().unwrap();
+        let s = cache.stats().unwrap();
+        assert_eq!((s.rows_cached, s.host.misses), (0, 0), "{insert:?}");
+        lookup(&cache, &ids);
+        cache.wait().unwrap(); // async: the first lookup answers the default
+        let (out, _) = lookup(&cache, &ids);
+        assert_eq!(out, reference(&f.table, &ids));
+    }
+}
+
 /// Bags pooled by the cache against the table's rows pooled here: sum, weighted sum and
 /// mean, misses (sync: fetched and added; async: the default row), an empty bag.
 #[test]
