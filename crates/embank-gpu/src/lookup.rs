@@ -206,13 +206,15 @@ impl Inner {
                 self.table.lookup_stored(&uniq, rows, &mut found)?;
             }
         }
-        // The keys to insert, grouped by bucket.
+        // The keys to insert, grouped by bucket, by key within one: the misses arrive in
+        // the order the device's warps counted them (any order), and which of a bucket's
+        // new keys get its free slots must not depend on it.
         let nb = self.desc.n_buckets as u64;
         let mut ins: Vec<(u64, u32)> = (0..u_n)
             .filter(|&u| found[u] && uniq[u] < LOCKED_KEY)
             .map(|u| (bucket_of(mix(uniq[u]), nb), u as u32))
             .collect();
-        ins.sort_unstable();
+        ins.sort_unstable_by_key(|&(b, u)| (b, uniq[u as usize]));
         let mut groups: Vec<u32> = Vec::new();
         for (i, (b, _)) in ins.iter().enumerate() {
             if i == 0 || ins[i - 1].0 != *b {

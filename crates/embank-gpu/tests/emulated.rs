@@ -318,6 +318,28 @@ fn every_call_leaves_the_callers_context_as_it_was() {
     set_current_context(0);
 }
 
+/// Which of a bucket's new keys get its slots does not depend on the order the misses
+/// reach the host (on a GPU, the order its warps counted them in: any).
+#[test]
+fn the_keys_a_full_bucket_takes_do_not_depend_on_the_misses_order() {
+    let f = table(DType::F32, 4, 100);
+    let cached = |ids: &[u64]| -> Vec<u64> {
+        let cache = GpuTable::new(dev(), f.table.clone(), options(1, 4, 4)).unwrap();
+        let (out, _) = lookup(&cache, ids);
+        assert_eq!(out, reference(&f.table, ids));
+        (0..100u64).filter(|&k| cache.invalidate(&[k]).unwrap() == 1).collect()
+    };
+    let ids: Vec<u64> = vec![11, 5, 73, 2, 40, 18, 99, 7];
+    let first = cached(&ids);
+    assert_eq!(first.len(), 4, "one bucket of 4 slots: {first:?}");
+    let mut rev = ids.clone();
+    rev.reverse();
+    assert_eq!(cached(&rev), first);
+    let mut rot = ids.clone();
+    rot.rotate_left(3);
+    assert_eq!(cached(&rot), first);
+}
+
 #[test]
 fn invalidate_drops_the_rows_and_counts_them() {
     let f = table(DType::F32, 4, 100);
