@@ -17,7 +17,9 @@ static void run(void (*k)(A), u64 threads, const void* args) {
     std::memcpy(&a, args, sizeof(A));
     u64 warps = (threads + 31) / 32;
     // 32 lane threads for the whole launch, running the warps one after another in
-    // step (a thread a lane and warp was most of a test's time).
+    // step (a thread a lane and warp was most of a test's time), last warp first: a GPU
+    // runs them in any order, and the host logic must not rely on the first-to-last one
+    // (misses counted by atomics arrive in the order the warps got there).
     EmuWarp warp;
     std::vector<std::thread> lanes;
     lanes.reserve(32);
@@ -25,7 +27,8 @@ static void run(void (*k)(A), u64 threads, const void* args) {
         lanes.emplace_back([&, l] {
             emu_lane = l;
             emu_warp = &warp;
-            for (u64 w = 0; w < warps; w++) {
+            for (u64 i = 0; i < warps; i++) {
+                u64 w = warps - 1 - i;
                 emu_thread = w * 32 + l;
                 k(a);
                 warp.bar.arrive_and_wait();  // every lane done with this warp before the next
