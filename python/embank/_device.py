@@ -49,6 +49,18 @@ class _Transfer:
         return host
 
 
+def sum_rows(inverse: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
+    """``g``'s rows summed by ``inverse`` into ``n`` rows, the same bits every run. On
+    the CPU each row's duplicates are added in their order (the store's order of float
+    operations). On CUDA ``index_add_`` adds by atomics in whatever order they land (its
+    last bits vary from run to run, and so would a cache's rows); ``index_put_`` with
+    ``accumulate=True`` sorts the indices and adds each one's rows in turn instead."""
+    out = torch.zeros((n, g.shape[1]), dtype=g.dtype, device=g.device)
+    if g.device.type == "cuda":
+        return out.index_put_((inverse,), g, accumulate=True)
+    return out.index_add_(0, inverse, g)
+
+
 class StreamFollower:
     """Orders one object's calls across CUDA streams: a call on another stream than the
     last call's makes its stream wait (on the device) for the last one first. For an

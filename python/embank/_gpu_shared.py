@@ -24,6 +24,7 @@ import numpy.typing as npt
 import torch
 
 from . import _gpu_train_native
+from ._device import sum_rows
 from ._gpu_buckets import EMPTY, key_hash
 from ._gpu_writer import split_keys
 from .errors import InvalidInputError
@@ -64,8 +65,7 @@ def apply_global(
             k = torch.from_numpy(keys.astype(np.int64)).to(cache.device)
             uniq, inverse = torch.unique(k, return_inverse=True)
             g = torch.from_numpy(np.ascontiguousarray(grads, dtype=np.float32)).to(cache.device)
-            summed = torch.zeros((uniq.numel(), cache.dim), dtype=torch.float32, device=cache.device)
-            summed.index_add_(0, inverse, g)
+            summed = sum_rows(inverse, g, uniq.numel())
             slot = _find(cache, uniq)
             held = slot >= 0
             if bool(held.any()):

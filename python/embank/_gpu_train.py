@@ -77,7 +77,7 @@ import numpy.typing as npt
 import torch
 
 from . import _gpu_shared, _gpu_train_native
-from ._device import StreamFollower
+from ._device import StreamFollower, sum_rows
 from ._gpu_buckets import EMPTY, _triton_usable, key_hash
 from ._gpu_writer import TABLE_SHIFT, _Writer, split_keys
 from ._table import Table
@@ -384,8 +384,7 @@ class TrainCache:
             if uniq.numel() == k.numel():
                 summed = torch.empty_like(g).index_copy_(0, inverse, g)
             else:
-                summed = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
-                summed.index_add_(0, inverse, g)
+                summed = sum_rows(inverse, g, uniq.numel())
             # Rows missed are read (and placed) before the push: read after it, they would
             # get this step's update twice.
             slot, spill = self._resident(uniq)

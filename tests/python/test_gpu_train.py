@@ -831,6 +831,24 @@ def test_the_store_writes_its_caches_rows_at_checkpoint_close_and_state_dict_exp
     store.close()
 
 
+def test_duplicates_are_summed_in_their_order_on_the_cpu_and_alike_every_run_on_cuda() -> None:
+    """A step's duplicate ids' gradients: on the CPU added in their order (the store's
+    order of operations); on CUDA the same bits every run (not atomics in any order)."""
+    from embank._device import sum_rows
+
+    g = torch.randn(4000, 5, generator=torch.Generator().manual_seed(3))
+    inverse = torch.randint(0, 50, (4000,), generator=torch.Generator().manual_seed(4))
+    want = torch.zeros(50, 5)
+    for i in range(4000):
+        want[inverse[i]] += g[i]
+    assert torch.equal(sum_rows(inverse, g, 50), want)
+    if torch.cuda.is_available():
+        gc, ic = g.cuda(), inverse.cuda()
+        first = sum_rows(ic, gc, 50)
+        assert all(torch.equal(sum_rows(ic, gc, 50), first) for _ in range(20))
+        torch.testing.assert_close(first.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_call_on_another_stream_waits_for_the_last_calls(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
