@@ -83,8 +83,13 @@ class StreamFollower:
         if self.last is not None and self.last != cur:
             cur.wait_stream(self.last)
             for t in self.kept():
-                t.record_stream(cur)
+                self.record(t, cur)
         self.last = cur
+
+    @staticmethod
+    def record(t: torch.Tensor, stream: Any) -> None:
+        if t.is_cuda:  # a caller's tensor may live on the host
+            t.record_stream(stream)
 
 
 @functools.cache

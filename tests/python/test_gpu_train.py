@@ -871,7 +871,9 @@ def test_a_call_on_another_stream_waits_for_the_last_calls(
     now = [a]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: now[0])
     recorded: list[tuple[int, str]] = []  # the tensors held across calls, used on a new stream
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, st: recorded.append((t.data_ptr(), st.name)))
+    monkeypatch.setattr(
+        StreamFollower, "record", staticmethod(lambda t, st: recorded.append((t.data_ptr(), st.name)))
+    )
     s = embank.open(str(tmp_path / "s"))
     t = s.create_table("emb", dim=DIM, optimizer=eo.Adagrad(lr=0.1))
     cache = gpu.TrainCache(t, rows_max=32, slots=8, device="cpu")
