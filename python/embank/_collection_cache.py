@@ -72,7 +72,11 @@ class SharedCacheBags:
             for v, o, (_, _, w), mode in zip(values, offsets, inputs, modes):
                 if mode == "mean" and mixed:
                     lengths = torch.diff(o, append=torch.tensor([v.numel()], device=dev))
-                    parts.append(torch.repeat_interleave(1.0 / lengths.clamp(min=1).float(), lengths))
+                    parts.append(
+                        torch.repeat_interleave(
+                            1.0 / lengths.clamp(min=1).float(), lengths, output_size=v.numel()
+                        )
+                    )
                 elif w is not None:
                     parts.append(w.reshape(-1).to(dev, torch.float32))
                 else:

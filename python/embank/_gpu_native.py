@@ -78,7 +78,7 @@ class _NativeCache:
         if self._policy == 2:
             if scores is None:
                 raise InvalidInputError('policy="custom" needs the scores of the ids')
-            keep = scores.reshape(-1).to(self.device, torch.int64)
+            keep = scores.reshape(-1).to(self.device, torch.int64).contiguous()
             if len(keep) != n:
                 raise InvalidInputError(f"scores must have the shape of ids, got {scores.shape} for {shape}")
             if len(keep) and int(keep.min()) < 0:

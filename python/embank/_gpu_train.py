@@ -524,6 +524,8 @@ class TrainCache:
             finally:
                 self._writer.close()
             self._closed = True
+            if self.device.type == "cuda":  # its arrays freed: nothing queued may still use them
+                torch.cuda.current_stream(self.device).synchronize()
             self._nk = None
             if self._owner is not None:
                 self._owner._write_backs.discard(self)
@@ -642,7 +644,7 @@ class TrainCache:
         if self.kernels == "triton":
             from . import _triton_train
 
-            slot = _triton_train.find(uniq, self.keys, self.used, s, clock)
+            slot = _triton_train.find(uniq.contiguous(), self.keys, self.used, s, clock)
             hit = slot >= 0
         else:
             bucket = torch.remainder(key_hash(uniq), nb)

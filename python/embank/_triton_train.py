@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton import _on
+
 SGD, ADAGRAD, ADAM, ADAMW, FTRL = 0, 1, 2, 3, 4
 KINDS = {"sgd": SGD, "adagrad": ADAGRAD, "adam": ADAM, "adamw": ADAMW, "ftrl": FTRL}
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
@@ -64,7 +66,8 @@ def find(ids: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, slots: int, 
     out = torch.empty(n, dtype=torch.int64, device=ids.device)
     if n:
         nb = keys.numel() // slots
-        _find[(n,)](ids, n, keys, used, out, nb, clock, S=slots, S_BLOCK=_pow2(slots))
+        with _on(ids.device):  # Triton launches on the current device: the cache's
+            _find[(n,)](ids, n, keys, used, out, nb, clock, S=slots, S_BLOCK=_pow2(slots))
     return out
 
 
@@ -167,12 +170,13 @@ def update(
 
         decay = f(np.float32(1.0) - np.float32(opt["lr"]) * np.float32(opt["weight_decay"]))
     bc = bias_corrections if bias_corrections is not None else grads  # unread unless Adam
-    _update[(n,)](
-        records, slots, grads.contiguous(), bc, n, records.shape[1], dim,
-        f(opt["lr"]), f(opt.get("eps", 0.0)), b1, _one_minus(b1), b2, _one_minus(b2), decay,
-        f(opt.get("l1", 0.0)), f(opt.get("l2", 0.0)),
-        KIND=kind, DIM_BLOCK=dim_block(dim), **COMPILE_OPTIONS,
-    )  # fmt: skip
+    with _on(records.device):
+        _update[(n,)](
+            records, slots, grads.contiguous(), bc, n, records.shape[1], dim,
+            f(opt["lr"]), f(opt.get("eps", 0.0)), b1, _one_minus(b1), b2, _one_minus(b2), decay,
+            f(opt.get("l1", 0.0)), f(opt.get("l2", 0.0)),
+            KIND=kind, DIM_BLOCK=dim_block(dim), **COMPILE_OPTIONS,
+        )  # fmt: skip
 
 
 def _one_minus(x: float) -> float:

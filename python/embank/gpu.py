@@ -319,7 +319,7 @@ class GpuCache(_NativeCache, _Inserts):
         n, bags = flat.numel(), offsets.numel()
         weights = None
         if per_sample_weights is not None:
-            weights = per_sample_weights.reshape(-1).to(self.device, torch.float32)
+            weights = per_sample_weights.reshape(-1).to(self.device, torch.float32).contiguous()
             if weights.numel() != n:
                 raise InvalidInputError(
                     f"per_sample_weights must have the shape of ids, got {weights.numel()} for {n}"
@@ -330,7 +330,7 @@ class GpuCache(_NativeCache, _Inserts):
             return F.embedding_bag(
                 every, rows, offsets.to(self.device), mode=mode, per_sample_weights=weights
             )
-        offs = offsets.to(self.device, torch.int64)
+        offs = offsets.to(self.device, torch.int64).contiguous()
         given, _keep = self._native_prelude(scores, n, ids.shape)
         out = torch.empty((bags, self.dim), dtype=torch.float32, device=self.device)
         self._n.lookup_pooled(
@@ -348,7 +348,9 @@ class GpuCache(_NativeCache, _Inserts):
             ids = ids.view(torch.int64)
         elif ids.dtype not in (torch.int64, torch.int32):
             raise InvalidInputError(f"ids must be an int64, uint64 or int32 tensor, got {ids.dtype}")
-        return ids.reshape(-1).to(self.device, torch.int64)
+        # Contiguous: the kernels read n ids from the address (a column of a batch, or
+        # any strided view, would be read as the n ids after its first).
+        return ids.reshape(-1).to(self.device, torch.int64).contiguous()
 
     def lookup(self, ids: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``ids`` (any shape; uint64, int64 or int32: an int64 id is the u64 key
@@ -369,7 +371,7 @@ class GpuCache(_NativeCache, _Inserts):
         if self._policy == 2:
             if scores is None:
                 raise InvalidInputError('policy="custom" needs the scores of the ids')
-            given = scores.reshape(-1).to(self.device, torch.int64)
+            given = scores.reshape(-1).to(self.device, torch.int64).contiguous()
             if len(given) != n:
                 raise InvalidInputError(
                     f"scores must have the shape of ids, got {scores.shape} for {ids.shape}"

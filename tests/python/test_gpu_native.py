@@ -188,6 +188,41 @@ def test_as_the_source_of_an_embedding_bag(gpu_store: embank.Store, device: str)
     cache.close()
 
 
+def test_strided_ids_offsets_weights_and_scores_are_read_as_given(
+    gpu_store: embank.Store, device: str
+) -> None:
+    """A column of a batch (``sparse[:, j]``, DLRM's one feature) and other strided views:
+    the kernels take an address and a count, so a view must not be read as the ids that
+    follow its first in memory. Lookups, an ``EmbeddingBag`` over a column, pooled
+    lookups with strided offsets and weights, custom scores."""
+    t = _table(gpu_store)
+    keys = np.arange(40, dtype=np.int64).reshape(10, 4) * 7
+    sparse = torch.as_tensor(keys, device=device)
+    for policy in ("lru", "custom"):
+        cache = gpu.GpuCache(t, rows_max=512, device=device, insert="sync", kernels="native", policy=policy)
+        scores = None
+        if policy == "custom":
+            scores = torch.arange(40, dtype=torch.int64, device=device).reshape(10, 4)
+        for view in (sparse[:, 1], sparse[:, 1:3], sparse[::2], sparse.t()):
+            sv = None if scores is None else scores.as_strided(view.shape, view.stride())
+            got = cache.lookup(view, sv).cpu().numpy()
+            np.testing.assert_array_equal(got, _truth(t, view.cpu().numpy().reshape(-1)).reshape(got.shape))
+        cache.close()
+    cache = gpu.GpuCache(t, rows_max=512, device=device, insert="sync", kernels="native")
+    bag = et.EmbeddingBag(cache, mode="sum").eval()
+    with torch.no_grad():
+        got = bag(sparse[:, 2:3]).cpu().numpy()
+    np.testing.assert_array_equal(got, _truth(t, keys[:, 2]))
+    ids = sparse.reshape(-1)[::2]  # 20 ids, strided
+    offsets = torch.tensor([0, 0, 5, 0, 9, 0, 14, 0], device=device)[::2]
+    weights = (torch.arange(40, dtype=torch.float32, device=device) / 8)[::2]
+    got = cache.lookup_pooled(ids, offsets, weights, "sum").cpu().numpy()
+    rows = _truth(t, keys.reshape(-1)[::2]) * (np.arange(40, dtype=np.float32)[::2] / 8)[:, None]
+    want = np.stack([rows[a:b].sum(0) for a, b in ((0, 5), (5, 9), (9, 14), (14, 20))])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    cache.close()
+
+
 def test_bad_input_is_refused_and_nothing_is_lost(gpu_store: embank.Store, device: str) -> None:
     t = _table(gpu_store)
     cache = gpu.GpuCache(t, rows_max=64, device=device, insert="sync", kernels="native")
