@@ -61,6 +61,14 @@ def sum_rows(inverse: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
     return out.index_add_(0, inverse, g)
 
 
+def gather_rows(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``rows[inverse]``, whose gradient sums each row's repeats as :func:`sum_rows` does:
+    on CUDA ``F.embedding``'s backward adds them by atomics (its last bits vary from run
+    to run) where indexing's sorts them (``index_put_(accumulate=True)``); on the CPU
+    ``F.embedding``'s adds them in their order, the store's."""
+    return rows[inverse] if rows.is_cuda else torch.nn.functional.embedding(inverse, rows)
+
+
 class StreamFollower:
     """Orders one object's calls across CUDA streams: a call on another stream than the
     last call's makes its stream wait (on the device) for the last one first. For an

@@ -12,7 +12,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from ._device import _to_device
+from ._device import _to_device, gather_rows
 from ._gradients import _pending_for, _StepCounter
 from ._jagged import _to_keys
 from ._table import Source, Table, Worker, _table_of
@@ -119,14 +119,6 @@ class _Lookup(torch.nn.Module):
         return f"table={self.table.name!r}, dim={self.dim}, push={self.push!r}"
 
 
-def _gather(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """``rows[inverse]``, whose gradient sums each row's repeats the same way every run: on
-    CUDA ``F.embedding``'s backward adds them by atomics (its last bits vary from run to
-    run), indexing's sorts them (``index_put_(accumulate=True)``); on the CPU
-    ``F.embedding``'s adds them in their order, the store's."""
-    return rows[inverse] if rows.is_cuda else F.embedding(inverse, rows)
-
-
 class Embedding(_Lookup):
     """``torch.nn.Embedding`` over an embank table: ``forward(ids)`` of any shape returns
     ``(*ids.shape, dim)``. Each unique id is pulled once per call."""
@@ -140,10 +132,10 @@ class Embedding(_Lookup):
             return self.cached_rows(input, device).reshape(*input.shape, self.dim)
         rows, inverse = self.unique_rows(input)
         if self.trainer is not None:  # on the cache's device already
-            return _gather(rows, inverse).reshape(*input.shape, self.dim).to(device)
+            return gather_rows(rows, inverse).reshape(*input.shape, self.dim).to(device)
         # On a device: the unique rows and the inverse go up, the rows' gradient comes down.
         rows, inverse = _to_device(rows, device), _to_device(inverse, device)
-        return _gather(rows, inverse).reshape(*input.shape, self.dim)
+        return gather_rows(rows, inverse).reshape(*input.shape, self.dim)
 
 
 class EmbeddingBag(_Lookup):

@@ -644,7 +644,7 @@ class TrainCache:
         if self.kernels == "triton":
             from . import _triton_train
 
-            slot = _triton_train.find(uniq.contiguous(), self.keys, self.used, s, clock)
+            slot = _triton_train.find(uniq, self.keys, self.used, s, clock)
             hit = slot >= 0
         else:
             bucket = torch.remainder(key_hash(uniq), nb)

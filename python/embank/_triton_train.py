@@ -67,7 +67,7 @@ def find(ids: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, slots: int, 
     if n:
         nb = keys.numel() // slots
         with _on(ids.device):  # Triton launches on the current device: the cache's
-            _find[(n,)](ids, n, keys, used, out, nb, clock, S=slots, S_BLOCK=_pow2(slots))
+            _find[(n,)](ids.contiguous(), n, keys, used, out, nb, clock, S=slots, S_BLOCK=_pow2(slots))
     return out
 
 

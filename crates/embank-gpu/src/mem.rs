@@ -26,8 +26,9 @@ impl Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        let _cx = self.dev.enter(); // a last owner may drop it on any thread
-                                    // SAFETY: ours; owners drop buffers only after the launches using them are done.
+        // A last owner may drop it on any thread: the device's context made current.
+        let _cx = self.dev.enter();
+        // SAFETY: ours; owners drop buffers only after the launches using them are done.
         unsafe { self.dev.free(self.ptr, self.bytes) }
     }
 }
